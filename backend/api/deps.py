@@ -1,0 +1,38 @@
+"""Dependencies injected into routes: the settings, a database session, the write token check."""
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+
+from fastapi import Depends, HTTPException, Request
+from sqlalchemy.orm import Session
+
+from backend.settings import Settings
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    session = request.app.state.sessionmaker()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def require_write_token(request: Request, settings: Settings = Depends(get_settings)) -> None:
+    """With PLAB_API_TOKEN set, every write needs `Authorization: Bearer <token>`."""
+    if not settings.api_token:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), settings.api_token):
+        raise HTTPException(status_code=401, detail="this server requires an API token for writes: send the header "
+                            "'Authorization: Bearer <PLAB_API_TOKEN>'",
+                            headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,139 @@
+"""Database tables. Schema changes go through Alembic migrations in backend/migrations/."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text,
+                        UniqueConstraint)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+RUN_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "diverged")
+FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "diverged"})
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict: JSON, list: JSON}
+
+
+class Experiment(Base):
+    __tablename__ = "experiments"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    description: Mapped[str] = mapped_column(Text, default="")
+    model_config_: Mapped[dict] = mapped_column("model_config", JSON)
+    data_config: Mapped[dict] = mapped_column(JSON)
+    training_config: Mapped[dict] = mapped_column(JSON)
+    seed: Mapped[int] = mapped_column(Integer, default=0)
+    recipes: Mapped[list] = mapped_column(JSON)
+    baseline: Mapped[str] = mapped_column(String(32), default="bf16")
+    eval_tasks: Mapped[list] = mapped_column(JSON, default=list)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    runs: Mapped[list[Run]] = relationship(back_populates="experiment", order_by="Run.id",
+                                           cascade="all, delete-orphan")
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    experiment_id: Mapped[int] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
+    recipe: Mapped[str] = mapped_column(String(32), index=True)
+    recipe_options: Mapped[dict] = mapped_column(JSON, default=dict)
+    bf16_first_layers: Mapped[int] = mapped_column(Integer, default=0)
+    bf16_last_layers: Mapped[int] = mapped_column(Integer, default=0)
+    label: Mapped[str] = mapped_column(String(200), default="")
+    spec: Mapped[dict] = mapped_column(JSON)
+    external: Mapped[bool] = mapped_column(Boolean, default=False)
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    worker_host: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    device_name: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    gemm_backend: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    diverged_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    progress: Mapped[dict] = mapped_column(JSON, default=dict)
+    summary: Mapped[dict] = mapped_column(JSON, default=dict)
+    conversion_report: Mapped[dict] = mapped_column(JSON, default=dict)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+
+    experiment: Mapped[Experiment] = relationship(back_populates="runs")
+
+
+class MetricPoint(Base):
+    __tablename__ = "metric_points"
+    __table_args__ = (UniqueConstraint("run_id", "key", "step", name="uq_metric_run_key_step"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(200))
+    step: Mapped[int] = mapped_column(BigInteger)
+    tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    wall_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # NULL stands for a non-finite value (NaN/Inf): SQLite cannot store NaN and JSON has no spelling for it.
+    value: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Artifact(Base):
+    __tablename__ = "artifacts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    path: Mapped[str] = mapped_column(Text)
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    meta: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Evaluation(Base):
+    """One lm-eval job on one run's checkpoint."""
+    __tablename__ = "evaluations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    tasks: Mapped[list] = mapped_column(JSON)
+    limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    lm_eval_version: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class EvalResult(Base):
+    __tablename__ = "eval_results"
+    __table_args__ = (UniqueConstraint("evaluation_id", "task", name="uq_eval_task"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    evaluation_id: Mapped[int] = mapped_column(ForeignKey("evaluations.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    task: Mapped[str] = mapped_column(String(200))
+    metrics: Mapped[dict] = mapped_column(JSON)
+    samples: Mapped[dict] = mapped_column(JSON, default=dict)
+    task_hash: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    duration_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class GemmBenchmark(Base):
+    __tablename__ = "gemm_benchmarks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    experiment_id: Mapped[int | None] = mapped_column(ForeignKey("experiments.id", ondelete="SET NULL"),
+                                                      nullable=True, index=True)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    request: Mapped[dict] = mapped_column(JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    device_name: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    result: Mapped[dict] = mapped_column(JSON, default=dict)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+

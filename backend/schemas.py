@@ -1,0 +1,200 @@
+"""Pydantic schemas at the edge of the API: what comes in is validated here, what goes out is shaped here."""
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+RECIPE_NAMES = ("bf16", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4")
+MAX_POINTS_PER_BATCH = 10_000
+Status = Literal["queued", "running", "succeeded", "failed", "cancelled", "diverged"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RecipeRequest(Strict):
+    name: str = Field(description="one of " + ", ".join(RECIPE_NAMES))
+    options: dict[str, Any] = Field(default_factory=dict)
+    bf16_first_layers: Annotated[int, Field(ge=0, le=1000)] = 0
+    bf16_last_layers: Annotated[int, Field(ge=0, le=1000)] = 0
+    label: str | None = Field(default=None, max_length=200)
+
+    @field_validator("name")
+    @classmethod
+    def known_recipe(cls, v: str) -> str:
+        if v not in RECIPE_NAMES:
+            raise ValueError(f"unknown recipe {v!r}; choose from {', '.join(RECIPE_NAMES)}")
+        return v
+
+
+class ExperimentCreate(Strict):
+    name: str = Field(min_length=1, max_length=200)
+    description: str = Field(default="", max_length=10_000)
+    model: str | dict[str, Any] = Field(default="tiny", description="preset name or custom dimensions")
+    data: dict[str, Any] = Field(default_factory=dict)
+    training: dict[str, Any] = Field(default_factory=dict)
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    recipes: list[str | RecipeRequest] = Field(default_factory=lambda: ["bf16"], max_length=64)
+    eval_tasks: list[str] = Field(default_factory=list, max_length=200)
+    enqueue: bool = True
+
+    @field_validator("recipes")
+    @classmethod
+    def normalise_recipes(cls, v: list) -> list:
+        out = [RecipeRequest(name=r) if isinstance(r, str) else r for r in v]
+        if not out:
+            raise ValueError("give at least one recipe, e.g. [\"bf16\", \"fp8_tensorwise\"]")
+        return out
+
+
+class RunCreate(Strict):
+    experiment_id: int
+    recipe: str = "bf16"
+    recipe_options: dict[str, Any] = Field(default_factory=dict)
+    label: str | None = Field(default=None, max_length=200)
+    external: Literal[True] = True
+
+    @field_validator("recipe")
+    @classmethod
+    def known_recipe(cls, v: str) -> str:
+        return RecipeRequest.known_recipe(v)
+
+
+class StatusUpdate(Strict):
+    status: Status
+    worker_host: str | None = Field(default=None, max_length=200)
+    device_name: str | None = Field(default=None, max_length=200)
+    error_message: str | None = Field(default=None, max_length=100_000)
+    diverged_step: int | None = Field(default=None, ge=0)
+    summary: dict[str, Any] | None = None
+    progress: dict[str, Any] | None = None
+    gemm_backend: Literal["real", "emulated", "bf16"] | None = None
+    conversion_report: dict[str, Any] | None = None
+
+
+class RunInfoUpdate(Strict):
+    device_name: str | None = Field(default=None, max_length=200)
+    summary: dict[str, Any] | None = None
+    gemm_backend: Literal["real", "emulated", "bf16"] | None = None
+    conversion_report: dict[str, Any] | None = None
+
+
+class MetricPointIn(Strict):
+    key: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_./:\-\[\]]+$")
+    step: int = Field(ge=0, le=2**62)
+    value: float | None
+    tokens: int | None = Field(default=None, ge=0, le=2**62)
+    wall_time: float | None = None
+
+    @field_validator("value", "wall_time")
+    @classmethod
+    def finite_or_null(cls, v: float | None) -> float | None:
+        # Non-finite values are stored as NULL ("no finite value at this step").
+        return v if v is None or math.isfinite(v) else None
+
+
+class MetricBatch(Strict):
+    points: list[MetricPointIn] = Field(max_length=MAX_POINTS_PER_BATCH)
+
+
+class MetricBatchResult(BaseModel):
+    inserted: int
+    duplicates: int
+    run_status: Status
+    cancel_requested: bool
+
+
+class ArtifactIn(Strict):
+    kind: str = Field(min_length=1, max_length=32)
+    path: str = Field(min_length=1, max_length=4096)
+    step: int | None = Field(default=None, ge=0)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class ArtifactOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    id: int
+    run_id: int
+    kind: str
+    path: str
+    step: int | None
+    meta: dict[str, Any]
+    created_at: datetime
+
+
+class RunOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    id: int
+    experiment_id: int
+    recipe: str
+    recipe_options: dict[str, Any]
+    bf16_first_layers: int
+    bf16_last_layers: int
+    label: str
+    external: bool
+    status: Status
+    cancel_requested: bool
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    worker_host: str | None
+    device_name: str | None
+    gemm_backend: str | None
+    error_message: str | None
+    diverged_step: int | None
+    progress: dict[str, Any]
+    summary: dict[str, Any]
+    attempts: int
+
+
+class RunDetail(RunOut):
+    spec: dict[str, Any]
+    conversion_report: dict[str, Any]
+
+
+class ExperimentOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    id: int
+    name: str
+    description: str
+    model: Any = Field(validation_alias="model_config_")
+    data: dict[str, Any] = Field(validation_alias="data_config")
+    training: dict[str, Any] = Field(validation_alias="training_config")
+    seed: int
+    recipes: list[Any]
+    baseline: str
+    eval_tasks: list[str]
+    created_at: datetime
+    runs: list[RunOut] = Field(default_factory=list)
+
+
+class Page(BaseModel):
+    total: int
+    items: list[Any]
+
+
+class Series(BaseModel):
+    key: str
+    step: list[int]
+    tokens: list[int | None]
+    wall_time: list[float | None]
+    value: list[float | None]
+    total_points: int
+    downsampled: bool
+
+
+class SeriesQuery(Strict):
+    max_points: int = Field(default=2000, ge=4, le=100_000)
+    x_min: float | None = None
+    x_max: float | None = None
+    x: Literal["step", "tokens", "wall_time"] = "step"
+
+    @model_validator(mode="after")
+    def ordered(self) -> SeriesQuery:
+        if self.x_min is not None and self.x_max is not None and self.x_min > self.x_max:
+            raise ValueError(f"x_min ({self.x_min}) must not exceed x_max ({self.x_max})")
+        return self

@@ -1,0 +1,175 @@
+"""Experiments and runs: creation (one run per recipe), the status machine, cancellation."""
+from __future__ import annotations
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session, selectinload
+
+from backend.models import FINAL_STATUSES, Experiment, Run, utcnow
+from backend.schemas import ExperimentCreate, RecipeRequest, RunCreate, RunInfoUpdate, StatusUpdate
+
+
+class InvalidInput(ValueError):
+    """Input that passed the schema but not the domain rules (answered with 422)."""
+
+
+class NotFound(LookupError):
+    pass
+
+
+class Conflict(RuntimeError):
+    """A request that contradicts the stored state (answered with 409)."""
+
+
+# Which status a run may move to from which: a worker retried after a crash re-announces `running`.
+TRANSITIONS = {
+    "queued": {"running", "cancelled", "failed"},
+    "running": {"running", "succeeded", "failed", "cancelled", "diverged"},
+}
+
+
+def run_label(recipe: RecipeRequest) -> str:
+    if recipe.label:
+        return recipe.label
+    parts = [recipe.name]
+    if recipe.bf16_first_layers:
+        parts.append(f"bf16_first={recipe.bf16_first_layers}")
+    if recipe.bf16_last_layers:
+        parts.append(f"bf16_last={recipe.bf16_last_layers}")
+    parts += [f"{k}={v}" for k, v in sorted(recipe.options.items())]
+    return " ".join(parts)
+
+
+def build_spec(body: ExperimentCreate, recipe: RecipeRequest) -> dict:
+    """The run spec of docs/INTERFACES.md, validated by the training library itself."""
+    spec = {"model": body.model, "data": body.data, "training": body.training, "seed": body.seed,
+            "recipe": recipe.name, "recipe_options": recipe.options,
+            "bf16_first_layers": recipe.bf16_first_layers, "bf16_last_layers": recipe.bf16_last_layers}
+    from training.config import RunSpec, SpecError
+
+    try:
+        return RunSpec.from_dict(spec, check_paths=False).to_dict()
+    except SpecError as e:
+        raise InvalidInput(f"{recipe.name}: {e}") from e
+
+
+def create_experiment(session: Session, body: ExperimentCreate) -> Experiment:
+    recipes = list(body.recipes)
+    if not any(r.name == "bf16" for r in recipes):
+        # BF16 is the baseline every comparison is made against: always run it.
+        recipes.insert(0, RecipeRequest(name="bf16"))
+    labels = [run_label(r) for r in recipes]
+    dupes = sorted({lab for lab in labels if labels.count(lab) > 1})
+    if dupes:
+        raise InvalidInput(f"recipes repeat with identical settings: {', '.join(dupes)}; give each a distinct "
+                           "option set or a distinct 'label'")
+    specs = [build_spec(body, r) for r in recipes]
+    exp = Experiment(name=body.name, description=body.description, model_config_=body.model, data_config=body.data,
+                     training_config=body.training, seed=body.seed,
+                     recipes=[r.model_dump() for r in recipes], baseline="bf16", eval_tasks=body.eval_tasks)
+    for r, label, spec in zip(recipes, labels, specs):
+        exp.runs.append(Run(recipe=r.name, recipe_options=r.options, bf16_first_layers=r.bf16_first_layers,
+                            bf16_last_layers=r.bf16_last_layers, label=label, spec=spec, status="queued"))
+    session.add(exp)
+    session.flush()
+    return exp
+
+
+def create_external_run(session: Session, body: RunCreate) -> Run:
+    exp = get_experiment(session, body.experiment_id)
+    spec = {"external": True, "recipe": body.recipe, "recipe_options": body.recipe_options}
+    run = Run(experiment_id=exp.id, recipe=body.recipe, recipe_options=body.recipe_options,
+              label=body.label or f"{body.recipe} (external)", spec=spec, external=True, status="running",
+              started_at=utcnow())
+    session.add(run)
+    session.flush()
+    return run
+
+
+def get_experiment(session: Session, experiment_id: int) -> Experiment:
+    exp = session.get(Experiment, experiment_id, options=[selectinload(Experiment.runs)])
+    if exp is None:
+        raise NotFound(f"experiment {experiment_id} does not exist")
+    return exp
+
+
+def list_experiments(session: Session, limit: int, offset: int) -> tuple[int, list[Experiment]]:
+    total = session.scalar(select(func.count()).select_from(Experiment))
+    items = session.scalars(select(Experiment).options(selectinload(Experiment.runs))
+                            .order_by(Experiment.id.desc()).limit(limit).offset(offset)).all()
+    return total, list(items)
+
+
+def get_run(session: Session, run_id: int) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"run {run_id} does not exist")
+    return run
+
+
+def list_runs(session: Session, *, experiment_id: int | None, status: str | None, recipe: str | None,
+              q: str | None, limit: int, offset: int) -> tuple[int, list[Run]]:
+    stmt = select(Run)
+    if experiment_id is not None:
+        stmt = stmt.where(Run.experiment_id == experiment_id)
+    if status:
+        stmt = stmt.where(Run.status == status)
+    if recipe:
+        stmt = stmt.where(Run.recipe == recipe)
+    if q:
+        like = f"%{q}%"
+        stmt = stmt.join(Experiment).where(or_(Run.label.ilike(like), Experiment.name.ilike(like),
+                                               Run.error_message.ilike(like)))
+    total = session.scalar(select(func.count()).select_from(stmt.subquery()))
+    items = session.scalars(stmt.order_by(Run.id.desc()).limit(limit).offset(offset)).all()
+    return total, list(items)
+
+
+def cancel_run(session: Session, run_id: int) -> Run:
+    run = get_run(session, run_id)
+    if run.status in FINAL_STATUSES:
+        raise Conflict(f"run {run_id} already ended with status '{run.status}'; nothing to cancel")
+    run.cancel_requested = True
+    if run.status == "queued":
+        # Not started: no worker will train it (the worker checks the status before it starts).
+        run.status = "cancelled"
+        run.finished_at = utcnow()
+    return run
+
+
+def update_status(session: Session, run_id: int, body: StatusUpdate) -> Run:
+    run = get_run(session, run_id)
+    allowed = TRANSITIONS.get(run.status, set())
+    if body.status not in allowed:
+        raise Conflict(f"run {run_id} cannot go from '{run.status}' to '{body.status}'"
+                       + (" (it has already ended)" if run.status in FINAL_STATUSES else ""))
+    if body.status == "running":
+        if run.status == "queued" or run.started_at is None:
+            run.started_at = utcnow()
+        run.attempts = (run.attempts or 0) + 1
+    if body.status in FINAL_STATUSES:
+        run.finished_at = utcnow()
+    run.status = body.status
+    for field in ("worker_host", "device_name", "error_message", "diverged_step", "gemm_backend"):
+        value = getattr(body, field)
+        if value is not None:
+            setattr(run, field, value)
+    if body.summary is not None:
+        run.summary = {**(run.summary or {}), **body.summary}
+    if body.progress is not None:
+        run.progress = body.progress
+    if body.conversion_report is not None:
+        run.conversion_report = body.conversion_report
+    return run
+
+
+def update_info(session: Session, run_id: int, body: RunInfoUpdate) -> Run:
+    run = get_run(session, run_id)
+    if body.device_name is not None:
+        run.device_name = body.device_name
+    if body.gemm_backend is not None:
+        run.gemm_backend = body.gemm_backend
+    if body.summary is not None:
+        run.summary = {**(run.summary or {}), **body.summary}
+    if body.conversion_report is not None:
+        run.conversion_report = body.conversion_report
+    return run

@@ -1,0 +1,45 @@
+"""All configuration comes from the environment (PLAB_*), read in one place."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    database_url: str
+    broker_url: str
+    api_token: str | None
+    data_dir: Path
+    api_url: str
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def broker_folder(self) -> Path:
+        return self.home / "broker"
+
+
+def _default_data_dir() -> Path:
+    # In a development checkout the shared data sits beside the repository; a deployment sets PLAB_DATA_DIR.
+    repo = Path(__file__).resolve().parent.parent
+    for candidate in (repo.parent / "shared" / "data", repo / "data"):
+        if candidate.is_dir():
+            return candidate
+    return repo / "data"
+
+
+def get_settings() -> Settings:
+    """Read the environment now (not at import) so tests and the CLI can set variables first."""
+    home = Path(os.environ.get("PLAB_HOME", "plab-data")).resolve()
+    db = os.environ.get("PLAB_DATABASE_URL") or f"sqlite:///{home / 'plab.sqlite'}"
+    broker = os.environ.get("PLAB_BROKER_URL") or "filesystem://"
+    token = os.environ.get("PLAB_API_TOKEN") or None
+    data_dir = Path(os.environ["PLAB_DATA_DIR"]).resolve() if os.environ.get("PLAB_DATA_DIR") else _default_data_dir()
+    api_url = os.environ.get("PLAB_API_URL", "http://127.0.0.1:8000").rstrip("/")
+    return Settings(home=home, database_url=db, broker_url=broker, api_token=token, data_dir=data_dir,
+                    api_url=api_url)

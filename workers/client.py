@@ -1,0 +1,222 @@
+"""HTTP client of the Precision Lab API, for our workers and for users logging runs from their own scripts.
+
+    from workers.client import PlabClient
+    client = PlabClient("http://localhost:8000", token=None)
+    run = client.create_external_run(experiment_id=1, recipe="fp8_tensorwise")
+    with client.stream(run["id"]) as stream:           # batches in a background thread
+        for step in range(1000):
+            stream.log(step, {"train/loss": loss}, tokens=step * 8192)
+    client.set_status(run["id"], "succeeded")
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+
+MAX_BATCH = 10_000
+
+
+class ApiError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class PlabClient:
+    def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 30.0, retries: int = 5):
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url + "/api/v1", headers=headers, timeout=timeout)
+        self.retries = retries
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> PlabClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kw) -> dict:
+        """A request with retries on connection errors and 5xx: every write of ours is idempotent."""
+        delay = 0.5
+        for attempt in range(self.retries + 1):
+            try:
+                resp = self._http.request(method, path, **kw)
+            except httpx.TransportError:
+                if attempt == self.retries:
+                    raise
+            else:
+                if resp.status_code < 500:
+                    if resp.status_code >= 400:
+                        try:
+                            detail = resp.json().get("detail", resp.text)
+                        except ValueError:
+                            detail = resp.text
+                        raise ApiError(resp.status_code, str(detail))
+                    return resp.json()
+                if attempt == self.retries:
+                    raise ApiError(resp.status_code, resp.text)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+        raise AssertionError("unreachable")
+
+    # experiments and runs
+    def create_experiment(self, body: dict) -> dict:
+        return self._request("POST", "/experiments", json=body)
+
+    def get_experiment(self, experiment_id: int) -> dict:
+        return self._request("GET", f"/experiments/{experiment_id}")
+
+    def list_experiments(self, limit: int = 50) -> dict:
+        return self._request("GET", "/experiments", params={"limit": limit})
+
+    def get_run(self, run_id: int) -> dict:
+        return self._request("GET", f"/runs/{run_id}")
+
+    def create_external_run(self, experiment_id: int, recipe: str = "bf16", recipe_options: dict | None = None,
+                            label: str | None = None) -> dict:
+        body = {"experiment_id": experiment_id, "recipe": recipe, "recipe_options": recipe_options or {}}
+        if label:
+            body["label"] = label
+        return self._request("POST", "/runs", json=body)
+
+    def cancel_run(self, run_id: int) -> dict:
+        return self._request("POST", f"/runs/{run_id}/cancel")
+
+    def set_status(self, run_id: int, status: str, **fields) -> dict:
+        body = {"status": status, **{k: v for k, v in fields.items() if v is not None}}
+        return self._request("POST", f"/runs/{run_id}/status", json=body)
+
+    def update_run(self, run_id: int, **fields) -> dict:
+        """Informational fields of a run (conversion report, GEMM backend, summary) without a status change."""
+        return self._request("PATCH", f"/runs/{run_id}", json={k: v for k, v in fields.items() if v is not None})
+
+    def log_metrics(self, run_id: int, points: list[dict]) -> dict:
+        """Send points in batches of at most 10,000; safe to repeat (idempotent on run+key+step)."""
+        result = {"inserted": 0, "duplicates": 0}
+        for i in range(0, len(points), MAX_BATCH):
+            r = self._request("POST", f"/runs/{run_id}/metrics", json={"points": points[i:i + MAX_BATCH]})
+            result = {**r, "inserted": result["inserted"] + r["inserted"],
+                      "duplicates": result["duplicates"] + r["duplicates"]}
+        return result
+
+    def add_artifact(self, run_id: int, kind: str, path: str, step: int | None = None, meta: dict | None = None):
+        return self._request("POST", f"/runs/{run_id}/artifacts",
+                             json={"kind": kind, "path": path, "step": step, "meta": meta or {}})
+
+    def series(self, run_id: int, key: str, max_points: int = 2000) -> dict:
+        return self._request("GET", f"/runs/{run_id}/metrics/{key}", params={"max_points": max_points})
+
+    def stream(self, run_id: int, **kw) -> MetricStreamer:
+        return MetricStreamer(self, run_id, **kw)
+
+
+def _finite_or_none(v: float) -> float | None:
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+class MetricStreamer:
+    """Batches metric points and sends them from a background thread, so logging never stalls a training step.
+
+    `log()` only appends to a queue. The thread flushes every `flush_interval` seconds (or at `max_batch` points),
+    retrying failed batches (idempotent server-side). Each answer carries the run's `cancel_requested` flag; when no
+    point has been sent for `poll_interval` seconds the thread asks for the run itself, so cancellation reaches a
+    quiet run too. `on_cancel` is called once when a cancel is seen.
+    """
+
+    def __init__(self, client: PlabClient, run_id: int, *, flush_interval: float = 1.0, max_batch: int = 2000,
+                 poll_interval: float = 2.0, on_cancel: Callable[[], None] | None = None):
+        self.client, self.run_id = client, run_id
+        self.flush_interval, self.max_batch, self.poll_interval = flush_interval, max_batch, poll_interval
+        self.on_cancel = on_cancel
+        self.cancel_requested = False
+        self.sent = 0
+        self.errors: list[str] = []
+        self._q: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"plab-metrics-{run_id}", daemon=True)
+        self._thread.start()
+
+    def log(self, step: int, metrics: dict[str, float], *, tokens: int | None = None,
+            wall_time: float | None = None) -> None:
+        wall_time = time.time() if wall_time is None else wall_time
+        for key, value in metrics.items():
+            self._q.put({"key": key, "step": int(step), "value": _finite_or_none(value),
+                         "tokens": None if tokens is None else int(tokens), "wall_time": wall_time})
+
+    def _drain(self) -> list[dict]:
+        batch = []
+        while len(batch) < self.max_batch:
+            try:
+                batch.append(self._q.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _send(self, batch: list[dict]) -> None:
+        while True:
+            try:
+                r = self.client.log_metrics(self.run_id, batch)
+            except ApiError as e:
+                if e.status < 500:  # our own bug or a deleted run: retrying cannot help
+                    self.errors.append(str(e))
+                    return
+            except httpx.TransportError as e:
+                self.errors.append(str(e))
+                if self._stop.is_set():
+                    return
+            else:
+                self.sent += len(batch)
+                self._note_cancel(r.get("cancel_requested", False))
+                return
+            time.sleep(1.0)
+
+    def _note_cancel(self, flag: bool) -> None:
+        if flag and not self.cancel_requested:
+            self.cancel_requested = True
+            if self.on_cancel:
+                self.on_cancel()
+
+    def _loop(self) -> None:
+        last_contact = time.monotonic()
+        while not self._stop.is_set():
+            self._stop.wait(self.flush_interval)
+            while True:
+                batch = self._drain()
+                if not batch:
+                    break
+                self._send(batch)
+                last_contact = time.monotonic()
+            if time.monotonic() - last_contact > self.poll_interval and not self._stop.is_set():
+                try:
+                    self._note_cancel(self.client.get_run(self.run_id).get("cancel_requested", False))
+                except Exception as e:  # noqa: BLE001 - polling is best effort; the next poll retries
+                    self.errors.append(str(e))
+                last_contact = time.monotonic()
+
+    def flush(self) -> None:
+        while True:
+            batch = self._drain()
+            if not batch:
+                return
+            self._send(batch)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self.flush()
+
+    def __enter__(self) -> MetricStreamer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

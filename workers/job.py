@@ -1,0 +1,104 @@
+"""One training job, run in its own process by the Celery task (or by torchrun for multi-GPU jobs).
+
+    python -m workers.job RUN_ID
+
+It fetches the run through the API, trains with `training.train`, streams metrics through the API client from
+a background thread, and reports the final status. A separate process per job gives each job a clean CUDA
+context and memory, lets torchrun own multi-GPU jobs, and keeps a crash from taking the worker down.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import traceback
+
+from backend.settings import get_settings
+from workers.client import ApiError, MetricStreamer, PlabClient
+
+EXIT_OK, EXIT_SKIPPED = 0, 3
+
+
+class ApiSink:
+    """training.sink.MetricSink that forwards to the API (non-blocking: the streamer's thread does the I/O)."""
+
+    def __init__(self, client: PlabClient, run_id: int, streamer: MetricStreamer | None):
+        self.client, self.run_id, self.streamer = client, run_id, streamer
+
+    def log(self, step: int, metrics: dict, *, tokens: int, wall_time: float) -> None:
+        if self.streamer is not None:
+            self.streamer.log(step, metrics, tokens=tokens, wall_time=wall_time)
+
+    def event(self, kind: str, **fields) -> None:
+        if self.streamer is None:
+            return
+        try:
+            if kind == "conversion_report":
+                report = fields.get("report") or {}
+                self.client.update_run(self.run_id, conversion_report=report,
+                                       gemm_backend=report.get("gemm_backend"))
+            elif kind == "checkpoint":
+                self.client.add_artifact(self.run_id, "checkpoint", str(fields.get("path")), step=fields.get("step"),
+                                         meta={k: v for k, v in fields.items() if k not in ("path", "step")})
+        except (ApiError, OSError) as e:  # reporting must never kill a training job
+            print(f"[plab] could not report {kind}: {e}", file=sys.stderr)
+
+    def close(self) -> None:
+        pass
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    run_id = int(argv[0])
+    settings = get_settings()
+    rank = int(os.environ.get("RANK", "0"))
+    client = PlabClient(settings.api_url, settings.api_token)
+    run = client.get_run(run_id)
+    if run["status"] not in ("queued", "running") or run["cancel_requested"]:
+        print(f"[plab] run {run_id} is '{run['status']}'; nothing to do")
+        return EXIT_SKIPPED
+
+    from training.config import RunSpec
+    from training.train import train
+
+    stop = threading.Event()
+    streamer = client.stream(run_id, on_cancel=stop.set) if rank == 0 else None
+    if rank == 0:
+        client.set_status(run_id, "running", worker_host=socket.gethostname(), device_name=device_name())
+    sink = ApiSink(client, run_id, streamer)
+    output_dir = settings.home / "runs" / str(run_id)
+    try:
+        spec = RunSpec.from_dict(run["spec"])
+        result = train(spec, sink, should_stop=stop.is_set, output_dir=output_dir, resume=True)
+    except BaseException as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit code
+        if streamer is not None:
+            streamer.close()
+        if rank == 0:
+            tb = "".join(traceback.format_exception(e)[-6:])
+            client.set_status(run_id, "failed", error_message=f"{type(e).__name__}: {e}\n\n{tb}"[:100_000])
+        raise
+    if streamer is not None:
+        streamer.close()
+    if rank == 0:
+        summary = dict(result.summary or {})
+        summary.update({"final_loss": result.final_loss, "final_val_loss": result.final_val_loss,
+                        "steps": result.steps, "tokens": result.tokens})
+        client.set_status(run_id, result.status, diverged_step=result.diverged_step, summary=summary,
+                          gemm_backend=result.gemm_backend, device_name=result.device_name)
+        if result.checkpoint_dir:
+            client.add_artifact(run_id, "checkpoint", str(result.checkpoint_dir), step=result.steps,
+                                meta={"format": "hf", "final": True})
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
