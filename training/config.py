@@ -1,0 +1,369 @@
+"""The run specification: one JSON-able dict that fully describes a training run.
+
+`RunSpec.from_dict(d)` validates strictly (unknown keys are errors, not silently ignored: a typo such as
+`"learning_rate"` must not train with the default) and raises `SpecError` with a message that says what
+to change. `RunSpec.to_dict()` gives back the canonical dict with every default filled in, so a stored
+spec reproduces the run even if defaults change later.
+
+Format (docs/INTERFACES.md)::
+
+    {"model": "tiny" | {custom dims},
+     "data": {"corpus", "vocab_size", "seq_len", "val_fraction"},
+     "training": {"steps" | "tokens", "batch_size", "grad_accum", "lr", ..., "perf": {...}},
+     "seed", "recipe", "recipe_options", "bf16_first_layers", "bf16_last_layers"}
+
+`training.perf` (an extension of INTERFACES.md, all optional) holds the throughput switches, so
+each optimisation can be A/B-tested without code changes; see `PerfOptions`.
+`data.corpus = "random"` gives uniformly random tokens (no tokenizer): for throughput benchmarks only.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+RANDOM_CORPUS = "random"
+MODEL_PRESET_NAMES = ("tiny", "125m", "350m", "1b")  # kept in sync with training.model.PRESETS (tested)
+CUSTOM_MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size")
+
+
+class SpecError(ValueError):
+    """A run spec is invalid; the message says which field and how to fix it."""
+
+
+def data_root() -> Path:
+    return Path(os.environ.get("PLAB_DATA_DIR", "../shared/data"))
+
+
+def plab_home() -> Path:
+    return Path(os.environ.get("PLAB_HOME", "./plab-data"))
+
+
+def _check_keys(section: str, given: dict, allowed) -> None:
+    if not isinstance(given, dict):
+        raise SpecError(f"{section} must be an object (dict), got {type(given).__name__}")
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise SpecError(f"unknown key(s) {unknown} in {section}; allowed keys are {sorted(allowed)}")
+
+
+def _int(section: str, name: str, value, *, minimum: int | None = None, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise SpecError(f"{section}.{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise SpecError(f"{section}.{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(section: str, name: str, value, *, minimum: float | None = None, maximum: float | None = None,
+           strict_min: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{section}.{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise SpecError(f"{section}.{name} must be finite, got {value}")
+    if minimum is not None and (value <= minimum if strict_min else value < minimum):
+        raise SpecError(f"{section}.{name} must be {'>' if strict_min else '>='} {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SpecError(f"{section}.{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def _bool(section: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(f"{section}.{name} must be true or false, got {value!r}")
+    return value
+
+
+@dataclass
+class ModelSpec:
+    """Either a preset name or custom dims (vocab_size None ⇒ taken from data.vocab_size)."""
+    preset: str | None = "tiny"
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None
+
+    @classmethod
+    def from_value(cls, value) -> "ModelSpec":
+        if isinstance(value, str):
+            if value not in MODEL_PRESET_NAMES:
+                raise SpecError(f"unknown model preset {value!r}; use one of {list(MODEL_PRESET_NAMES)} "
+                                f"or a dict with custom dims {list(CUSTOM_MODEL_KEYS)}")
+            return cls(preset=value)
+        if not isinstance(value, dict):
+            raise SpecError(f"model must be a preset name or a dict of dims, got {value!r}")
+        _check_keys("model", value, CUSTOM_MODEL_KEYS)
+        required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if value.get(k) is None]
+        if missing:
+            raise SpecError(f"custom model is missing {missing}; give all of {list(required)}")
+        dims = {k: _int("model", k, value.get(k), minimum=1, allow_none=True) for k in CUSTOM_MODEL_KEYS}
+        heads = dims["num_attention_heads"]
+        kv = dims["num_key_value_heads"] or heads
+        if dims["head_dim"] is None and dims["hidden_size"] % heads:
+            raise SpecError(f"model.hidden_size ({dims['hidden_size']}) must be divisible by "
+                            f"model.num_attention_heads ({heads}), or set model.head_dim explicitly")
+        if heads % kv:
+            raise SpecError(f"model.num_attention_heads ({heads}) must be a multiple of "
+                            f"model.num_key_value_heads ({kv})")
+        head_dim = dims["head_dim"] or dims["hidden_size"] // heads
+        if head_dim % 2:
+            raise SpecError(f"head dim {head_dim} must be even for rotary embeddings; change hidden_size, "
+                            f"num_attention_heads or head_dim")
+        dims["num_key_value_heads"] = kv
+        if dims["vocab_size"] is not None and dims["vocab_size"] < 2:
+            raise SpecError("model.vocab_size must be >= 2")
+        return cls(preset=None, **dims)
+
+    def to_value(self):
+        if self.preset is not None:
+            return self.preset
+        return {k: getattr(self, k) for k in CUSTOM_MODEL_KEYS}
+
+
+@dataclass
+class DataSpec:
+    corpus: str = "tinyshakespeare"
+    vocab_size: int = 2048
+    seq_len: int = 128
+    val_fraction: float = 0.02
+
+    def corpus_dir(self) -> Path | None:
+        """The directory of text files, or None for the synthetic "random" corpus."""
+        if self.corpus == RANDOM_CORPUS:
+            return None
+        p = Path(self.corpus)
+        return p if p.is_absolute() else data_root() / p
+
+
+@dataclass
+class PerfOptions:
+    """Throughput switches (each one A/B-testable by bench/train_bench.py). Defaults are the fast path."""
+    # Cross-entropy over vocabulary chunks inside a custom autograd function: never materialises the
+    # full (tokens x vocab) FP32 logits, which for 8192 tokens x 32000 is 1 GiB written and read back.
+    fused_loss: bool = True
+    loss_chunk_tokens: int = 2048
+    # SDPA backend: "auto" lets PyTorch choose; "cudnn" / "flash" / "efficient" / "math" pin one.
+    sdpa_backend: str = "auto"
+    # torch.compile mode (None = default). "max-autotune-no-cudagraphs" spends more compile time.
+    compile_mode: str | None = None
+    # Steps between issuing an async metric copy and reading it on the host (GPU only).
+    metrics_lag: int = 2
+    # Background thread that pins and copies the next batch to the GPU (GPU only).
+    prefetch: bool = True
+    # TF32 for any FP32 matmul left (e.g. outside autocast); BF16 autocast GEMMs are unaffected.
+    allow_tf32: bool = True
+
+    SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+
+
+@dataclass
+class TrainingSpec:
+    steps: int | None = 200
+    tokens: int | None = None
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    val_every: int = 50
+    val_batches: int = 4
+    checkpoint_every: int = 0
+    compile: bool = False
+    activation_checkpointing: bool = False
+    numerics_every: int = 0
+    device: str = "auto"
+    gpus: int = 1
+    perf: PerfOptions = field(default_factory=PerfOptions)
+
+
+@dataclass
+class RunSpec:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    seed: int = 0
+    recipe: str = "bf16"
+    recipe_options: dict = field(default_factory=dict)
+    bf16_first_layers: int = 0
+    bf16_last_layers: int = 0
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size or self.data.vocab_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.training.batch_size * self.data.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        if self.training.steps is not None:
+            return self.training.steps
+        return math.ceil(self.training.tokens / self.tokens_per_step)
+
+    # ---- (de)serialisation --------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict, *, check_paths: bool = True) -> "RunSpec":
+        """Parse and validate; `check_paths=False` skips the corpus-exists check (e.g. on an API host
+        that does not hold the data)."""
+        top_keys = [f.name for f in fields(cls)]
+        _check_keys("run spec", d, top_keys)
+        model = ModelSpec.from_value(d.get("model", "tiny"))
+        data = cls._parse_data(d.get("data", {}), check_paths=check_paths)
+        training = cls._parse_training(d.get("training", {}))
+        seed = _int("spec", "seed", d.get("seed", 0), minimum=0)
+        recipe = d.get("recipe", "bf16")
+        from training.precision import RECIPES
+        if recipe not in RECIPES:
+            raise SpecError(f"unknown recipe {recipe!r}; choose one of {list(RECIPES)}")
+        recipe_options = d.get("recipe_options", {}) or {}
+        if not isinstance(recipe_options, dict):
+            raise SpecError(f"recipe_options must be an object, got {recipe_options!r}")
+        first = _int("spec", "bf16_first_layers", d.get("bf16_first_layers", 0), minimum=0)
+        last = _int("spec", "bf16_last_layers", d.get("bf16_last_layers", 0), minimum=0)
+        spec = cls(model=model, data=data, training=training, seed=seed, recipe=recipe,
+                   recipe_options=dict(recipe_options), bf16_first_layers=first, bf16_last_layers=last)
+        spec._cross_check()
+        return spec
+
+    @staticmethod
+    def _parse_data(d: dict, *, check_paths: bool) -> DataSpec:
+        _check_keys("data", d, [f.name for f in fields(DataSpec)])
+        base = DataSpec()
+        corpus = d.get("corpus", base.corpus)
+        if not isinstance(corpus, str) or not corpus:
+            raise SpecError(f"data.corpus must be a directory name under PLAB_DATA_DIR or an absolute path, "
+                            f"got {corpus!r}")
+        out = DataSpec(
+            corpus=corpus,
+            vocab_size=_int("data", "vocab_size", d.get("vocab_size", base.vocab_size), minimum=2),
+            seq_len=_int("data", "seq_len", d.get("seq_len", base.seq_len), minimum=8),
+            val_fraction=_float("data", "val_fraction", d.get("val_fraction", base.val_fraction),
+                                minimum=0.0, maximum=0.5, strict_min=True),
+        )
+        if corpus != RANDOM_CORPUS:
+            if out.vocab_size < 300:
+                raise SpecError(f"data.vocab_size must be >= 300 for a byte-level BPE (256 byte tokens + "
+                                f"merges + special), got {out.vocab_size}")
+            if check_paths:
+                path = out.corpus_dir()
+                if not path.is_dir():
+                    raise SpecError(f"data.corpus directory {str(path)!r} does not exist; give a directory "
+                                    f"name under PLAB_DATA_DIR ({data_root()}) or an absolute path")
+        return out
+
+    @staticmethod
+    def _parse_training(d: dict) -> TrainingSpec:
+        _check_keys("training", d, [f.name for f in fields(TrainingSpec)])
+        base = TrainingSpec()
+        s = "training"
+        steps_given = d.get("steps") is not None
+        tokens_given = d.get("tokens") is not None
+        if steps_given and tokens_given:
+            raise SpecError("set exactly one of training.steps and training.tokens (the other must be null "
+                            "or absent)")
+        steps = _int(s, "steps", d["steps"], minimum=1) if steps_given else None
+        tokens = _int(s, "tokens", d["tokens"], minimum=1) if tokens_given else None
+        if steps is None and tokens is None:
+            steps = base.steps
+        device = d.get("device", base.device)
+        if not isinstance(device, str) or not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
+            raise SpecError(f"training.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        perf_d = d.get("perf", {}) or {}
+        _check_keys("training.perf", perf_d, [f.name for f in fields(PerfOptions)])
+        pbase = PerfOptions()
+        sdpa = perf_d.get("sdpa_backend", pbase.sdpa_backend)
+        if sdpa not in PerfOptions.SDPA_BACKENDS:
+            raise SpecError(f"training.perf.sdpa_backend must be one of {list(PerfOptions.SDPA_BACKENDS)}, "
+                            f"got {sdpa!r}")
+        mode = perf_d.get("compile_mode", pbase.compile_mode)
+        if mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+            raise SpecError(f"training.perf.compile_mode {mode!r} is not a torch.compile mode")
+        perf = PerfOptions(
+            fused_loss=_bool("training.perf", "fused_loss", perf_d.get("fused_loss", pbase.fused_loss)),
+            loss_chunk_tokens=_int("training.perf", "loss_chunk_tokens",
+                                   perf_d.get("loss_chunk_tokens", pbase.loss_chunk_tokens), minimum=1),
+            sdpa_backend=sdpa, compile_mode=mode,
+            metrics_lag=_int("training.perf", "metrics_lag", perf_d.get("metrics_lag", pbase.metrics_lag),
+                             minimum=0),
+            prefetch=_bool("training.perf", "prefetch", perf_d.get("prefetch", pbase.prefetch)),
+            allow_tf32=_bool("training.perf", "allow_tf32", perf_d.get("allow_tf32", pbase.allow_tf32)),
+        )
+        out = TrainingSpec(
+            steps=steps, tokens=tokens,
+            batch_size=_int(s, "batch_size", d.get("batch_size", base.batch_size), minimum=1),
+            grad_accum=_int(s, "grad_accum", d.get("grad_accum", base.grad_accum), minimum=1),
+            lr=_float(s, "lr", d.get("lr", base.lr), minimum=0.0, strict_min=True),
+            warmup_steps=_int(s, "warmup_steps", d.get("warmup_steps", base.warmup_steps), minimum=0),
+            min_lr_ratio=_float(s, "min_lr_ratio", d.get("min_lr_ratio", base.min_lr_ratio), minimum=0.0,
+                                maximum=1.0),
+            weight_decay=_float(s, "weight_decay", d.get("weight_decay", base.weight_decay), minimum=0.0),
+            beta1=_float(s, "beta1", d.get("beta1", base.beta1), minimum=0.0, maximum=0.999999),
+            beta2=_float(s, "beta2", d.get("beta2", base.beta2), minimum=0.0, maximum=0.999999),
+            grad_clip=_float(s, "grad_clip", d.get("grad_clip", base.grad_clip), minimum=0.0),
+            val_every=_int(s, "val_every", d.get("val_every", base.val_every), minimum=0),
+            val_batches=_int(s, "val_batches", d.get("val_batches", base.val_batches), minimum=0),
+            checkpoint_every=_int(s, "checkpoint_every", d.get("checkpoint_every", base.checkpoint_every),
+                                  minimum=0),
+            compile=_bool(s, "compile", d.get("compile", base.compile)),
+            activation_checkpointing=_bool(s, "activation_checkpointing",
+                                           d.get("activation_checkpointing", base.activation_checkpointing)),
+            numerics_every=_int(s, "numerics_every", d.get("numerics_every", base.numerics_every), minimum=0),
+            device=device,
+            gpus=_int(s, "gpus", d.get("gpus", base.gpus), minimum=1),
+            perf=perf,
+        )
+        return out
+
+    def _cross_check(self) -> None:
+        t = self.training
+        per_step_split = t.grad_accum * t.gpus
+        if t.batch_size % per_step_split:
+            raise SpecError(f"training.batch_size ({t.batch_size}) must be divisible by grad_accum x gpus "
+                            f"({t.grad_accum} x {t.gpus} = {per_step_split}): it is the global batch")
+        if self.training.warmup_steps > self.total_steps:
+            raise SpecError(f"training.warmup_steps ({t.warmup_steps}) exceeds the run length "
+                            f"({self.total_steps} steps); lower warmup_steps")
+        if self.model.preset is None:
+            layers = self.model.num_hidden_layers
+        else:
+            from training.model import PRESETS
+            layers = PRESETS[self.model.preset]["num_hidden_layers"]
+        if self.bf16_first_layers + self.bf16_last_layers > layers:
+            raise SpecError(f"bf16_first_layers + bf16_last_layers ({self.bf16_first_layers} + "
+                            f"{self.bf16_last_layers}) exceeds the model's {layers} layers")
+        if self.model.vocab_size is not None and self.data.corpus != RANDOM_CORPUS \
+                and self.model.vocab_size < self.data.vocab_size:
+            raise SpecError(f"model.vocab_size ({self.model.vocab_size}) is smaller than data.vocab_size "
+                            f"({self.data.vocab_size}); drop model.vocab_size or raise it")
+
+    def to_dict(self) -> dict[str, Any]:
+        training = asdict(self.training)
+        return {
+            "model": self.model.to_value(),
+            "data": asdict(self.data),
+            "training": training,
+            "seed": self.seed,
+            "recipe": self.recipe,
+            "recipe_options": dict(self.recipe_options),
+            "bf16_first_layers": self.bf16_first_layers,
+            "bf16_last_layers": self.bf16_last_layers,
+        }

@@ -1,0 +1,222 @@
+"""Token shards, the fixed train/validation split, seeded batches, and a prefetching loader.
+
+Split (fixed, identical for every recipe and seed): each corpus file is tokenized and followed by EOS;
+the **last `val_fraction` of every file's tokens** goes to the validation shard, the rest to the train
+shard. Splitting per file (not the tail of the concatenation) keeps every source represented in both.
+
+Batches: the windows of a step are drawn by `numpy.random.Generator(PCG64([seed, step]))`, so the token
+order depends only on (seed, step): every recipe sees the same tokens at the same step, and a resumed
+run draws exactly what the uninterrupted run would have drawn. A step's global batch is drawn once;
+data-parallel ranks and gradient-accumulation micro-steps take disjoint slices of it, so the tokens of a
+step do not depend on the number of GPUs.
+
+Validation: the first `val_batches * batch_size` non-overlapping windows of the validation shard.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.tokenizer import corpus_files, corpus_hash, read_text
+
+SHARD_FORMAT_VERSION = 1
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size < 2**16 else np.uint32
+
+
+class TokenDataset:
+    """Train/val token streams as numpy memmaps (cached by corpus hash + vocab size)."""
+
+    def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, vocab_size: int):
+        if len(train) < seq_len + 2:
+            raise ValueError(f"the training split has {len(train)} tokens, fewer than one window of "
+                             f"seq_len+1 = {seq_len + 1}; use a larger corpus or a smaller data.seq_len")
+        self.train, self.val = train, val
+        self.seq_len, self.vocab_size = seq_len, vocab_size
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_corpus(cls, corpus_dir, tokenizer, *, seq_len: int, val_fraction: float,
+                    cache_dir) -> "TokenDataset":
+        if not 0.0 < val_fraction <= 0.5:
+            raise ValueError(f"val_fraction must be in (0, 0.5], got {val_fraction}")
+        vocab = len(tokenizer)
+        key = f"{corpus_hash(corpus_dir)[:20]}-v{vocab}-val{val_fraction:g}-f{SHARD_FORMAT_VERSION}"
+        path = Path(cache_dir) / "shards" / key
+        if not (path / "meta.json").exists():
+            cls._build_shards(corpus_dir, tokenizer, val_fraction, path)
+        meta = json.loads((path / "meta.json").read_text())
+        dtype = np.dtype(meta["dtype"])
+        train = np.memmap(path / "train.bin", dtype=dtype, mode="r", shape=(meta["train_tokens"],))
+        val = np.memmap(path / "val.bin", dtype=dtype, mode="r", shape=(meta["val_tokens"],))
+        return cls(train, val, seq_len, vocab)
+
+    @staticmethod
+    def _build_shards(corpus_dir, tokenizer, val_fraction: float, path: Path) -> None:
+        vocab = len(tokenizer)
+        dtype = token_dtype(vocab)
+        eos = tokenizer.eos_token_id
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        n_train = n_val = 0
+        with open(tmp / "train.bin", "wb") as ftrain, open(tmp / "val.bin", "wb") as fval:
+            for p in corpus_files(corpus_dir):
+                ids = _encode_file(tokenizer, read_text(p))
+                ids.append(eos)
+                arr = np.asarray(ids, dtype=dtype)
+                n_val_file = int(round(len(arr) * val_fraction))
+                cut = len(arr) - n_val_file
+                arr[:cut].tofile(ftrain)
+                arr[cut:].tofile(fval)
+                n_train += cut
+                n_val += n_val_file
+        meta = dict(dtype=np.dtype(dtype).name, train_tokens=n_train, val_tokens=n_val, vocab_size=vocab,
+                    val_fraction=val_fraction, split="last val_fraction of each file's tokens")
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process built the same shards first
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @classmethod
+    def random(cls, vocab_size: int, seq_len: int, *, seed: int = 0, n_tokens: int = 1 << 22) -> "TokenDataset":
+        """Uniform random tokens (throughput benchmarks only: nothing to learn)."""
+        rng = np.random.Generator(np.random.PCG64(seed))
+        dtype = token_dtype(vocab_size)
+        train = rng.integers(0, vocab_size, size=n_tokens, dtype=np.int64).astype(dtype)
+        val = rng.integers(0, vocab_size, size=max(n_tokens // 64, 4 * (seq_len + 1)), dtype=np.int64).astype(dtype)
+        return cls(train, val, seq_len, vocab_size)
+
+    # ---- sampling -----------------------------------------------------------------------------
+    def batch(self, seed: int, step: int, batch_size: int) -> torch.Tensor:
+        """The global batch of optimizer step `step`: (batch_size, seq_len + 1) int64 windows."""
+        rng = np.random.Generator(np.random.PCG64([seed, step]))
+        starts = rng.integers(0, len(self.train) - self.seq_len - 1, size=batch_size)
+        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
+        return torch.from_numpy(self.train[idx].astype(np.int64))
+
+    def val_windows(self, n_windows: int) -> torch.Tensor:
+        """The first `n_windows` non-overlapping windows of the validation shard (fewer if it is short)."""
+        available = (len(self.val) - 1) // self.seq_len
+        n = min(n_windows, available)
+        if n <= 0:
+            return torch.empty(0, self.seq_len + 1, dtype=torch.int64)
+        idx = np.arange(n)[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
+        return torch.from_numpy(self.val[idx].astype(np.int64))
+
+
+def _encode_file(tokenizer, text: str, chunk_chars: int = 1 << 20) -> list[int]:
+    # Encode in ~1 MB pieces cut after a newline: parallel in the Rust tokenizer, and byte-level BPE never
+    # merges across a newline-then-text boundary's pre-tokens, so the cut does not change the tokens.
+    pieces, start = [], 0
+    while start < len(text):
+        end = min(start + chunk_chars, len(text))
+        if end < len(text):
+            nl = text.rfind("\n", start, end)
+            end = nl + 1 if nl > start else end
+        pieces.append(text[start:end])
+        start = end
+    ids: list[int] = []
+    for enc in tokenizer.backend_tokenizer.encode_batch(pieces, add_special_tokens=False):
+        ids.extend(enc.ids)
+    return ids
+
+
+def split_batch(global_batch: torch.Tensor, *, rank: int, world: int, grad_accum: int) -> list[torch.Tensor]:
+    """This rank's micro-batches of a step: rank r takes rows [r*B/world, (r+1)*B/world), cut into
+    `grad_accum` equal micro-batches."""
+    per_rank = global_batch.shape[0] // world
+    mine = global_batch[rank * per_rank:(rank + 1) * per_rank]
+    return list(mine.chunk(grad_accum))
+
+
+class BatchLoader:
+    """Yields (step, [micro-batches on device]) for steps start..end.
+
+    On CUDA with `prefetch`, a background thread gathers the windows, pins them and issues the
+    host→device copy on a side stream, `depth` steps ahead, so the train step never waits on numpy.
+    `wait_s` accumulates the time the consumer blocked on the loader (the data-wait metric).
+    """
+
+    def __init__(self, dataset: TokenDataset, *, seed: int, batch_size: int, start_step: int, end_step: int,
+                 rank: int, world: int, grad_accum: int, device: torch.device, prefetch: bool = True,
+                 depth: int = 3):
+        self.ds, self.seed, self.batch_size = dataset, seed, batch_size
+        self.start, self.end = start_step, end_step
+        self.rank, self.world, self.grad_accum = rank, world, grad_accum
+        self.device = device
+        self.threaded = prefetch and device.type == "cuda"
+        self.wait_s = 0.0
+        self._q: queue.Queue | None = None
+        self._stop = threading.Event()
+        if self.threaded:
+            self._q = queue.Queue(maxsize=depth)
+            self._stream = torch.cuda.Stream(device=device)
+            self._thread = threading.Thread(target=self._produce, daemon=True, name="plab-prefetch")
+            self._thread.start()
+
+    def _load(self, step: int):
+        micro = split_batch(self.ds.batch(self.seed, step, self.batch_size), rank=self.rank, world=self.world,
+                            grad_accum=self.grad_accum)
+        if self.device.type != "cuda":
+            return [m.to(self.device) for m in micro], None
+        with torch.cuda.stream(self._stream) if self.threaded else _nullcontext():
+            out = [m.pin_memory().to(self.device, non_blocking=True) for m in micro]
+            event = torch.cuda.Event()
+            event.record()
+        return out, event
+
+    def _produce(self):
+        try:
+            for step in range(self.start, self.end + 1):
+                item = (step, *self._load(step))
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as exc:  # surface loader errors in the training thread
+            self._q.put(exc)
+
+    def __iter__(self):
+        for step in range(self.start, self.end + 1):
+            t0 = time.perf_counter()
+            if self.threaded:
+                item = self._q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                got_step, micro, event = item
+                assert got_step == step
+                # Make the compute stream wait for the copy without blocking the host.
+                torch.cuda.current_stream(self.device).wait_event(event)
+                for m in micro:
+                    m.record_stream(torch.cuda.current_stream(self.device))
+            else:
+                micro, _ = self._load(step)
+            self.wait_s += time.perf_counter() - t0
+            yield step, micro
+
+    def close(self):
+        self._stop.set()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False

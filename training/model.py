@@ -1,0 +1,141 @@
+"""Llama-style decoder models through transformers `LlamaForCausalLM` (SDPA attention, untied LM head).
+
+Presets follow ANCHORS.md (`1b` is the 1.14B shape the reference throughput was measured on).
+`tiny` is for CPU tests: 4 layers so that `bf16_last_layers=1` leaves 3 converted blocks, and every
+linear dimension a multiple of 32 so the FP8/MX/NVFP4 block sizes tile it.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from training.config import ModelSpec, SpecError
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "125m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4),
+    "350m": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=8),
+    # vocab_size fixed here because the anchor measurement (ANCHORS.md) used 32000.
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+               num_key_value_heads=8, vocab_size=32000),
+}
+
+
+def llama_config(model: str | dict | ModelSpec, vocab_size: int, seq_len: int) -> LlamaConfig:
+    """LlamaConfig for a preset name, a custom-dims dict or a ModelSpec.
+
+    A preset's own vocab_size (only `1b`) wins over `vocab_size`; for a custom dict, its `vocab_size`
+    key wins when set.
+    """
+    if isinstance(model, ModelSpec):
+        model = model.to_value()
+    if isinstance(model, str):
+        if model not in PRESETS:
+            raise SpecError(f"unknown model preset {model!r}; use one of {list(PRESETS)}")
+        dims = dict(PRESETS[model])
+    elif isinstance(model, dict):
+        dims = ModelSpec.from_value(model).__dict__.copy()
+        dims.pop("preset")
+        dims = {k: v for k, v in dims.items() if v is not None}
+    else:
+        raise SpecError(f"model must be a preset name or a dict, got {model!r}")
+    vocab = dims.pop("vocab_size", None) or vocab_size
+    if not isinstance(vocab_size, int) or vocab < 2:
+        raise SpecError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise SpecError(f"seq_len must be a positive integer, got {seq_len!r}")
+    cfg = LlamaConfig(
+        vocab_size=vocab, max_position_embeddings=seq_len, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, initializer_range=0.02, attention_bias=False, mlp_bias=False,
+        use_cache=False, bos_token_id=None, eos_token_id=None, pad_token_id=None, **dims,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
+    """FP32 model on CPU, initialised from `seed` only.
+
+    Initialising on CPU in FP32 (then moving) makes the initial weights independent of the device and
+    of the recipe applied afterwards, so every recipe of an experiment starts from the same point.
+    The global RNG is forked so that building a model does not perturb the caller's random stream.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device("cpu"):
+            model = LlamaForCausalLM(config)
+    model.to(torch.float32)
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """mean CE(hidden @ weightᵀ, targets), computed over token chunks with its gradient in the forward.
+
+    The standard path materialises the (tokens x vocab) logits in BF16, upcasts them to FP32 and keeps
+    them for the backward (8192 x 32000 tokens: 0.5 + 1 GiB written and read again). Here each chunk's
+    logits live only inside the loop; the gradients w.r.t. hidden and weight are formed right away
+    (softmax - onehot), the pattern of Liger-Kernel's fused linear cross-entropy. Matmuls run in
+    `compute_dtype` (BF16 under autocast) with FP32 softmax, like the autocast path.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype):
+        n = hidden.shape[0]
+        h = hidden.to(compute_dtype)
+        w = weight.to(compute_dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for s in range(0, n, chunk):
+            hc, tc = h[s:s + chunk], targets[s:s + chunk]
+            logits = (hc @ w.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            loss = loss + (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            g = torch.exp(logits - lse[:, None])
+            g.scatter_add_(1, tc[:, None], torch.full_like(lse[:, None], -1.0))
+            g = g.to(compute_dtype)
+            grad_h[s:s + chunk] = g @ w
+            grad_w += (g.t() @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.n = n
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        scale = grad_out / ctx.n
+        return (grad_h * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None, None
+
+
+class CausalLMLoss(torch.nn.Module):
+    """Wraps a LlamaForCausalLM so that forward(input_ids, targets) returns the mean next-token loss.
+
+    One module around the whole computation so DDP and torch.compile see the loss too (compiling the
+    cross-entropy with the model lets inductor fuse the FP32 upcast into the softmax).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, *, fused_loss: bool = True, chunk_tokens: int = 2048):
+        super().__init__()
+        self.model = model
+        # A recipe that replaced the LM head (none should: it stays BF16 by convention) keeps the
+        # standard path, since the fused loss reads lm_head.weight directly.
+        self.fused = fused_loss and type(model.lm_head) is torch.nn.Linear
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.model(input_ids=input_ids).last_hidden_state
+        if self.fused:
+            dtype = (torch.get_autocast_dtype(hidden.device.type)
+                     if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype)
+            return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, 1), self.model.lm_head.weight,
+                                                    targets.flatten(), self.chunk_tokens, dtype)
+        logits = self.model.lm_head(hidden)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
