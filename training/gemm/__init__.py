@@ -1,0 +1,10 @@
+"""GEMM benchmark per layer shape (issue 6): derive a model's training-step GEMMs, time them per format
+and mode, check them against BF16, and predict the end-to-end speedup."""
+from .benchmark import run_gemm_benchmark
+from .cli import main
+from .formats import ERROR_BOUNDS, FORMATS, MODES
+from .predict import predict_speedup
+from .shapes import LAYERS, PASSES, GemmShape, gemm_shapes, parse_shapes
+
+__all__ = ["gemm_shapes", "parse_shapes", "GemmShape", "LAYERS", "PASSES", "FORMATS", "MODES",
+           "ERROR_BOUNDS", "run_gemm_benchmark", "predict_speedup", "main"]

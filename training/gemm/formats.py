@@ -1,0 +1,362 @@
+"""How each number format runs one GEMM pass, in the two timing modes.
+
+Operand storage per pass follows the training step (see shapes.py), so layouts are the ones a real
+linear layer sees:
+
+    fprop  A = x   (T×in, row-major)        B = Wᵀ  with W (out×in) row-major
+    dgrad  A = dy  (T×out, row-major)       B = W   (out×in) row-major
+    wgrad  A = dyᵀ with dy (T×out)          B = x   (T×in) row-major
+
+Recipes (what was chosen, following torchao 0.18):
+- fp8_tensorwise: one scale per tensor (amax/448). E4M3 for x and W, E5M2 for dy (torchao
+  `Float8LinearConfig()` default); fast accumulation on fprop only (torchao `gemm_config_output`).
+- fp8_rowwise: one scale per row of A and per column of B along K, E4M3 everywhere, scales rounded down
+  to a power of two (torchao recipe `rowwise`).
+- fp8_blockwise: 1×128 activation/gradient tiles and 128×128 weight tiles, E4M3, torchao's prototype
+  Triton quantizers and its cuBLAS blockwise GEMM (`torchao.prototype.blockwise_fp8_training`, SM90+).
+- mxfp8 (E4M3, 32-element blocks, E8M0 scales, RCEIL) and nvfp4 (E2M1, 16-element blocks, E4M3 scales
+  and a per-tensor FP32 scale): torchao kernels on SM100+; elsewhere emulated by quantize → dequantize
+  → BF16 GEMM, labelled as such.
+
+Modes: `kernel` times the GEMM on operands quantized beforehand (for emulated formats: dequantize +
+BF16 GEMM, which is what the emulated kernel does); `quant` puts the quantization of both operands inside
+the timed region, as in training.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+FORMATS = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4")
+MODES = ("kernel", "quant")
+
+# Relative Frobenius error ‖C − C_bf16‖ / ‖C_bf16‖ allowed for a GEMM of Gaussian operands. Expected
+# values (two quantized operands, errors add in quadrature): E4M3 ≈ 0.04, E5M2 grads ≈ 0.07,
+# E2M1 ≈ 0.13. The bounds leave ~2× head-room for shape effects yet fail a broken quantizer (≈ 1).
+ERROR_BOUNDS = {
+    "fp8_tensorwise": 0.12,
+    "fp8_rowwise": 0.08,
+    "fp8_blockwise": 0.08,
+    "mxfp8": 0.08,
+    "nvfp4": 0.25,
+}
+
+EMULATED_LABEL = "emulated – no hardware support"
+# Operand roles per pass: they decide the FP8 element type (gradients → E5M2 in tensorwise).
+OPERAND_ROLES = {"fprop": ("input", "weight"), "dgrad": ("grad_output", "weight"),
+                 "wgrad": ("grad_output", "input")}
+_EPS = 1e-12
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+class UnsupportedShape(Exception):
+    """The format cannot run this shape (e.g. dims not multiples of 16); training keeps it in BF16."""
+
+
+@dataclass
+class PreparedGemm:
+    """`run(i)` computes the GEMM on operand buffer i; `backend` is real | emulated | cpu | bf16."""
+
+    run: Callable[[int], torch.Tensor]
+    backend: str
+    note: str = ""
+
+
+def sm_version(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def make_operands(shape, device: torch.device, generator: torch.Generator | None = None):
+    """BF16 (A_storage, B_storage) for one pass, in the layout the training step stores them."""
+    m, k, n = shape.m, shape.k, shape.n
+    kw = dict(device=device, dtype=torch.bfloat16)
+    if shape.gemm == "fprop":
+        return torch.randn(m, k, **kw, generator=generator), torch.randn(n, k, **kw, generator=generator)
+    if shape.gemm == "dgrad":
+        return torch.randn(m, k, **kw, generator=generator), torch.randn(k, n, **kw, generator=generator)
+    if shape.gemm == "wgrad":
+        return torch.randn(k, m, **kw, generator=generator), torch.randn(k, n, **kw, generator=generator)
+    raise ValueError(f"unknown gemm pass {shape.gemm!r}; expected fprop, dgrad or wgrad")
+
+
+def logical_operands(gemm: str, a_store: torch.Tensor, b_store: torch.Tensor):
+    """Views A (m×k), B (k×n) of the stored operands (no copies)."""
+    a = a_store.t() if gemm == "wgrad" else a_store
+    b = b_store.t() if gemm == "fprop" else b_store
+    return a, b
+
+
+# ---------------------------------------------------------------------------------------------------
+# FP8 current-scaling quantizers. Each takes a 2-D view X (r×k, any strides) and returns X quantized in
+# row-major layout with its inverse scale, so A is quantized as-is and B through Bᵀ (n×k) – which gives
+# the column-major B that torch._scaled_mm needs. Compiled on CUDA so amax, scale, cast and transpose
+# fuse the way torchao's compiled float8 training fuses them; eager they would cost ~6 memory passes.
+# ---------------------------------------------------------------------------------------------------
+
+def fp8_tensorwise_quantize(x: torch.Tensor, dtype: torch.dtype):
+    fmax = torch.finfo(dtype).max
+    amax = x.abs().max().to(torch.float32)
+    scale = fmax / torch.clamp(amax, min=_EPS)
+    q = (x.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype).contiguous()
+    return q, scale.reciprocal()
+
+
+def fp8_rowwise_quantize(x: torch.Tensor, dtype: torch.dtype):
+    fmax = torch.finfo(dtype).max
+    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
+    # Power-of-two scales (torchao `round_scales_to_power_of_2=True` in its rowwise recipe).
+    scale = torch.exp2(torch.floor(torch.log2(fmax / torch.clamp(amax, min=_EPS))))
+    q = (x.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype).contiguous()
+    return q, scale.reciprocal()
+
+
+def _blockwise_qdq_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """1×block tiles along the last dim, E4M3, dequantized (emulation only)."""
+    r, k = x.shape
+    fmax = torch.finfo(_E4M3).max
+    xb = x.to(torch.float32).reshape(r, k // block, block)
+    scale = fmax / torch.clamp(xb.abs().amax(dim=2, keepdim=True), min=_EPS)
+    q = (xb * scale).clamp(-fmax, fmax).to(_E4M3)
+    return (q.to(torch.float32) / scale).reshape(r, k).to(x.dtype)
+
+
+def _blockwise_qdq_tiles(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """block×block tiles (weights), E4M3, dequantized (emulation only)."""
+    r, k = x.shape
+    fmax = torch.finfo(_E4M3).max
+    xb = x.to(torch.float32).reshape(r // block, block, k // block, block)
+    scale = fmax / torch.clamp(xb.abs().amax(dim=(1, 3), keepdim=True), min=_EPS)
+    q = (xb * scale).clamp(-fmax, fmax).to(_E4M3)
+    return (q.to(torch.float32) / scale).reshape(r, k).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# MXFP8 / NVFP4 emulation: the quantizer lives behind this one function.
+# ---------------------------------------------------------------------------------------------------
+
+def _torchao_reference_qdq(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "mxfp8":
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        return MXTensor.to_mx(x, _E4M3, 32, scaling_mode=ScaleCalculationMode.RCEIL).dequantize(x.dtype)
+    if fmt == "nvfp4":
+        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+        return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max())
+                                    ).dequantize(x.dtype)
+    raise ValueError(f"no emulation quantizer for {fmt!r}")
+
+
+def emulation_quantize_dequantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Quantize → dequantize `x` (blocks along its last dim) for the emulated `mxfp8`/`nvfp4` path.
+
+    Uses the project quantizer `training.precision.quantize_dequantize` (bit-exact with torchao by its
+    contract) once it exists, torchao's reference quantizer until then. Operands whose K is not the
+    contiguous dim (B of fprop, A of wgrad) are made contiguous first, as a real quantization kernel
+    writes them in the K-major layout the GEMM needs.
+    """
+    x = x.contiguous()
+    try:
+        from training.precision import quantize_dequantize
+    except ImportError:
+        return _torchao_reference_qdq(x, fmt)
+    return quantize_dequantize(x, fmt, scale_rounding="rceil") if fmt == "mxfp8" \
+        else quantize_dequantize(x, fmt)
+
+
+def _emulation_quantize(x: torch.Tensor, fmt: str):
+    """Stored (quantized) form for the kernel-only emulated mode; `.dequantize()` is timed."""
+    if fmt == "mxfp8":
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        return MXTensor.to_mx(x.contiguous(), _E4M3, 32, scaling_mode=ScaleCalculationMode.RCEIL)
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+    x = x.contiguous()
+    return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max()))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preparation per format
+# ---------------------------------------------------------------------------------------------------
+
+_compiled: dict = {}
+
+
+def _maybe_compiled(fn, device: torch.device, compile_quant: bool):
+    if device.type != "cuda" or not compile_quant:
+        return fn
+    if fn not in _compiled:
+        import torch._dynamo
+        # One graph per (dtype, stride pattern); shapes are dynamic so the per-layer shapes share it.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
+
+
+def _check_divisible(shape, fmt: str, multiple: int, dims: str = "mkn"):
+    bad = [f"{d.upper()}={getattr(shape, d)}" for d in dims if getattr(shape, d) % multiple]
+    if bad:
+        raise UnsupportedShape(f"{fmt} needs {', '.join(d.upper() for d in dims)} divisible by {multiple} "
+                               f"(got {', '.join(bad)}); training keeps such a layer in BF16")
+
+
+def prepare(fmt: str, mode: str, shape, buffers, device: torch.device, *,
+            compile_quant: bool = True) -> PreparedGemm:
+    """A callable computing C = A·B for operand buffer i in format `fmt`, timing mode `mode`.
+
+    `buffers` is a list of (A_storage, B_storage) BF16 pairs from `make_operands`. Kernel-only mode
+    quantizes every buffer here, outside the timed region.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose kernel or quant")
+    views = [logical_operands(shape.gemm, a, b) for a, b in buffers]
+    if fmt == "bf16":
+        return PreparedGemm(lambda i: torch.mm(*views[i]), "bf16")
+    sm = sm_version(device)
+    if fmt in ("fp8_tensorwise", "fp8_rowwise"):
+        return _prepare_fp8_scaled_mm(fmt, mode, shape, views, device, compile_quant)
+    if fmt == "fp8_blockwise":
+        _check_divisible(shape, fmt, 128)
+        if sm >= 90:
+            return _prepare_blockwise_real(mode, shape, buffers)
+        return _prepare_emulated(fmt, mode, shape, views)
+    _check_divisible(shape, fmt, 32 if fmt == "mxfp8" else 16, "k")  # blocks run along K
+    if sm >= 100:
+        return _prepare_mx_real(fmt, mode, views)
+    return _prepare_emulated(fmt, mode, shape, views)
+
+
+def _prepare_fp8_scaled_mm(fmt, mode, shape, views, device, compile_quant) -> PreparedGemm:
+    _check_divisible(shape, fmt, 16, "kn")  # torch._scaled_mm needs K and N multiples of 16
+    if device.type == "cuda" and sm_version(device) < 89:
+        raise UnsupportedShape(f"{fmt} needs FP8 tensor cores (SM89+); this GPU is SM{sm_version(device)}")
+    role_a, _ = OPERAND_ROLES[shape.gemm]
+    if fmt == "fp8_tensorwise":
+        quantize = _maybe_compiled(fp8_tensorwise_quantize, device, compile_quant)
+        dtype_a = _E5M2 if role_a == "grad_output" else _E4M3
+    else:
+        quantize = _maybe_compiled(fp8_rowwise_quantize, device, compile_quant)
+        dtype_a = _E4M3
+    fast_accum = shape.gemm == "fprop" and device.type == "cuda"
+
+    def gemm(qa, sa, qbt, sbt):
+        # Rowwise scales of B come as (n, 1) from quantizing Bᵀ; _scaled_mm wants (1, n).
+        return torch._scaled_mm(qa, qbt.t(), scale_a=sa, scale_b=sbt.t() if sbt.dim() else sbt,
+                                out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+
+    def quantize_pair(i):
+        a, b = views[i]
+        return (*quantize(a, dtype_a), *quantize(b.t(), _E4M3))
+
+    backend = "real" if device.type == "cuda" else "cpu"
+    if mode == "kernel":
+        pre = [quantize_pair(i) for i in range(len(views))]
+        return PreparedGemm(lambda i: gemm(*pre[i]), backend)
+    note = "quantizer compiled (torch.compile)" if quantize in _compiled.values() else "quantizer eager"
+    return PreparedGemm(lambda i: gemm(*quantize_pair(i)), backend, note)
+
+
+def _prepare_blockwise_real(mode, shape, buffers) -> PreparedGemm:
+    from torchao.prototype.blockwise_fp8_training import kernels as bk
+    from torchao.prototype.blockwise_fp8_training.linear import _run_blockwise_mm
+
+    def quantize_pair(i):
+        a_st, b_st = buffers[i]
+        if shape.gemm == "fprop":  # x (m×k) 1×128; W (n×k) 128×128, written transposed (k×n col-major)
+            qa, sa = bk.triton_fp8_blockwise_act_quant_lhs(a_st, 128)
+            qb, sb = bk.triton_fp8_blockwise_weight_quant_transposed_rhs(b_st, block_size=128)
+        elif shape.gemm == "dgrad":  # dy (m×k) 1×128; W (k×n) 128×128
+            qa, sa = bk.triton_fp8_blockwise_act_quant_lhs(a_st, 128)
+            qb, sb = bk.triton_fp8_blockwise_weight_quant_rhs(b_st, block_size=128)
+        else:  # dyᵀ 1×128 along tokens; x 128×1 along tokens (scaling groups never cross K)
+            qa, sa = bk.triton_fp8_blockwise_act_quant_transposed_lhs(a_st, 128)
+            qb, sb = bk.triton_fp8_blockwise_act_quant_rhs(b_st, 128)
+        return qa, sa, qb, sb
+
+    def gemm(qa, sa, qb, sb):
+        if shape.gemm == "wgrad":
+            return _run_blockwise_mm(use_triton=False, triton_kernel=bk.triton_fp8_gemm_1x128_128x1,
+                                     mat_a=qa, mat_b=qb, scale_a=sa,
+                                     scale_recipe_a=bk.BLOCKWISE_1X128_SCALING_TYPE,
+                                     scale_b=sb.transpose(-1, -2),
+                                     scale_recipe_b=bk.BLOCKWISE_1X128_SCALING_TYPE,
+                                     triton_scale_b=sb, out_dtype=torch.bfloat16)
+        return _run_blockwise_mm(use_triton=False, triton_kernel=bk.triton_fp8_gemm_1x128_128x128,
+                                 mat_a=qa, mat_b=qb, scale_a=sa,
+                                 scale_recipe_a=bk.BLOCKWISE_1X128_SCALING_TYPE, scale_b=sb,
+                                 scale_recipe_b=bk.BLOCKWISE_128X128_SCALING_TYPE,
+                                 out_dtype=torch.bfloat16)
+
+    note = "torchao Triton quantizers + cuBLAS blockwise GEMM"
+    if mode == "kernel":
+        pre = [quantize_pair(i) for i in range(len(buffers))]
+        return PreparedGemm(lambda i: gemm(*pre[i]), "real", note)
+    return PreparedGemm(lambda i: gemm(*quantize_pair(i)), "real", note)
+
+
+def _prepare_mx_real(fmt, mode, views) -> PreparedGemm:
+    from torch.ops import aten
+
+    if fmt == "mxfp8":
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor, _addmm_mx_dispatch
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        def quantize(x):
+            return MXTensor.to_mx(x.contiguous(), _E4M3, 32, scaling_mode=ScaleCalculationMode.RCEIL,
+                                  kernel_preference=KernelPreference.AUTO)
+        dispatch = _addmm_mx_dispatch
+    else:
+        from torchao.prototype.mx_formats.nvfp4_tensor import (NVFP4Tensor, _addmm_nvfp4_dispatch,
+                                                               per_tensor_amax_to_scale)
+
+        def quantize(x):
+            x = x.contiguous()
+            return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max()))
+        dispatch = _addmm_nvfp4_dispatch
+
+    def quantize_pair(i):
+        a, b = views[i]
+        return quantize(a), quantize(b.t()).t()
+
+    note = "torchao CUTLASS/cuBLAS block-scaled GEMM (scale swizzle inside the timed region)"
+    if mode == "kernel":
+        pre = [quantize_pair(i) for i in range(len(views))]
+        return PreparedGemm(lambda i: dispatch(*pre[i], aten.mm.default), "real", note)
+    return PreparedGemm(lambda i: dispatch(*quantize_pair(i), aten.mm.default), "real", note)
+
+
+def _prepare_emulated(fmt, mode, shape, views) -> PreparedGemm:
+    if fmt == "fp8_blockwise":
+        # Activations/gradients: 1×128 along K; weights: 128×128 (torchao's blockwise recipe).
+        b_is_weight = OPERAND_ROLES[shape.gemm][1] == "weight"
+
+        def qdq_pair(i):
+            a, b = views[i]
+            qb_t = (_blockwise_qdq_tiles if b_is_weight else _blockwise_qdq_rows)(b.t())
+            return _blockwise_qdq_rows(a), qb_t.t()
+        note = EMULATED_LABEL
+        if mode == "kernel":
+            # Stored dequantized: the emulated "kernel" is then exactly the BF16 GEMM it runs.
+            pre = [qdq_pair(i) for i in range(len(views))]
+            return PreparedGemm(lambda i: torch.mm(*pre[i]), "emulated", note)
+        return PreparedGemm(lambda i: torch.mm(*qdq_pair(i)), "emulated", note)
+
+    note = EMULATED_LABEL
+    if mode == "kernel":
+        # The stored form is the quantized tensor; the emulated kernel dequantizes and runs a BF16 GEMM.
+        pre = [(_emulation_quantize(a, fmt), _emulation_quantize(b.t(), fmt)) for a, b in views]
+        return PreparedGemm(
+            lambda i: torch.mm(pre[i][0].dequantize(torch.bfloat16), pre[i][1].dequantize(torch.bfloat16).t()),
+            "emulated", note)
+
+    def run_quant(i):
+        a, b = views[i]
+        return torch.mm(emulation_quantize_dequantize(a, fmt), emulation_quantize_dequantize(b.t(), fmt).t())
+    return PreparedGemm(run_quant, "emulated", note)
