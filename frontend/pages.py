@@ -1,0 +1,95 @@
+"""Dashboard pages: HTML shells rendered with Jinja2, data fetched by the browser from the REST API.
+
+The pages hold no data of their own: every number on screen comes from `/api/v1`, so what the dashboard
+shows is exactly what an API client would see. plotly.js is served from the installed `plotly` package
+so the dashboard works on a machine with no internet access.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+FRONTEND_DIR = Path(__file__).resolve().parent
+TEMPLATES_DIR = FRONTEND_DIR / "templates"
+STATIC_DIR = FRONTEND_DIR / "static"
+PLOTLY_URL = "/static/vendor/plotly.min.js"
+
+# The form offers the presets of training.model.PRESETS (docs/INTERFACES.md); the server validates the spec,
+# so a preset missing here only costs the user a custom-dimensions entry, never a wrong run.
+MODEL_PRESETS = ("tiny", "125m", "350m", "1b")
+BASELINE_RECIPE = "bf16"
+
+
+def plotly_js_path() -> Path:
+    """Location of plotly.min.js inside the installed `plotly` package (raises if the package lacks it)."""
+    import plotly
+
+    path = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
+    if not path.is_file():
+        raise RuntimeError(
+            f"plotly.min.js not found at {path}: the dashboard serves plotly.js from the installed "
+            "`plotly` Python package; reinstall it with `pip install --force-reinstall plotly`"
+        )
+    return path
+
+
+def recipe_names() -> tuple[str, ...]:
+    # Imported lazily: training.precision is the single source of recipe names, and importing it only
+    # when a form is rendered keeps app start-up free of the training stack's import cost.
+    from training.precision import RECIPES
+
+    return tuple(RECIPES)
+
+
+def mount(app: FastAPI) -> None:
+    """Add the dashboard's HTML pages and static assets (plotly.js included) to `app`."""
+    if not isinstance(app, FastAPI):
+        raise TypeError(f"mount() needs the FastAPI application, got {type(app).__name__}")
+    templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
+    plotly_js = plotly_js_path()
+
+    def render(request: Request, template: str, **context) -> HTMLResponse:
+        return templates.TemplateResponse(request, template, {"plotly_url": PLOTLY_URL, **context})
+
+    # Registered before the /static mount: Starlette matches routes in order, and the mount would
+    # otherwise answer 404 for a file that is not in frontend/static.
+    @app.get(PLOTLY_URL, include_in_schema=False)
+    def plotly_bundle() -> FileResponse:
+        return FileResponse(plotly_js, media_type="text/javascript",
+                            headers={"Cache-Control": "public, max-age=86400"})
+
+    app.mount("/static", StaticFiles(directory=str(STATIC_DIR)), name="static")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def experiments_page(request: Request) -> HTMLResponse:
+        return render(request, "experiments.html", page="experiments")
+
+    @app.get("/experiments/new", response_class=HTMLResponse, include_in_schema=False)
+    def new_experiment_page(request: Request) -> HTMLResponse:
+        return render(request, "new_experiment.html", page="new", recipes=recipe_names(),
+                      baseline=BASELINE_RECIPE, presets=MODEL_PRESETS)
+
+    @app.get("/experiments/{experiment_id}", response_class=HTMLResponse, include_in_schema=False)
+    def experiment_page(request: Request, experiment_id: str) -> HTMLResponse:
+        if not experiment_id.isdigit() and not _looks_like_uuid(experiment_id):
+            raise HTTPException(status_code=404, detail=f"no experiment page for id {experiment_id!r}")
+        return render(request, "experiment.html", page="experiment", experiment_id=experiment_id,
+                      baseline=BASELINE_RECIPE)
+
+    @app.get("/runs", response_class=HTMLResponse, include_in_schema=False)
+    def runs_page(request: Request) -> HTMLResponse:
+        return render(request, "runs.html", page="runs", recipes=recipe_names())
+
+
+def _looks_like_uuid(text: str) -> bool:
+    import uuid
+
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,503 @@
+// Experiment page: loss curves of every run (one trace per run), relative difference to BF16, speed
+// and memory bars, and the runs table; polls every 2 s while any run is queued or running.
+import {
+  get, post, items, escapeHtml, formatDate, showGlobalError, statusBadge, LIVE_STATUSES,
+} from "./api.js";
+import {
+  BASELINE, describeBest, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName, runLabel,
+  tokensPerSecond,
+} from "./summary.js";
+import { cleanPoints, ema, median, relativeDifference, relativeWallTime } from "./series.js";
+
+const root = document.getElementById("experiment-root");
+const experimentId = root.dataset.experimentId;
+const POLL_MS = 2000;
+const LOSS_KEYS = ["train/loss", "val/loss"];
+const PERF_KEYS = ["perf/tokens_per_s", "perf/peak_mem_gib", "perf/mfu"];
+const MAX_POINTS = 1000;
+const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf", "#8c564b", "#e377c2",
+  "#bcbd22", "#7f7f7f"];
+const BASELINE_COLOR = "#111111";
+const PLOT_CONFIG = { responsive: true, displaylogo: false };
+const X_TITLES = { step: "step", tokens: "tokens", wall_time: "wall time (s since run start)" };
+
+const state = {
+  experiment: null,
+  runs: [],
+  series: new Map(), // run_id → {key: {step, tokens, wall_time, value}}
+  perf: new Map(),
+  xMode: "step",
+  smoothing: 0,
+  logScale: false,
+  zoom: null, // [x_min, x_max] on the server's x axis while the user is zoomed in
+  timer: null,
+  polls: 0,
+};
+
+// ---------------------------------------------------------------- data
+async function fetchSeries(keys, maxPoints, { withZoom }) {
+  const params = new URLSearchParams({ keys: keys.join(","), max_points: String(maxPoints), x: state.xMode });
+  if (withZoom && state.zoom) {
+    params.set("x_min", String(state.zoom[0]));
+    params.set("x_max", String(state.zoom[1]));
+  }
+  const data = await get(`/api/v1/experiments/${encodeURIComponent(experimentId)}/series?${params}`);
+  const byRun = new Map();
+  for (const entry of items(data, "runs")) byRun.set(String(entry.run_id), entry.series || {});
+  return byRun;
+}
+
+async function refresh() {
+  const [experiment, series, perf] = await Promise.all([
+    get(`/api/v1/experiments/${encodeURIComponent(experimentId)}`),
+    fetchSeries(LOSS_KEYS, MAX_POINTS, { withZoom: true }),
+    // Throughput/memory curves only feed bar charts (a median): a few hundred points are plenty.
+    fetchSeries(PERF_KEYS, 200, { withZoom: false }).catch(() => new Map()),
+  ]);
+  state.experiment = experiment;
+  state.runs = orderRuns(items(experiment.runs || [], "runs"));
+  state.series = series;
+  state.perf = perf;
+  render();
+}
+
+function orderRuns(runs) {
+  // Baseline first so it keeps the same colour and legend slot on every chart.
+  return runs.slice().sort((a, b) => {
+    const ba = recipeName(a) === BASELINE ? 0 : 1, bb = recipeName(b) === BASELINE ? 0 : 1;
+    return ba - bb || String(a.id).localeCompare(String(b.id), undefined, { numeric: true });
+  });
+}
+
+function baselineRun() {
+  const base = state.runs.filter((r) => recipeName(r) === BASELINE);
+  return base.find((r) => r.status === "succeeded") || base.find((r) => r.status === "running") || base[0] || null;
+}
+
+function colorOf(run, index) {
+  return recipeName(run) === BASELINE ? BASELINE_COLOR : PALETTE[index % PALETTE.length];
+}
+
+function pointsOf(run, key, source = state.series) {
+  const s = (source.get(String(run.id)) || {})[key];
+  if (!s) return { step: [], tokens: [], wall_time: [], value: [] };
+  return { step: s.step || [], tokens: s.tokens || [], wall_time: s.wall_time || [], value: s.value || [] };
+}
+
+function xValues(points) {
+  if (state.xMode === "wall_time") return relativeWallTime(points.wall_time);
+  return state.xMode === "tokens" ? points.tokens : points.step;
+}
+
+// ---------------------------------------------------------------- charts
+function lossLayout(title, yTitle) {
+  return {
+    title: { text: title, font: { size: 14 } },
+    margin: { l: 60, r: 20, t: 40, b: 45 },
+    xaxis: { title: { text: X_TITLES[state.xMode] } },
+    yaxis: { title: { text: yTitle }, type: state.logScale ? "log" : "linear" },
+    hovermode: "x unified",
+    legend: { orientation: "h", y: -0.2 },
+    // Keeps the user's zoom across the 2 s live updates; changes when the axis meaning changes.
+    uirevision: `${state.xMode}|${state.logScale}`,
+  };
+}
+
+function lossTraces(key, smoothing) {
+  return state.runs.map((run, i) => {
+    const p = pointsOf(run, key);
+    const y = smoothing > 0 ? ema(p.value, smoothing) : p.value;
+    return {
+      type: "scatter",
+      mode: "lines",
+      name: runLabel(run),
+      x: xValues(p),
+      y,
+      line: { color: colorOf(run, i), width: recipeName(run) === BASELINE ? 2.5 : 1.6 },
+      meta: { run_id: run.id, key },
+    };
+  });
+}
+
+function drawLoss() {
+  Plotly.react("loss-chart", lossTraces("train/loss", state.smoothing), lossLayout("Training loss", "train/loss"),
+    PLOT_CONFIG);
+  const hasVal = state.runs.some((run) => pointsOf(run, "val/loss").value.length > 0);
+  const valDiv = document.getElementById("val-loss-chart");
+  valDiv.hidden = !hasVal;
+  if (hasVal) {
+    const traces = lossTraces("val/loss", 0).map((t) => ({ ...t, mode: "lines+markers", marker: { size: 4 } }));
+    Plotly.react(valDiv, traces, lossLayout("Validation loss", "val/loss"), PLOT_CONFIG);
+  }
+}
+
+function drawRelative() {
+  const base = baselineRun();
+  const others = state.runs.filter((r) => r !== base && recipeName(r) !== BASELINE);
+  const basePts = base ? pointsOf(base, "train/loss") : null;
+  // Align on tokens as the comparison promises; runs logged without token counts fall back to steps.
+  const useTokens = basePts && basePts.tokens.some((t) => t != null) ;
+  const smooth = (p) => ({ x: useTokens ? p.tokens : p.step,
+    y: state.smoothing > 0 ? ema(p.value, state.smoothing) : p.value });
+  const traces = others.map((run) => {
+    const idx = state.runs.indexOf(run);
+    const diff = basePts ? relativeDifference(smooth(basePts), smooth(pointsOf(run, "train/loss")))
+      : { x: [], y: [] };
+    return {
+      type: "scatter", mode: "lines", name: runLabel(run), x: diff.x, y: diff.y,
+      line: { color: colorOf(run, idx), width: 1.6 }, meta: { run_id: run.id },
+    };
+  });
+  const layout = {
+    title: { text: base ? "Train loss difference to BF16 (%)" : "No BF16 run to compare with", font: { size: 14 } },
+    margin: { l: 60, r: 20, t: 40, b: 45 },
+    xaxis: { title: { text: useTokens ? "tokens" : "step" } },
+    yaxis: { title: { text: "Δ loss vs BF16 (%)" }, zeroline: true },
+    hovermode: "x unified",
+    legend: { orientation: "h", y: -0.25 },
+    shapes: [{ type: "rect", xref: "paper", x0: 0, x1: 1, yref: "y", y0: -1, y1: 1,
+      fillcolor: "rgba(44,160,44,0.12)", line: { width: 0 }, layer: "below" }],
+    uirevision: `rel|${useTokens}`,
+  };
+  Plotly.react("relative-chart", traces, layout, PLOT_CONFIG);
+}
+
+function runThroughput(run) {
+  const fromSummary = tokensPerSecond(run);
+  if (fromSummary != null) return fromSummary;
+  // Live runs have no summary yet: the median of the logged tokens/s skips compile and warm-up outliers.
+  return median(pointsOf(run, "perf/tokens_per_s", state.perf).value);
+}
+
+function drawSpeed() {
+  const base = baselineRun();
+  const baseTps = base ? runThroughput(base) : null;
+  const labels = [], tps = [], text = [], patterns = [], colors = [], mem = [], mfus = [];
+  state.runs.forEach((run, i) => {
+    const emulated = gemmBackend(run) === "emulated";
+    labels.push(runLabel(run) + (emulated ? " (emulated)" : ""));
+    const t = runThroughput(run);
+    tps.push(t);
+    text.push(t != null && baseTps ? `${(t / baseTps).toFixed(2)}×` : "");
+    patterns.push(emulated ? "/" : "");
+    colors.push(colorOf(run, i));
+    mem.push(peakMemory(run) ?? median(pointsOf(run, "perf/peak_mem_gib", state.perf).value));
+    const m = mfu(run) ?? median(pointsOf(run, "perf/mfu", state.perf).value);
+    mfus.push(m == null ? null : 100 * (m > 1 ? m / 100 : m));
+  });
+  Plotly.react("throughput-chart", [{
+    type: "bar", x: labels, y: tps, text, textposition: "outside", name: "tokens/s",
+    marker: { color: colors, pattern: { shape: patterns, fgcolor: "#ffffff", solidity: 0.35 } },
+    hovertemplate: "%{x}<br>%{y:,.0f} tokens/s<br>%{text} BF16<extra></extra>",
+  }], {
+    title: { text: "Throughput (tokens/s; label: speedup over BF16)", font: { size: 14 } },
+    margin: { l: 70, r: 20, t: 40, b: 90 }, yaxis: { title: { text: "tokens/s" } }, showlegend: false,
+  }, PLOT_CONFIG);
+  Plotly.react("memory-chart", [
+    { type: "bar", x: labels, y: mem, name: "peak memory (GiB)", offsetgroup: "mem",
+      marker: { color: "#6c8ebf", pattern: { shape: patterns } } },
+    { type: "bar", x: labels, y: mfus, name: "MFU (%)", yaxis: "y2", offsetgroup: "mfu",
+      marker: { color: "#d79b00", pattern: { shape: patterns } } },
+  ], {
+    title: { text: "Peak memory and MFU", font: { size: 14 } },
+    margin: { l: 60, r: 60, t: 40, b: 90 }, barmode: "group",
+    yaxis: { title: { text: "GiB" } },
+    yaxis2: { title: { text: "MFU %" }, overlaying: "y", side: "right", rangemode: "tozero" },
+    legend: { orientation: "h", y: 1.12 },
+  }, PLOT_CONFIG);
+}
+
+// ---------------------------------------------------------------- page text and table
+function describeModel(model) {
+  if (typeof model === "string") return model;
+  if (!model || typeof model !== "object") return "";
+  const dims = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size"].filter((k) => model[k] != null).map((k) => `${k}=${model[k]}`);
+  return `custom (${dims.join(", ")})`;
+}
+
+function renderHeader() {
+  const exp = state.experiment;
+  document.getElementById("experiment-name").textContent = exp.name || `Experiment ${experimentId}`;
+  document.title = `${exp.name || "Experiment"} · Precision Lab`;
+  document.getElementById("experiment-description").textContent = exp.description || "";
+  const data = exp.data || {}, training = exp.training || {};
+  const evalTasks = Array.isArray(exp.eval_tasks) ? exp.eval_tasks.join(", ") : "";
+  const entries = [
+    ["model", describeModel(exp.model)],
+    ["corpus", data.corpus],
+    ["budget", training.steps != null ? `${training.steps} steps` : (training.tokens != null ? `${training.tokens} tokens` : "")],
+    ["batch × seq", training.batch_size != null ? `${training.batch_size} × ${data.seq_len ?? "?"}` : ""],
+    ["learning rate", training.lr],
+    ["seed", exp.seed],
+    ["eval tasks", evalTasks],
+    ["created", formatDate(exp.created_at)],
+  ].filter(([, v]) => v !== undefined && v !== null && v !== "");
+  document.getElementById("experiment-meta").innerHTML = entries
+    .map(([k, v]) => `<div><dt>${escapeHtml(k)}</dt><dd>${escapeHtml(v)}</dd></div>`).join("");
+  document.getElementById("experiment-summary").textContent = describeBest(state.runs);
+}
+
+function eta(run, fraction) {
+  if (run.status !== "running" || !fraction || fraction >= 1 || !run.started_at) return "";
+  const started = new Date(run.started_at).getTime();
+  if (Number.isNaN(started)) return "";
+  const elapsed = (Date.now() - started) / 1000;
+  const left = (elapsed * (1 - fraction)) / fraction;
+  if (!Number.isFinite(left) || left < 0) return "";
+  return left < 90 ? `${Math.round(left)} s left` : `${Math.round(left / 60)} min left`;
+}
+
+function gemmLabel(run) {
+  const backend = gemmBackend(run);
+  if (!backend) return "";
+  const title = backend === "emulated"
+    ? "quantize → dequantize → BF16 GEMM: accuracy is the format's, throughput is not"
+    : backend === "real" ? "low-precision tensor-core kernels" : "BF16 GEMMs";
+  return `<span class="gemm gemm-${escapeHtml(backend)}" title="${escapeHtml(title)}">${escapeHtml(backend)}</span>`;
+}
+
+// Total optimizer steps of the experiment's budget, to estimate progress of a run that reports none.
+function budgetSteps() {
+  const t = state.experiment?.training || {}, d = state.experiment?.data || {};
+  if (t.steps) return t.steps;
+  const perStep = (t.batch_size || 0) * (t.grad_accum || 1) * (d.seq_len || 0);
+  return t.tokens && perStep ? Math.ceil(t.tokens / perStep) : null;
+}
+
+function lastLoggedStep(run) {
+  let last = null;
+  for (const [source, key] of [[state.series, "train/loss"], [state.perf, "perf/tokens_per_s"]]) {
+    const steps = pointsOf(run, key, source).step;
+    if (steps.length) last = Math.max(last ?? 0, steps[steps.length - 1]);
+  }
+  return last;
+}
+
+function runProgress(run) {
+  const reported = progressFraction(run);
+  if (reported != null || run.status !== "running") return reported;
+  const total = budgetSteps(), last = lastLoggedStep(run);
+  // Steps are 0-based in the metric stream, so the last logged step s means s + 1 steps done.
+  return total && last != null ? Math.min(1, (last + 1) / total) : null;
+}
+
+function runRow(run, i) {
+  const fraction = runProgress(run);
+  const pct = fraction == null ? null : Math.round(fraction * 100);
+  const loss = finalLoss(run);
+  const tps = runThroughput(run);
+  const message = [
+    run.status === "diverged" && run.diverged_step != null ? `diverged at step ${run.diverged_step}` : "",
+    run.error_message || "",
+  ].filter(Boolean).join(": ");
+  const device = [run.device_name, run.worker_host].filter(Boolean).join(" @ ");
+  const live = LIVE_STATUSES.has(run.status);
+  return `<tr data-run-id="${escapeHtml(run.id)}" data-status="${escapeHtml(run.status)}">
+    <td><span class="swatch" style="background:${colorOf(run, i)}"></span>${escapeHtml(runLabel(run))}</td>
+    <td>${statusBadge(run.status)}</td>
+    <td class="progress-cell">${pct == null ? "" : `<div class="progress" title="${pct}%">
+        <div class="progress-bar" style="width:${pct}%"></div></div>
+        <span class="progress-text">${pct}%</span> <span class="eta">${escapeHtml(eta(run, fraction))}</span>`}</td>
+    <td>${escapeHtml(device)}</td>
+    <td>${gemmLabel(run)}</td>
+    <td class="num">${loss == null ? "" : loss.toFixed(4)}</td>
+    <td class="num">${tps == null ? "" : Math.round(tps).toLocaleString()}</td>
+    <td class="run-message">${escapeHtml(message)}</td>
+    <td>${live ? `<button type="button" class="cancel-run" data-run-id="${escapeHtml(run.id)}">Cancel</button>` : ""}</td>
+  </tr>`;
+}
+
+function renderTable() {
+  document.getElementById("runs-body").innerHTML = state.runs.length
+    ? state.runs.map(runRow).join("")
+    : `<tr class="placeholder"><td colspan="9">This experiment has no runs.</td></tr>`;
+}
+
+function render() {
+  renderHeader();
+  renderTable();
+  drawLoss();
+  drawRelative();
+  drawSpeed();
+}
+
+// ---------------------------------------------------------------- live updates
+function isLive() {
+  return state.runs.some((r) => LIVE_STATUSES.has(r.status));
+}
+
+function setLiveStatus(polling, note = "") {
+  const el = document.getElementById("live-status");
+  el.dataset.polling = String(polling);
+  const live = state.runs.filter((r) => LIVE_STATUSES.has(r.status)).length;
+  el.textContent = note || (polling ? `${live} run${live === 1 ? "" : "s"} live · updating every 2 s`
+    : (state.runs.length ? "all runs finished" : ""));
+}
+
+async function tick() {
+  state.timer = null;
+  state.polls += 1;
+  let failed = false;
+  try {
+    await refresh();
+    showGlobalError("");
+  } catch (err) {
+    failed = true;
+    showGlobalError(`Could not load experiment ${experimentId}: ${err.message}`);
+    if (err.status === 404) { setLiveStatus(false, "not found"); return; }
+  }
+  // Poll again while anything can still change; a failed request (server restarting) also retries.
+  if (isLive() || failed) {
+    setLiveStatus(true);
+    state.timer = setTimeout(tick, POLL_MS);
+  } else {
+    setLiveStatus(false);
+  }
+}
+
+function refreshSoon() {
+  if (state.timer) clearTimeout(state.timer);
+  state.timer = null;
+  tick();
+}
+
+// ---------------------------------------------------------------- controls
+document.getElementById("x-axis").addEventListener("change", (event) => {
+  state.xMode = event.target.value;
+  state.zoom = null;
+  refreshSoon();
+});
+document.getElementById("smoothing").addEventListener("input", (event) => {
+  state.smoothing = Number(event.target.value);
+  document.getElementById("smoothing-value").textContent = state.smoothing.toFixed(2);
+  if (state.experiment) { drawLoss(); drawRelative(); }
+});
+document.getElementById("log-scale").addEventListener("change", (event) => {
+  state.logScale = event.target.checked;
+  if (state.experiment) drawLoss();
+});
+document.getElementById("runs-body").addEventListener("click", async (event) => {
+  const button = event.target.closest("button.cancel-run");
+  if (!button) return;
+  button.disabled = true;
+  try {
+    await post(`/api/v1/runs/${encodeURIComponent(button.dataset.runId)}/cancel`);
+    showGlobalError("");
+  } catch (err) {
+    showGlobalError(`Cancel failed: ${err.message}`);
+  }
+  refreshSoon();
+});
+
+function attachZoom() {
+  const chart = document.getElementById("loss-chart");
+  chart.on("plotly_relayout", (ev) => {
+    // Wall time is shown relative to each run's start, which the server cannot filter on.
+    if (state.xMode === "wall_time") return;
+    let zoom = state.zoom;
+    if (ev["xaxis.autorange"]) zoom = null;
+    else if (ev["xaxis.range[0]"] !== undefined) zoom = [ev["xaxis.range[0]"], ev["xaxis.range[1]"]];
+    else if (Array.isArray(ev["xaxis.range"])) zoom = ev["xaxis.range"];
+    else return;
+    if (JSON.stringify(zoom) === JSON.stringify(state.zoom)) return;
+    // Re-query the zoomed window so the server's downsampling spends its points where the user looks.
+    state.zoom = zoom;
+    fetchSeries(LOSS_KEYS, MAX_POINTS, { withZoom: true }).then((series) => {
+      state.series = series;
+      drawLoss();
+    }).catch((err) => showGlobalError(err.message));
+  });
+}
+
+// ---------------------------------------------------------------- export
+function download(name, type, content) {
+  const url = URL.createObjectURL(new Blob([content], { type }));
+  const a = document.createElement("a");
+  a.href = url;
+  a.download = name;
+  document.body.appendChild(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 1000);
+}
+
+function exportObject() {
+  return {
+    experiment: state.experiment,
+    series: state.runs.map((run) => ({ run_id: run.id, recipe: recipeName(run), label: runLabel(run),
+      series: state.series.get(String(run.id)) || {} })),
+  };
+}
+
+function csvCell(v) {
+  const s = v == null ? "" : String(v);
+  return /[",\n]/.test(s) ? `"${s.replace(/"/g, '""')}"` : s;
+}
+
+function exportCsv() {
+  const lines = ["run_id,recipe,label,key,step,tokens,wall_time,value"];
+  for (const run of state.runs) {
+    for (const [key, s] of Object.entries(state.series.get(String(run.id)) || {})) {
+      (s.value || []).forEach((v, i) => {
+        lines.push([run.id, recipeName(run), runLabel(run), key, s.step?.[i], s.tokens?.[i], s.wall_time?.[i], v]
+          .map(csvCell).join(","));
+      });
+    }
+  }
+  return `${lines.join("\n")}\n`;
+}
+
+function figureOf(id) {
+  const gd = document.getElementById(id);
+  if (!gd || gd.hidden || !gd.data) return null;
+  const data = gd.data.map((t) => ({ ...t }));
+  const layout = { ...gd.layout };
+  delete layout.uirevision;
+  return { id, data, layout };
+}
+
+async function exportHtml() {
+  const plotly = await (await fetch(document.querySelector("script[src*='plotly']").src)).text();
+  const figures = ["loss-chart", "val-loss-chart", "relative-chart", "throughput-chart", "memory-chart"]
+    .map(figureOf).filter(Boolean);
+  const safeJson = (obj) => JSON.stringify(obj).replace(/</g, "\\u003c");
+  const table = document.getElementById("runs-table").cloneNode(true);
+  table.querySelectorAll("button").forEach((b) => b.remove());
+  const name = state.experiment?.name || `experiment ${experimentId}`;
+  const html = `<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>${escapeHtml(name)} · Precision Lab report</title>
+<style>body{font-family:system-ui,sans-serif;margin:24px;color:#222}table{border-collapse:collapse}
+td,th{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left}.chart{height:420px}
+.progress{display:none}</style>
+<script>${plotly.replace(/<\/script/gi, "<\\/script")}</script></head>
+<body><h1>${escapeHtml(name)}</h1>
+<p>${escapeHtml(state.experiment?.description || "")}</p>
+<p>${escapeHtml(document.getElementById("experiment-summary").textContent)}</p>
+<p>Exported ${escapeHtml(new Date().toISOString())}. Emulated runs (hatched bars) ran quantize → dequantize → BF16
+GEMMs: their throughput is not the format's hardware throughput.</p>
+${figures.map((f) => `<div id="${f.id}" class="chart"></div>`).join("\n")}
+${table.outerHTML}
+<script>const FIGURES = ${safeJson(figures)};
+for (const f of FIGURES) Plotly.newPlot(f.id, f.data, f.layout, {displaylogo: false});</script>
+</body></html>`;
+  download(`experiment-${experimentId}.html`, "text/html", html);
+}
+
+document.getElementById("export-json").addEventListener("click", () => {
+  download(`experiment-${experimentId}.json`, "application/json", JSON.stringify(exportObject(), null, 2));
+});
+document.getElementById("export-csv").addEventListener("click", () => {
+  download(`experiment-${experimentId}.csv`, "text/csv", exportCsv());
+});
+document.getElementById("export-html").addEventListener("click", () => {
+  exportHtml().catch((err) => showGlobalError(`HTML export failed: ${err.message}`));
+});
+
+// ---------------------------------------------------------------- start
+(async () => {
+  await tick();
+  if (document.getElementById("loss-chart").on) attachZoom();
+})();
+// Tests and curious users can read the page's state from the console.
+window.plabExperiment = state;

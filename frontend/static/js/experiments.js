@@ -1,0 +1,60 @@
+// Experiments list: name, created, recipes, run status counts and the one-line verdict.
+import { get, items, escapeHtml, formatDate, showGlobalError, statusBadge } from "./api.js";
+import { describeBest, recipeName, statusCounts } from "./summary.js";
+
+const PAGE = 50;
+let offset = 0;
+
+function experimentRecipes(exp, runs) {
+  if (Array.isArray(exp.recipes) && exp.recipes.length) {
+    return exp.recipes.map((r) => (typeof r === "string" ? r : r.name));
+  }
+  return [...new Set(runs.map(recipeName))];
+}
+
+function row(exp, runs) {
+  const counts = exp.status_counts && typeof exp.status_counts === "object"
+    ? exp.status_counts : statusCounts(runs);
+  const countsHtml = Object.entries(counts)
+    .filter(([, n]) => n > 0)
+    .map(([status, n]) => `${statusBadge(status)}<span class="count">${n}</span>`).join(" ");
+  const summary = exp.summary_line ?? describeBest(runs);
+  return `<tr data-experiment-id="${escapeHtml(exp.id)}">
+    <td><a class="experiment-link" href="/experiments/${encodeURIComponent(exp.id)}">${escapeHtml(exp.name)}</a>
+      ${exp.description ? `<div class="muted">${escapeHtml(exp.description)}</div>` : ""}</td>
+    <td>${escapeHtml(formatDate(exp.created_at))}</td>
+    <td>${experimentRecipes(exp, runs).map((r) => `<code>${escapeHtml(r)}</code>`).join(" ")}</td>
+    <td class="status-counts">${countsHtml}</td>
+    <td class="summary">${escapeHtml(summary)}</td>
+  </tr>`;
+}
+
+async function load() {
+  const body = document.getElementById("experiments-body");
+  try {
+    const list = items(await get(`/api/v1/experiments?limit=${PAGE}&offset=${offset}`), "experiments");
+    // The list may omit runs; fetch each experiment's detail then (a page holds at most PAGE).
+    const details = await Promise.all(list.map((exp) => (Array.isArray(exp.runs)
+      ? exp : get(`/api/v1/experiments/${encodeURIComponent(exp.id)}`).catch(() => exp))));
+    body.innerHTML = details.length
+      ? details.map((exp) => row(exp, Array.isArray(exp.runs) ? exp.runs : [])).join("")
+      : `<tr class="placeholder"><td colspan="5">No experiments yet:
+           <a href="/experiments/new">create one</a>, or run <code>plab demo</code>.</td></tr>`;
+    document.getElementById("experiments-prev").disabled = offset === 0;
+    document.getElementById("experiments-next").disabled = list.length < PAGE;
+    showGlobalError("");
+  } catch (err) {
+    body.innerHTML = `<tr class="placeholder"><td colspan="5">Could not load experiments.</td></tr>`;
+    showGlobalError(err.message);
+  }
+}
+
+document.getElementById("experiments-prev").addEventListener("click", () => {
+  offset = Math.max(0, offset - PAGE);
+  load();
+});
+document.getElementById("experiments-next").addEventListener("click", () => {
+  offset += PAGE;
+  load();
+});
+load();

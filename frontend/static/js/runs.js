@@ -1,0 +1,80 @@
+// All runs across experiments, filtered by status, recipe and free text (the filters live in the URL so
+// a filtered view can be bookmarked or shared).
+import { get, items, escapeHtml, formatDate, showGlobalError, statusBadge } from "./api.js";
+import { gemmBackend, runLabel } from "./summary.js";
+
+const PAGE = 50;
+const form = document.getElementById("runs-filters");
+const fields = { status: "filter-status", recipe: "filter-recipe", q: "filter-q" };
+let offset = 0;
+
+function readUrl() {
+  const params = new URLSearchParams(window.location.search);
+  for (const [name, id] of Object.entries(fields)) document.getElementById(id).value = params.get(name) || "";
+  offset = Math.max(0, Number(params.get("offset")) || 0);
+}
+
+function query() {
+  const params = new URLSearchParams();
+  for (const [name, id] of Object.entries(fields)) {
+    const v = document.getElementById(id).value.trim();
+    if (v) params.set(name, v);
+  }
+  return params;
+}
+
+function row(run) {
+  const message = [run.status === "diverged" && run.diverged_step != null ? `diverged at step ${run.diverged_step}` : "",
+    run.error_message || ""].filter(Boolean).join(": ");
+  return `<tr data-run-id="${escapeHtml(run.id)}" data-status="${escapeHtml(run.status)}">
+    <td>#${escapeHtml(run.id)} ${escapeHtml(runLabel(run))}</td>
+    <td><a href="/experiments/${encodeURIComponent(run.experiment_id)}">experiment ${escapeHtml(run.experiment_id)}</a></td>
+    <td><code>${escapeHtml(run.recipe)}</code></td>
+    <td>${statusBadge(run.status)}</td>
+    <td>${escapeHtml([run.device_name, run.worker_host].filter(Boolean).join(" @ "))}</td>
+    <td>${escapeHtml(gemmBackend(run))}</td>
+    <td>${escapeHtml(formatDate(run.created_at))}</td>
+    <td class="run-message">${escapeHtml(message)}</td>
+  </tr>`;
+}
+
+async function load() {
+  const body = document.getElementById("runs-list-body");
+  const params = query();
+  params.set("limit", String(PAGE));
+  params.set("offset", String(offset));
+  try {
+    const data = await get(`/api/v1/runs?${params}`);
+    const list = items(data, "runs");
+    body.innerHTML = list.length ? list.map(row).join("")
+      : `<tr class="placeholder"><td colspan="8">No runs match these filters.</td></tr>`;
+    const total = typeof data?.total === "number" ? data.total : null;
+    document.getElementById("runs-total").textContent = total == null ? ""
+      : `${offset + (list.length ? 1 : 0)}–${offset + list.length} of ${total}`;
+    document.getElementById("runs-prev").disabled = offset === 0;
+    document.getElementById("runs-next").disabled = total != null ? offset + list.length >= total : list.length < PAGE;
+    showGlobalError("");
+  } catch (err) {
+    body.innerHTML = `<tr class="placeholder"><td colspan="8">Could not load runs.</td></tr>`;
+    showGlobalError(err.message);
+  }
+}
+
+function pushUrl() {
+  const params = query();
+  if (offset) params.set("offset", String(offset));
+  const qs = params.toString();
+  window.history.replaceState(null, "", qs ? `?${qs}` : window.location.pathname);
+}
+
+form.addEventListener("submit", (event) => {
+  event.preventDefault();
+  offset = 0;
+  pushUrl();
+  load();
+});
+form.addEventListener("change", () => { offset = 0; pushUrl(); load(); });
+document.getElementById("runs-prev").addEventListener("click", () => { offset = Math.max(0, offset - PAGE); pushUrl(); load(); });
+document.getElementById("runs-next").addEventListener("click", () => { offset += PAGE; pushUrl(); load(); });
+readUrl();
+load();

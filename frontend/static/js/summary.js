@@ -1,0 +1,110 @@
+// Reading run records: the fields a run carries per docs/INTERFACES.md, with the few places where a
+// value may sit (top level or inside `summary`) resolved once, here.
+
+export const BASELINE = "bf16";
+
+export function runSummary(run) {
+  return (run && typeof run.summary === "object" && run.summary) || {};
+}
+
+export function recipeName(run) {
+  if (!run) return "";
+  if (typeof run.recipe === "string") return run.recipe;
+  if (run.recipe && typeof run.recipe === "object") return run.recipe.name || "";
+  return run.recipe_name || "";
+}
+
+export function runLabel(run) {
+  if (run.label) return run.label;
+  const recipe = recipeName(run);
+  const first = run.bf16_first_layers ?? run.spec?.bf16_first_layers ?? 0;
+  const last = run.bf16_last_layers ?? run.spec?.bf16_last_layers ?? 0;
+  const keep = [];
+  if (first) keep.push(`first ${first}`);
+  if (last) keep.push(`last ${last}`);
+  return keep.length && recipe !== BASELINE ? `${recipe} (BF16 ${keep.join(", ")})` : recipe;
+}
+
+function finite(x) {
+  const v = typeof x === "string" ? Number(x) : x;
+  return typeof v === "number" && Number.isFinite(v) ? v : null;
+}
+
+export function finalLoss(run) {
+  const s = runSummary(run);
+  return finite(run.final_loss) ?? finite(s.final_loss) ?? finite(s.final_train_loss) ?? finite(s.loss);
+}
+
+export function tokensPerSecond(run) {
+  const s = runSummary(run);
+  return finite(s.tokens_per_s) ?? finite(run.tokens_per_s);
+}
+
+export function peakMemory(run) {
+  const s = runSummary(run);
+  return finite(s.peak_mem_gib) ?? finite(run.peak_mem_gib);
+}
+
+export function mfu(run) {
+  const s = runSummary(run);
+  return finite(s.mfu) ?? finite(run.mfu);
+}
+
+export function gemmBackend(run) {
+  return run.gemm_backend || runSummary(run).gemm_backend || "";
+}
+
+// Progress as a fraction in [0, 1], or null when the run has not reported any. Workers send either a
+// fraction, a percentage, or {step, total_steps}.
+export function progressFraction(run) {
+  const p = run.progress;
+  if (p && typeof p === "object") {
+    const step = finite(p.step), total = finite(p.total_steps ?? p.total ?? p.steps);
+    if (step != null && total) return Math.min(1, Math.max(0, step / total));
+    const f = finite(p.fraction);
+    return f == null ? null : Math.min(1, Math.max(0, f));
+  }
+  const v = finite(p);
+  if (v == null) return run.status === "succeeded" ? 1 : null;
+  return Math.min(1, Math.max(0, v > 1 ? v / 100 : v));
+}
+
+export function statusCounts(runs) {
+  const counts = {};
+  for (const run of runs) counts[run.status] = (counts[run.status] || 0) + 1;
+  return counts;
+}
+
+// The experiment's one-line verdict: the fastest recipe whose final loss is within `tolerancePct` of
+// BF16's (the threshold the relative-loss chart draws as a band).
+export function bestSpeedup(runs, tolerancePct = 1) {
+  const base = runs.find((r) => recipeName(r) === BASELINE && r.status === "succeeded");
+  if (!base) return null;
+  const baseLoss = finalLoss(base), baseTps = tokensPerSecond(base);
+  if (baseLoss == null || !baseTps) return null;
+  let best = null;
+  for (const run of runs) {
+    if (run === base || run.status !== "succeeded") continue;
+    const loss = finalLoss(run), tps = tokensPerSecond(run);
+    if (loss == null || tps == null) continue;
+    const deltaPct = ((loss - baseLoss) / baseLoss) * 100;
+    if (Math.abs(deltaPct) > tolerancePct) continue;
+    const speedup = tps / baseTps;
+    if (!best || speedup > best.speedup) {
+      best = { run, label: runLabel(run), speedup, deltaPct, emulated: gemmBackend(run) === "emulated" };
+    }
+  }
+  return best;
+}
+
+export function describeBest(runs) {
+  const best = bestSpeedup(runs);
+  if (best) {
+    const sign = best.deltaPct >= 0 ? "+" : "";
+    return `${best.label}: ${best.speedup.toFixed(2)}× BF16 at ${sign}${best.deltaPct.toFixed(2)}% final loss`
+      + (best.emulated ? " (emulated GEMMs)" : "");
+  }
+  const done = runs.length && runs.every((r) => r.status === "succeeded" || r.status === "failed"
+    || r.status === "cancelled" || r.status === "diverged");
+  return done ? "no recipe within 1% of BF16's final loss" : "";
+}

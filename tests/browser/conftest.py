@@ -1,0 +1,159 @@
+"""Fixtures for the dashboard's browser tests: the real server as a subprocess, headless Debian Chromium.
+
+The server is `python -m uvicorn backend.app:create_app --factory` on a fresh SQLite database in a
+temporary PLAB_HOME, exactly as a user would start it; the browser is the system Chromium driven by
+Playwright (no `playwright install`: CI installs the `chromium` Debian package).
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts" / "browser"
+CHROMIUM = os.environ.get("PLAB_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+pytestmark = pytest.mark.browser
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, base_url: str, token: str | None):
+        self.base_url = base_url
+        self.token = token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=30)
+
+    def create_experiment(self, recipes: list, *, name: str = "browser-test", steps: int = 50, **extra) -> dict:
+        body = {"name": name, "description": "created by tests/browser", "model": "tiny",
+                "data": {"corpus": "tinyshakespeare", "vocab_size": 512, "seq_len": 32},
+                "training": {"steps": steps, "batch_size": 4, "lr": 3e-3}, "seed": 0,
+                "recipes": recipes, "enqueue": False, **extra}
+        r = self.http.post("/api/v1/experiments", json=body)
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    def log_loss_curve(self, run_id: int, *, steps: int, start: float, offset_pct: float = 0.0,
+                       tokens_per_step: int = 128, val_every: int = 0, tokens_per_s: float | None = None) -> None:
+        """A decaying loss curve, `offset_pct` percent above the same curve with offset 0."""
+        points = []
+        for step in range(steps):
+            loss = (start * math.exp(-step / (steps / 3)) + 1.5) * (1 + offset_pct / 100)
+            tokens = (step + 1) * tokens_per_step
+            wall = 1_800_000_000.0 + step * 0.05
+            points.append({"key": "train/loss", "step": step, "value": loss, "tokens": tokens, "wall_time": wall})
+            if tokens_per_s is not None:
+                points.append({"key": "perf/tokens_per_s", "step": step, "value": tokens_per_s,
+                               "tokens": tokens, "wall_time": wall})
+            if val_every and step % val_every == 0:
+                points.append({"key": "val/loss", "step": step, "value": loss * 1.02, "tokens": tokens,
+                               "wall_time": wall})
+        r = self.http.post(f"/api/v1/runs/{run_id}/metrics", json={"points": points})
+        assert r.status_code in (200, 201), r.text
+
+    def set_status(self, run_id: int, status: str, **fields) -> dict:
+        r = self.http.post(f"/api/v1/runs/{run_id}/status", json={"status": status, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    home = tmp_path_factory.mktemp("plab-home")
+    port = _free_port()
+    env = {**os.environ, "PLAB_HOME": str(home), "PLAB_DATABASE_URL": f"sqlite:///{home / 'db.sqlite'}",
+           "PYTHONUNBUFFERED": "1"}
+    for name in ("PLAB_API_TOKEN", "PLAB_BROKER_URL"):
+        env.pop(name, None)
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "backend.app:create_app", "--factory", "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "warning"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{(home / 'server.log').read_text()}")
+            try:
+                if httpx.get(f"{base_url}/api/v1/experiments", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not answer within 60 s:\n{(home / 'server.log').read_text()}")
+            time.sleep(0.2)
+        yield Server(base_url, token=None)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} not found: install Debian's Chromium with `apt-get install -y chromium` "
+                    "(or point PLAB_CHROMIUM at a Chromium binary)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+class ConsoleLog:
+    """Console errors and uncaught exceptions of one page: a dashboard page must produce none."""
+
+    def __init__(self, page):
+        self.errors: list[str] = []
+        page.on("console", lambda m: self.errors.append(f"console.{m.type}: {m.text}")
+                if m.type == "error" else None)
+        page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
+
+
+@pytest.fixture
+def page(browser, request):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+    pg = context.new_page()
+    pg.set_default_timeout(15_000)
+    pg.console_log = ConsoleLog(pg)
+    yield pg
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    try:
+        pg.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=True)
+    except Exception:  # noqa: BLE001 - a failed screenshot must not hide the test's own result
+        pass
+    context.close()
+
+
+def chart_trace_count(page, chart_id: str) -> int:
+    return page.evaluate(f"() => (document.getElementById({chart_id!r}).data || []).length")
+
+
+def wait_for_traces(page, chart_id: str, count: int) -> None:
+    page.wait_for_function(
+        "([id, n]) => { const gd = document.getElementById(id); return gd && gd.data && gd.data.length === n"
+        " && gd.querySelector('.main-svg') !== null; }",
+        arg=[chart_id, count])

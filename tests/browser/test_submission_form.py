@@ -1,0 +1,50 @@
+"""The submission form creates an experiment through the API and shows the API's message on bad input."""
+from __future__ import annotations
+
+import re
+
+from tests.browser.conftest import wait_for_traces
+
+
+def test_form_creates_experiment_and_opens_its_page(server, page):
+    page.goto(f"{server.base_url}/experiments/new")
+    page.fill("#field-name", "from-the-form")
+    page.fill("#field-steps", "20")
+    page.check("input[name=recipes][value=fp8_tensorwise]")
+    page.check("input[name=recipes][value=nvfp4]")
+    page.fill("#field-bf16-last", "1")
+    page.uncheck("#field-enqueue")
+    page.click("#experiment-submit")
+
+    page.wait_for_url(re.compile(r"/experiments/\d+$"))
+    exp_id = int(page.url.rsplit("/", 1)[1])
+    exp = server.http.get(f"/api/v1/experiments/{exp_id}").json()
+    assert exp["name"] == "from-the-form"
+    recipes = sorted((r["recipe"], r["bf16_last_layers"]) for r in exp["runs"])
+    # BF16 is always the baseline and keeps all layers; the other recipes keep the last block in BF16.
+    assert recipes == [("bf16", 0), ("fp8_tensorwise", 1), ("nvfp4", 1)]
+    wait_for_traces(page, "loss-chart", 3)
+    assert page.locator("#runs-table tbody tr[data-run-id]").count() == 3
+    assert page.console_log.errors == []
+
+
+def test_form_shows_the_api_error_message_on_bad_input(server, page):
+    page.goto(f"{server.base_url}/experiments/new")
+    page.fill("#field-name", "bad-model")
+    page.check("input[name=model_kind][value=custom]")
+    page.fill("input[name=num_attention_heads]", "3")  # 256 is not divisible by 3 heads
+    page.uncheck("#field-enqueue")
+    page.click("#experiment-submit")
+    error = page.locator("#form-error")
+    error.wait_for(state="visible")
+    assert "head" in error.inner_text().lower()
+    assert page.url.endswith("/experiments/new")
+
+
+def test_form_refuses_an_empty_name_before_calling_the_api(server, page):
+    requests = []
+    page.on("request", lambda r: requests.append(r.url) if r.method == "POST" else None)
+    page.goto(f"{server.base_url}/experiments/new")
+    page.click("#experiment-submit")
+    assert "Name is required" in page.locator("#form-error").inner_text()
+    assert requests == []
