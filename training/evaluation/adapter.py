@@ -1,0 +1,468 @@
+"""lm-evaluation-harness adapter: evaluate an HF-format checkpoint on named tasks.
+
+The result is one JSON-able dict (see :func:`evaluate_checkpoint`) holding, per task, every
+metric with its standard error, the lm-eval version, the task hash lm-eval itself writes
+(``task_hashes`` in its results JSON), a digest of the resolved task config, the per-sample
+scores needed for paired comparisons (:mod:`training.evaluation.stats`) and the wall time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import difflib
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .taskdirs import (
+    SHIPPED_TASKS,
+    SHIPPED_TASKS_DIR,
+    TaskConfigError,
+    render_task_dirs,
+    user_task_dirs,
+)
+
+log = logging.getLogger(__name__)
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class EvaluationError(ValueError):
+    """Bad input to the evaluation adapter; the message says what to change."""
+
+
+# --------------------------------------------------------------------------- task listing
+
+
+def list_tasks(tasks_dir: str | os.PathLike | None = None, *, include_lm_eval: bool = False) -> list[dict]:
+    """Every task and group `evaluate_checkpoint` can run, sorted by name.
+
+    Each entry: ``name``, ``kind`` (``task``|``group``|``tag``), ``source`` (``shipped``,
+    ``user`` or ``lm_eval``), ``path`` (the YAML), ``output_type`` (tasks), ``subtasks``
+    (groups), ``groups`` (the shipped/user groups a task belongs to). ``include_lm_eval``
+    adds lm-eval's built-in tasks (thousands; they need the Hugging Face Hub or its cache).
+    """
+    from lm_eval.tasks._index import Kind, TaskIndex
+
+    sources = [("shipped", SHIPPED_TASKS_DIR)] + [("user", d) for d in user_task_dirs(tasks_dir)]
+    entries: dict[str, dict] = {}
+    if include_lm_eval:
+        import lm_eval.tasks as lm_tasks
+
+        sources.insert(0, ("lm_eval", Path(lm_tasks.__file__).parent))
+    for source, root in sources:
+        # One index per root so a user task that shadows a shipped one is reported as "user".
+        for name, entry in TaskIndex.build([root]).items():
+            cfg = entry.cfg or {}
+            item = {
+                "name": name,
+                "kind": {Kind.GROUP: "group", Kind.TAG: "tag"}.get(entry.kind, "task"),
+                "source": source,
+                "path": str(entry.yaml_path) if entry.yaml_path else None,
+            }
+            if item["kind"] == "task":
+                item["output_type"] = cfg.get("output_type", "generate_until")
+            if item["kind"] == "group":
+                item["subtasks"] = [t if isinstance(t, str) else t.get("task") for t in cfg.get("task", [])]
+            if item["kind"] == "tag":
+                item["subtasks"] = sorted(entry.tags)
+            entries[name] = item
+    for item in entries.values():
+        if item["kind"] == "group" and item["source"] != "lm_eval":
+            for sub in item["subtasks"]:
+                if sub in entries:
+                    entries[sub].setdefault("groups", []).append(item["name"])
+    return sorted(entries.values(), key=lambda e: e["name"])
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def evaluate_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    tasks: str | Sequence[str] = SHIPPED_TASKS,
+    *,
+    limit: int | float | None = None,
+    device: str = "auto",
+    batch_size: int | str | None = None,
+    dtype: str = "auto",
+    tasks_dir: str | os.PathLike | None = None,
+    data_dir: str | os.PathLike | None = None,
+    heldout_text: str | os.PathLike | None = None,
+    offline: bool = True,
+    bootstrap_iters: int = 100_000,
+    on_task_done: Callable[[str, dict], None] | None = None,
+) -> dict:
+    """Evaluate the HF checkpoint in ``checkpoint_dir`` (model + its own tokenizer) with lm-eval.
+
+    ``tasks``: task or group names (a list, or one comma-separated string): the shipped
+    ``plab_*`` tasks, tasks in ``tasks_dir``/``PLAB_EVAL_TASKS_DIR``, or lm-eval's own (those
+    need their dataset in the HF cache when ``offline``). ``limit``: documents per task (an
+    int, or a fraction in (0, 1)), for tests. ``device``: ``auto`` (CUDA when present), ``cpu``,
+    ``cuda`` or ``cuda:N``. ``dtype``: ``auto`` is bfloat16 on CUDA and float32 on CPU.
+    ``batch_size``: an int or ``"auto"``; default 64 on CUDA, 8 on CPU. ``bootstrap_iters``:
+    lm-eval's (its CLI uses 100,000; only perplexity-type stderrs use it). ``on_task_done``
+    is called as ``on_task_done(name, task_result)`` after each requested task, e.g. to
+    store results as they arrive.
+
+    Each requested task runs as its own ``simple_evaluate`` call on one loaded model, which
+    is what gives a wall time per task; lm-eval computes each request independently of
+    which other tasks run, so the numbers are those of a single combined run.
+
+    Returns ``{"lm_eval_version", "checkpoint_dir", "model_args", "device", "dtype",
+    "batch_size", "limit", "bootstrap_iters", "started_at", "load_time_s", "total_time_s",
+    "requested": [...], "tasks": {name: task_result}}`` where a task_result is
+    ``{"kind": "task"|"group", "metrics": {metric: {"value", "stderr"}}, "aggregation":
+    {metric: name}, "higher_is_better": {metric: bool}, "n_samples", "n_docs", "version",
+    "task_hash", "config_digest", "samples": {"doc_id": [...], metric: [...]}, "time_s",
+    "group"}``; groups carry ``subtasks`` instead of ``samples``. Per-sample values are
+    0/1 for accuracies, the log-likelihood for ``perplexity``, and ``[loglikelihood,
+    weight]`` pairs for ``bits_per_byte``/``*_perplexity``. ``time_s`` is null for a subtask
+    that ran inside its group's time.
+    """
+    checkpoint = _check_checkpoint(checkpoint_dir)
+    requested = _check_task_names(tasks)
+    limit = _check_limit(limit)
+    resolved_device = _resolve_device(device)
+    resolved_dtype = _resolve_dtype(dtype, resolved_device)
+    batch_size = _resolve_batch_size(batch_size, resolved_device)
+    if not isinstance(bootstrap_iters, int) or bootstrap_iters < 0:
+        raise EvaluationError(f"bootstrap_iters must be an integer >= 0 (0 skips stderrs), got {bootstrap_iters!r}")
+    if on_task_done is not None and not callable(on_task_done):
+        raise EvaluationError("on_task_done must be callable as on_task_done(task_name, task_result)")
+
+    started_at = _dt.datetime.now(_dt.timezone.utc).isoformat()
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="plab-eval-tasks-") as tmp, _offline_mode(offline):
+        try:
+            rendered = render_task_dirs(
+                Path(tmp) / "tasks", data_dir=data_dir, heldout_text=heldout_text, tasks_dir=tasks_dir
+            )
+        except TaskConfigError as err:
+            raise EvaluationError(str(err)) from err
+        import lm_eval
+        from lm_eval.api.registry import get_model
+        from lm_eval.tasks import TaskManager
+
+        ours = TaskManager(include_path=[str(p) for p in rendered.include_paths], include_defaults=False)
+        needs_builtin = [name for name in requested if name not in ours.all_tasks]
+        manager = ours
+        if needs_builtin:
+            manager = TaskManager(include_path=[str(p) for p in rendered.include_paths], include_defaults=True)
+            unknown = [name for name in needs_builtin if name not in manager.all_tasks]
+            if unknown:
+                raise EvaluationError(_unknown_tasks_message(unknown, manager.all_tasks))
+        _check_placeholders(requested, manager, rendered)
+
+        model_args = f"pretrained={checkpoint},tokenizer={checkpoint},dtype={resolved_dtype}"
+        t_load = time.perf_counter()
+        # Built once, the way simple_evaluate builds it from the same model_args string, and
+        # reused for every task so only the first task pays for loading the model.
+        lm = get_model("hf").create_from_arg_string(
+            model_args, {"batch_size": batch_size, "max_batch_size": None, "device": resolved_device}
+        )
+        load_time = time.perf_counter() - t_load
+
+        out_tasks: dict[str, dict] = {}
+        for name in requested:
+            t_task = time.perf_counter()
+            raw = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=[name],
+                task_manager=manager,
+                limit=limit,
+                log_samples=True,
+                bootstrap_iters=bootstrap_iters,
+            )
+            elapsed = time.perf_counter() - t_task
+            converted = _convert_results(raw)
+            for task_name, task_result in converted.items():
+                task_result["time_s"] = elapsed if task_name == name else None
+                out_tasks[task_name] = task_result
+            if on_task_done is not None:
+                on_task_done(name, out_tasks[name])
+
+    return {
+        "lm_eval_version": lm_eval.__version__,
+        "checkpoint_dir": str(checkpoint),
+        "model_args": model_args,
+        "device": resolved_device,
+        "dtype": resolved_dtype,
+        "batch_size": batch_size,
+        "limit": limit,
+        "bootstrap_iters": bootstrap_iters,
+        "started_at": started_at,
+        "load_time_s": load_time,
+        "total_time_s": time.perf_counter() - t_start,
+        "requested": requested,
+        "tasks": out_tasks,
+    }
+
+
+def task_hash(samples: Iterable[dict]) -> str:
+    """lm-eval's task hash (EvaluationTracker): sha256 over doc, prompt and target hashes in order."""
+    joined = "".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in samples)
+    return hashlib.sha256(joined.encode("utf-8")).hexdigest()
+
+
+def _convert_results(raw: dict) -> dict[str, dict]:
+    """lm-eval's results dict → our compact per-task records (leaf tasks, then groups)."""
+    configs = raw.get("configs", {})
+    samples = raw.get("samples", {})
+    out: dict[str, dict] = {}
+    group_of = {sub: group for group, subs in raw.get("group_subtasks", {}).items() for sub in subs}
+    for name, cfg in configs.items():
+        metric_list = cfg.get("metric_list") or []
+        aggregation = {m["metric"]: _aggregation_name(m.get("aggregation")) for m in metric_list if isinstance(m.get("metric"), str)}
+        task_samples = sorted(samples.get(name, []), key=lambda s: int(s["doc_id"]))
+        per_sample: dict[str, list] = {"doc_id": [int(s["doc_id"]) for s in task_samples]}
+        for metric in aggregation:
+            per_sample[metric] = [_sample_value(s.get(metric)) for s in task_samples]
+        n = raw.get("n-samples", {}).get(name, {})
+        out[name] = {
+            "kind": "task",
+            "group": group_of.get(name),
+            "metrics": _metrics(raw["results"].get(name, {})),
+            "aggregation": aggregation,
+            "higher_is_better": dict(raw.get("higher_is_better", {}).get(name, {})),
+            "n_samples": n.get("effective", len(task_samples)),
+            "n_docs": n.get("original"),
+            "version": raw.get("versions", {}).get(name),
+            "task_hash": task_hash(task_samples),
+            "config_digest": _digest(cfg),
+            "samples": per_sample,
+        }
+    for group, subtasks in raw.get("group_subtasks", {}).items():
+        if not subtasks:
+            continue
+        leafs = [out[s] for s in subtasks if s in out]
+        out[group] = {
+            "kind": "group",
+            "group": group_of.get(group),
+            "subtasks": list(subtasks),
+            "metrics": _metrics(raw.get("groups", {}).get(group, {})),
+            "aggregation": {m: "mean" for m in leafs[0]["aggregation"]} if leafs else {},
+            "higher_is_better": dict(raw.get("higher_is_better", {}).get(group, {})),
+            "n_samples": sum(t["n_samples"] for t in leafs),
+            "n_docs": sum(t["n_docs"] or 0 for t in leafs),
+            "version": raw.get("versions", {}).get(group),
+            "task_hash": hashlib.sha256("".join(t["task_hash"] for t in leafs).encode()).hexdigest(),
+            "config_digest": hashlib.sha256("".join(t["config_digest"] for t in leafs).encode()).hexdigest(),
+        }
+    return out
+
+
+def _metrics(entry: dict) -> dict[str, dict]:
+    """``{"acc,none": v, "acc_stderr,none": s}`` → ``{"acc": {"value": v, "stderr": s}}``.
+
+    A filter other than ``none`` keeps its name as a suffix (``exact_match/strict``).
+    """
+    metrics: dict[str, dict] = {}
+    for key, value in entry.items():
+        if "," not in key or "_stderr," in key:
+            continue
+        metric, filt = key.split(",", 1)
+        name = metric if filt == "none" else f"{metric}/{filt}"
+        stderr = entry.get(f"{metric}_stderr,{filt}")
+        metrics[name] = {"value": _finite_or_none(value), "stderr": _finite_or_none(stderr)}
+    return metrics
+
+
+def _finite_or_none(value: Any) -> float | None:
+    # lm-eval writes "N/A" where it has no stderr (e.g. bits_per_byte) and may produce inf
+    # perplexities for an untrained model; JSON (and the database) want null for both.
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _sample_value(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [float(v) for v in value]
+    if value is None:
+        return None
+    return float(value)
+
+
+def _aggregation_name(agg: Any) -> str | None:
+    if agg is None or isinstance(agg, str):
+        return agg
+    return getattr(agg, "__name__", str(agg))
+
+
+def _digest(cfg: dict) -> str:
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_checkpoint(checkpoint_dir: Any) -> Path:
+    if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
+        raise EvaluationError(f"checkpoint_dir must be a directory path, got {checkpoint_dir!r}")
+    path = Path(checkpoint_dir).expanduser().resolve()
+    if not path.is_dir():
+        raise EvaluationError(f"checkpoint directory {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise EvaluationError(
+            f"{str(path)!r} has no config.json: give a Hugging Face checkpoint saved with "
+            "save_pretrained (config.json, model weights and tokenizer files)"
+        )
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise EvaluationError(
+            f"{str(path)!r} has no tokenizer files; save the training tokenizer next to the model "
+            "(tokenizer.save_pretrained(dir)) so the evaluation uses the checkpoint's own tokenizer"
+        )
+    return path
+
+
+def _check_task_names(tasks: Any) -> list[str]:
+    if isinstance(tasks, str):
+        names = [t.strip() for t in tasks.split(",")]
+    elif isinstance(tasks, Sequence):
+        names = list(tasks)
+    else:
+        raise EvaluationError(f"tasks must be a list of task names or a comma-separated string, got {tasks!r}")
+    if not names or any(not isinstance(t, str) or not t.strip() for t in names):
+        raise EvaluationError(f"tasks must be non-empty task names, got {tasks!r}; see `plab eval --list-tasks`")
+    names = [t.strip() for t in names]
+    duplicates = sorted({t for t in names if names.count(t) > 1})
+    if duplicates:
+        raise EvaluationError(f"task names repeated: {duplicates}; name each task once")
+    return names
+
+
+def _check_limit(limit: Any) -> int | float | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+        raise EvaluationError(f"limit must be a positive integer or a fraction in (0, 1), got {limit!r}")
+    if isinstance(limit, float) and limit.is_integer() and limit >= 1:
+        limit = int(limit)
+    if isinstance(limit, int) and limit >= 1:
+        return limit
+    if isinstance(limit, float) and 0 < limit < 1:
+        return limit
+    raise EvaluationError(f"limit must be a positive integer or a fraction in (0, 1), got {limit!r}")
+
+
+def _resolve_device(device: Any) -> str:
+    import torch
+
+    if not isinstance(device, str):
+        raise EvaluationError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise EvaluationError(f"device {device!r} asked for but CUDA is not available here; use 'cpu' or 'auto'")
+        if ":" in device and int(device[5:]) >= torch.cuda.device_count():
+            raise EvaluationError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return device
+    raise EvaluationError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def _resolve_dtype(dtype: Any, device: str) -> str:
+    if dtype not in _DTYPES:
+        raise EvaluationError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    if dtype == "auto":
+        # BF16 matches how the checkpoints were trained on GPU; CPU BF16 matmuls are slow
+        # and not what the CPU tests want to measure.
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    return dtype
+
+
+def _resolve_batch_size(batch_size: Any, device: str) -> int | str:
+    if batch_size is None:
+        return 64 if device.startswith("cuda") else 8
+    if batch_size == "auto":
+        return batch_size
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise EvaluationError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
+    return batch_size
+
+
+def _unknown_tasks_message(unknown: list[str], known: list[str]) -> str:
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=3)
+        hints.append(f"{name!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    return (
+        f"unknown task(s): {'; '.join(hints)}. `plab eval --list-tasks` lists the available ones; "
+        "a new task is a YAML file in PLAB_EVAL_TASKS_DIR"
+    )
+
+
+def _check_placeholders(requested: list[str], manager: Any, rendered: Any) -> None:
+    """Fail before loading the model if a requested task still has an unset ``${VAR}``."""
+    if not rendered.unresolved:
+        return
+    index = manager.task_index
+    pending = list(requested)
+    seen = set()
+    while pending:
+        name = pending.pop()
+        if name in seen or name not in index:
+            continue
+        seen.add(name)
+        entry = index[name]
+        path = Path(entry.yaml_path) if entry.yaml_path else None
+        if path in rendered.unresolved:
+            source = rendered.sources.get(path, path)
+            missing = ", ".join("${" + v + "}" for v in rendered.unresolved[path])
+            raise EvaluationError(
+                f"task {name!r} ({source}) uses {missing}, which is not set; export the variable "
+                "or write the path into the YAML"
+            )
+        cfg = entry.cfg or {}
+        subtasks = cfg.get("task") if entry.kind.name == "GROUP" else None
+        if isinstance(subtasks, list):
+            pending += [t if isinstance(t, str) else t.get("task") for t in subtasks]
+        pending += list(entry.tags) if entry.kind.name == "TAG" else []
+
+
+@contextlib.contextmanager
+def _offline_mode(enabled: bool):
+    """Force the Hugging Face libraries offline for the duration, then restore them.
+
+    The environment variables only take effect when datasets/huggingface_hub are first
+    imported, so the module-level flags of already imported ones are patched too.
+    """
+    if not enabled:
+        yield
+        return
+    saved_env = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    patched: list[tuple[Any, str, Any]] = []
+    for module_name, attrs in (
+        ("huggingface_hub.constants", ("HF_HUB_OFFLINE",)),
+        ("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")),
+    ):
+        module = sys.modules.get(module_name)
+        for attr in attrs if module is not None else ():
+            if hasattr(module, attr):
+                patched.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, True)
+    os.environ.update({k: "1" for k in saved_env})
+    try:
+        yield
+    finally:
+        for module, attr, value in patched:
+            setattr(module, attr, value)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,0 +1,269 @@
+"""Paired comparison of two models evaluated on the same documents (a recipe against BF16).
+
+Both runs score the *same* documents, so the comparison is paired: per-document differences
+cancel the document difficulty, which makes a paired test far more sensitive than comparing
+two accuracies with their separate stderrs.
+
+Methods
+-------
+``bootstrap`` (default, any metric)
+    Paired percentile bootstrap: resample document indices with replacement (the same
+    indices for both runs), recompute the statistic of each run, take the difference.
+    The (1 - alpha) interval is the alpha/2 and 1 - alpha/2 percentiles of the resampled
+    differences; the two-sided p-value is ``2 * min(P*(d <= 0), P*(d >= 0))`` (capped at 1),
+    so ``p < alpha`` exactly when the interval excludes 0. Significant = the interval
+    excludes 0. With ``strata`` (a group such as BLiMP) the resampling is done within each
+    stratum and the statistic is the unweighted mean of the per-stratum statistics, which is
+    how lm-eval aggregates a group with ``weight_by_size: false``.
+``mcnemar`` (binary 0/1 outcomes only)
+    Exact McNemar test: with b = #(baseline right, candidate wrong) and c = #(baseline wrong,
+    candidate right), under H0 c ~ Binomial(b + c, 1/2); the p-value is the exact two-sided
+    binomial test. The interval is the Clopper-Pearson interval of c / (b + c) mapped to
+    the accuracy difference ``(c - b) / n``, i.e. conditional on the number of discordant
+    pairs. Significant = ``p < alpha``.
+
+Statistics (how per-document values turn into the task's number, as lm-eval aggregates):
+``mean`` (accuracies; values 0/1 or floats), ``perplexity`` (values are log-likelihoods;
+``exp(-mean)``), ``weighted_perplexity`` and ``bits_per_byte`` (values are
+``[loglikelihood, weight]`` pairs; ``exp(-sum ll / sum w)`` and ``-sum ll / sum w / ln 2``).
+
+Identical inputs give delta 0, interval [0, 0], p-value 1 and "not significant".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+STATISTICS = ("mean", "perplexity", "weighted_perplexity", "bits_per_byte")
+METHODS = ("bootstrap", "mcnemar")
+
+# Resampled index matrices are built in chunks of at most this many entries (~40 MB of int64).
+_CHUNK_ENTRIES = 5_000_000
+
+
+def paired_difference(
+    baseline: Sequence,
+    candidate: Sequence,
+    *,
+    method: str = "bootstrap",
+    statistic: str = "mean",
+    n_boot: int = 10_000,
+    seed: int = 0,
+    alpha: float = 0.05,
+    strata: Sequence | None = None,
+) -> dict:
+    """Difference ``statistic(candidate) - statistic(baseline)`` with a (1 - alpha) interval.
+
+    ``baseline`` and ``candidate`` are per-document values aligned by position (document i
+    of one is document i of the other). Returns ``{"method", "statistic", "n", "alpha",
+    "baseline", "candidate", "delta", "ci_low", "ci_high", "p_value", "significant"}`` and,
+    for McNemar, ``"discordant": {"baseline_only": b, "candidate_only": c}``.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+    if not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), e.g. 0.05 for a 95% interval; got {alpha!r}")
+    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 100:
+        raise ValueError(f"n_boot must be an integer >= 100 (10,000 is a good default), got {n_boot!r}")
+    a = _as_columns(baseline, statistic, "baseline")
+    b = _as_columns(candidate, statistic, "candidate")
+    if a.shape != b.shape:
+        raise ValueError(
+            f"baseline has {a.shape[0]} documents and candidate {b.shape[0]}; a paired test needs the same "
+            "documents in the same order (align them by doc_id first, see compare_results)"
+        )
+    groups = _strata_indices(strata, a.shape[0])
+
+    result: dict[str, Any] = {
+        "method": method,
+        "statistic": statistic,
+        "n": int(a.shape[0]),
+        "alpha": float(alpha),
+        "baseline": _grouped_statistic(a, groups, statistic),
+        "candidate": _grouped_statistic(b, groups, statistic),
+    }
+    result["delta"] = result["candidate"] - result["baseline"]
+    if method == "mcnemar":
+        result.update(_mcnemar(a, b, statistic, alpha, groups))
+    else:
+        result.update(_bootstrap(a, b, groups, statistic, n_boot, seed, alpha))
+    return result
+
+
+def compare_results(
+    baseline: dict,
+    candidate: dict,
+    *,
+    tasks: Sequence[str] | None = None,
+    method: str = "bootstrap",
+    n_boot: int = 10_000,
+    seed: int = 0,
+    alpha: float = 0.05,
+) -> list[dict]:
+    """Accuracy table rows: every task and metric both evaluations share, candidate vs baseline.
+
+    ``baseline``/``candidate`` are :func:`training.evaluation.evaluate_checkpoint` results
+    (or just their ``"tasks"`` dicts). Documents are matched by ``doc_id``; only documents
+    both runs scored are compared (``n`` says how many). ``method="mcnemar"`` applies to the
+    binary metrics; the others use the bootstrap (each row names its method). Rows:
+    ``{"task", "metric", "higher_is_better", "improved", **paired_difference(...)}`` where
+    ``improved`` says whether the candidate is better (by ``higher_is_better``).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    base_tasks = baseline.get("tasks", baseline)
+    cand_tasks = candidate.get("tasks", candidate)
+    names = list(tasks) if tasks is not None else [t for t in base_tasks if t in cand_tasks]
+    rows = []
+    for name in names:
+        if name not in base_tasks or name not in cand_tasks:
+            missing = "baseline" if name not in base_tasks else "candidate"
+            raise ValueError(f"task {name!r} is not in the {missing} results; evaluate it there first")
+        base, cand = base_tasks[name], cand_tasks[name]
+        for metric, agg in base.get("aggregation", {}).items():
+            if agg not in STATISTICS or metric not in cand.get("aggregation", {}):
+                continue
+            a, b, strata = _aligned(name, metric, base, cand, base_tasks, cand_tasks)
+            if not a:
+                continue
+            binary = agg == "mean" and all(v in (0.0, 1.0) for v in a + b)
+            row_method = "mcnemar" if method == "mcnemar" and binary else "bootstrap"
+            if row_method == "mcnemar" and strata is not None and len(set(np.bincount(_codes(strata)))) > 1:
+                row_method = "bootstrap"  # pooled McNemar would misweight unequal subtasks
+            diff = paired_difference(
+                a, b, method=row_method, statistic=agg, n_boot=n_boot, seed=seed, alpha=alpha, strata=strata
+            )
+            higher = base.get("higher_is_better", {}).get(metric)
+            improved = None
+            if diff["significant"] and higher is not None:
+                improved = (diff["delta"] > 0) == bool(higher)
+            rows.append({"task": name, "metric": metric, "higher_is_better": higher, "improved": improved, **diff})
+    return rows
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _aligned(name, metric, base, cand, base_tasks, cand_tasks):
+    """Per-document values of both runs on their common documents (+ strata for groups)."""
+    if base.get("kind") == "group":
+        a_all, b_all, strata = [], [], []
+        for sub in base.get("subtasks", []):
+            if sub in base_tasks and sub in cand_tasks:
+                a, b, _ = _aligned(sub, metric, base_tasks[sub], cand_tasks[sub], base_tasks, cand_tasks)
+                a_all += a
+                b_all += b
+                strata += [sub] * len(a)
+        return a_all, b_all, strata
+    a_map = dict(zip(base["samples"]["doc_id"], base["samples"][metric]))
+    b_map = dict(zip(cand["samples"]["doc_id"], cand["samples"][metric]))
+    common = [d for d in base["samples"]["doc_id"] if d in b_map]
+    return [a_map[d] for d in common], [b_map[d] for d in common], None
+
+
+def _as_columns(values: Sequence, statistic: str, label: str) -> np.ndarray:
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{label} values must be numbers (or [loglikelihood, weight] pairs): {err}") from err
+    if arr.ndim == 0 or arr.shape[0] == 0:
+        raise ValueError(f"{label} has no documents; a paired test needs at least one")
+    want_pairs = statistic in ("weighted_perplexity", "bits_per_byte")
+    if want_pairs and (arr.ndim != 2 or arr.shape[1] != 2):
+        raise ValueError(f"statistic {statistic!r} needs [loglikelihood, weight] pairs per document in {label}")
+    if not want_pairs and arr.ndim != 1:
+        raise ValueError(f"statistic {statistic!r} needs one number per document in {label}, got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{label} holds NaN or infinite values; drop or fix those documents first")
+    if want_pairs and np.any(arr[:, 1] <= 0):
+        raise ValueError(f"{label}: weights (bytes or words) must be positive")
+    return arr.reshape(arr.shape[0], -1)
+
+
+def _strata_indices(strata: Sequence | None, n: int) -> list[np.ndarray]:
+    if strata is None:
+        return [np.arange(n)]
+    if len(strata) != n:
+        raise ValueError(f"strata has {len(strata)} labels for {n} documents; give one label per document")
+    codes = _codes(strata)
+    return [np.flatnonzero(codes == k) for k in range(codes.max() + 1)]
+
+
+def _codes(labels: Sequence) -> np.ndarray:
+    _, codes = np.unique(np.asarray([str(s) for s in labels]), return_inverse=True)
+    return codes
+
+
+def _finish(means: np.ndarray, statistic: str) -> np.ndarray:
+    """Column means (..., k) → the statistic (...)."""
+    if statistic == "mean":
+        return means[..., 0]
+    if statistic == "perplexity":
+        return np.exp(-means[..., 0])
+    if statistic == "weighted_perplexity":
+        return np.exp(-means[..., 0] / means[..., 1])
+    return -means[..., 0] / means[..., 1] / math.log(2)
+
+
+def _grouped_statistic(x: np.ndarray, groups: list[np.ndarray], statistic: str) -> float:
+    return float(np.mean([_finish(x[g].mean(axis=0), statistic) for g in groups]))
+
+
+def _bootstrap(a, b, groups, statistic, n_boot, seed, alpha) -> dict:
+    rng = np.random.default_rng(seed)
+    deltas = np.zeros(n_boot)
+    for g in groups:
+        size = len(g)
+        rows = max(1, _CHUNK_ENTRIES // size)
+        for start in range(0, n_boot, rows):
+            stop = min(n_boot, start + rows)
+            idx = g[rng.integers(0, size, size=(stop - start, size))]
+            stat_a = _finish(a[idx].mean(axis=1), statistic)
+            stat_b = _finish(b[idx].mean(axis=1), statistic)
+            deltas[start:stop] += stat_b - stat_a
+    deltas /= len(groups)
+    low, high = np.quantile(deltas, [alpha / 2, 1 - alpha / 2])
+    p_value = min(1.0, 2 * min(np.mean(deltas <= 0), np.mean(deltas >= 0)))
+    return {
+        "ci_low": float(low),
+        "ci_high": float(high),
+        "p_value": float(p_value),
+        "significant": bool(low > 0 or high < 0),
+        "n_boot": n_boot,
+        "seed": seed,
+    }
+
+
+def _mcnemar(a, b, statistic, alpha, groups) -> dict:
+    from scipy.stats import beta, binomtest
+
+    x, y = a[:, 0], b[:, 0]
+    if statistic != "mean" or not (np.isin(x, (0.0, 1.0)).all() and np.isin(y, (0.0, 1.0)).all()):
+        raise ValueError("McNemar's test needs binary 0/1 outcomes (accuracies); use method='bootstrap'")
+    if len({len(g) for g in groups}) > 1:
+        raise ValueError("McNemar pools all documents, which misweights strata of unequal size; use method='bootstrap'")
+    n = x.shape[0]
+    b_only = int(np.sum((x == 1) & (y == 0)))
+    c_only = int(np.sum((x == 0) & (y == 1)))
+    disc = b_only + c_only
+    if disc == 0:
+        p_value, low, high = 1.0, 0.0, 0.0
+    else:
+        p_value = float(binomtest(c_only, disc, 0.5).pvalue)
+        # Clopper-Pearson interval of theta = c / (b + c); delta = (2 theta - 1) * disc / n.
+        t_low = beta.ppf(alpha / 2, c_only, disc - c_only + 1) if c_only > 0 else 0.0
+        t_high = beta.ppf(1 - alpha / 2, c_only + 1, disc - c_only) if c_only < disc else 1.0
+        low, high = (2 * t_low - 1) * disc / n, (2 * t_high - 1) * disc / n
+    return {
+        "ci_low": float(low),
+        "ci_high": float(high),
+        "p_value": p_value,
+        "significant": bool(p_value < alpha),
+        "discordant": {"baseline_only": b_only, "candidate_only": c_only},
+    }
