@@ -1,29 +1,62 @@
 """Precision recipes: the seam where number formats plug into training.
 
-Minimal seam (bf16 only); the precision issue fills in the other recipes behind the same names.
+`apply_recipe(model, name, *, bf16_first_layers=0, bf16_last_layers=0, backend="auto", **options)`
+converts the nn.Linear layers inside `model.model.layers[i]` (q/k/v/o_proj, gate/up/down_proj) of a
+transformers LlamaForCausalLM; embeddings, norms and the LM head stay high precision. Blocks
+`i < bf16_first_layers` and `i >= n - bf16_last_layers` stay BF16 (the NVFP4 paper keeps the last 4).
+It returns a `RecipeReport`: `.layers` (every block linear, converted or skipped and why), `.gemm_backend`
+("real", "emulated" or "bf16"), `.hooks` (call `post_optimizer_step(model)` after each optimizer step;
+`state_dict()` / `load_state_dict()` go into checkpoints), `.to_dict()` (JSON-able),
+`.set_numerics_sampling(on)` / `.collect_numerics()` (see numerics.py).
+
+Backends: "auto" runs real low-precision kernels where the GPU has them and exact emulation elsewhere
+(quantize -> dequantize, exact -> BF16 GEMM with FP32 accumulation on GPU, FP32 math on CPU; the
+Fprop, Dgrad and Wgrad operands are each quantized in their own format and block orientation, blocks
+along each GEMM's reduction dim). "emulated" forces emulation; "real" raises if real kernels are
+unavailable and says why. Emulated throughput is not the format's throughput: label it.
+
+Recipes (X activations, W weights, dY output gradients):
+  bf16            BF16 autocast compute, FP32 master weights. The baseline. Any device.
+  fp8_delayed     X, W in E4M3, dY in E5M2; one scale per tensor = FP8 max / max of an amax history of
+                  the previous `amax_history_len` steps (default 1024), updated after each optimizer step
+                  (Transformer Engine's DelayedScaling; ours, torchao dropped it).
+                  Real: torch._scaled_mm on sm_89+ (Ada/Hopper/Blackwell).
+  fp8_tensorwise  X, W in E4M3, dY in E5M2; one scale per tensor from its current amax ("FP8-CS").
+                  Real: torchao Float8Linear "tensorwise" on sm_89+.
+  fp8_rowwise     E4M3 for all operands; one power-of-two scale per row along each GEMM's reduction dim.
+                  Real: torchao Float8Linear "rowwise" on sm_89+ (fast kernels on sm_90+).
+  fp8_blockwise   E4M3; FP32 scales per 1x128 (X, dY) and per 128x128 tile (W); dims must be multiples of
+                  128, no bias. Real: torchao prototype blockwise_fp8_training on sm_90+ (Hopper).
+  mxfp8           E4M3 + E8M0 power-of-two scale per 32 elements along the reduction dim, all operands;
+                  option scale_rounding "rceil" (default) or "floor". Real: torchao MXFP8Linear on sm_100+
+                  (Blackwell); exact emulation on Hopper and CPU.
+  nvfp4           E2M1 + E4M3 scale per 16 elements + FP32 per-tensor scale; 1x16 blocks for X and dY,
+                  16x16 tiles for W (option weight_2d), 16-point random Hadamard transform on both Wgrad
+                  operands along tokens (option rht, sign vector seeded by rht_seed), stochastic rounding
+                  of dY (option stochastic_rounding). Real: torchao NVFP4Linear on sm_100+ with all parts
+                  on; exact emulation on Hopper and CPU.
+
+`quantize_dequantize(x, fmt, *, block_size=None, scale_rounding=None, stochastic=False, generator=None)`
+is the format contract of ARCHITECTURE.md (bit-exact with torchao's MXFP8 and NVFP4 reference quantizers).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+# Importing the recipe modules registers them, in RECIPES order.
+from training.precision import bf16, fp8_blockwise, fp8_delayed, fp8_rowwise, fp8_tensorwise, mxfp8, nvfp4  # noqa: F401
+from training.precision.formats import FORMATS, quantize_dequantize
+from training.precision.registry import REGISTRY, RecipeReport, apply_recipe
 
 RECIPES = ("bf16", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4")
+assert set(RECIPES) == set(REGISTRY), "every recipe name must have a registered module"
 
 
-@dataclass
-class RecipeReport:
-    recipe: str
-    gemm_backend: str = "bf16"
-    layers: list = field(default_factory=list)
-    hooks: list = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {"recipe": self.recipe, "gemm_backend": self.gemm_backend, "layers": list(self.layers)}
-
-
-def apply_recipe(model, name: str, *, bf16_first_layers: int = 0, bf16_last_layers: int = 0,
-                 backend: str = "auto", **options) -> RecipeReport:
-    if name not in RECIPES:
+def recipe_info(name: str) -> dict:
+    """Human description of a recipe (for the UI): summary, GPU requirement, options with defaults."""
+    if name not in REGISTRY:
         raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
-    if name != "bf16":
-        raise NotImplementedError(f"recipe {name!r} is not implemented yet")
-    return RecipeReport(recipe="bf16")
+    recipe = REGISTRY[name]
+    return {"name": name, "summary": recipe.summary, "gpu_requirement": recipe.gpu_requirement,
+            "options": dict(recipe.options)}
+
+
+__all__ = ["RECIPES", "FORMATS", "RecipeReport", "apply_recipe", "quantize_dequantize", "recipe_info"]

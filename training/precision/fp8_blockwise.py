@@ -1,0 +1,92 @@
+"""`fp8_blockwise`: DeepSeek-V3 style sub-channel FP8. E4M3 everywhere; activations and gradients get
+one FP32 scale per 1x128 run along the GEMM's reduction dim, weights one per 128x128 tile (so Fprop and
+Dgrad share the weight quantization). Real kernels: torchao prototype `fp8_blockwise_mm`, sm_90+,
+needs in/out features (and tokens per step) divisible by 128 and no bias."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from training.precision.emulation import EmulatedLinearFn, GemmQuantizer
+from training.precision.formats import quantize_fp8_blocks
+from training.precision.fp8_tensorwise import transposed
+from training.precision.registry import Recipe, capability_reason, register
+
+E4M3 = torch.float8_e4m3fn
+BLOCK = 128
+
+
+def _runs(t, track=False):
+    return quantize_fp8_blocks(t, BLOCK, E4M3, track=track)
+
+
+class BlockwiseQuantizer(GemmQuantizer):
+    def input(self, x2d, *, track=False):
+        return _runs(x2d, track)
+
+    def weight(self, w, *, track=False):
+        q = quantize_fp8_blocks(w, BLOCK, E4M3, block_2d=True, track=track)
+        return q, transposed(q)
+
+    def grad(self, dy2d, *, track=False):
+        return _runs(dy2d, track)
+
+    def wgrad(self, dy_t, x_t):
+        return _runs(dy_t), _runs(x_t)
+
+    def describe(self):
+        return "E4M3, 1x128 activation/gradient scales, 128x128 weight tiles"
+
+
+class BlockwiseFP8Linear(nn.Linear):
+    """Real-kernel layer: torchao's blockwise FP8 autograd function. Steps whose token count is not a
+    multiple of 128 (the Wgrad block runs over tokens) fall back to the exact emulation."""
+
+    def __init__(self, linear: nn.Linear, quantizer: GemmQuantizer):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.quantizer = quantizer
+
+    def forward(self, x):
+        tokens = x.numel() // x.shape[-1]
+        if not x.is_cuda or tokens % BLOCK:
+            return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer)
+        from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+        # torchao's kernels are written for BF16 inputs (Float8BlockwiseLinear.supported_dtypes).
+        return fp8_blockwise_mm.apply(x.to(torch.bfloat16).contiguous(), self.weight.to(torch.bfloat16),
+                                      BLOCK, torch.bfloat16, False)
+
+
+@register
+class FP8BlockwiseRecipe(Recipe):
+    name = "fp8_blockwise"
+    summary = "E4M3; FP32 scales per 1x128 (activations, gradients) and 128x128 (weights) blocks"
+    gpu_requirement = "real FP8 block-scaled GEMMs on sm_90+ via torchao prototype blockwise_fp8_training; emulated elsewhere"
+    options = {}
+
+    def real_unavailable(self, device, options):
+        reason = capability_reason(device, (9, 0), "torchao blockwise FP8 kernels")
+        if reason is None:
+            try:
+                import torchao.prototype.blockwise_fp8_training.linear  # noqa: F401
+            except Exception as exc:  # an import failure is a reason, not a crash
+                return f"torchao blockwise FP8 prototype failed to import: {exc}"
+        return reason
+
+    def skip_reason(self, linear, real):
+        for what, dim in (("in_features", linear.in_features), ("out_features", linear.out_features)):
+            if dim % BLOCK:
+                return f"{what} {dim} not a multiple of {BLOCK} required by fp8_blockwise"
+        if real and linear.bias is not None:
+            return "torchao blockwise FP8 kernels do not support a bias"
+        return None
+
+    def convert(self, linear, name, options, real):
+        quantizer = BlockwiseQuantizer()
+        if real:
+            return BlockwiseFP8Linear(linear, quantizer), quantizer, "torchao fp8_blockwise_mm (1x128 / 128x128)"
+        from training.precision.emulation import QuantizedLinear
+
+        return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"

@@ -1,0 +1,72 @@
+"""`fp8_tensorwise`: FP8 with per-tensor *current* scaling ("FP8-CS"; torchao `tensorwise`).
+
+X and W in E4M3, dY in E5M2 (gradients need range more than precision); each tensor's scale is
+448 (or 57344) / its current amax. Real kernels: torchao `Float8Linear` (`torch._scaled_mm`), sm_89+.
+"""
+from __future__ import annotations
+
+import torch
+
+from training.precision.emulation import GemmQuantizer, QuantizedLinear
+from training.precision.formats import Quantized, quantize_fp8_tensorwise
+from training.precision.registry import Recipe, capability_reason, register
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def transposed(q: Quantized) -> Quantized:
+    """Per-tensor (and 2D-tile) quantization is transpose-invariant: Dgrad reuses Fprop's weight."""
+    return Quantized(q.values.t(), q.outer, q.bf16_exact, q.saturated)
+
+
+class TensorwiseQuantizer(GemmQuantizer):
+    def input(self, x2d, *, track=False):
+        return quantize_fp8_tensorwise(x2d, E4M3, track=track)
+
+    def weight(self, w, *, track=False):
+        q = quantize_fp8_tensorwise(w, E4M3, track=track)
+        return q, transposed(q)
+
+    def grad(self, dy2d, *, track=False):
+        return quantize_fp8_tensorwise(dy2d, E5M2, track=track)
+
+    def wgrad(self, dy_t, x_t):
+        return quantize_fp8_tensorwise(dy_t, E5M2), quantize_fp8_tensorwise(x_t, E4M3)
+
+    def describe(self):
+        return "E4M3 X/W, E5M2 dY, per-tensor current scaling"
+
+
+def torchao_float8_linear(linear, recipe_name: str):
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    return Float8Linear.from_float(linear, config=Float8LinearConfig.from_recipe_name(recipe_name))
+
+
+def scaled_mm_shape_reason(linear, recipe: str):
+    # torch._scaled_mm needs every GEMM dimension divisible by 16.
+    for what, dim in (("in_features", linear.in_features), ("out_features", linear.out_features)):
+        if dim % 16:
+            return f"{what} {dim} not a multiple of 16 required by FP8 tensor cores ({recipe})"
+    return None
+
+
+@register
+class FP8TensorwiseRecipe(Recipe):
+    name = "fp8_tensorwise"
+    summary = "E4M3 X/W, E5M2 dY; one scale per tensor from its current amax"
+    gpu_requirement = "real FP8 GEMMs on sm_89+ (Ada, Hopper, Blackwell) via torchao Float8Linear; emulated elsewhere"
+    options = {}
+
+    def real_unavailable(self, device, options):
+        return capability_reason(device, (8, 9), "FP8 tensor cores")
+
+    def skip_reason(self, linear, real):
+        return scaled_mm_shape_reason(linear, self.name) if real else None
+
+    def convert(self, linear, name, options, real):
+        quantizer = TensorwiseQuantizer()
+        if real:
+            return torchao_float8_linear(linear, "tensorwise"), quantizer, "torchao Float8Linear (tensorwise)"
+        return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"

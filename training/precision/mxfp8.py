@@ -1,0 +1,79 @@
+"""`mxfp8`: OCP Microscaling FP8. E4M3 elements with one E8M0 (power-of-two) scale per 32 elements
+along each GEMM's reduction dim, for X, W and dY alike (W is re-blocked along out_features for Dgrad,
+X and dY along tokens for Wgrad). Scale rule option `scale_rounding`: "rceil" (default, the
+cuBLAS/Blackwell rule) or "floor" (OCP spec). Real kernels: torchao `MXFP8Linear`, sm_100+ only;
+on Hopper and CPU exact emulation (E4M3 x 2^k is exact in BF16)."""
+from __future__ import annotations
+
+from training.precision.emulation import GemmQuantizer, QuantizedLinear
+from training.precision.formats import SCALE_ROUNDINGS, quantize_mxfp8
+from training.precision.registry import Recipe, capability_reason, register
+
+BLOCK = 32
+
+
+class MXFP8Quantizer(GemmQuantizer):
+    def __init__(self, scale_rounding: str):
+        self.scale_rounding = scale_rounding
+
+    def _q(self, t, track=False):
+        return quantize_mxfp8(t, block_size=BLOCK, scale_rounding=self.scale_rounding, track=track)
+
+    def input(self, x2d, *, track=False):
+        return self._q(x2d, track)
+
+    def weight(self, w, *, track=False):
+        return self._q(w, track), self._q(w.t())
+
+    def grad(self, dy2d, *, track=False):
+        return self._q(dy2d, track)
+
+    def wgrad(self, dy_t, x_t):
+        return self._q(dy_t), self._q(x_t)
+
+    def describe(self):
+        return f"MXFP8 E4M3, E8M0 scale per 1x{BLOCK} along the reduction dim ({self.scale_rounding})"
+
+
+@register
+class MXFP8Recipe(Recipe):
+    name = "mxfp8"
+    summary = "E4M3 + E8M0 power-of-two scale per 32 elements along the reduction dim"
+    gpu_requirement = "real MXFP8 GEMMs on sm_100+ (Blackwell) via torchao MXFP8Linear; exact emulation on Hopper/CPU"
+    options = {"scale_rounding": "rceil"}
+
+    def validate_options(self, options):
+        if options["scale_rounding"] not in SCALE_ROUNDINGS:
+            raise ValueError(f"option scale_rounding of mxfp8 must be one of {', '.join(SCALE_ROUNDINGS)}, "
+                             f"got {options['scale_rounding']!r}")
+
+    def real_unavailable(self, device, options):
+        reason = capability_reason(device, (10, 0), "MXFP8 tensor cores")
+        if reason is None:
+            try:
+                from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear  # noqa: F401
+            except Exception as exc:
+                return f"torchao MXFP8Linear failed to import: {exc}"
+        return reason
+
+    def skip_reason(self, linear, real):
+        for what, dim in (("in_features", linear.in_features), ("out_features", linear.out_features)):
+            if dim % BLOCK:
+                return f"{what} {dim} not a multiple of {BLOCK} required by mxfp8"
+        return None
+
+    def convert(self, linear, name, options, real):
+        quantizer = MXFP8Quantizer(options["scale_rounding"])
+        if real:
+            import torch
+            from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+            from torchao.prototype.mx_formats.config import ScaleCalculationMode
+            from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+            mode = ScaleCalculationMode.RCEIL if options["scale_rounding"] == "rceil" else ScaleCalculationMode.FLOOR
+            with torch.device("meta"):
+                new = MXFP8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                  kernel_preference=KernelPreference.AUTO, scale_calculation_mode=mode)
+            new.weight, new.bias = linear.weight, linear.bias
+            return new, quantizer, f"torchao MXFP8Linear ({options['scale_rounding']})"
+        return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"

@@ -1,0 +1,208 @@
+"""The recipe registry, the conversion report and `apply_recipe`.
+
+Each recipe module defines one `Recipe` subclass and registers it; `apply_recipe` only talks to that
+interface (the torchtitan model-converter pattern), so the train loop never knows which formats exist.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from training.precision.emulation import GemmQuantizer
+from training.precision.numerics import NumericsProbe
+
+BACKENDS = ("auto", "real", "emulated")
+REGISTRY: dict[str, "Recipe"] = {}
+
+
+def register(recipe_cls):
+    recipe = recipe_cls()
+    REGISTRY[recipe.name] = recipe
+    return recipe_cls
+
+
+def cuda_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def capability_reason(device: torch.device, minimum: tuple[int, int], what: str) -> Optional[str]:
+    """None when `device` has the tensor cores for `what`, else a sentence saying why not."""
+    cap = cuda_capability(device)
+    if cap is None:
+        return f"{what} needs a CUDA GPU with compute capability sm_{minimum[0]}{minimum[1]}+, model is on {device.type}"
+    if cap < minimum:
+        return (f"{what} needs compute capability sm_{minimum[0]}{minimum[1]}+, "
+                f"this GPU is sm_{cap[0]}{cap[1]}")
+    return None
+
+
+class Recipe:
+    """One precision recipe. Subclasses set the class attributes and implement the conversion."""
+
+    name: str = ""
+    summary: str = ""
+    gpu_requirement: str = ""
+    options: dict[str, Any] = {}  # option name -> default
+
+    def resolve_options(self, given: dict) -> dict:
+        unknown = sorted(set(given) - set(self.options))
+        if unknown:
+            valid = ", ".join(sorted(self.options)) or "none"
+            raise ValueError(f"unknown option(s) {', '.join(unknown)} for recipe {self.name!r}; valid options: {valid}")
+        resolved = dict(self.options)
+        resolved.update(given)
+        for key, default in self.options.items():
+            if isinstance(default, bool) and not isinstance(resolved[key], bool):
+                raise ValueError(f"option {key!r} of recipe {self.name!r} must be true or false, got {resolved[key]!r}")
+        self.validate_options(resolved)
+        return resolved
+
+    def validate_options(self, options: dict) -> None:
+        pass
+
+    def real_unavailable(self, device: torch.device, options: dict) -> Optional[str]:
+        """None if real kernels can run on `device` with these options, else the reason."""
+        raise NotImplementedError
+
+    def skip_reason(self, linear: nn.Linear, real: bool) -> Optional[str]:
+        """Why this layer cannot be converted (shape constraints), or None."""
+        return None
+
+    def convert(self, linear: nn.Linear, name: str, options: dict, real: bool) -> tuple[nn.Module, GemmQuantizer, str]:
+        """Return (new module, quantizer describing its formats for telemetry, one-line description)."""
+        raise NotImplementedError
+
+    def make_hooks(self, converted: list[tuple[str, nn.Module]], options: dict) -> list:
+        return []
+
+
+@dataclass
+class RecipeReport:
+    recipe: str
+    gemm_backend: str = "bf16"
+    layers: list = field(default_factory=list)
+    hooks: list = field(default_factory=list)
+    options: dict = field(default_factory=dict)
+    bf16_first_layers: int = 0
+    bf16_last_layers: int = 0
+    backend_requested: str = "auto"
+    device: str = "cpu"
+    notes: list = field(default_factory=list)
+    probe: NumericsProbe = field(default_factory=NumericsProbe, repr=False)
+
+    def to_dict(self) -> dict:
+        return {
+            "recipe": self.recipe,
+            "gemm_backend": self.gemm_backend,
+            "backend_requested": self.backend_requested,
+            "device": self.device,
+            "options": dict(self.options),
+            "bf16_first_layers": self.bf16_first_layers,
+            "bf16_last_layers": self.bf16_last_layers,
+            "converted_layers": sum(1 for layer in self.layers if layer["converted"]),
+            "total_layers": len(self.layers),
+            "layers": [dict(layer) for layer in self.layers],
+            "notes": list(self.notes),
+        }
+
+    def set_numerics_sampling(self, on: bool) -> None:
+        self.probe.set_sampling(on)
+
+    def collect_numerics(self) -> dict[str, float]:
+        return self.probe.collect()
+
+
+def _transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    blocks = getattr(inner, "layers", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError("apply_recipe expects a transformers LlamaForCausalLM-like model with its blocks "
+                         f"at model.model.layers; got {type(model).__name__}")
+    return blocks
+
+
+def _check_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf16_last_layers: int = 0,
+                 backend: str = "auto", **options) -> RecipeReport:
+    """Convert the linear layers of `model.model.layers[i]` to recipe `name`, in place.
+
+    Embeddings, norms and the LM head stay in high precision. Blocks `i < bf16_first_layers` and
+    `i >= n - bf16_last_layers` stay BF16. `backend`: "auto" (real kernels where the GPU has them,
+    exact emulation elsewhere), "real" (error if unavailable) or "emulated". Returns a RecipeReport.
+    Call it before building the optimizer and before torch.compile.
+    """
+    if name not in REGISTRY:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(REGISTRY)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    first = _check_count("bf16_first_layers", bf16_first_layers)
+    last = _check_count("bf16_last_layers", bf16_last_layers)
+    recipe = REGISTRY[name]
+    resolved = recipe.resolve_options(options)
+    blocks = _transformer_blocks(model)
+    n = len(blocks)
+    if first + last > n:
+        raise ValueError(f"bf16_first_layers ({first}) + bf16_last_layers ({last}) exceeds the model's {n} blocks")
+    for module_name, module in model.named_modules():
+        if getattr(module, "_plab_converted", False):
+            raise ValueError(f"model is already converted ({module_name}); build a fresh model to apply another recipe")
+
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    report = RecipeReport(recipe=name, options=resolved, bf16_first_layers=first, bf16_last_layers=last,
+                          backend_requested=backend, device=str(device))
+    real = False
+    if name != "bf16":
+        unavailable = recipe.real_unavailable(device, resolved)
+        if backend == "real" and unavailable:
+            raise ValueError(f"backend='real' is unavailable for {name}: {unavailable}; use backend='auto' or 'emulated'")
+        real = backend != "emulated" and unavailable is None
+        if not real:
+            report.notes.append(f"emulated: {unavailable}" if backend == "auto" else "emulated: backend='emulated' requested")
+
+    converted: list[tuple[str, nn.Module]] = []
+    backends_used = set()
+    for i, block in enumerate(blocks):
+        linears = [(child, mod) for child, mod in block.named_modules() if type(mod) is nn.Linear]
+        for child, linear in linears:
+            full = f"layers.{i}.{child}"
+            entry = {"name": full, "block": i, "in_features": linear.in_features,
+                     "out_features": linear.out_features, "converted": False, "backend": "bf16"}
+            if name == "bf16":
+                entry["reason"] = "bf16 baseline: high-precision GEMM"
+            elif i < first:
+                entry["reason"] = f"kept in BF16: block {i} < bf16_first_layers={first}"
+            elif i >= n - last:
+                entry["reason"] = f"kept in BF16: block {i} is among the last bf16_last_layers={last}"
+            else:
+                skip = recipe.skip_reason(linear, real)
+                if skip:
+                    entry["reason"] = skip
+                else:
+                    new, quantizer, how = recipe.convert(linear, full, resolved, real)
+                    new._plab_converted = True
+                    parent_path, _, attr = child.rpartition(".")
+                    parent = block.get_submodule(parent_path) if parent_path else block
+                    setattr(parent, attr, new)
+                    layer_backend = "real" if real else "emulated"
+                    entry.update(converted=True, backend=layer_backend, reason=how)
+                    backends_used.add(layer_backend)
+                    converted.append((full, new))
+                    report.probe.add_layer(full, new, quantizer)
+            report.layers.append(entry)
+    if backends_used:
+        report.gemm_backend = "emulated" if "emulated" in backends_used else "real"
+    report.hooks = recipe.make_hooks(converted, resolved)
+    return report
