@@ -87,7 +87,7 @@ def test_a_quantizer_that_misapplies_its_scale_fails_the_check(monkeypatch):
 
 def test_a_too_coarse_emulation_quantizer_fails_the_nvfp4_bound(monkeypatch):
     # One bit per element (sign × block max) instead of E2M1: relative error ≈ 0.6 > 0.25.
-    def sign_only(x, fmt):
+    def sign_only(x, fmt, block_size=None):
         x = x.contiguous()
         return torch.sign(x) * x.abs().reshape(x.shape[0], -1, 16).amax(-1, keepdim=True).expand(
             -1, -1, 16).reshape(x.shape)

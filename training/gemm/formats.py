@@ -115,57 +115,23 @@ def fp8_rowwise_quantize(x: torch.Tensor, dtype: torch.dtype):
     return q, scale.reciprocal()
 
 
-def _blockwise_qdq_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """1×block tiles along the last dim, E4M3, dequantized (emulation only)."""
-    r, k = x.shape
-    fmax = torch.finfo(_E4M3).max
-    xb = x.to(torch.float32).reshape(r, k // block, block)
-    scale = fmax / torch.clamp(xb.abs().amax(dim=2, keepdim=True), min=_EPS)
-    q = (xb * scale).clamp(-fmax, fmax).to(_E4M3)
-    return (q.to(torch.float32) / scale).reshape(r, k).to(x.dtype)
-
-
-def _blockwise_qdq_tiles(x: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """block×block tiles (weights), E4M3, dequantized (emulation only)."""
-    r, k = x.shape
-    fmax = torch.finfo(_E4M3).max
-    xb = x.to(torch.float32).reshape(r // block, block, k // block, block)
-    scale = fmax / torch.clamp(xb.abs().amax(dim=(1, 3), keepdim=True), min=_EPS)
-    q = (xb * scale).clamp(-fmax, fmax).to(_E4M3)
-    return (q.to(torch.float32) / scale).reshape(r, k).to(x.dtype)
-
-
 # ---------------------------------------------------------------------------------------------------
-# MXFP8 / NVFP4 emulation: the quantizer lives behind this one function.
+# Emulation (formats without hardware support here): quantize → dequantize → BF16 GEMM.
 # ---------------------------------------------------------------------------------------------------
 
-def _torchao_reference_qdq(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    if fmt == "mxfp8":
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-        from torchao.prototype.mx_formats.mx_tensor import MXTensor
-        return MXTensor.to_mx(x, _E4M3, 32, scaling_mode=ScaleCalculationMode.RCEIL).dequantize(x.dtype)
-    if fmt == "nvfp4":
-        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
-        return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max())
-                                    ).dequantize(x.dtype)
-    raise ValueError(f"no emulation quantizer for {fmt!r}")
+def emulation_quantize_dequantize(x: torch.Tensor, fmt: str, block_size=None) -> torch.Tensor:
+    """Quantize → dequantize `x` (blocks along its last dim) for the emulated GEMM path.
 
-
-def emulation_quantize_dequantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Quantize → dequantize `x` (blocks along its last dim) for the emulated `mxfp8`/`nvfp4` path.
-
-    Uses the project quantizer `training.precision.quantize_dequantize` (bit-exact with torchao by its
-    contract) once it exists, torchao's reference quantizer until then. Operands whose K is not the
-    contiguous dim (B of fprop, A of wgrad) are made contiguous first, as a real quantization kernel
-    writes them in the K-major layout the GEMM needs.
+    The one quantizer of the project, `training.precision.quantize_dequantize` (bit-exact with torchao's
+    reference quantizers by its contract). Operands whose K is not the contiguous dim (B of fprop, A of
+    wgrad) are made contiguous first, as a real quantization kernel writes them in the K-major layout
+    the GEMM needs.
     """
+    from training.precision import quantize_dequantize
     x = x.contiguous()
-    try:
-        from training.precision import quantize_dequantize
-    except ImportError:
-        return _torchao_reference_qdq(x, fmt)
-    return quantize_dequantize(x, fmt, scale_rounding="rceil") if fmt == "mxfp8" \
-        else quantize_dequantize(x, fmt)
+    if fmt == "mxfp8":
+        return quantize_dequantize(x, fmt, scale_rounding="rceil")
+    return quantize_dequantize(x, fmt, block_size=block_size)
 
 
 def _emulation_quantize(x: torch.Tensor, fmt: str):
@@ -339,8 +305,8 @@ def _prepare_emulated(fmt, mode, shape, views) -> PreparedGemm:
 
         def qdq_pair(i):
             a, b = views[i]
-            qb_t = (_blockwise_qdq_tiles if b_is_weight else _blockwise_qdq_rows)(b.t())
-            return _blockwise_qdq_rows(a), qb_t.t()
+            qb_t = emulation_quantize_dequantize(b.t(), fmt, (128, 128) if b_is_weight else 128)
+            return emulation_quantize_dequantize(a, fmt, 128), qb_t.t()
         note = EMULATED_LABEL
         if mode == "kernel":
             # Stored dequantized: the emulated "kernel" is then exactly the BF16 GEMM it runs.
