@@ -38,17 +38,18 @@ class ExperimentCreate(Strict):
     data: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
-    recipes: list[str | RecipeRequest] = Field(default_factory=lambda: ["bf16"], max_length=64)
+    recipes: list[str | RecipeRequest] = Field(default_factory=lambda: [RecipeRequest(name="bf16")], min_length=1,
+                                               max_length=64,
+                                               description="recipe names or objects with options")
     eval_tasks: list[str] = Field(default_factory=list, max_length=200)
     enqueue: bool = True
 
-    @field_validator("recipes")
+    @field_validator("recipes", mode="before")
     @classmethod
-    def normalise_recipes(cls, v: list) -> list:
-        out = [RecipeRequest(name=r) if isinstance(r, str) else r for r in v]
-        if not out:
-            raise ValueError("give at least one recipe, e.g. [\"bf16\", \"fp8_tensorwise\"]")
-        return out
+    def names_to_objects(cls, v):
+        if isinstance(v, list):
+            return [{"name": r} if isinstance(r, str) else r for r in v]
+        return v
 
 
 class RunCreate(Strict):

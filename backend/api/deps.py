@@ -4,10 +4,15 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterator
 
-from fastapi import Depends, HTTPException, Request
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Path, Request
 from sqlalchemy.orm import Session
 
 from backend.settings import Settings
+
+# Ids are 32-bit in the database; larger numbers are refused before they reach it.
+ObjectId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
 def get_settings(request: Request) -> Settings:

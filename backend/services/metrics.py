@@ -34,9 +34,10 @@ def ingest(session: Session, run_id: int, points: Sequence[MetricPointIn]) -> tu
     inserted = 0
     chunk = _SQLITE_CHUNK if dialect == "sqlite" else 10_000
     for i in range(0, len(rows), chunk):
+        # RETURNING counts what was really inserted (rowcount is -1 for multi-row inserts on some drivers).
         stmt = insert(MetricPoint).values(rows[i:i + chunk]).on_conflict_do_nothing(
-            index_elements=["run_id", "key", "step"])
-        inserted += session.execute(stmt).rowcount or 0
+            index_elements=["run_id", "key", "step"]).returning(MetricPoint.id)
+        inserted += len(session.execute(stmt).all())
     return inserted, len(points) - inserted
 
 

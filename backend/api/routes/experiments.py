@@ -4,7 +4,7 @@ from fastapi import APIRouter, Depends, Query
 from sqlalchemy.orm import Session
 
 from backend import queue
-from backend.api.deps import get_session, require_write_token
+from backend.api.deps import ObjectId, get_session, require_write_token
 from backend.schemas import ExperimentCreate, ExperimentOut, Page, SeriesQuery
 from backend.services import metrics, runs
 
@@ -29,12 +29,12 @@ def list_experiments(limit: int = Query(50, ge=1, le=500), offset: int = Query(0
 
 
 @router.get("/{experiment_id}", response_model=ExperimentOut)
-def get_experiment(experiment_id: int, session: Session = Depends(get_session)):
+def get_experiment(experiment_id: ObjectId, session: Session = Depends(get_session)):
     return ExperimentOut.model_validate(runs.get_experiment(session, experiment_id))
 
 
 @router.get("/{experiment_id}/series")
-def experiment_series(experiment_id: int,
+def experiment_series(experiment_id: ObjectId,
                       keys: str = Query("train/loss", max_length=2000,
                                         description="comma-separated metric keys"),
                       max_points: int = Query(2000, ge=4, le=100_000), x: str = Query("step"),

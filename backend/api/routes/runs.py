@@ -3,7 +3,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Path, Query
 from sqlalchemy.orm import Session
 
-from backend.api.deps import get_session, require_write_token
+from backend.api.deps import ObjectId, get_session, require_write_token
 from backend.models import Artifact
 from backend.schemas import (ArtifactIn, ArtifactOut, MetricBatch, MetricBatchResult, Page, RunCreate, RunDetail,
                              RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate)
@@ -30,28 +30,28 @@ def create_external_run(body: RunCreate, session: Session = Depends(get_session)
 
 
 @router.get("/{run_id}", response_model=RunDetail)
-def get_run(run_id: int, session: Session = Depends(get_session)):
+def get_run(run_id: ObjectId, session: Session = Depends(get_session)):
     return RunDetail.model_validate(runs.get_run(session, run_id))
 
 
 @router.post("/{run_id}/cancel", response_model=RunOut, dependencies=write)
-def cancel_run(run_id: int, session: Session = Depends(get_session)):
+def cancel_run(run_id: ObjectId, session: Session = Depends(get_session)):
     return RunOut.model_validate(runs.cancel_run(session, run_id))
 
 
 @router.post("/{run_id}/status", response_model=RunOut, dependencies=write)
-def update_status(run_id: int, body: StatusUpdate, session: Session = Depends(get_session)):
+def update_status(run_id: ObjectId, body: StatusUpdate, session: Session = Depends(get_session)):
     return RunOut.model_validate(runs.update_status(session, run_id, body))
 
 
 @router.patch("/{run_id}", response_model=RunOut, dependencies=write)
-def update_run_info(run_id: int, body: RunInfoUpdate, session: Session = Depends(get_session)):
+def update_run_info(run_id: ObjectId, body: RunInfoUpdate, session: Session = Depends(get_session)):
     """Informational fields (conversion report, GEMM backend, device, summary) without a status change."""
     return RunOut.model_validate(runs.update_info(session, run_id, body))
 
 
 @router.post("/{run_id}/metrics", response_model=MetricBatchResult, dependencies=write)
-def ingest_metrics(run_id: int, body: MetricBatch, session: Session = Depends(get_session)):
+def ingest_metrics(run_id: ObjectId, body: MetricBatch, session: Session = Depends(get_session)):
     """Batch ingest, at most 10,000 points; idempotent on (run, key, step)."""
     run = runs.get_run(session, run_id)
     inserted, duplicates = metrics.ingest(session, run_id, body.points)
@@ -65,13 +65,13 @@ def ingest_metrics(run_id: int, body: MetricBatch, session: Session = Depends(ge
 
 
 @router.get("/{run_id}/metrics")
-def list_metric_keys(run_id: int, session: Session = Depends(get_session)):
+def list_metric_keys(run_id: ObjectId, session: Session = Depends(get_session)):
     runs.get_run(session, run_id)
     return {"run_id": run_id, "keys": metrics.metric_keys(session, run_id)}
 
 
 @router.get("/{run_id}/metrics/{key:path}", response_model=Series)
-def read_series(run_id: int, key: str = Path(max_length=200), max_points: int = Query(2000, ge=4, le=100_000),
+def read_series(run_id: ObjectId, key: str = Path(max_length=200), max_points: int = Query(2000, ge=4, le=100_000),
                 x: str = Query("step"), x_min: float | None = None, x_max: float | None = None,
                 session: Session = Depends(get_session)):
     q = SeriesQuery(max_points=max_points, x=x, x_min=x_min, x_max=x_max)
@@ -80,7 +80,7 @@ def read_series(run_id: int, key: str = Path(max_length=200), max_points: int = 
 
 
 @router.post("/{run_id}/artifacts", status_code=201, response_model=ArtifactOut, dependencies=write)
-def add_artifact(run_id: int, body: ArtifactIn, session: Session = Depends(get_session)):
+def add_artifact(run_id: ObjectId, body: ArtifactIn, session: Session = Depends(get_session)):
     runs.get_run(session, run_id)
     art = Artifact(run_id=run_id, **body.model_dump())
     session.add(art)
@@ -89,7 +89,7 @@ def add_artifact(run_id: int, body: ArtifactIn, session: Session = Depends(get_s
 
 
 @router.get("/{run_id}/artifacts", response_model=list[ArtifactOut])
-def list_artifacts(run_id: int, session: Session = Depends(get_session)):
+def list_artifacts(run_id: ObjectId, session: Session = Depends(get_session)):
     run = runs.get_run(session, run_id)
     return [ArtifactOut.model_validate(a) for a in
             session.query(Artifact).filter(Artifact.run_id == run.id).order_by(Artifact.id).all()]
