@@ -1,0 +1,58 @@
+"""Presets, deterministic initialisation and the fused loss."""
+import pytest
+import torch
+
+from training.model import PRESETS, CausalLMLoss, build_model, count_parameters, llama_config
+
+
+def test_1b_preset_is_the_114b_anchor_shape():
+    cfg = llama_config("1b", vocab_size=999, seq_len=2048)   # the preset's own vocab (32000) wins
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (2048, 8192, 16)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (16, 8, 32000)
+    assert cfg.tie_word_embeddings is False and cfg._attn_implementation == "sdpa"
+    with torch.device("meta"):
+        from transformers import LlamaForCausalLM
+        n = count_parameters(LlamaForCausalLM(cfg))
+    assert 1.13e9 < n < 1.15e9
+
+
+@pytest.mark.parametrize("name", ["tiny", "125m", "350m", "1b"])
+def test_preset_linear_dims_tile_quantisation_blocks(name):
+    p = PRESETS[name]
+    head_dim = p["hidden_size"] // p["num_attention_heads"]
+    for dim in (p["hidden_size"], p["intermediate_size"], p["num_key_value_heads"] * head_dim):
+        assert dim % 32 == 0
+
+
+def test_same_seed_gives_identical_weights_and_another_seed_does_not():
+    cfg = llama_config("tiny", 512, 32)
+    a, b, c = build_model(cfg, 3), build_model(cfg, 3), build_model(cfg, 4)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.model.layers[0].mlp.up_proj.weight, c.model.layers[0].mlp.up_proj.weight)
+    assert a.lm_head.weight.data_ptr() != a.model.embed_tokens.weight.data_ptr()  # untied
+
+
+def test_building_a_model_does_not_consume_the_callers_random_stream():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_model(llama_config("tiny", 512, 32), 0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_fused_chunked_loss_equals_standard_cross_entropy_in_value_and_gradients():
+    cfg = llama_config("tiny", 512, 32)
+    model = build_model(cfg, 0)
+    batch = torch.randint(0, 512, (3, 33), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for fused in (False, True):
+        model.zero_grad()
+        loss = CausalLMLoss(model, fused_loss=fused, chunk_tokens=40)(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        grads[fused] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
+    assert torch.allclose(grads[True][0], grads[False][0], atol=1e-6)
+    for g_fused, g_std in zip(grads[True][1], grads[False][1]):
+        assert torch.allclose(g_fused, g_std, atol=1e-6, rtol=1e-4)
+    logits = model(input_ids=batch[:, :-1]).logits   # the plain HF forward as the reference
+    reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    assert torch.allclose(reference, grads[False][0], atol=1e-6)

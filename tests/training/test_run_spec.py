@@ -1,0 +1,70 @@
+"""The run spec: defaults, round trip and validation messages a user can act on."""
+import pytest
+
+from training.config import RunSpec, SpecError
+from training.model import PRESETS
+from training import config as config_module
+
+
+def test_defaults_follow_the_interface_contract():
+    spec = RunSpec.from_dict({})
+    d = spec.to_dict()
+    assert d["model"] == "tiny" and d["recipe"] == "bf16" and d["seed"] == 0
+    assert d["data"] == {"corpus": "tinyshakespeare", "vocab_size": 2048, "seq_len": 128, "val_fraction": 0.02}
+    t = d["training"]
+    assert (t["steps"], t["tokens"], t["batch_size"], t["lr"], t["warmup_steps"]) == (200, None, 8, 3e-3, 20)
+    assert (t["val_every"], t["val_batches"], t["device"], t["gpus"]) == (50, 4, "auto", 1)
+
+
+def test_to_dict_round_trips_and_keeps_custom_dims():
+    d = {"model": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2},
+         "training": {"tokens": 10_000, "batch_size": 4}, "data": {"seq_len": 64}}
+    spec = RunSpec.from_dict(d)
+    again = RunSpec.from_dict(spec.to_dict())
+    assert again == spec
+    assert spec.to_dict()["model"]["num_key_value_heads"] == 2
+
+
+def test_tokens_budget_becomes_steps_rounded_up():
+    spec = RunSpec.from_dict({"training": {"tokens": 1000, "batch_size": 2, "warmup_steps": 0},
+                              "data": {"seq_len": 64}})
+    assert spec.training.steps is None
+    assert spec.total_steps == 8  # ceil(1000 / 128)
+
+
+@pytest.mark.parametrize("d, fragment", [
+    ({"training": {"learning_rate": 1e-3}}, "unknown key(s) ['learning_rate'] in training"),
+    ({"optimizer": "adam"}, "unknown key(s) ['optimizer'] in run spec"),
+    ({"training": {"lr": -1e-3}}, "training.lr must be > 0.0"),
+    ({"training": {"steps": 10, "tokens": 100}}, "exactly one of training.steps and training.tokens"),
+    ({"model": "7b"}, "unknown model preset '7b'"),
+    ({"model": {"hidden_size": 100, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 3}}, "must be divisible by model.num_attention_heads"),
+    ({"model": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 3}}, "must be a multiple of"),
+    ({"model": {"hidden_size": 64}}, "custom model is missing"),
+    ({"data": {"corpus": "no_such_corpus_here"}}, "data.corpus directory"),
+    ({"training": {"batch_size": 6, "grad_accum": 4}}, "must be divisible by grad_accum x gpus"),
+    ({"recipe": "fp16"}, "unknown recipe 'fp16'"),
+    ({"training": {"steps": 5, "warmup_steps": 10}}, "warmup_steps (10) exceeds"),
+    ({"bf16_last_layers": 5}, "exceeds the model's 4 layers"),
+    ({"training": {"device": "tpu"}}, "training.device must be"),
+    ({"training": {"perf": {"sdpa_backend": "fast"}}}, "training.perf.sdpa_backend must be one of"),
+    ({"data": {"vocab_size": 100}}, "data.vocab_size must be >= 300"),
+    ({"training": {"batch_size": 2.5}}, "training.batch_size must be an integer"),
+    ({"training": {"compile": "yes"}}, "training.compile must be true or false"),
+])
+def test_invalid_specs_raise_spec_error_saying_what_to_fix(d, fragment):
+    with pytest.raises(SpecError) as err:
+        RunSpec.from_dict(d)
+    assert fragment in str(err.value)
+
+
+def test_missing_corpus_can_be_skipped_on_hosts_without_data():
+    spec = RunSpec.from_dict({"data": {"corpus": "no_such_corpus_here"}}, check_paths=False)
+    assert spec.data.corpus == "no_such_corpus_here"
+
+
+def test_config_knows_the_same_presets_as_the_model_module():
+    assert set(config_module.MODEL_PRESET_NAMES) == set(PRESETS)

@@ -1,0 +1,81 @@
+"""Tokenizer cache, token shards, the fixed split, and seed-determined batches."""
+import numpy as np
+import pytest
+import torch
+
+from training import tokenizer as tokenizer_module
+from training.config import data_root
+from training.data import TokenDataset, split_batch
+from training.tokenizer import EOS_TOKEN, corpus_files, get_tokenizer, tokenizer_cache_path
+
+CORPUS = data_root() / "tinyshakespeare"
+
+
+@pytest.fixture(scope="module")
+def tok(cache_dir):
+    return get_tokenizer(CORPUS, 512, cache_dir)
+
+
+@pytest.fixture(scope="module")
+def dataset(tok, cache_dir):
+    return TokenDataset.from_corpus(CORPUS, tok, seq_len=32, val_fraction=0.05, cache_dir=cache_dir)
+
+
+def test_corpus_files_are_sorted_text_files_only():
+    assert [p.name for p in corpus_files(CORPUS)] == ["input.txt"]  # SOURCE.md is provenance, not text
+
+
+def test_tokenizer_is_byte_level_bpe_with_bos_eos_and_round_trips(tok):
+    assert len(tok) == 512 and tok.bos_token == tok.eos_token == EOS_TOKEN
+    text = "ROMEO:\nWhat, ho! — ünïcode survives\n"
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_second_request_is_served_from_the_cache_without_retraining(tok, cache_dir, monkeypatch):
+    assert (tokenizer_cache_path(CORPUS, 512, cache_dir) / "tokenizer.json").exists()
+
+    def refuse(*a, **k):
+        raise AssertionError("the BPE was retrained although it is cached")
+    monkeypatch.setattr(tokenizer_module, "_train_bpe", refuse)
+    again = get_tokenizer(CORPUS, 512, cache_dir)
+    assert again.get_vocab() == tok.get_vocab()
+
+
+def test_cache_key_includes_the_vocab_size(cache_dir):
+    assert tokenizer_cache_path(CORPUS, 512, cache_dir) != tokenizer_cache_path(CORPUS, 1024, cache_dir)
+
+
+def test_shards_are_uint16_with_the_last_fraction_of_each_file_held_out(dataset, tok):
+    assert dataset.train.dtype == np.uint16 and dataset.val.dtype == np.uint16
+    n = len(dataset.train) + len(dataset.val)
+    assert len(dataset.val) == round(n * 0.05)
+    text = (CORPUS / "input.txt").read_text()
+    tail = tok.decode(dataset.val[:-1].tolist())  # last token is the file's EOS
+    assert text.endswith(tail) and len(tail) > 1000
+    assert dataset.val[-1] == tok.eos_token_id
+
+
+def test_batches_depend_only_on_seed_and_step(dataset):
+    a = dataset.batch(seed=7, step=3, batch_size=4)
+    assert a.shape == (4, 33) and a.dtype == torch.int64
+    assert torch.equal(a, dataset.batch(seed=7, step=3, batch_size=4))
+    assert not torch.equal(a, dataset.batch(seed=7, step=4, batch_size=4))
+    assert not torch.equal(a, dataset.batch(seed=8, step=3, batch_size=4))
+
+
+def test_ranks_and_micro_batches_partition_the_global_batch(dataset):
+    glob = dataset.batch(seed=0, step=1, batch_size=8)
+    parts = [m for r in range(2) for m in split_batch(glob, rank=r, world=2, grad_accum=2)]
+    assert [len(p) for p in parts] == [2, 2, 2, 2]
+    assert torch.equal(torch.cat(parts), glob)
+
+
+def test_validation_windows_are_fixed_and_disjoint_from_training(dataset):
+    v = dataset.val_windows(6)
+    assert torch.equal(v, dataset.val_windows(6)) and v.shape == (6, 33)
+    assert torch.equal(v[1, :1], v[0, -1:])  # consecutive windows share one boundary token only
+
+
+def test_random_corpus_uses_uint32_beyond_65535_tokens():
+    ds = TokenDataset.random(70_000, 16, n_tokens=4096)
+    assert ds.train.dtype == np.uint32 and int(ds.train.max()) < 70_000

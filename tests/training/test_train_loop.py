@@ -1,0 +1,128 @@
+"""The train loop on CPU: learning, metrics, divergence, cancellation, the precision seam."""
+import math
+
+import pytest
+
+from training.sink import JsonlSink, ListSink
+from training.train import TrainResult, lr_at, train
+from training.config import RunSpec
+
+STEP_KEYS = {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s",
+             "perf/data_wait_s", "perf/tflops"}
+
+
+def test_tiny_model_learns_tinyshakespeare_in_50_steps(make_spec, cache_dir):
+    sink = ListSink()
+    spec = make_spec(training={"steps": 50, "batch_size": 8, "warmup_steps": 5, "val_every": 25})
+    result = train(spec, sink, cache_dir=cache_dir)
+    assert isinstance(result, TrainResult) and result.status == "succeeded"
+    assert (result.steps, result.tokens) == (50, 50 * 8 * 32)
+    losses = [v for _, v in sink.series("train/loss")]
+    assert [s for s, _ in sink.series("train/loss")] == list(range(1, 51))  # every step, once
+    assert math.log(512) - 0.3 < losses[0] < math.log(512) + 0.3         # starts near uniform
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0                          # and learns
+    val = sink.series("val/loss")
+    assert [s for s, _ in val] == [25, 50] and val[1][1] < val[0][1]
+    assert result.final_val_loss == val[-1][1] and result.final_loss == losses[-1]
+    assert result.device_name == "cpu" and result.gemm_backend == "bf16"
+    assert result.summary["tokens_per_s"] > 0 and result.summary["mfu"] is None  # no peak for CPU
+
+
+def test_every_step_reports_the_dashboard_metric_keys(make_spec, cache_dir):
+    sink = ListSink()
+    train(make_spec(training={"steps": 4, "warmup_steps": 2}), sink, cache_dir=cache_dir)
+    for point in sink.points:
+        if "train/loss" in point["metrics"]:
+            assert STEP_KEYS <= set(point["metrics"])
+            assert point["tokens"] == point["step"] * 4 * 32
+    assert [p["metrics"]["train/lr"] for p in sink.points[:2]] == pytest.approx([1.5e-3, 3e-3])
+    kinds = [e["kind"] for e in sink.events]
+    assert kinds[0] == "conversion_report" and kinds[-1] == "result"
+    assert sink.events[0]["report"]["recipe"] == "bf16"
+
+
+def test_lr_schedule_warms_up_linearly_then_decays_by_cosine_to_the_floor(make_spec):
+    spec = RunSpec.from_dict(make_spec(training={"steps": 110, "warmup_steps": 10, "lr": 1e-2,
+                                                 "min_lr_ratio": 0.1}))
+    assert lr_at(5, spec) == pytest.approx(5e-3)
+    assert lr_at(10, spec) == pytest.approx(1e-2)
+    assert lr_at(60, spec) == pytest.approx(1e-3 + 0.5 * 9e-3)
+    assert lr_at(110, spec) == pytest.approx(1e-3)
+
+
+def test_huge_learning_rate_diverges_with_the_step(make_spec, cache_dir):
+    sink = ListSink()
+    result = train(make_spec(training={"lr": 1e6, "warmup_steps": 0, "grad_clip": 0.0}), sink,
+                   cache_dir=cache_dir)
+    assert result.status == "diverged"
+    assert result.diverged_step == 3 and result.steps == 3
+    assert math.isnan(sink.series("train/loss")[-1][1]) and sink.series("train/loss")[-1][0] == 3
+
+
+def test_should_stop_cancels_at_the_next_step_boundary(make_spec, cache_dir):
+    calls = []
+
+    def should_stop():
+        calls.append(1)
+        return len(calls) > 3
+    sink = ListSink()
+    result = train(make_spec(), sink, should_stop=should_stop, cache_dir=cache_dir)
+    assert result.status == "cancelled" and result.steps == 3
+    assert [s for s, _ in sink.series("train/loss")] == [1, 2, 3]
+
+
+def test_jsonl_sink_writes_one_line_per_point_and_event(make_spec, cache_dir, tmp_path):
+    import json
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    train(make_spec(training={"steps": 3, "warmup_steps": 1}), sink, cache_dir=cache_dir)
+    sink.close()
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["type"] == "metrics" and "train/loss" in x["metrics"]] == [1, 2, 3]
+    assert {x["kind"] for x in lines if x["type"] == "event"} >= {"conversion_report", "result"}
+
+
+class _SamplingReport:
+    """A RecipeReport with the optional numerics and hook methods (as the FP8/NVFP4 recipes provide)."""
+
+    def __init__(self):
+        self.recipe, self.gemm_backend, self.layers = "bf16", "bf16", []
+        self.sampling_log, self.post_steps = [], 0
+        report = self
+
+        class Hook:
+            def post_optimizer_step(self, model):
+                report.post_steps += 1
+
+            def state_dict(self):
+                return {"post_steps": report.post_steps}
+
+            def load_state_dict(self, sd):
+                report.post_steps = sd["post_steps"]
+        self.hooks = [Hook()]
+
+    def to_dict(self):
+        return {"recipe": self.recipe, "gemm_backend": self.gemm_backend, "layers": self.layers}
+
+    def set_numerics_sampling(self, on):
+        self.sampling_log.append(on)
+
+    def collect_numerics(self):
+        return {"numerics/model.layers.0.mlp.up_proj/amax": 1.5}
+
+
+def test_precision_seam_calls_hooks_every_step_and_samples_numerics_when_asked(make_spec, cache_dir,
+                                                                                  monkeypatch):
+    import training.precision as precision
+    report = _SamplingReport()
+    seen = {}
+
+    def fake_apply(model, name, **kw):
+        seen.update(kw, name=name)
+        return report
+    monkeypatch.setattr(precision, "apply_recipe", fake_apply)
+    sink = ListSink()
+    train(make_spec(training={"steps": 6, "numerics_every": 3}, bf16_last_layers=1), sink, cache_dir=cache_dir)
+    assert seen == {"name": "bf16", "bf16_first_layers": 0, "bf16_last_layers": 1}
+    assert report.post_steps == 6
+    assert report.sampling_log == [True, False, True, False]
+    assert [s for s, _ in sink.series("numerics/model.layers.0.mlp.up_proj/amax")] == [3, 6]
