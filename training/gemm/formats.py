@@ -245,25 +245,33 @@ def _prepare_blockwise_real(mode, shape, buffers) -> PreparedGemm:
             qb, sb = bk.triton_fp8_blockwise_act_quant_rhs(b_st, 128)
         return qa, sa, qb, sb
 
-    def gemm(qa, sa, qb, sb):
+    def gemm(qa, sa, qb, sb, use_triton):
         if shape.gemm == "wgrad":
-            return _run_blockwise_mm(use_triton=False, triton_kernel=bk.triton_fp8_gemm_1x128_128x1,
+            return _run_blockwise_mm(use_triton=use_triton, triton_kernel=bk.triton_fp8_gemm_1x128_128x1,
                                      mat_a=qa, mat_b=qb, scale_a=sa,
                                      scale_recipe_a=bk.BLOCKWISE_1X128_SCALING_TYPE,
                                      scale_b=sb.transpose(-1, -2),
                                      scale_recipe_b=bk.BLOCKWISE_1X128_SCALING_TYPE,
                                      triton_scale_b=sb, out_dtype=torch.bfloat16)
-        return _run_blockwise_mm(use_triton=False, triton_kernel=bk.triton_fp8_gemm_1x128_128x128,
+        return _run_blockwise_mm(use_triton=use_triton, triton_kernel=bk.triton_fp8_gemm_1x128_128x128,
                                  mat_a=qa, mat_b=qb, scale_a=sa,
                                  scale_recipe_a=bk.BLOCKWISE_1X128_SCALING_TYPE, scale_b=sb,
                                  scale_recipe_b=bk.BLOCKWISE_128X128_SCALING_TYPE,
                                  out_dtype=torch.bfloat16)
 
+    # torchao's default GEMM is cuBLAS blockwise (CUDA ≥ 12.9 on SM90); where this torch/cuBLAS lacks it,
+    # torchao's Triton blockwise GEMM is the one training would use, so time that instead.
+    use_triton = False
     note = "torchao Triton quantizers + cuBLAS blockwise GEMM"
+    try:
+        gemm(*quantize_pair(0), use_triton=False)
+    except Exception as exc:  # noqa: BLE001 - any failure of the cuBLAS path means "not available here"
+        use_triton = True
+        note = f"torchao Triton quantizers + Triton blockwise GEMM (cuBLAS blockwise failed: {exc})"[:300]
     if mode == "kernel":
         pre = [quantize_pair(i) for i in range(len(buffers))]
-        return PreparedGemm(lambda i: gemm(*pre[i]), "real", note)
-    return PreparedGemm(lambda i: gemm(*quantize_pair(i)), "real", note)
+        return PreparedGemm(lambda i: gemm(*pre[i], use_triton), "real", note)
+    return PreparedGemm(lambda i: gemm(*quantize_pair(i), use_triton), "real", note)
 
 
 def _prepare_mx_real(fmt, mode, views) -> PreparedGemm:
