@@ -143,3 +143,15 @@ def test_bad_arguments_exit_with_a_clear_message(argv, message, capsys):
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compiled_quantize_and_gemm_equals_the_eager_one():
+    # On CUDA, quant mode times fp8_quant_gemm under torch.compile(dynamic=True): it must trace (with
+    # transposed operands, E5M2 gradients and rowwise scales) and give the eager bits.
+    compiled = torch.compile(formats.fp8_quant_gemm, dynamic=True)
+    for tensorwise_grad, rowwise in ((True, False), (False, True)):
+        a = torch.randn(128, 64, dtype=torch.bfloat16).t()  # wgrad-like: A is a transposed view
+        bt = torch.randn(96, 128, dtype=torch.bfloat16)
+        dtype = torch.float8_e5m2 if tensorwise_grad else torch.float8_e4m3fn
+        assert torch.equal(compiled(a, bt, dtype, rowwise, False), formats.fp8_quant_gemm(a, bt, dtype, rowwise, False))

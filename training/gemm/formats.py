@@ -94,8 +94,8 @@ def logical_operands(gemm: str, a_store: torch.Tensor, b_store: torch.Tensor):
 # ---------------------------------------------------------------------------------------------------
 # FP8 current-scaling quantizers. Each takes a 2-D view X (r×k, any strides) and returns X quantized in
 # row-major layout with its inverse scale, so A is quantized as-is and B through Bᵀ (n×k) – which gives
-# the column-major B that torch._scaled_mm needs. Compiled on CUDA so amax, scale, cast and transpose
-# fuse the way torchao's compiled float8 training fuses them; eager they would cost ~6 memory passes.
+# the column-major B that torch._scaled_mm needs. In quant mode on CUDA they run compiled together with
+# the GEMM (fp8_quant_gemm); eager they would cost ~6 memory passes per operand.
 # ---------------------------------------------------------------------------------------------------
 
 def fp8_tensorwise_quantize(x: torch.Tensor, dtype: torch.dtype):
@@ -157,7 +157,7 @@ def _maybe_compiled(fn, device: torch.device, compile_quant: bool):
         return fn
     if fn not in _compiled:
         import torch._dynamo
-        # One graph per (dtype, stride pattern); shapes are dynamic so the per-layer shapes share it.
+        # One graph per (dtype, flags, stride pattern); shapes are dynamic so all layers share it.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _compiled[fn] = torch.compile(fn, dynamic=True)
     return _compiled[fn]
@@ -198,34 +198,52 @@ def prepare(fmt: str, mode: str, shape, buffers, device: torch.device, *,
     return _prepare_emulated(fmt, mode, shape, views)
 
 
+def fp8_quant_gemm(a: torch.Tensor, bt: torch.Tensor, dtype_a: torch.dtype, rowwise: bool,
+                   fast_accum: bool) -> torch.Tensor:
+    """Quantize A (m×k) and Bᵀ (n×k) with current scaling, then C = A·B on FP8 tensor cores."""
+    quantize = fp8_rowwise_quantize if rowwise else fp8_tensorwise_quantize
+    qa, sa = quantize(a, dtype_a)
+    qbt, sbt = quantize(bt, _E4M3)
+    return fp8_scaled_mm(qa, sa, qbt, sbt, fast_accum)
+
+
+def fp8_scaled_mm(qa, sa, qbt, sbt, fast_accum: bool) -> torch.Tensor:
+    # Rowwise scales of B come as (n, 1) from quantizing Bᵀ; _scaled_mm wants (1, n).
+    return torch._scaled_mm(qa, qbt.t(), scale_a=sa, scale_b=sbt.t() if sbt.dim() else sbt,
+                            out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+
+
 def _prepare_fp8_scaled_mm(fmt, mode, shape, views, device, compile_quant) -> PreparedGemm:
     _check_divisible(shape, fmt, 16, "kn")  # torch._scaled_mm needs K and N multiples of 16
     if device.type == "cuda" and sm_version(device) < 89:
         raise UnsupportedShape(f"{fmt} needs FP8 tensor cores (SM89+); this GPU is SM{sm_version(device)}")
-    role_a, _ = OPERAND_ROLES[shape.gemm]
-    if fmt == "fp8_tensorwise":
-        quantize = _maybe_compiled(fp8_tensorwise_quantize, device, compile_quant)
-        dtype_a = _E5M2 if role_a == "grad_output" else _E4M3
-    else:
-        quantize = _maybe_compiled(fp8_rowwise_quantize, device, compile_quant)
-        dtype_a = _E4M3
+    rowwise = fmt == "fp8_rowwise"
+    dtype_a = _E5M2 if not rowwise and OPERAND_ROLES[shape.gemm][0] == "grad_output" else _E4M3
     fast_accum = shape.gemm == "fprop" and device.type == "cuda"
-
-    def gemm(qa, sa, qbt, sbt):
-        # Rowwise scales of B come as (n, 1) from quantizing Bᵀ; _scaled_mm wants (1, n).
-        return torch._scaled_mm(qa, qbt.t(), scale_a=sa, scale_b=sbt.t() if sbt.dim() else sbt,
-                                out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
-
-    def quantize_pair(i):
-        a, b = views[i]
-        return (*quantize(a, dtype_a), *quantize(b.t(), _E4M3))
-
     backend = "real" if device.type == "cuda" else "cpu"
     if mode == "kernel":
-        pre = [quantize_pair(i) for i in range(len(views))]
-        return PreparedGemm(lambda i: gemm(*pre[i]), backend)
-    note = "quantizer compiled (torch.compile)" if quantize in _compiled.values() else "quantizer eager"
-    return PreparedGemm(lambda i: gemm(*quantize_pair(i)), backend, note)
+        quantize = fp8_rowwise_quantize if rowwise else fp8_tensorwise_quantize
+        pre = [(*quantize(a, dtype_a), *quantize(b.t(), _E4M3)) for a, b in views]
+        return PreparedGemm(lambda i: fp8_scaled_mm(*pre[i], fast_accum), backend)
+
+    def eager(i):
+        a, b = views[i]
+        return fp8_quant_gemm(a, b.t(), dtype_a, rowwise, fast_accum)
+    if device.type != "cuda" or not compile_quant:
+        return PreparedGemm(eager, backend, "quantizers eager")
+    # One compiled graph for quantize A, quantize B and the GEMM, as torchao's float8 training runs under
+    # torch.compile: amax, scale, cast and transpose fuse, and one guard check replaces a dozen eager
+    # launches that would otherwise make small GEMMs CPU-bound.
+    fused = _maybe_compiled(fp8_quant_gemm, device, compile_quant)
+
+    def compiled(i):
+        a, b = views[i]
+        return fused(a, b.t(), dtype_a, rowwise, fast_accum)
+    try:
+        compiled(0)
+    except Exception as exc:  # noqa: BLE001 - time the eager path rather than lose the format
+        return PreparedGemm(eager, backend, f"quantizers eager (torch.compile failed: {exc})"[:300])
+    return PreparedGemm(compiled, backend, "quantize+GEMM compiled (torch.compile)")
 
 
 def _prepare_blockwise_real(mode, shape, buffers) -> PreparedGemm:
