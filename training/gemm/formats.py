@@ -8,19 +8,21 @@ linear layer sees:
     wgrad  A = dyᵀ with dy (T×out)          B = x   (T×in) row-major
 
 Recipes (what was chosen, following torchao 0.18):
-- fp8_tensorwise: one scale per tensor (amax/448). E4M3 for x and W, E5M2 for dy (torchao
+- fp8_tensorwise: one scale per tensor (448/amax, current scaling). E4M3 for x and W, E5M2 for dy (torchao
   `Float8LinearConfig()` default); fast accumulation on fprop only (torchao `gemm_config_output`).
 - fp8_rowwise: one scale per row of A and per column of B along K, E4M3 everywhere, scales rounded down
   to a power of two (torchao recipe `rowwise`).
 - fp8_blockwise: 1×128 activation/gradient tiles and 128×128 weight tiles, E4M3, torchao's prototype
-  Triton quantizers and its cuBLAS blockwise GEMM (`torchao.prototype.blockwise_fp8_training`, SM90+).
+  Triton quantizers and its cuBLAS blockwise GEMM, or its Triton GEMM where cuBLAS lacks blockwise
+  scaling (`torchao.prototype.blockwise_fp8_training`, SM90+).
 - mxfp8 (E4M3, 32-element blocks, E8M0 scales, RCEIL) and nvfp4 (E2M1, 16-element blocks, E4M3 scales
   and a per-tensor FP32 scale): torchao kernels on SM100+; elsewhere emulated by quantize → dequantize
   → BF16 GEMM, labelled as such.
 
 Modes: `kernel` times the GEMM on operands quantized beforehand (for emulated formats: dequantize +
 BF16 GEMM, which is what the emulated kernel does); `quant` puts the quantization of both operands inside
-the timed region, as in training.
+the timed region, as in training: torchao's float8 linear likewise keeps BF16 tensors and casts both
+operands of each of the three GEMMs (in the layout that GEMM needs).
 """
 from __future__ import annotations
 
