@@ -122,8 +122,13 @@ class CausalLMLoss(torch.nn.Module):
     cross-entropy with the model lets inductor fuse the FP32 upcast into the softmax).
     """
 
-    def __init__(self, model: LlamaForCausalLM, *, fused_loss: bool = True, chunk_tokens: int = 2048):
+    def __init__(self, model: LlamaForCausalLM, *, fused_loss: bool = True, chunk_tokens: int = 2048,
+                 compute_dtype: torch.dtype | None = None):
+        """`compute_dtype`: the dtype of the LM-head matmuls in the fused loss (BF16 when the caller runs
+        under BF16 autocast; None = the hidden states' dtype). Fixed here rather than queried from the
+        autocast state inside forward, so torch.compile sees a constant."""
         super().__init__()
+        self.compute_dtype = compute_dtype
         self.model = model
         # A recipe that replaced the LM head (none should: it stays BF16 by convention) keeps the
         # standard path, since the fused loss reads lm_head.weight directly.
@@ -132,9 +137,9 @@ class CausalLMLoss(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         hidden = self.model.model(input_ids=input_ids).last_hidden_state
-        if self.fused:
-            dtype = (torch.get_autocast_dtype(hidden.device.type)
-                     if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype)
+        # Without autograd (validation) the fused path would still form gradients: use the plain one.
+        if self.fused and torch.is_grad_enabled():
+            dtype = self.compute_dtype or hidden.dtype
             return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, 1), self.model.lm_head.weight,
                                                     targets.flatten(), self.chunk_tokens, dtype)
         logits = self.model.lm_head(hidden)

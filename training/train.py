@@ -199,7 +199,8 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
         sink.event("resumed", step=start_step, path=str(latest))
 
     # ---- the step function: model + loss, under DDP and torch.compile as asked ----------------
-    loss_module = CausalLMLoss(model, fused_loss=t.perf.fused_loss, chunk_tokens=t.perf.loss_chunk_tokens)
+    loss_module = CausalLMLoss(model, fused_loss=t.perf.fused_loss, chunk_tokens=t.perf.loss_chunk_tokens,
+                               compute_dtype=torch.bfloat16 if on_cuda else None)
     net = loss_module
     if ctx.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -239,6 +240,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
 
     def save(step: int) -> Path:
         pending_flush()  # metrics up to `step` reach the sink before the checkpoint claims them done
+        sink.flush()  # ...and are durable there: a resume from this checkpoint never re-logs or loses a step
         path = None
         if ctx.is_main:
             path = ckpt.save_checkpoint(
