@@ -266,6 +266,17 @@ def random_sign_vector(seed: int, n: int = 16) -> torch.Tensor:
     return torch.where(torch.rand(n, generator=g) >= 0.5, 1.0, -1.0)
 
 
+_RHT_CACHE: dict = {}
+
+
+def rht_matrix(signs: torch.Tensor, device) -> torch.Tensor:
+    """diag(signs) @ H16 on `device`, built once per sign vector and device."""
+    key = (tuple(signs.tolist()), str(device))
+    if key not in _RHT_CACHE:
+        _RHT_CACHE[key] = (torch.diag(signs.to(torch.float32)) @ hadamard_16()).to(device)
+    return _RHT_CACHE[key]
+
+
 def random_hadamard_transform(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Apply diag(signs) @ H16 to every 16-run of the last dim (zero-padded to a multiple of 16).
 
@@ -274,9 +285,8 @@ def random_hadamard_transform(x: torch.Tensor, signs: torch.Tensor) -> torch.Ten
     FP4 quantization. The result keeps the padded length; callers pad both operands alike.
     """
     padded, _ = _pad_last(x, 16)
-    rht = (torch.diag(signs.to(device=x.device, dtype=torch.float32)) @ hadamard_16().to(x.device))
     blocks = padded.to(torch.float32).reshape(*padded.shape[:-1], -1, 16)
-    return (blocks @ rht).reshape(padded.shape)
+    return (blocks @ rht_matrix(signs, x.device)).reshape(padded.shape)
 
 
 # ------------------------------------------------------------------------------------ public contract

@@ -28,12 +28,6 @@ class NVFP4Quantizer(GemmQuantizer):
         self.stochastic_rounding = stochastic_rounding
         self.weight_2d = weight_2d
         self.signs = random_sign_vector(rht_seed)
-        self._signs_on: dict = {}
-
-    def _signs(self, device):
-        if device not in self._signs_on:
-            self._signs_on[device] = self.signs.to(device)
-        return self._signs_on[device]
 
     def input(self, x2d, *, track=False):
         return quantize_nvfp4(x2d, track=track)
@@ -49,9 +43,8 @@ class NVFP4Quantizer(GemmQuantizer):
 
     def wgrad(self, dy_t, x_t):
         if self.rht:
-            signs = self._signs(dy_t.device)
-            dy_t = random_hadamard_transform(dy_t, signs)
-            x_t = random_hadamard_transform(x_t, signs)
+            dy_t = random_hadamard_transform(dy_t, self.signs)
+            x_t = random_hadamard_transform(x_t, self.signs)
         return quantize_nvfp4(dy_t, stochastic=self.stochastic_rounding), quantize_nvfp4(x_t)
 
     def describe(self):
