@@ -38,11 +38,11 @@ def plotly_js_path() -> Path:
 
 
 def recipe_names() -> tuple[str, ...]:
-    # Imported lazily: training.precision is the single source of recipe names, and importing it only
-    # when a form is rendered keeps app start-up free of the training stack's import cost.
-    from training.precision import RECIPES
+    # The form offers exactly what the API accepts. Read from the API's schemas rather than from
+    # training.precision, whose import pulls in torch and would stall the first page view for seconds.
+    from backend.schemas import RECIPE_NAMES
 
-    return tuple(RECIPES)
+    return tuple(RECIPE_NAMES)
 
 
 def mount(app: FastAPI) -> None:

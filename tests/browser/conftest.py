@@ -6,6 +6,7 @@ Playwright (no `playwright install`: CI installs the `chromium` Debian package).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -37,7 +38,7 @@ class Server:
         self.base_url = base_url
         self.token = token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=30)
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=120)
 
     def create_experiment(self, recipes: list, *, name: str = "browser-test", steps: int = 50, **extra) -> dict:
         body = {"name": name, "description": "created by tests/browser", "model": "tiny",
@@ -50,11 +51,12 @@ class Server:
 
     def log_loss_curve(self, run_id: int, *, steps: int, start: float, offset_pct: float = 0.0,
                        tokens_per_step: int = 128, val_every: int = 0, tokens_per_s: float | None = None) -> None:
-        """A decaying loss curve, `offset_pct` percent above the same curve with offset 0."""
+        """A loss curve decaying with tokens seen, `offset_pct` percent above the curve with offset 0 (the
+        same function of tokens whatever `tokens_per_step` is, so runs on different token grids compare)."""
         points = []
         for step in range(steps):
-            loss = (start * math.exp(-step / (steps / 3)) + 1.5) * (1 + offset_pct / 100)
             tokens = (step + 1) * tokens_per_step
+            loss = (start * math.exp(-tokens / 3000) + 1.5) * (1 + offset_pct / 100)
             wall = 1_800_000_000.0 + step * 0.05
             points.append({"key": "train/loss", "step": step, "value": loss, "tokens": tokens, "wall_time": wall})
             if tokens_per_s is not None:
@@ -72,42 +74,60 @@ class Server:
         return r.json()
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Server:
-    home = tmp_path_factory.mktemp("plab-home")
+@contextlib.contextmanager
+def running_server(home: Path, token: str | None = None):
+    """`uvicorn backend.app:create_app --factory` on a free port with its own SQLite database under `home`."""
     port = _free_port()
     env = {**os.environ, "PLAB_HOME": str(home), "PLAB_DATABASE_URL": f"sqlite:///{home / 'db.sqlite'}",
            "PYTHONUNBUFFERED": "1"}
     for name in ("PLAB_API_TOKEN", "PLAB_BROKER_URL"):
         env.pop(name, None)
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "backend.app:create_app", "--factory", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{(home / 'server.log').read_text()}")
-            try:
-                if httpx.get(f"{base_url}/api/v1/experiments", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not answer within 60 s:\n{(home / 'server.log').read_text()}")
-            time.sleep(0.2)
-        yield Server(base_url, token=None)
-    finally:
-        proc.terminate()
+    if token:
+        env["PLAB_API_TOKEN"] = token
+    log_path = home / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "backend.app:create_app", "--factory", "--host", "127.0.0.1",
+             "--port", str(port), "--log-level", "warning"],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+                try:
+                    if httpx.get(f"{base_url}/api/v1/experiments", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server did not answer within 60 s:\n{log_path.read_text()}")
+                time.sleep(0.2)
+            srv = Server(base_url, token=token)
+            # The first experiment a server validates imports the training stack (torch: 10+ s on a busy
+            # 2-core machine); pay that here so no page test times out waiting for it.
+            srv.create_experiment(["bf16"], name="warm-up")
+            yield srv
+            srv.http.close()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+API_TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One server for all browser tests, with writes protected by a token as in a shared deployment: the
+    pages get the token through localStorage (see `page`), exactly where a user pastes it."""
+    with running_server(tmp_path_factory.mktemp("plab-home"), token=API_TOKEN) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")
@@ -133,27 +153,67 @@ class ConsoleLog:
         page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
 
 
-@pytest.fixture
-def page(browser, request):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+def new_page(context):
     pg = context.new_page()
     pg.set_default_timeout(15_000)
     pg.console_log = ConsoleLog(pg)
+    return pg
+
+
+@pytest.fixture
+def page(browser, request):
+    """A dashboard tab whose browser already holds the API token (as after the user pasted it once)."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+    context.add_init_script(f"window.localStorage.setItem('plab-api-token', {API_TOKEN!r})")
+    pg = new_page(context)
     yield pg
+    _screenshot(pg, request)
+    context.close()
+
+
+@pytest.fixture
+def tokenless_page(browser, request):
+    """A dashboard tab in a browser that has never been given the API token."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    pg = new_page(context)
+    yield pg
+    _screenshot(pg, request)
+    context.close()
+
+
+@pytest.fixture
+def api_token() -> str:
+    return API_TOKEN
+
+
+def _screenshot(pg, request) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:
         pg.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=True)
     except Exception:  # noqa: BLE001 - a failed screenshot must not hide the test's own result
         pass
-    context.close()
 
 
-def chart_trace_count(page, chart_id: str) -> int:
-    return page.evaluate(f"() => (document.getElementById({chart_id!r}).data || []).length")
+class Charts:
+    """Reads Plotly charts of a page: Plotly keeps each figure's traces on its div as `.data`."""
+
+    def __init__(self, page):
+        self.page = page
+
+    def trace_count(self, chart_id: str) -> int:
+        return self.page.evaluate("id => (document.getElementById(id).data || []).length", chart_id)
+
+    def traces(self, chart_id: str, fields: str = "t => ({name: t.name, x: t.x, y: t.y})") -> list:
+        return self.page.evaluate(f"id => document.getElementById(id).data.map({fields})", chart_id)
+
+    def wait_for_traces(self, chart_id: str, count: int, timeout: float = 15_000) -> None:
+        """Wait until the chart is drawn (its SVG exists) with exactly `count` traces."""
+        self.page.wait_for_function(
+            "([id, n]) => { const gd = document.getElementById(id); return gd && gd.data && gd.data.length === n"
+            " && gd.querySelector('.main-svg') !== null; }",
+            arg=[chart_id, count], timeout=timeout)
 
 
-def wait_for_traces(page, chart_id: str, count: int) -> None:
-    page.wait_for_function(
-        "([id, n]) => { const gd = document.getElementById(id); return gd && gd.data && gd.data.length === n"
-        " && gd.querySelector('.main-svg') !== null; }",
-        arg=[chart_id, count])
+@pytest.fixture
+def charts(page) -> Charts:
+    return Charts(page)

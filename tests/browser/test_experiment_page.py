@@ -1,10 +1,8 @@
 """The experiment page draws what the API holds: one loss trace per run, the runs table, live polling."""
 from __future__ import annotations
 
-from tests.browser.conftest import chart_trace_count, wait_for_traces
 
-
-def test_experiment_page_draws_one_loss_trace_per_run_and_no_console_errors(server, page):
+def test_experiment_page_draws_one_loss_trace_per_run_and_no_console_errors(server, page, charts):
     exp = server.create_experiment(["bf16", "fp8_tensorwise", "mxfp8"], name="three-recipes")
     runs = {r["recipe"]: r for r in exp["runs"]}
     assert len(runs) == 3
@@ -16,14 +14,14 @@ def test_experiment_page_draws_one_loss_trace_per_run_and_no_console_errors(serv
                           summary={"tokens_per_s": 1000.0 * (1 + i), "final_loss": 1.6 + i * 0.01})
 
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
-    wait_for_traces(page, "loss-chart", 3)
-    assert chart_trace_count(page, "loss-chart") == 3
+    charts.wait_for_traces("loss-chart", 3)
+    assert charts.trace_count("loss-chart") == 3
     names = page.evaluate("() => document.getElementById('loss-chart').data.map(t => t.name)")
     assert sorted(names) == sorted(r["label"] for r in runs.values())
     points = page.evaluate("() => document.getElementById('loss-chart').data.map(t => t.y.length)")
     assert points == [60, 60, 60]
     # Validation loss is present, so its chart shows, again one trace per run.
-    wait_for_traces(page, "val-loss-chart", 3)
+    charts.wait_for_traces("val-loss-chart", 3)
 
     rows = page.locator("#runs-table tbody tr[data-run-id]")
     assert rows.count() == 3
@@ -34,14 +32,14 @@ def test_experiment_page_draws_one_loss_trace_per_run_and_no_console_errors(serv
     assert page.console_log.errors == []
 
 
-def test_live_run_updates_without_reload_and_can_be_cancelled(server, page):
+def test_live_run_updates_without_reload_and_can_be_cancelled(server, page, charts):
     exp = server.create_experiment(["bf16", "fp8_rowwise"], name="live")
     base, other = sorted(exp["runs"], key=lambda r: r["recipe"] != "bf16")
     server.set_status(base["id"], "running", device_name="cpu (test)")
     server.log_loss_curve(base["id"], steps=10, start=4.0)
 
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
-    wait_for_traces(page, "loss-chart", 2)
+    charts.wait_for_traces("loss-chart", 2)
     assert page.locator("#live-status").get_attribute("data-polling") == "true"
     assert page.evaluate("() => document.getElementById('loss-chart').data[0].y.length") == 10
 

@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import re
 
-from tests.browser.conftest import wait_for_traces
 
-
-def test_form_creates_experiment_and_opens_its_page(server, page):
+def test_form_creates_experiment_and_opens_its_page(server, page, charts):
     page.goto(f"{server.base_url}/experiments/new")
     page.fill("#field-name", "from-the-form")
     page.fill("#field-steps", "20")
@@ -23,7 +21,7 @@ def test_form_creates_experiment_and_opens_its_page(server, page):
     recipes = sorted((r["recipe"], r["bf16_last_layers"]) for r in exp["runs"])
     # BF16 is always the baseline and keeps all layers; the other recipes keep the last block in BF16.
     assert recipes == [("bf16", 0), ("fp8_tensorwise", 1), ("nvfp4", 1)]
-    wait_for_traces(page, "loss-chart", 3)
+    charts.wait_for_traces("loss-chart", 3)
     assert page.locator("#runs-table tbody tr[data-run-id]").count() == 3
     assert page.console_log.errors == []
 

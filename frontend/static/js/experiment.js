@@ -90,6 +90,12 @@ function xValues(points) {
 }
 
 // ---------------------------------------------------------------- charts
+// A chart with nothing to show says why instead of drawing empty axes.
+function emptyNote(hasData, text) {
+  return hasData ? [] : [{ text, xref: "paper", yref: "paper", x: 0.5, y: 0.5, showarrow: false,
+    font: { size: 13, color: "#667085" } }];
+}
+
 function lossLayout(title, yTitle) {
   return {
     title: { text: title, font: { size: 14 } },
@@ -120,8 +126,11 @@ function lossTraces(key, smoothing) {
 }
 
 function drawLoss() {
-  Plotly.react("loss-chart", lossTraces("train/loss", state.smoothing), lossLayout("Training loss", "train/loss"),
-    PLOT_CONFIG);
+  const traces = lossTraces("train/loss", state.smoothing);
+  const layout = lossLayout("Training loss", "train/loss");
+  layout.annotations = emptyNote(traces.some((t) => t.x.length), state.runs.length
+    ? "no train/loss points yet: curves appear as runs report them" : "this experiment has no runs");
+  Plotly.react("loss-chart", traces, layout, PLOT_CONFIG);
   const hasVal = state.runs.some((run) => pointsOf(run, "val/loss").value.length > 0);
   const valDiv = document.getElementById("val-loss-chart");
   valDiv.hidden = !hasVal;
@@ -155,6 +164,9 @@ function drawRelative() {
     yaxis: { title: { text: "Δ loss vs BF16 (%)" }, zeroline: true },
     hovermode: "x unified",
     legend: { orientation: "h", y: -0.25 },
+    annotations: emptyNote(traces.some((t) => t.x.length), base
+      ? "no comparable points yet (needs a BF16 run and another recipe with train/loss)"
+      : "no BF16 run in this experiment"),
     shapes: [{ type: "rect", xref: "paper", x0: 0, x1: 1, yref: "y", y0: -1, y1: 1,
       fillcolor: "rgba(44,160,44,0.12)", line: { width: 0 }, layer: "below" }],
     uirevision: `rel|${useTokens}`,
@@ -192,6 +204,7 @@ function drawSpeed() {
   }], {
     title: { text: "Throughput (tokens/s; label: speedup over BF16)", font: { size: 14 } },
     margin: { l: 70, r: 20, t: 40, b: 90 }, yaxis: { title: { text: "tokens/s" } }, showlegend: false,
+    annotations: emptyNote(tps.some((v) => v != null), "no throughput reported yet"),
   }, PLOT_CONFIG);
   Plotly.react("memory-chart", [
     { type: "bar", x: labels, y: mem, name: "peak memory (GiB)", offsetgroup: "mem",
@@ -204,6 +217,8 @@ function drawSpeed() {
     yaxis: { title: { text: "GiB" } },
     yaxis2: { title: { text: "MFU %" }, overlaying: "y", side: "right", rangemode: "tozero" },
     legend: { orientation: "h", y: 1.12 },
+    annotations: emptyNote(mem.some((v) => v != null) || mfus.some((v) => v != null),
+      "no peak-memory or MFU figures reported yet"),
   }, PLOT_CONFIG);
 }
 

@@ -17,7 +17,7 @@ function row(exp, runs) {
     ? exp.status_counts : statusCounts(runs);
   const countsHtml = Object.entries(counts)
     .filter(([, n]) => n > 0)
-    .map(([status, n]) => `${statusBadge(status)}<span class="count">${n}</span>`).join(" ");
+    .map(([status, n]) => `${statusBadge(status)} <span class="count">${n}</span>`).join(" ");
   const summary = exp.summary_line ?? describeBest(runs);
   return `<tr data-experiment-id="${escapeHtml(exp.id)}">
     <td><a class="experiment-link" href="/experiments/${encodeURIComponent(exp.id)}">${escapeHtml(exp.name)}</a>

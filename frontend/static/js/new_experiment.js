@@ -67,6 +67,7 @@ export function buildRequest() {
     tokens: byTokens ? integer("tokens", "Tokens", { min: 1 }) : null,
     batch_size: integer("batch_size", "Batch size", { min: 1 }),
     lr,
+    warmup_steps: integer("warmup_steps", "Warm-up steps"),
   };
 
   const first = integer("bf16_first_layers", "BF16 first layers");

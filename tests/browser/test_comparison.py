@@ -1,0 +1,162 @@
+"""The comparison views of the experiment page: relative loss to BF16, x-axis switch, smoothing, log scale,
+throughput bars, and the offline HTML export."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def compared(server):
+    """bf16, fp8_tensorwise 0.5% above it on the same token grid, mxfp8 2% above it logged on a coarser
+    token grid (the alignment on tokens must interpolate it onto BF16's points), and nvfp4 still queued."""
+    exp = server.create_experiment(["bf16", "fp8_tensorwise", "mxfp8", "nvfp4"], name="compare")
+    runs = {r["recipe"]: r for r in exp["runs"]}
+    server.log_loss_curve(runs["bf16"]["id"], steps=80, start=3.0, tokens_per_step=128, tokens_per_s=1000.0)
+    server.log_loss_curve(runs["fp8_tensorwise"]["id"], steps=80, start=3.0, offset_pct=0.5, tokens_per_step=128,
+                          tokens_per_s=1400.0)
+    server.log_loss_curve(runs["mxfp8"]["id"], steps=40, start=3.0, offset_pct=2.0, tokens_per_step=256,
+                          tokens_per_s=900.0)
+    for recipe, backend in (("bf16", "bf16"), ("fp8_tensorwise", "real"), ("mxfp8", "emulated")):
+        server.set_status(runs[recipe]["id"], "running")
+        server.set_status(runs[recipe]["id"], "succeeded", gemm_backend=backend)
+    return exp, runs
+
+
+def test_relative_difference_to_bf16_is_the_known_offset_aligned_on_tokens(server, page, charts, compared):
+    exp, runs = compared
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    # One trace per non-baseline run; the queued nvfp4 run has no points yet but keeps its legend slot.
+    charts.wait_for_traces("relative-chart", 3)
+    traces = {t["name"]: t for t in charts.traces("relative-chart")}
+    assert set(traces) == {"fp8_tensorwise", "mxfp8", "nvfp4"}
+
+    same_grid = traces["fp8_tensorwise"]
+    assert len(same_grid["y"]) == 80
+    assert all(abs(v - 0.5) < 1e-9 for v in same_grid["y"])
+    # x is BF16's own token positions.
+    assert same_grid["x"] == [(s + 1) * 128 for s in range(80)]
+
+    # mxfp8 was logged every 256 tokens: interpolated onto BF16's grid (within mxfp8's range only), its
+    # difference stays near the planted 2% (linear interpolation of a convex curve overestimates slightly).
+    coarse = traces["mxfp8"]
+    assert coarse["x"][0] == 256 and coarse["x"][-1] == 40 * 256
+    assert len(coarse["x"]) == 40 * 2 - 1
+    assert all(1.99 < v < 2.2 for v in coarse["y"])
+    assert traces["nvfp4"]["y"] == []
+
+    band = page.evaluate("() => document.getElementById('relative-chart').layout.shapes[0]")
+    assert (band["y0"], band["y1"]) == (-1, 1)
+    assert page.console_log.errors == []
+
+
+def test_relative_difference_function_on_synthetic_series(server, page):
+    page.goto(f"{server.base_url}/experiments/new")
+    result = page.evaluate("""async () => {
+        const s = await import('/static/js/series.js');
+        const base = {x: [0, 10, 20, 30], y: [4, 3, 2, 1]};
+        // Same line 10% higher, sampled at other x: interpolation on a line is exact.
+        const other = {x: [5, 15, 25, 35], y: [3.85, 2.75, 1.65, 0.55]};
+        return {diff: s.relativeDifference(base, other), ema0: s.ema([1, 2, 3], 0), ema: s.ema([2, 2, 2], 0.9)};
+    }""")
+    assert result["diff"]["x"] == [10, 20, 30]
+    assert result["diff"]["y"] == pytest.approx([10.0, 10.0, 10.0])
+    assert result["ema0"] == [1, 2, 3]
+    # Bias-corrected EMA of a constant is the constant from the first point on.
+    assert result["ema"] == pytest.approx([2, 2, 2])
+
+
+def test_x_axis_switch_smoothing_and_log_scale_redraw_the_loss_chart(server, page, charts, compared):
+    exp, runs = compared
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    charts.wait_for_traces("loss-chart", 4)
+    title = "() => document.getElementById('loss-chart').layout.xaxis.title.text"
+    assert page.evaluate(title) == "step"
+    assert charts.traces("loss-chart")[0]["x"][:3] == [0, 1, 2]
+
+    page.select_option("#x-axis", "tokens")
+    page.wait_for_function(f"() => ({title})() === 'tokens'")
+    bf16 = charts.traces("loss-chart")[0]
+    assert bf16["name"] == "bf16" and bf16["x"][:3] == [128, 256, 384]
+
+    page.select_option("#x-axis", "wall_time")
+    page.wait_for_function(f"() => ({title})().startsWith('wall time')")
+    assert charts.traces("loss-chart")[0]["x"][:2] == pytest.approx([0.0, 0.05])
+
+    raw = charts.traces("loss-chart")[0]["y"]
+    page.fill("#smoothing", "0.9")
+    page.dispatch_event("#smoothing", "input")
+    smoothed = charts.traces("loss-chart")[0]["y"]
+    assert smoothed[0] == pytest.approx(raw[0])
+    assert smoothed[10] > raw[10]  # a decaying curve: the EMA lags above it
+
+    page.check("#log-scale")
+    assert page.evaluate("() => document.getElementById('loss-chart').layout.yaxis.type") == "log"
+    assert page.console_log.errors == []
+
+
+def test_throughput_bars_show_speedup_over_bf16_and_mark_emulated_runs(server, page, charts, compared):
+    exp, runs = compared
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    charts.wait_for_traces("throughput-chart", 1)
+    bars = page.evaluate("() => { const t = document.getElementById('throughput-chart').data[0];"
+                         " return {x: t.x, y: t.y, text: t.text, pattern: t.marker.pattern.shape}; }")
+    assert bars["x"] == ["bf16", "fp8_tensorwise", "mxfp8 (emulated)", "nvfp4"]
+    assert bars["y"][:3] == [1000.0, 1400.0, 900.0]
+    assert bars["text"][:3] == ["1.00×", "1.40×", "0.90×"]
+    assert bars["pattern"] == ["", "", "/", ""]
+    assert page.locator(f"#runs-table tr[data-run-id='{runs['mxfp8']['id']}'] .gemm-emulated").count() == 1
+    assert page.console_log.errors == []
+
+
+def test_exported_html_report_opens_offline_and_shows_the_charts(server, page, charts, compared, browser,
+                                                                 tmp_path):
+    exp, runs = compared
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    charts.wait_for_traces("relative-chart", 3)
+    page.click("#export-menu summary")
+    with page.expect_download() as info:
+        page.click("#export-html")
+    report = tmp_path / "report.html"
+    info.value.save_as(report)
+    html = report.read_text()
+    assert "http://" not in html.split("<script>", 1)[0]  # no external stylesheet or script before plotly
+
+    offline = browser.new_context(offline=True)
+    try:
+        view = offline.new_page()
+        errors = []
+        view.on("pageerror", lambda e: errors.append(str(e)))
+        view.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        view.goto(report.as_uri())
+        view.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 4")
+        counts = view.evaluate("() => ['loss-chart', 'relative-chart', 'throughput-chart']"
+                               ".map(id => document.getElementById(id).data.length)")
+        assert counts == [4, 3, 1]
+        assert view.locator("table tr").count() == 1 + 4
+        assert errors == []
+    finally:
+        offline.close()
+
+
+def test_csv_and_json_exports_hold_every_point_shown(server, page, charts, compared, tmp_path):
+    exp, runs = compared
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    charts.wait_for_traces("loss-chart", 4)
+    page.click("#export-menu summary")
+    with page.expect_download() as info:
+        page.click("#export-csv")
+    path = tmp_path / "e.csv"
+    info.value.save_as(path)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "run_id,recipe,label,key,step,tokens,wall_time,value"
+    assert len(lines) == 1 + 80 + 80 + 40
+    assert lines[1].startswith(f"{runs['bf16']['id']},bf16,bf16,train/loss,0,128,")
+
+    with page.expect_download() as info:
+        page.click("#export-json")
+    info.value.save_as(tmp_path / "e.json")
+    exported = json.loads((tmp_path / "e.json").read_text())
+    assert exported["experiment"]["id"] == exp["id"]
+    assert [len(r["series"].get("train/loss", {}).get("value", [])) for r in exported["series"]] == [80, 80, 40, 0]

@@ -1,0 +1,80 @@
+"""Experiment and run lists, the ablation option of the form, and writes with an API token."""
+from __future__ import annotations
+
+import re
+
+
+def test_experiments_list_shows_status_counts_and_best_speedup_within_one_percent(server, page):
+    exp = server.create_experiment(["bf16", "fp8_tensorwise", "nvfp4"], name="list-summary")
+    runs = {r["recipe"]: r for r in exp["runs"]}
+    # fp8_tensorwise: 1.3× at +0.5% loss qualifies; nvfp4: 1.6× but +3% loss does not.
+    for recipe, tps, loss in (("bf16", 1000.0, 2.0), ("fp8_tensorwise", 1300.0, 2.01), ("nvfp4", 1600.0, 2.06)):
+        server.set_status(runs[recipe]["id"], "running")
+        server.set_status(runs[recipe]["id"], "succeeded", summary={"tokens_per_s": tps, "final_loss": loss})
+    page.goto(server.base_url + "/")
+    row = page.locator(f"#experiments-table tr[data-experiment-id='{exp['id']}']")
+    row.wait_for()
+    assert row.locator(".experiment-link").inner_text() == "list-summary"
+    assert row.locator(".badge.status-succeeded").count() == 1
+    assert row.locator(".status-counts").inner_text().split() == ["succeeded", "3"]
+    assert row.locator(".summary").inner_text() == "fp8_tensorwise: 1.30× BF16 at +0.50% final loss"
+    row.locator(".experiment-link").click()
+    page.wait_for_url(re.compile(rf"/experiments/{exp['id']}$"))
+    assert page.console_log.errors == []
+
+
+def test_runs_list_filters_by_status_and_recipe(server, page):
+    exp = server.create_experiment(["bf16", "fp8_rowwise"], name="runs-filter")
+    runs = {r["recipe"]: r for r in exp["runs"]}
+    server.set_status(runs["fp8_rowwise"]["id"], "running")
+    server.set_status(runs["fp8_rowwise"]["id"], "failed", error_message="RuntimeError: planted failure")
+    page.goto(f"{server.base_url}/runs?status=failed")
+    page.wait_for_selector("#runs-list-body tr[data-run-id]")
+    statuses = page.locator("#runs-list-body tr[data-run-id]").evaluate_all("rows => rows.map(r => r.dataset.status)")
+    assert statuses and set(statuses) == {"failed"}
+    assert "planted failure" in page.locator(f"tr[data-run-id='{runs['fp8_rowwise']['id']}']").inner_text()
+
+    page.select_option("#filter-status", "")
+    page.select_option("#filter-recipe", "fp8_rowwise")
+    page.wait_for_function("() => [...document.querySelectorAll('#runs-list-body tr[data-run-id]')]"
+                           ".every(r => r.querySelector('code').textContent === 'fp8_rowwise')")
+    assert "recipe=fp8_rowwise" in page.url
+    assert page.console_log.errors == []
+
+
+def test_ablation_creates_one_run_per_bf16_last_layers_value(server, page):
+    page.goto(f"{server.base_url}/experiments/new")
+    page.fill("#field-name", "nvfp4-ablation")
+    page.uncheck("#field-enqueue")
+    page.click("#ablation-box summary")
+    page.check("#field-ablation")
+    page.select_option("#field-ablation-recipe", "nvfp4")
+    page.fill("#field-ablation-values", "0, 1, 3")
+    page.click("#experiment-submit")
+    page.wait_for_url(re.compile(r"/experiments/\d+$"))
+    exp = server.http.get(f"/api/v1/experiments/{page.url.rsplit('/', 1)[1]}").json()
+    assert sorted((r["recipe"], r["bf16_last_layers"]) for r in exp["runs"]) == [
+        ("bf16", 0), ("nvfp4", 0), ("nvfp4", 1), ("nvfp4", 3)]
+    page.wait_for_selector("#runs-table tbody tr[data-run-id] >> nth=3")
+    assert page.console_log.errors == []
+
+
+def test_writes_use_the_token_pasted_into_the_page(server, tokenless_page, api_token):
+    page = tokenless_page
+    page.goto(f"{server.base_url}/experiments/new")
+    page.fill("#field-name", "needs-token")
+    page.uncheck("#field-enqueue")
+    page.click("#experiment-submit")
+    error = page.locator("#form-error")
+    error.wait_for(state="visible")
+    assert "API token" in error.inner_text()
+
+    page.click("#api-token-status")
+    page.fill("#api-token-input", api_token)
+    page.click("#api-token-save")
+    assert page.locator("#api-token-status").inner_text() == "API token ✓"
+    page.click("#experiment-submit")
+    page.wait_for_url(re.compile(r"/experiments/\d+$"))
+    assert page.evaluate("() => localStorage.getItem('plab-api-token')") == api_token
+    # The refused first attempt is the only console error (the browser logs the failed fetch's 401).
+    assert len(page.console_log.errors) == 1 and "401" in page.console_log.errors[0]
