@@ -20,7 +20,8 @@
 the GEMM parts; the BF16 step feeds the Amdahl prediction and the FP8 step gives the measured speedup it
 is compared with (±0.10). Compiling the FP8 model takes over two minutes.
 
-Writes the JSON to $OUT/gemm_bench.json (when $OUT is set) and bench/results/, then prints a short table.
+Writes the JSON as gemm_bench_<device>_<UTC time>.json to $OUT (when set) and bench/results/, then prints a
+short table last.
 """
 from __future__ import annotations
 
@@ -241,25 +242,36 @@ def main(argv=None) -> int:
                       num_key_value_heads=4, vocab_size=128)
         b_batch, c_batch = (1, 128), (1, 128)
 
-    report: dict = {}
+    report: dict = {"errors": {}}
+
+    def attempt(part: str, fn):
+        # One part failing (a missing kernel, out of memory) must not cost the others their results.
+        try:
+            report[part] = fn()
+        except Exception as exc:  # noqa: BLE001
+            import traceback
+            report["errors"][part] = f"{type(exc).__name__}: {exc}"
+            log(f"part {part} failed:\n{traceback.format_exc()}")
+
     if "a" in parts:
         log("(a) anchor comparison 8192x4096x14336")
-        report["a"] = part_a(device, args.smoke)
+        attempt("a", lambda: part_a(device, args.smoke))
     if "b" in parts:
         log("(b) 1.14B Llama, all formats, both modes")
-        report["b"] = run_gemm_benchmark(b_dims, micro_batch=b_batch[0], seq_len=b_batch[1], formats=FORMATS,
-                                         modes=["kernel", "quant"], repeats=args.repeats, device=device,
-                                         bf16_step_time_s=args.bf16_step_time,
-                                         progress=lambda m: log(f"  (b) {m}"))
+        attempt("b", lambda: run_gemm_benchmark(
+            b_dims, micro_batch=b_batch[0], seq_len=b_batch[1], formats=FORMATS, modes=["kernel", "quant"],
+            repeats=args.repeats, device=device, bf16_step_time_s=args.bf16_step_time,
+            progress=lambda m: log(f"  (b) {m}")))
     if "c" in parts:
         log("(c) CodonFM-5B")
-        report["c"] = run_gemm_benchmark(c_dims, micro_batch=c_batch[0], seq_len=c_batch[1], gated_mlp=False,
-                                         formats=["bf16", "fp8_tensorwise", "fp8_blockwise"],
-                                         modes=["kernel", "quant"], repeats=args.repeats, device=device,
-                                         progress=lambda m: log(f"  (c) {m}"))
-        report["c_vs_te"] = [{"format": fmt, "mode": mode, "te_h200": te,
-                              "ours": transformer_layer_speedup(report["c"], mode, fmt)}
-                             for (fmt, mode), te in TE_H200.items()]
+        attempt("c", lambda: run_gemm_benchmark(
+            c_dims, micro_batch=c_batch[0], seq_len=c_batch[1], gated_mlp=False,
+            formats=["bf16", "fp8_tensorwise", "fp8_blockwise"], modes=["kernel", "quant"],
+            repeats=args.repeats, device=device, progress=lambda m: log(f"  (c) {m}")))
+        if "c" in report:
+            report["c_vs_te"] = [{"format": fmt, "mode": mode, "te_h200": te,
+                                  "ours": transformer_layer_speedup(report["c"], mode, fmt)}
+                                 for (fmt, mode), te in TE_H200.items()]
     recipes = [r.strip() for r in args.anchor_train.split(",") if r.strip()]
     if recipes and not args.smoke:
         report["anchor_training"] = tr = run_anchor_training(recipes, args.smoke)
@@ -280,7 +292,8 @@ def main(argv=None) -> int:
     text = json.dumps(report, indent=1, default=str)
     slug = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
     name = f"gemm_bench_{'smoke_' if args.smoke else ''}{slug}_{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M}.json"
-    targets = [Path(os.environ["OUT"]) / "gemm_bench.json"] if os.environ.get("OUT") else []
+    # Same name under $OUT and bench/results/, so the file fetched from the GPU machine is copied as is.
+    targets = [Path(os.environ["OUT"]) / name] if os.environ.get("OUT") else []
     if not args.smoke:
         targets.append(REPO / "bench" / "results" / name)
     for path in targets:
@@ -288,8 +301,10 @@ def main(argv=None) -> int:
         path.write_text(text)
         log(f"wrote {path}")
     print(short_table(report), flush=True)
+    for part, err in report["errors"].items():
+        print(f"part {part} FAILED: {err}", flush=True)
     failures = sum(len(report[p]["failures"]) for p in ("b", "c") if p in report)
-    return 1 if failures else 0
+    return 1 if failures or report["errors"] else 0
 
 
 if __name__ == "__main__":

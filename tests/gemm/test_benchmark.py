@@ -155,3 +155,11 @@ def test_compiled_quantize_and_gemm_equals_the_eager_one():
         bt = torch.randn(96, 128, dtype=torch.bfloat16)
         dtype = torch.float8_e5m2 if tensorwise_grad else torch.float8_e4m3fn
         assert torch.equal(compiled(a, bt, dtype, rowwise, False), formats.fp8_quant_gemm(a, bt, dtype, rowwise, False))
+
+
+def test_result_carries_the_request_that_reproduces_it():
+    first = run_gemm_benchmark("tiny", micro_batch=1, seq_len=16, vocab_size=128, formats="fp8_rowwise",
+                               modes="kernel", device="cpu", repeats=1, warmup=0, gated_mlp=False)
+    again = run_gemm_benchmark(**json.loads(json.dumps(first["request"])))
+    assert again["shapes"] == first["shapes"] and again["config"] == first["config"]
+    assert again["formats"] == ["bf16", "fp8_rowwise"] and again["modes"] == ["kernel"]

@@ -148,6 +148,13 @@ def run_gemm_benchmark(model: Any = None, *, micro_batch: int = 4, seq_len: int 
         config.update(model=model if isinstance(model, str) else "custom", dims=dims,
                       tokens_per_micro_batch=micro_batch * seq_len)
 
+    # The request re-runs this benchmark: run_gemm_benchmark(**result["request"]) (Celery tasks, the API).
+    request = {"model": None if shapes is not None else (model if isinstance(model, str) else dims),
+               "shapes": ",".join(f"{s.m}x{s.k}x{s.n}" for s in shape_list) if shapes is not None else None,
+               "micro_batch": micro_batch, "seq_len": seq_len, "formats": formats, "modes": modes,
+               "gated_mlp": gated_mlp, "no_gqa": no_gqa, "vocab_size": vocab_size, "repeats": repeats,
+               "warmup": warmup, "device": str(device), "bf16_step_time_s": bf16_step_time_s,
+               "compile_quant": compile_quant, "seed": seed}
     gen = torch.Generator(device=dev).manual_seed(seed)
     records: list[dict] = []
     for shape in shape_list:
@@ -200,6 +207,7 @@ def run_gemm_benchmark(model: Any = None, *, micro_batch: int = 4, seq_len: int 
                 for r in records if r["check"] in ("fail", "error")]
     return {
         "schema": SCHEMA,
+        "request": request,
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": _device_info(dev),
         "versions": _versions(),
