@@ -9,7 +9,6 @@ from training.precision import quantize_dequantize
 from training.precision.formats import (
     hadamard_16,
     nvfp4_parts,
-    quantize_nvfp4,
     random_hadamard_transform,
     random_sign_vector,
     round_to_e2m1,
@@ -192,17 +191,3 @@ def test_hadamard_is_orthonormal_and_rht_preserves_the_wgrad_product():
     plain_odd = dy_t[:, :150] @ x_t[:, :150].t()
     rotated_odd = random_hadamard_transform(dy_t[:, :150], signs) @ random_hadamard_transform(x_t[:, :150], signs).t()
     assert torch.allclose(rotated_odd, plain_odd, rtol=1e-5, atol=1e-4)
-
-
-def test_rht_spreads_outliers_and_lowers_fp4_wgrad_error():
-    g = torch.Generator().manual_seed(7)
-    x_t = torch.randn(64, 256, generator=g)
-    x_t[:, ::37] *= 50.0  # a few outlier tokens
-    dy_t = torch.randn(64, 256, generator=g)
-    exact = dy_t @ x_t.t()
-    signs = random_sign_vector(0)
-
-    def err(a, b):
-        return ((quantize_nvfp4(a).dequantize() @ quantize_nvfp4(b).dequantize().t()) - exact).norm() / exact.norm()
-
-    assert err(random_hadamard_transform(dy_t, signs), random_hadamard_transform(x_t, signs)) < err(dy_t, x_t)
