@@ -115,6 +115,14 @@ def cmd_worker(args) -> int:
     return 0
 
 
+def cmd_flower(args) -> int:
+    """Flower, Celery's monitoring UI, on this deployment's broker."""
+    from workers.celery_app import app
+
+    app.start(["flower", f"--port={args.port}", f"--address={args.host}"])
+    return 0
+
+
 def cmd_db(args) -> int:
     from backend.migrate import upgrade
     from backend.settings import get_settings
@@ -345,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--hostname")
     w.add_argument("--log-level", default="info")
     w.set_defaults(func=cmd_worker)
+
+    f = sub.add_parser("flower", help="Celery's monitoring UI for the workers")
+    f.add_argument("--host", default="0.0.0.0")
+    f.add_argument("--port", type=int, default=5555)
+    f.set_defaults(func=cmd_flower)
 
     d = sub.add_parser("db", help="database maintenance")
     d.add_argument("action", choices=["upgrade"])

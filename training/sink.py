@@ -21,6 +21,9 @@ class MetricSink:
     def event(self, kind: str, **fields) -> None:
         pass
 
+    def flush(self) -> None:
+        """Block until everything logged so far is durable (called before each checkpoint)."""
+
     def close(self) -> None:
         pass
 

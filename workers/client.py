@@ -143,6 +143,8 @@ class MetricStreamer:
         self.errors: list[str] = []
         self._q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"plab-metrics-{run_id}", daemon=True)
         self._thread.start()
 
@@ -163,22 +165,26 @@ class MetricStreamer:
         return batch
 
     def _send(self, batch: list[dict]) -> None:
-        while True:
-            try:
-                r = self.client.log_metrics(self.run_id, batch)
-            except ApiError as e:
-                if e.status < 500:  # our own bug or a deleted run: retrying cannot help
+        try:
+            while True:
+                try:
+                    r = self.client.log_metrics(self.run_id, batch)
+                except ApiError as e:
+                    if e.status < 500:  # our own bug or a deleted run: retrying cannot help
+                        self.errors.append(str(e))
+                        return
+                except httpx.TransportError as e:
                     self.errors.append(str(e))
+                    if self._closed:
+                        return
+                else:
+                    self.sent += len(batch)
+                    self._note_cancel(r.get("cancel_requested", False))
                     return
-            except httpx.TransportError as e:
-                self.errors.append(str(e))
-                if self._stop.is_set():
-                    return
-            else:
-                self.sent += len(batch)
-                self._note_cancel(r.get("cancel_requested", False))
-                return
-            time.sleep(1.0)
+                time.sleep(1.0)
+        finally:
+            for _ in batch:
+                self._q.task_done()
 
     def _note_cancel(self, flag: bool) -> None:
         if flag and not self.cancel_requested:
@@ -189,11 +195,9 @@ class MetricStreamer:
     def _loop(self) -> None:
         last_contact = time.monotonic()
         while not self._stop.is_set():
-            self._stop.wait(self.flush_interval)
-            while True:
-                batch = self._drain()
-                if not batch:
-                    break
+            self._wake.wait(self.flush_interval)
+            self._wake.clear()
+            while batch := self._drain():
                 self._send(batch)
                 last_contact = time.monotonic()
             if time.monotonic() - last_contact > self.poll_interval and not self._stop.is_set():
@@ -204,14 +208,19 @@ class MetricStreamer:
                 last_contact = time.monotonic()
 
     def flush(self) -> None:
-        while True:
-            batch = self._drain()
-            if not batch:
-                return
-            self._send(batch)
+        """Block until every point logged so far has been sent (or definitively refused)."""
+        if self._thread.is_alive():
+            self._wake.set()
+            self._q.join()
+        else:
+            while batch := self._drain():
+                self._send(batch)
 
     def close(self) -> None:
+        self.flush()
+        self._closed = True
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=60)
         self.flush()
 

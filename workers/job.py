@@ -15,12 +15,14 @@ import threading
 import traceback
 
 from backend.settings import get_settings
+from training.sink import MetricSink
 from workers.client import ApiError, MetricStreamer, PlabClient
 
 EXIT_OK, EXIT_SKIPPED = 0, 3
 
 
-class ApiSink:
+
+class ApiSink(MetricSink):
     """training.sink.MetricSink that forwards to the API (non-blocking: the streamer's thread does the I/O)."""
 
     def __init__(self, client: PlabClient, run_id: int, streamer: MetricStreamer | None):
@@ -43,6 +45,10 @@ class ApiSink:
                                          meta={k: v for k, v in fields.items() if k not in ("path", "step")})
         except (ApiError, OSError) as e:  # reporting must never kill a training job
             print(f"[plab] could not report {kind}: {e}", file=sys.stderr)
+
+    def flush(self) -> None:
+        if self.streamer is not None:
+            self.streamer.flush()
 
     def close(self) -> None:
         pass

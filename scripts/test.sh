@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One command on a fresh machine: install, start the local services the tests use, run the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+. .venv/bin/activate
+
+# Real services for the integration tests: PostgreSQL and Redis on this machine.
+if ! redis-cli -h 127.0.0.1 ping >/dev/null 2>&1; then
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
+fi
+if ! pg_isready -q -h 127.0.0.1 -p 5432; then
+  pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql)" main start
+fi
+for _ in $(seq 30); do pg_isready -q -h 127.0.0.1 -p 5432 && redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && break; sleep 1; done
+# Headless Chromium for the dashboard's browser tests (Debian's package; Playwright drives it).
+if ! command -v chromium >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null
+fi
+
+if [ -z "${PLAB_DATA_DIR:-}" ] && [ -d ../shared/data ]; then export PLAB_DATA_DIR="$(cd ../shared/data && pwd)"; fi
+export PYTHONUNBUFFERED=1
+exec python -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -1,0 +1,89 @@
+"""docker-compose.yml is parsed (no Docker engine here): its services, commands and variables must agree."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from backend.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _expand(value: str) -> str:
+    """${VAR:-default} → default, as compose does with VAR unset."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def plab_services(compose):
+    return {n: s for n, s in compose["services"].items() if s.get("build")}
+
+
+def test_the_deployment_has_every_service(compose):
+    assert {"postgres", "redis", "api", "worker", "flower"} <= set(compose["services"])
+    assert (REPO / "Dockerfile").is_file()
+
+
+def test_every_plab_service_runs_a_command_our_cli_accepts(compose):
+    parser = build_parser()
+    services = plab_services(compose)
+    assert {"api", "worker", "flower"} <= set(services)
+    for name, svc in services.items():
+        cmd = [_expand(c) for c in svc["command"]]
+        assert cmd[0] == "plab", f"{name}: command must be a plab command, got {cmd}"
+        args = parser.parse_args(cmd[1:])  # exits (fails the test) on an unknown command or flag
+        assert callable(args.func)
+    assert build_parser().parse_args(_expand_all(services["api"]["command"])[1:]).command == "serve"
+    assert build_parser().parse_args(_expand_all(services["worker"]["command"])[1:]).command == "worker"
+
+
+def _expand_all(cmd):
+    return [_expand(c) for c in cmd]
+
+
+def test_services_agree_on_urls_and_variables(compose):
+    services = compose["services"]
+    envs = {n: s["environment"] for n, s in plab_services(compose).items()}
+    first = next(iter(envs.values()))
+    for name, env in envs.items():
+        assert env == first, f"{name} has a different environment from the other plab services"
+    db = urlparse(first["PLAB_DATABASE_URL"])
+    pg = services["postgres"]["environment"]
+    assert db.scheme == "postgresql+psycopg" and db.hostname == "postgres" and (db.port or 5432) == 5432
+    assert (db.username, db.password, db.path.lstrip("/")) == (pg["POSTGRES_USER"], pg["POSTGRES_PASSWORD"],
+                                                               pg["POSTGRES_DB"])
+    broker = urlparse(first["PLAB_BROKER_URL"])
+    assert broker.scheme == "redis" and broker.hostname == "redis" and (broker.port or 6379) == 6379
+    api = urlparse(first["PLAB_API_URL"])
+    api_args = build_parser().parse_args(_expand_all(services["api"]["command"])[1:])
+    assert api.hostname == "api" and api.port == api_args.port
+    assert api_args.host == "0.0.0.0"
+    assert any(str(p).endswith(f":{api_args.port}") for p in services["api"]["ports"])
+    flower_args = build_parser().parse_args(_expand_all(services["flower"]["command"])[1:])
+    assert any(str(p).endswith(f":{flower_args.port}") for p in services["flower"]["ports"])
+    # the API token is passed through, never baked in
+    assert first["PLAB_API_TOKEN"].startswith("${PLAB_API_TOKEN")
+    # workers write checkpoints where the API (and evaluation jobs) can find them
+    assert any("/var/lib/plab" in v for v in services["worker"]["volumes"])
+    assert first["PLAB_HOME"] == "/var/lib/plab"
+
+
+def test_the_worker_reserves_gpus(compose):
+    devices = compose["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert any("gpu" in d["capabilities"] and d["driver"] == "nvidia" for d in devices)
+    assert "--gpus" in compose["services"]["worker"]["command"]
+
+
+def test_the_api_waits_for_migrations(compose):
+    api = compose["services"]["api"]
+    assert api["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert compose["services"]["migrate"]["command"] == ["plab", "db", "upgrade"]
+    assert "--no-migrate" in api["command"]

@@ -1,0 +1,99 @@
+"""Served mode end to end: `plab serve` + `plab worker` (the compose commands) on real PostgreSQL and Redis."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.integration.conftest import TINY, tiny_training
+
+pytestmark = pytest.mark.integration
+
+
+def test_experiment_through_rest_trains_to_success_with_a_complete_series(stack):
+    steps = 12
+    exp = stack.create(name="served", **TINY, training=tiny_training(steps), recipes=["bf16", "fp8_tensorwise"])
+    exp = stack.wait_final(exp["id"])
+    for run in exp["runs"]:
+        assert run["status"] == "succeeded", (run, stack.log("worker"))
+        assert run["worker_host"] and run["device_name"] and run["started_at"] and run["finished_at"]
+        series = stack.series(run["id"])
+        assert series["step"] == list(range(1, steps + 1)) or series["step"] == list(range(steps)), series["step"]
+        assert all(v is not None for v in series["value"])
+        assert len(set(series["step"])) == len(series["step"])
+        # a forced re-send of the whole series changes nothing
+        points = [{"key": "train/loss", "step": s, "value": v, "tokens": t}
+                  for s, v, t in zip(series["step"], series["value"], series["tokens"])]
+        resent = stack.api.post(f"/runs/{run['id']}/metrics", json={"points": points}).json()
+        assert resent["inserted"] == 0 and resent["duplicates"] == steps
+        assert stack.series(run["id"])["step"] == series["step"]
+        assert run["summary"]["final_loss"] > 0
+    fp8 = next(r for r in exp["runs"] if r["recipe"] == "fp8_tensorwise")
+    assert fp8["gemm_backend"] == "emulated"  # no FP8 tensor cores on this CPU: labelled as such
+    artifacts = stack.api.get(f"/runs/{fp8['id']}/artifacts").json()
+    assert any(a["kind"] == "checkpoint" for a in artifacts)
+
+
+def test_cancelling_a_running_run_stops_it_at_a_step_boundary(stack):
+    exp = stack.create(name="cancel", **TINY, training=tiny_training(5000), recipes=["bf16"])
+    run_id = exp["runs"][0]["id"]
+    stack.wait(lambda: (stack.run(run_id).get("progress") or {}).get("step", 0) >= 3, 120, "training to start")
+    r = stack.api.post(f"/runs/{run_id}/cancel")
+    assert r.status_code == 200 and r.json()["cancel_requested"]
+    stack.wait(lambda: stack.run(run_id)["status"] == "cancelled", 60, "the run to stop")
+    last = stack.run(run_id)["progress"]["step"]
+    assert 3 <= last < 5000
+    time.sleep(2)
+    assert stack.run(run_id)["progress"]["step"] == last  # nothing trains on after the stop
+
+
+def test_a_failing_run_is_failed_with_its_message(stack):
+    # The API host does not check paths (data lives on the workers); the worker does, and reports why.
+    exp = stack.create(name="fail", model="tiny", data={"corpus": "/nonexistent/corpus", "vocab_size": 512,
+                                                       "seq_len": 64}, training=tiny_training(5), recipes=["bf16"])
+    exp = stack.wait_final(exp["id"], timeout=120)
+    run = exp["runs"][0]
+    assert run["status"] == "failed"
+    assert "/nonexistent/corpus" in run["error_message"]
+
+
+def test_a_huge_learning_rate_diverges_with_the_step(stack):
+    exp = stack.create(name="diverge", **TINY, training=tiny_training(60, lr=1e6, grad_clip=0.0, warmup_steps=0),
+                       recipes=["bf16"])
+    exp = stack.wait_final(exp["id"], timeout=180)
+    run = exp["runs"][0]
+    assert run["status"] == "diverged", run
+    assert run["diverged_step"] is not None and 0 <= run["diverged_step"] < 60
+
+
+def test_a_killed_worker_process_is_retried_and_the_run_finishes_without_gaps_or_duplicates(stack):
+    steps = 40
+    exp = stack.create(name="sigkill", **TINY, training=tiny_training(steps, checkpoint_every=5), recipes=["bf16"])
+    run_id = exp["runs"][0]["id"]
+    stack.wait(lambda: (stack.run(run_id).get("progress") or {}).get("step", 0) >= 12, 180, "a checkpoint or two")
+    worker = psutil.Process(stack.procs["worker"].pid)
+    jobs = [p for p in worker.children(recursive=True) if "workers.job" in " ".join(p.cmdline())]
+    assert len(jobs) == 1
+    pool_process = jobs[0].parent()
+    os.kill(pool_process.pid, signal.SIGKILL)  # the Celery pool process running the job dies with its job
+    exp = stack.wait_final(exp["id"], timeout=240)
+    run = exp["runs"][0]
+    assert run["status"] == "succeeded", stack.log("worker")
+    assert run["attempts"] >= 2
+    series = stack.series(run_id)
+    expected = list(range(1, steps + 1)) if series["step"][0] == 1 else list(range(steps))
+    assert series["step"] == expected
+
+
+@pytest.mark.parametrize("stack", [2], indirect=True)
+def test_two_jobs_on_a_two_slot_worker_run_at_the_same_time(stack):
+    exp = stack.create(name="slots", **TINY, training=tiny_training(25), recipes=["bf16", "fp8_rowwise"])
+    ids = [r["id"] for r in exp["runs"]]
+    both = stack.wait(lambda: all(stack.run(i)["status"] == "running" for i in ids), 120, "both runs running")
+    assert both
+    exp = stack.wait_final(exp["id"])
+    a, b = exp["runs"]
+    assert a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"]
