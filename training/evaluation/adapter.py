@@ -155,6 +155,11 @@ def evaluate_checkpoint(
 
         ours = TaskManager(include_path=[str(p) for p in rendered.include_paths], include_defaults=False)
         needs_builtin = [name for name in requested if name not in ours.all_tasks]
+        ours_missing = [name for name in needs_builtin if name.startswith("plab_")]
+        if ours_missing:
+            # The plab_ prefix is ours alone: no need to index lm-eval's ~15k tasks (15 s) to
+            # know these do not exist.
+            raise EvaluationError(_unknown_tasks_message(ours_missing, ours.all_tasks))
         manager = ours
         if needs_builtin:
             manager = TaskManager(include_path=[str(p) for p in rendered.include_paths], include_defaults=True)
