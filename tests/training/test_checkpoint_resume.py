@@ -17,8 +17,9 @@ def _losses(sink):
     return dict(sink.series("train/loss"))
 
 
-def test_interrupted_run_resumes_to_the_same_loss_at_every_later_step(make_spec, cache_dir, tmp_path):
-    spec = make_spec(training={"steps": 12, "checkpoint_every": 4, "val_every": 6})
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])  # fp8_delayed: the amax history must resume too
+def test_interrupted_run_resumes_to_the_same_loss_at_every_later_step(make_spec, cache_dir, tmp_path, recipe):
+    spec = make_spec(training={"steps": 12, "checkpoint_every": 4, "val_every": 6}, recipe=recipe)
     reference = ListSink()
     train(spec, reference, output_dir=tmp_path / "uninterrupted", cache_dir=cache_dir)
 

@@ -81,48 +81,15 @@ def test_jsonl_sink_writes_one_line_per_point_and_event(make_spec, cache_dir, tm
     assert {x["kind"] for x in lines if x["type"] == "event"} >= {"conversion_report", "result"}
 
 
-class _SamplingReport:
-    """A RecipeReport with the optional numerics and hook methods (as the FP8/NVFP4 recipes provide)."""
-
-    def __init__(self):
-        self.recipe, self.gemm_backend, self.layers = "bf16", "bf16", []
-        self.sampling_log, self.post_steps = [], 0
-        report = self
-
-        class Hook:
-            def post_optimizer_step(self, model):
-                report.post_steps += 1
-
-            def state_dict(self):
-                return {"post_steps": report.post_steps}
-
-            def load_state_dict(self, sd):
-                report.post_steps = sd["post_steps"]
-        self.hooks = [Hook()]
-
-    def to_dict(self):
-        return {"recipe": self.recipe, "gemm_backend": self.gemm_backend, "layers": self.layers}
-
-    def set_numerics_sampling(self, on):
-        self.sampling_log.append(on)
-
-    def collect_numerics(self):
-        return {"numerics/model.layers.0.mlp.up_proj/amax": 1.5}
-
-
-def test_precision_seam_calls_hooks_every_step_and_samples_numerics_when_asked(make_spec, cache_dir,
-                                                                                  monkeypatch):
-    import training.precision as precision
-    report = _SamplingReport()
-    seen = {}
-
-    def fake_apply(model, name, **kw):
-        seen.update(kw, name=name)
-        return report
-    monkeypatch.setattr(precision, "apply_recipe", fake_apply)
+def test_recipe_numerics_are_sampled_only_on_numerics_every_steps(make_spec, cache_dir):
     sink = ListSink()
-    train(make_spec(training={"steps": 6, "numerics_every": 3}, bf16_last_layers=1), sink, cache_dir=cache_dir)
-    assert seen == {"name": "bf16", "bf16_first_layers": 0, "bf16_last_layers": 1}
-    assert report.post_steps == 6
-    assert report.sampling_log == [True, False, True, False]
-    assert [s for s, _ in sink.series("numerics/model.layers.0.mlp.up_proj/amax")] == [3, 6]
+    result = train(make_spec(training={"steps": 6, "numerics_every": 3}, recipe="fp8_delayed",
+                             bf16_last_layers=1), sink, cache_dir=cache_dir)
+    assert result.status == "succeeded" and result.gemm_backend in ("real", "emulated")
+    numerics_steps = {p["step"] for p in sink.points if any(k.startswith("numerics/") for k in p["metrics"])}
+    assert numerics_steps == {3, 6}
+    keys = {k for p in sink.points for k in p["metrics"] if k.startswith("numerics/")}
+    assert all(k.count("/") == 2 for k in keys)             # numerics/<layer>/<stat>
+    assert any(k.startswith("numerics/layers.0.") for k in keys)
+    report = sink.events_of("conversion_report")[0]["report"]
+    assert report["recipe"] == "fp8_delayed" and result.conversion_report == report["layers"]
