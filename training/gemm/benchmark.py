@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import subprocess
 from importlib import metadata
@@ -49,6 +50,9 @@ def _versions() -> dict:
 
 
 def _git_commit() -> dict:
+    # A copy of the working tree without .git (e.g. on a benchmark machine) names its commit in PLAB_GIT_COMMIT.
+    if os.environ.get("PLAB_GIT_COMMIT"):
+        return {"commit": os.environ["PLAB_GIT_COMMIT"], "gemm_code_dirty": None}
     repo = Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
