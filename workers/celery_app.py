@@ -29,11 +29,12 @@ def make_app() -> Celery:
     )
     if settings.broker_url.startswith("filesystem://"):
         folder = settings.broker_folder
-        for sub in ("queue", "processed"):
+        for sub in ("queue", "processed", "control"):
             (folder / sub).mkdir(parents=True, exist_ok=True)
         conf["broker_transport_options"] = {
             "data_folder_in": str(folder / "queue"), "data_folder_out": str(folder / "queue"),
-            "processed_folder": str(folder / "processed"), "store_processed": False}
+            "processed_folder": str(folder / "processed"), "store_processed": False,
+            "control_folder": str(folder / "control")}
         # The filesystem transport has no broadcast exchange: no remote control, mingle or gossip.
         conf["worker_enable_remote_control"] = False
     elif settings.broker_url.startswith("redis"):
