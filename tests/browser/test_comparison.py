@@ -18,6 +18,11 @@ def compared(server):
                           tokens_per_s=1400.0)
     server.log_loss_curve(runs["mxfp8"]["id"], steps=40, start=3.0, offset_pct=2.0, tokens_per_step=256,
                           tokens_per_s=900.0)
+    # Numerics of mxfp8: layer i underflows a fraction (i + 1) / 100 at step s / 1000 more each sample.
+    server.http.post(f"/api/v1/runs/{runs['mxfp8']['id']}/metrics", json={"points": [
+        {"key": f"numerics/model.layers.{i}.mlp.down_proj/{stat}", "step": step,
+         "value": (i + 1) / 100 + step / 1000 if stat == "underflow_frac" else 0.0}
+        for i in range(3) for step in (0, 10, 20) for stat in ("underflow_frac", "saturation_frac")]})
     for recipe, backend in (("bf16", "bf16"), ("fp8_tensorwise", "real"), ("mxfp8", "emulated")):
         server.set_status(runs[recipe]["id"], "running")
         server.set_status(runs[recipe]["id"], "succeeded", gemm_backend=backend)
@@ -91,6 +96,12 @@ def test_x_axis_switch_smoothing_and_log_scale_redraw_the_loss_chart(server, pag
     assert smoothed[0] == pytest.approx(raw[0])
     assert smoothed[10] > raw[10]  # a decaying curve: the EMA lags above it
 
+    # The relative difference is smoothed after alignment, so a constant offset stays exactly constant
+    # and runs on different token grids do not drift apart through different EMA lags.
+    rel = {t["name"]: t["y"] for t in charts.traces("relative-chart")}
+    assert rel["fp8_tensorwise"] == pytest.approx([0.5] * 80)
+    assert all(1.99 < v < 2.2 for v in rel["mxfp8"])
+
     page.check("#log-scale")
     assert page.evaluate("() => document.getElementById('loss-chart').layout.yaxis.type") == "log"
     assert page.console_log.errors == []
@@ -160,3 +171,21 @@ def test_csv_and_json_exports_hold_every_point_shown(server, page, charts, compa
     exported = json.loads((tmp_path / "e.json").read_text())
     assert exported["experiment"]["id"] == exp["id"]
     assert [len(r["series"].get("train/loss", {}).get("value", [])) for r in exported["series"]] == [80, 80, 40, 0]
+
+
+def test_numerics_heatmap_shows_layers_by_sampled_steps(server, page, charts, compared):
+    exp, runs = compared
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    charts.wait_for_traces("loss-chart", 4)
+    page.select_option("#numerics-run", str(runs["mxfp8"]["id"]))
+    page.wait_for_function("() => { const d = document.getElementById('numerics-chart').data;"
+                           " return d && d[0].y.length === 3; }")
+    heat = page.evaluate("() => { const t = document.getElementById('numerics-chart').data[0];"
+                         " return {x: t.x, y: t.y, z: t.z}; }")
+    assert heat["y"] == [f"model.layers.{i}.mlp.down_proj" for i in range(3)]
+    assert heat["x"] == [0, 10, 20]
+    assert heat["z"] == [[pytest.approx((i + 1) / 100 + s / 1000) for s in (0, 10, 20)] for i in range(3)]
+
+    page.select_option("#numerics-stat", "saturation_frac")
+    page.wait_for_function("() => document.getElementById('numerics-chart').data[0].z.flat().every(v => v === 0)")
+    assert page.console_log.errors == []

@@ -146,14 +146,15 @@ function drawRelative() {
   const basePts = base ? pointsOf(base, "train/loss") : null;
   // Align on tokens as the comparison promises; runs logged without token counts fall back to steps.
   const useTokens = basePts && basePts.tokens.some((t) => t != null) ;
-  const smooth = (p) => ({ x: useTokens ? p.tokens : p.step,
-    y: state.smoothing > 0 ? ema(p.value, state.smoothing) : p.value });
+  const xy = (p) => ({ x: useTokens ? p.tokens : p.step, y: p.value });
   const traces = others.map((run) => {
     const idx = state.runs.indexOf(run);
-    const diff = basePts ? relativeDifference(smooth(basePts), smooth(pointsOf(run, "train/loss")))
-      : { x: [], y: [] };
+    const diff = basePts ? relativeDifference(xy(basePts), xy(pointsOf(run, "train/loss"))) : { x: [], y: [] };
+    // Smooth the difference, not the two losses: an EMA runs over points, so two runs sampled on
+    // different token grids would lag differently and show a difference that is not there.
+    const y = state.smoothing > 0 ? ema(diff.y, state.smoothing) : diff.y;
     return {
-      type: "scatter", mode: "lines", name: runLabel(run), x: diff.x, y: diff.y,
+      type: "scatter", mode: "lines", name: runLabel(run), x: diff.x, y,
       line: { color: colorOf(run, idx), width: 1.6 }, meta: { run_id: run.id },
     };
   });
@@ -220,6 +221,88 @@ function drawSpeed() {
     annotations: emptyNote(mem.some((v) => v != null) || mfus.some((v) => v != null),
       "no peak-memory or MFU figures reported yet"),
   }, PLOT_CONFIG);
+}
+
+// ---------------------------------------------------------------- numerics heatmap
+const NUMERICS_REFRESH_MS = 10_000;
+const numerics = { runId: null, stat: "underflow_frac", keysByRun: new Map(), fetchedAt: 0, loading: false };
+
+function naturalCompare(a, b) {
+  return a.localeCompare(b, undefined, { numeric: true });
+}
+
+async function numericsKeys(run) {
+  const listed = await get(`/api/v1/runs/${encodeURIComponent(run.id)}/metrics`);
+  return items(listed, "keys").map((k) => (typeof k === "string" ? k : k.key))
+    .filter((k) => k && k.startsWith("numerics/"));
+}
+
+async function mapLimited(values, limit, fn) {
+  const out = new Array(values.length);
+  let next = 0;
+  const worker = async () => {
+    while (next < values.length) {
+      const i = next++;
+      out[i] = await fn(values[i]);
+    }
+  };
+  await Promise.all(Array.from({ length: Math.min(limit, values.length) }, worker));
+  return out;
+}
+
+function syncNumericsRuns() {
+  const select = document.getElementById("numerics-run");
+  const candidates = state.runs.filter((r) => recipeName(r) !== BASELINE);
+  const wanted = candidates.map((r) => String(r.id)).join(",");
+  if (select.dataset.runs !== wanted) {
+    select.innerHTML = candidates.map((r) => `<option value="${escapeHtml(r.id)}">${escapeHtml(runLabel(r))}</option>`)
+      .join("");
+    select.dataset.runs = wanted;
+    if (numerics.runId && candidates.some((r) => String(r.id) === numerics.runId)) select.value = numerics.runId;
+  }
+  numerics.runId = select.value || null;
+}
+
+async function drawNumerics({ force = false } = {}) {
+  syncNumericsRuns();
+  const run = state.runs.find((r) => String(r.id) === numerics.runId);
+  const live = run && LIVE_STATUSES.has(run.status);
+  const stale = Date.now() - numerics.fetchedAt > NUMERICS_REFRESH_MS;
+  if (!force && (numerics.loading || (numerics.fetchedAt && !(live && stale)))) return;
+  numerics.loading = true;
+  try {
+    let layers = [], steps = [], z = [];
+    if (run) {
+      const keys = (await numericsKeys(run)).filter((k) => k.endsWith(`/${numerics.stat}`)).sort(naturalCompare);
+      const series = await mapLimited(keys, 6, (key) => get(
+        `/api/v1/runs/${encodeURIComponent(run.id)}/metrics/${key.split("/").map(encodeURIComponent).join("/")}?max_points=300`));
+      layers = keys.map((k) => k.slice("numerics/".length, -(numerics.stat.length + 1)));
+      steps = [...new Set(series.flatMap((s) => s.step || []))].sort((a, b) => a - b);
+      const column = new Map(steps.map((st, i) => [st, i]));
+      z = series.map((s) => {
+        const rowValues = new Array(steps.length).fill(null);
+        (s.step || []).forEach((st, i) => { rowValues[column.get(st)] = s.value[i]; });
+        return rowValues;
+      });
+    }
+    numerics.fetchedAt = Date.now();
+    const isSnr = numerics.stat === "snr_db";
+    Plotly.react("numerics-chart", [{
+      type: "heatmap", x: steps, y: layers, z, colorscale: isSnr ? "Viridis" : "YlOrRd", reversescale: false,
+      hoverongaps: false, colorbar: { title: { text: isSnr ? "dB" : "fraction" } },
+      hovertemplate: "%{y}<br>step %{x}<br>%{z:.3g}<extra></extra>",
+    }], {
+      title: { text: run ? `${runLabel(run)}: ${numerics.stat} per layer` : "", font: { size: 14 } },
+      margin: { l: 220, r: 20, t: 40, b: 45 },
+      xaxis: { title: { text: "step" } },
+      yaxis: { automargin: true, autorange: "reversed", tickfont: { size: 10 } },
+      annotations: emptyNote(layers.length > 0, run
+        ? "no numerics logged for this run (set training.numerics_every in the spec)"
+        : "no low-precision run in this experiment"),
+    }, PLOT_CONFIG);
+  } finally {
+    numerics.loading = false;
+  }
 }
 
 // ---------------------------------------------------------------- page text and table
@@ -335,6 +418,7 @@ function render() {
   drawLoss();
   drawRelative();
   drawSpeed();
+  drawNumerics().catch((err) => showGlobalError(`Numerics: ${err.message}`));
 }
 
 // ---------------------------------------------------------------- live updates
@@ -392,6 +476,13 @@ document.getElementById("log-scale").addEventListener("change", (event) => {
   state.logScale = event.target.checked;
   if (state.experiment) drawLoss();
 });
+for (const id of ["numerics-run", "numerics-stat"]) {
+  document.getElementById(id).addEventListener("change", () => {
+    numerics.runId = document.getElementById("numerics-run").value || null;
+    numerics.stat = document.getElementById("numerics-stat").value;
+    drawNumerics({ force: true }).catch((err) => showGlobalError(`Numerics: ${err.message}`));
+  });
+}
 document.getElementById("runs-body").addEventListener("click", async (event) => {
   const button = event.target.closest("button.cancel-run");
   if (!button) return;
@@ -474,7 +565,8 @@ function figureOf(id) {
 
 async function exportHtml() {
   const plotly = await (await fetch(document.querySelector("script[src*='plotly']").src)).text();
-  const figures = ["loss-chart", "val-loss-chart", "relative-chart", "throughput-chart", "memory-chart"]
+  const figures = ["loss-chart", "val-loss-chart", "relative-chart", "throughput-chart", "memory-chart",
+    "numerics-chart"]
     .map(figureOf).filter(Boolean);
   const safeJson = (obj) => JSON.stringify(obj).replace(/</g, "\\u003c");
   const table = document.getElementById("runs-table").cloneNode(true);

@@ -57,6 +57,7 @@ export function gemmBackend(run) {
 // Progress as a fraction in [0, 1], or null when the run has not reported any. Workers send either a
 // fraction, a percentage, or {step, total_steps}.
 export function progressFraction(run) {
+  if (run.status === "succeeded") return 1;
   const p = run.progress;
   if (p && typeof p === "object") {
     const step = finite(p.step), total = finite(p.total_steps ?? p.total ?? p.steps);
@@ -65,7 +66,7 @@ export function progressFraction(run) {
     return f == null ? null : Math.min(1, Math.max(0, f));
   }
   const v = finite(p);
-  if (v == null) return run.status === "succeeded" ? 1 : null;
+  if (v == null) return null;
   return Math.min(1, Math.max(0, v > 1 ? v / 100 : v));
 }
 
