@@ -18,9 +18,11 @@ Methods
 ``mcnemar`` (binary 0/1 outcomes only)
     Exact McNemar test: with b = #(baseline right, candidate wrong) and c = #(baseline wrong,
     candidate right), under H0 c ~ Binomial(b + c, 1/2); the p-value is the exact two-sided
-    binomial test. The interval is the Clopper-Pearson interval of c / (b + c) mapped to
-    the accuracy difference ``(c - b) / n``, i.e. conditional on the number of discordant
-    pairs. Significant = ``p < alpha``.
+    binomial test. The interval is the Wald interval of the paired difference ``(c - b) / n``
+    with standard error ``sqrt(b + c - (c - b)^2 / n) / n`` (an interval conditional on
+    b + c, e.g. Clopper-Pearson on c / (b + c), cannot exceed the observed difference when
+    b = 0). Significant = ``p < alpha``; with very few discordant pairs the exact p-value
+    and the approximate interval can disagree, and the p-value is the one to trust.
 
 Statistics (how per-document values turn into the task's number, as lm-eval aggregates):
 ``mean`` (accuracies; values 0/1 or floats), ``perplexity`` (values are log-likelihoods;
@@ -241,7 +243,7 @@ def _bootstrap(a, b, groups, statistic, n_boot, seed, alpha) -> dict:
 
 
 def _mcnemar(a, b, statistic, alpha, groups) -> dict:
-    from scipy.stats import beta, binomtest
+    from scipy.stats import binomtest, norm
 
     x, y = a[:, 0], b[:, 0]
     if statistic != "mean" or not (np.isin(x, (0.0, 1.0)).all() and np.isin(y, (0.0, 1.0)).all()):
@@ -252,14 +254,10 @@ def _mcnemar(a, b, statistic, alpha, groups) -> dict:
     b_only = int(np.sum((x == 1) & (y == 0)))
     c_only = int(np.sum((x == 0) & (y == 1)))
     disc = b_only + c_only
-    if disc == 0:
-        p_value, low, high = 1.0, 0.0, 0.0
-    else:
-        p_value = float(binomtest(c_only, disc, 0.5).pvalue)
-        # Clopper-Pearson interval of theta = c / (b + c); delta = (2 theta - 1) * disc / n.
-        t_low = beta.ppf(alpha / 2, c_only, disc - c_only + 1) if c_only > 0 else 0.0
-        t_high = beta.ppf(1 - alpha / 2, c_only + 1, disc - c_only) if c_only < disc else 1.0
-        low, high = (2 * t_low - 1) * disc / n, (2 * t_high - 1) * disc / n
+    p_value = float(binomtest(c_only, disc, 0.5).pvalue) if disc else 1.0
+    delta = (c_only - b_only) / n
+    half_width = norm.ppf(1 - alpha / 2) * math.sqrt(max(disc - (c_only - b_only) ** 2 / n, 0.0)) / n
+    low, high = delta - half_width, delta + half_width
     return {
         "ci_low": float(low),
         "ci_high": float(high),

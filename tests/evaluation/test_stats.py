@@ -1,0 +1,141 @@
+"""Paired comparison against the baseline: deltas, intervals, p-values, significance."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+
+from training.evaluation.stats import compare_results, paired_difference
+
+
+def _flip(values, indices, to):
+    out = list(values)
+    for i in indices:
+        out[i] = to
+    return out
+
+
+def test_a_known_accuracy_gain_lies_inside_the_interval_and_is_significant():
+    rng = np.random.default_rng(1)
+    baseline = (rng.random(1000) < 0.6).astype(float).tolist()
+    wrong = [i for i, v in enumerate(baseline) if v == 0.0]
+    candidate = _flip(baseline, wrong[:100], 1.0)  # exactly +100 right answers: delta = +0.1
+    for method in ("bootstrap", "mcnemar"):
+        d = paired_difference(baseline, candidate, method=method, n_boot=2000)
+        assert d["delta"] == pytest.approx(0.1)
+        assert d["ci_low"] < 0.1 < d["ci_high"], method
+        assert d["ci_low"] > 0 and d["significant"] and d["p_value"] < 0.001, method
+
+
+def test_identical_runs_give_zero_delta_and_are_not_significant():
+    rng = np.random.default_rng(2)
+    acc = (rng.random(500) < 0.5).astype(float).tolist()
+    pairs = np.column_stack([-rng.random(500) * 1000, rng.integers(100, 5000, 500)]).tolist()
+    cases = [(acc, "mean", "bootstrap"), (acc, "mean", "mcnemar"), (pairs, "bits_per_byte", "bootstrap"),
+             ([p[0] for p in pairs], "perplexity", "bootstrap")]
+    for values, statistic, method in cases:
+        d = paired_difference(values, values, statistic=statistic, method=method, n_boot=500)
+        assert d["delta"] == 0.0 and d["ci_low"] == 0.0 and d["ci_high"] == 0.0, (statistic, method)
+        assert d["p_value"] == 1.0 and d["significant"] is False, (statistic, method)
+
+
+def test_a_small_difference_on_few_documents_is_not_significant():
+    baseline = [1.0, 0.0] * 10
+    candidate = _flip(baseline, [1], 1.0)  # one more right answer out of 20
+    for method in ("bootstrap", "mcnemar"):
+        d = paired_difference(baseline, candidate, method=method, n_boot=2000)
+        assert d["delta"] == pytest.approx(0.05) and not d["significant"], method
+        assert d["ci_low"] <= 0 < d["ci_high"], method
+
+
+@pytest.mark.parametrize("method", ["bootstrap", "mcnemar"])
+def test_95_percent_intervals_cover_the_true_difference_about_95_percent_of_the_time(method):
+    """Simulate many evaluations of two models whose true accuracies differ by 0.05."""
+    rng = np.random.default_rng(3)
+    n, trials, covered = 400, 200, 0
+    for t in range(trials):
+        base = rng.random(n) < 0.60
+        # candidate: same answers except each item is re-drawn with probability 0.3,
+        # correlated like two recipes of one model; true accuracy 0.65.
+        redraw = rng.random(n) < 0.3
+        cand = np.where(redraw, rng.random(n) < 0.60 + 0.05 / 0.3, base)
+        d = paired_difference(base.astype(float), cand.astype(float), method=method, n_boot=1000, seed=t)
+        covered += d["ci_low"] <= 0.05 <= d["ci_high"]
+    assert 0.90 <= covered / trials <= 0.995
+
+
+def test_mcnemar_p_value_is_the_exact_binomial_test():
+    # 10 pairs only the baseline got right, 2 only the candidate: p = 2 * P(X <= 2 | n=12, 1/2).
+    baseline = [1.0] * 10 + [0.0] * 2 + [1.0] * 30
+    candidate = [0.0] * 10 + [1.0] * 2 + [1.0] * 30
+    d = paired_difference(baseline, candidate, method="mcnemar")
+    assert d["p_value"] == pytest.approx(2 * (1 + 12 + 66) / 4096)
+    assert d["discordant"] == {"baseline_only": 10, "candidate_only": 2}
+    assert d["delta"] == pytest.approx(-8 / 42) and d["significant"]
+    assert d["ci_low"] < -8 / 42 < d["ci_high"] < 0
+
+
+def test_bits_per_byte_statistic_matches_lm_eval_aggregation():
+    from lm_eval.api.metrics import bits_per_byte, weighted_perplexity
+
+    pairs = [(-1200.0, 400), (-3000.0, 1100), (-50.5, 20)]
+    shifted = [(ll * 0.9, n) for ll, n in pairs]
+    d = paired_difference(pairs, shifted, statistic="bits_per_byte", n_boot=500)
+    assert d["baseline"] == pytest.approx(bits_per_byte(pairs))
+    assert d["delta"] == pytest.approx(bits_per_byte(shifted) - bits_per_byte(pairs))
+    w = paired_difference(pairs, pairs, statistic="weighted_perplexity", n_boot=500)
+    assert w["baseline"] == pytest.approx(weighted_perplexity(pairs))
+
+
+def test_strata_weight_every_subtask_equally_like_an_lm_eval_group():
+    a = [1.0] * 10 + [0.0] * 2  # subtask x: 10/10, subtask y: 0/2
+    strata = ["x"] * 10 + ["y"] * 2
+    d = paired_difference(a, a, strata=strata, n_boot=200)
+    assert d["baseline"] == pytest.approx(0.5)  # mean of 1.0 and 0.0, not 10/12
+    with pytest.raises(ValueError, match="unequal size"):
+        paired_difference(a, a, strata=strata, method="mcnemar")
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        (([1.0, 0.0], [1.0]), {}, "same documents"),
+        (([], []), {}, "no documents"),
+        (([1.0, float("nan")], [1.0, 0.0]), {}, "NaN"),
+        (([1.0, 0.5], [1.0, 0.0]), {"method": "mcnemar"}, "binary"),
+        (([1.0], [1.0]), {"method": "t-test"}, "method must be one of"),
+        (([1.0], [1.0]), {"alpha": 5}, "alpha must be in"),
+        (([1.0], [1.0]), {"n_boot": 10}, "n_boot must be"),
+        (([1.0], [1.0]), {"statistic": "bits_per_byte"}, "pairs"),
+    ],
+)
+def test_bad_inputs_are_refused_with_a_fix(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        paired_difference(*args, **kwargs)
+
+
+def test_comparing_evaluation_results_aligns_documents_and_finds_an_injected_change(shipped_results):
+    same = compare_results(shipped_results, shipped_results, n_boot=500)
+    assert {r["task"] for r in same} >= {"plab_blimp", "plab_piqa", "plab_heldout_bpb", "plab_lambada_openai"}
+    assert all(r["delta"] == 0 and not r["significant"] and r["improved"] is None for r in same)
+
+    candidate = copy.deepcopy(shipped_results)
+    piqa = candidate["tasks"]["plab_piqa"]["samples"]
+    piqa["acc"] = [1.0] * len(piqa["acc"])
+    # Reversed document order must not matter: documents are matched by doc_id.
+    for key in piqa:
+        piqa[key] = piqa[key][::-1]
+    rows = {(r["task"], r["metric"]): r for r in compare_results(shipped_results, candidate, n_boot=500)}
+    base_acc = shipped_results["tasks"]["plab_piqa"]["metrics"]["acc"]["value"]
+    assert rows[("plab_piqa", "acc")]["delta"] == pytest.approx(1.0 - base_acc)
+    assert rows[("plab_piqa", "acc_norm")]["delta"] == 0
+    blimp = rows[("plab_blimp", "acc")]
+    assert blimp["n"] == shipped_results["tasks"]["plab_blimp"]["n_samples"]
+    assert blimp["baseline"] == pytest.approx(shipped_results["tasks"]["plab_blimp"]["metrics"]["acc"]["value"])
+    mcnemar = {(r["task"], r["metric"]): r for r in compare_results(shipped_results, candidate, method="mcnemar")}
+    assert mcnemar[("plab_piqa", "acc")]["method"] == "mcnemar"
+    assert mcnemar[("plab_heldout_bpb", "bits_per_byte")]["method"] == "bootstrap"
+    assert math.isfinite(mcnemar[("plab_lambada_openai", "perplexity")]["delta"])

@@ -1,0 +1,106 @@
+"""A user adds a task by dropping a YAML and its data into PLAB_EVAL_TASKS_DIR: no code change."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from training.evaluation import EvaluationError, evaluate_checkpoint, list_tasks, main
+
+CAPITALS = [
+    ("France", "Paris", "Rome"),
+    ("Italy", "Rome", "Paris"),
+    ("Spain", "Madrid", "Lisbon"),
+    ("Portugal", "Lisbon", "Madrid"),
+    ("Germany", "Berlin", "Vienna"),
+    ("Austria", "Vienna", "Berlin"),
+]
+
+USER_TASK_YAML = """\
+task: my_capitals
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: ${TASK_DIR}/capitals.jsonl
+output_type: multiple_choice
+test_split: test
+doc_to_text: "The capital of {{country}} is"
+doc_to_choice: "{{[right, wrong]}}"
+doc_to_target: 0
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+@pytest.fixture
+def user_tasks_dir(tmp_path, monkeypatch):
+    tasks_dir = tmp_path / "my-tasks"
+    tasks_dir.mkdir()
+    (tasks_dir / "my_capitals.yaml").write_text(USER_TASK_YAML)
+    with open(tasks_dir / "capitals.jsonl", "w") as fh:
+        for country, right, wrong in CAPITALS:
+            fh.write(json.dumps({"country": country, "right": right, "wrong": wrong}) + "\n")
+    monkeypatch.setenv("PLAB_EVAL_TASKS_DIR", str(tasks_dir))
+    return tasks_dir
+
+
+def test_a_dropped_in_task_is_listed_next_to_the_shipped_ones(user_tasks_dir, capsys):
+    tasks = {t["name"]: t for t in list_tasks()}
+    assert tasks["my_capitals"]["source"] == "user"
+    assert tasks["my_capitals"]["output_type"] == "multiple_choice"
+    assert tasks["plab_piqa"]["source"] == "shipped"
+
+    assert main(["--list-tasks"]) == 0
+    listing = capsys.readouterr().out
+    assert "my_capitals" in listing and "plab_blimp" in listing
+    assert "plab_blimp_wh_island" not in listing  # paradigms are summarised under their group
+
+
+def test_a_dropped_in_task_runs_through_plab_eval_with_a_custom_heldout_text(
+    user_tasks_dir, tiny_checkpoint, tmp_path, capsys
+):
+    heldout = tmp_path / "validation.txt"
+    heldout.write_text("It was the best of times, it was the worst of times.\n" * 300)  # 15,900 bytes
+    output = tmp_path / "results.json"
+    status = main([
+        str(tiny_checkpoint), "--tasks", "my_capitals,plab_heldout_bpb", "--limit", "4",
+        "--device", "cpu", "--heldout-text", str(heldout), "--output", str(output),
+    ])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "my_capitals" in printed and "bits_per_byte" in printed
+
+    result = json.loads(output.read_text())
+    mine = result["tasks"]["my_capitals"]
+    assert mine["n_samples"] == 4 and mine["n_docs"] == len(CAPITALS)
+    assert 0.0 <= mine["metrics"]["acc"]["value"] <= 1.0
+    assert mine["metrics"]["acc"]["value"] == sum(mine["samples"]["acc"]) / 4
+    bpb = result["tasks"]["plab_heldout_bpb"]
+    assert bpb["n_docs"] == 4  # 300 lines of 53 bytes, cut into documents of >= 4,096 characters
+    assert math.isfinite(bpb["metrics"]["bits_per_byte"]["value"])
+    # All 4 documents were scored, and together they are the whole file.
+    assert sum(n for _, n in bpb["samples"]["bits_per_byte"]) == len(heldout.read_bytes())
+
+
+def test_a_task_with_an_unset_placeholder_is_refused_before_loading_the_model(
+    user_tasks_dir, tiny_checkpoint, monkeypatch
+):
+    monkeypatch.delenv("MY_CORPUS_DIR", raising=False)
+    (user_tasks_dir / "needs_var.yaml").write_text(
+        USER_TASK_YAML.replace("my_capitals", "needs_var").replace("${TASK_DIR}", "${MY_CORPUS_DIR}")
+    )
+    with pytest.raises(EvaluationError, match=r"needs_var.*\$\{MY_CORPUS_DIR\}.*not set"):
+        evaluate_checkpoint(tiny_checkpoint, ["needs_var"])
+
+
+def test_a_missing_tasks_dir_is_an_error_not_an_empty_list(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAB_EVAL_TASKS_DIR", str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="PLAB_EVAL_TASKS_DIR names .* not a directory"):
+        list_tasks()
+    assert main(["--list-tasks"]) == 2
