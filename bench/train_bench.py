@@ -208,7 +208,7 @@ def _fmt(x, spec=".0f"):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", nargs="*", default=None,
+    ap.add_argument("--configs", "--recipes", nargs="*", default=None,
                     help="recipe[:key=value,...] entries (default: every recipe of training.precision.RECIPES)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=6, help="untimed first steps (compile, allocator)")

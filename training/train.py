@@ -301,6 +301,14 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     def pending_flush():
         drain(flush=True)
 
+    def restart_step_clock():
+        """After validation or a checkpoint, so that their time is not booked to the next step."""
+        if on_cuda:
+            prev_end["event"] = torch.cuda.Event(enable_timing=True)
+            prev_end["event"].record()
+        else:
+            prev_end["host"] = time.perf_counter()
+
     step = start_step
     try:
         for step, micro_batches in loader:
@@ -361,12 +369,14 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
                 if last_val is not None:
                     sink.log(step, {"val/loss": last_val}, tokens=tokens_seen,
                              wall_time=wall_offset + time.perf_counter() - t_start)
+                restart_step_clock()
             if output_dir is not None and t.checkpoint_every > 0 and step % t.checkpoint_every == 0 \
                     and step != total_steps:
                 drain(flush=True)
                 if status == "diverged":
                     break
                 checkpoint_path = save(step)
+                restart_step_clock()
         drain(flush=True)
     finally:
         loader.close()
