@@ -48,6 +48,9 @@ from training.precision.registry import REGISTRY, RecipeReport, apply_recipe
 
 RECIPES = ("bf16", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4")
 assert set(RECIPES) == set(REGISTRY), "every recipe name must have a registered module"
+_in_order = {name: REGISTRY[name] for name in RECIPES}
+REGISTRY.clear()
+REGISTRY.update(_in_order)  # error messages list recipes in the documented order
 
 
 def recipe_info(name: str) -> dict:

@@ -285,7 +285,7 @@ def random_hadamard_transform(x: torch.Tensor, signs: torch.Tensor) -> torch.Ten
     FP4 quantization. The result keeps the padded length; callers pad both operands alike.
     """
     padded, _ = _pad_last(x, 16)
-    blocks = padded.to(torch.float32).reshape(*padded.shape[:-1], -1, 16)
+    blocks = padded.to(torch.float32).reshape(-1, 16)  # one 2D GEMM, not a broadcast batched one
     return (blocks @ rht_matrix(signs, x.device)).reshape(padded.shape)
 
 

@@ -1,0 +1,373 @@
+"""apply_recipe on a real tiny LlamaForCausalLM: what gets converted, how each recipe's GEMMs behave, delayed
+scaling's state, numerics telemetry, and the first training steps against BF16."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from training import checkpoint as ckpt
+from training.model import build_model, llama_config
+from training.precision import RECIPES, apply_recipe, recipe_info
+from training.precision.emulation import QuantizedLinear
+from training.precision.fp8_delayed import DelayedScalingLinear
+
+LOW_PRECISION = [r for r in RECIPES if r != "bf16"]
+BLOCK_LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+VOCAB, SEQ = 256, 32
+
+
+def tiny_model(seed: int = 0):
+    return build_model(llama_config("tiny", VOCAB, SEQ), seed)
+
+
+def batch(seed: int = 0, size: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (size, SEQ), generator=g)
+
+
+def loss_of(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+# ------------------------------------------------------------------------------------ conversion report
+@pytest.mark.parametrize("recipe", LOW_PRECISION)
+def test_report_lists_every_block_linear_and_keeps_the_last_block_in_bf16(recipe):
+    model = tiny_model()
+    report = apply_recipe(model, recipe, bf16_last_layers=1)
+    names = [layer["name"] for layer in report.layers]
+    assert names == [f"layers.{i}.{lin}" for i in range(4) for lin in BLOCK_LINEARS]
+    converted = {layer["name"] for layer in report.layers if layer["converted"]}
+    expected = {f"layers.{i}.{lin}" for i in range(3) for lin in BLOCK_LINEARS}
+    if recipe == "fp8_blockwise":  # k/v_proj are 128 -> 64 in the tiny model: not tileable by 128
+        expected -= {f"layers.{i}.self_attn.{p}" for i in range(3) for p in ("k_proj", "v_proj")}
+    assert converted == expected
+    for layer in report.layers:
+        module = model.model.layers[layer["block"]].get_submodule(layer["name"].split(".", 2)[2])
+        if layer["converted"]:
+            assert layer["backend"] == "emulated" and isinstance(module, QuantizedLinear)
+        else:
+            assert type(module) is nn.Linear and layer["backend"] == "bf16" and layer["reason"]
+    last_block = [layer for layer in report.layers if layer["block"] == 3]
+    assert all("bf16_last_layers=1" in layer["reason"] for layer in last_block)
+    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
+    assert report.gemm_backend == "emulated"
+    d = json.loads(json.dumps(report.to_dict()))
+    assert d["bf16_last_layers"] == 1 and d["bf16_first_layers"] == 0 and d["recipe"] == recipe
+    assert d["converted_layers"] == len(expected)
+
+
+def test_blockwise_says_why_a_layer_is_skipped():
+    report = apply_recipe(tiny_model(), "fp8_blockwise")
+    k_proj = next(layer for layer in report.layers if layer["name"] == "layers.0.self_attn.k_proj")
+    assert not k_proj["converted"]
+    assert k_proj["reason"] == "out_features 64 not a multiple of 128 required by fp8_blockwise"
+
+
+def test_bf16_first_layers_and_baseline_convert_nothing_they_should_not():
+    report = apply_recipe(tiny_model(), "mxfp8", bf16_first_layers=2, bf16_last_layers=1)
+    assert {layer["block"] for layer in report.layers if layer["converted"]} == {2}
+    baseline = apply_recipe(tiny_model(), "bf16")
+    assert baseline.gemm_backend == "bf16" and not any(layer["converted"] for layer in baseline.layers)
+    assert baseline.hooks == [] and baseline.collect_numerics() == {}
+
+
+@pytest.mark.parametrize("call,match", [
+    (dict(name="fp6"), "unknown recipe 'fp6'; choose one of bf16, fp8_delayed"),
+    (dict(name="nvfp4", hadamard=True), r"unknown option\(s\) hadamard for recipe 'nvfp4'; valid options: rht, rht_seed"),
+    (dict(name="fp8_tensorwise", amax_history_len=16), "valid options: none"),
+    (dict(name="nvfp4", rht="yes"), "must be true or false"),
+    (dict(name="mxfp8", scale_rounding="even"), "scale_rounding of mxfp8 must be one of floor, rceil"),
+    (dict(name="fp8_delayed", amax_history_len=0), "positive integer"),
+    (dict(name="mxfp8", backend="fast"), "unknown backend 'fast'"),
+    (dict(name="mxfp8", bf16_first_layers=3, bf16_last_layers=2), "exceeds the model's 4 blocks"),
+    (dict(name="mxfp8", bf16_last_layers=-1), "non-negative integer"),
+])
+def test_apply_recipe_rejects_bad_input_and_says_what_is_valid(call, match):
+    with pytest.raises(ValueError, match=match):
+        apply_recipe(tiny_model(), **call)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_real_backend_on_cpu_raises_and_says_why():
+    with pytest.raises(ValueError, match="backend='real' is unavailable for fp8_tensorwise: FP8 tensor cores needs a CUDA GPU"):
+        apply_recipe(tiny_model(), "fp8_tensorwise", backend="real")
+    with pytest.raises(ValueError, match="MXFP8 tensor cores needs a CUDA GPU with compute capability sm_100"):
+        apply_recipe(tiny_model(), "mxfp8", backend="real")
+
+
+def test_converting_twice_is_refused():
+    model = tiny_model()
+    apply_recipe(model, "mxfp8")
+    with pytest.raises(ValueError, match="already converted"):
+        apply_recipe(model, "nvfp4")
+
+
+def test_every_recipe_documents_its_meaning_and_gpu_requirement():
+    for name in RECIPES:
+        info = recipe_info(name)
+        assert info["summary"] and info["gpu_requirement"]
+
+
+# ------------------------------------------------------------------------------ one linear vs FP32
+# Relative Frobenius error of Y, dX and dW against the FP32 linear: E4M3/E5M2 keep 3/2 mantissa bits
+# (~2-4% per element, averaged down by the GEMM); E2M1 keeps 1 (~10-20%).
+TOLERANCE = {"fp8_delayed": 0.06, "fp8_tensorwise": 0.06, "fp8_rowwise": 0.06, "fp8_blockwise": 0.06,
+             "mxfp8": 0.06, "nvfp4": 0.25}
+
+
+def _linear_grads(module, x, dy):
+    x = x.clone().requires_grad_(True)
+    y = module(x)
+    y.backward(dy)
+    return y.detach(), x.grad, module.weight.grad
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("recipe", LOW_PRECISION)
+def test_converted_linear_forward_and_backward_match_fp32_within_format_tolerance(recipe):
+    torch.manual_seed(0)
+    reference = nn.Linear(128, 256, bias=False)
+    holder = nn.Module()
+    holder.model = nn.Module()
+    holder.model.layers = nn.ModuleList([nn.Module()])
+    holder.model.layers[0].proj = nn.Linear(128, 256, bias=False)
+    holder.model.layers[0].proj.weight.data.copy_(reference.weight.data)
+    report = apply_recipe(holder, recipe)
+    assert report.layers[0]["converted"]
+    converted = holder.model.layers[0].proj
+    x, dy = torch.randn(3, 64, 128), torch.randn(3, 64, 256)
+    y_ref, dx_ref, dw_ref = _linear_grads(reference, x, dy)
+    y, dx, dw = _linear_grads(converted, x, dy)
+    assert y.shape == y_ref.shape and dx.shape == dx_ref.shape and dw.dtype == torch.float32
+    for what, ours, ref in (("Y", y, y_ref), ("dX", dx, dx_ref), ("dW", dw, dw_ref)):
+        err = _rel(ours, ref)
+        assert 1e-4 < err < TOLERANCE[recipe], f"{recipe} {what}: relative error {err:.4f}"
+
+
+def test_converted_linear_with_bias_gets_the_exact_bias_gradient():
+    lin = nn.Linear(64, 32)
+    holder = nn.Module()
+    holder.model = nn.Module()
+    holder.model.layers = nn.ModuleList([nn.Module()])
+    holder.model.layers[0].proj = lin
+    apply_recipe(holder, "mxfp8")
+    dy = torch.randn(5, 32)
+    holder.model.layers[0].proj(torch.randn(5, 64)).backward(dy)
+    assert torch.allclose(lin.bias.grad, dy.sum(0))
+
+
+def test_nvfp4_ablation_options_change_what_they_say():
+    def grads(**options):
+        torch.manual_seed(0)
+        holder = nn.Module()
+        holder.model = nn.Module()
+        holder.model.layers = nn.ModuleList([nn.Module()])
+        holder.model.layers[0].proj = nn.Linear(64, 64, bias=False)
+        apply_recipe(holder, "nvfp4", **options)
+        g = torch.Generator().manual_seed(1)
+        x, dy = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
+        out = []
+        for _ in range(2):
+            _, dx, dw = _linear_grads(holder.model.layers[0].proj, x, dy)
+            out.append((dx.clone(), dw.clone()))
+            holder.model.layers[0].proj.weight.grad = None
+        return out
+
+    sr = grads()
+    assert not torch.equal(sr[0][0], sr[1][0]), "stochastic rounding should make gradients vary"
+    rne = grads(stochastic_rounding=False)
+    assert torch.equal(rne[0][0], rne[1][0]) and torch.equal(rne[0][1], rne[1][1])
+    no_rht = grads(stochastic_rounding=False, rht=False)
+    assert torch.equal(no_rht[0][0], rne[0][0]), "RHT only touches Wgrad"
+    assert not torch.equal(no_rht[0][1], rne[0][1])
+    one_d = grads(stochastic_rounding=False, weight_2d=False)
+    assert not torch.equal(one_d[0][0], rne[0][0])
+
+
+# --------------------------------------------------------------------------------------- fp8_delayed
+def _delayed_model(history: int = 4):
+    model = tiny_model()
+    report = apply_recipe(model, "fp8_delayed", amax_history_len=history)
+    return model, report
+
+
+def _train_steps(model, report, steps, seed=0, lr=1e-3):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = loss_of(model, batch(seed + step))
+        loss.backward()
+        opt.step()
+        for hook in report.hooks:
+            hook.post_optimizer_step(model)
+        losses.append(loss.item())
+    return losses
+
+
+def test_delayed_scale_at_step_t_comes_from_the_history_up_to_t_minus_1():
+    layer = DelayedScalingLinear(nn.Linear(32, 32, bias=False), history_len=2, real=False)
+    hook_model = nn.Module()
+    from training.precision.fp8_delayed import DelayedScalingHook
+    hook = DelayedScalingHook([("l", layer)], 2)
+
+    def step(scale_x):
+        x = torch.randn(16, 32) * scale_x
+        layer(x.requires_grad_()).sum().backward()
+        hook.post_optimizer_step(hook_model)
+        return x.abs().amax()
+
+    a1 = step(1.0)
+    assert torch.allclose(layer.scales[0], 448.0 / a1) and bool(layer.history_ready)
+    # Step 2 uses step 1's scale even though its input is 100x larger: it saturates.
+    x2 = torch.randn(16, 32) * 100.0
+    report_probe = layer.quantizer.input(x2, track=True)
+    assert report_probe.saturated > 0
+    assert torch.equal(report_probe.dequantize().abs().amax(), (448.0 / layer.scales[0]))
+    a2 = step(100.0)
+    assert torch.allclose(layer.scales[0], 448.0 / torch.maximum(a1, a2))
+    a3 = step(1.0)  # history length 2: a1 drops out, a2 still dominates
+    assert torch.allclose(layer.amax_history[0], torch.stack([a3, a2]))
+    step(1.0)  # now a2 is gone too
+    assert layer.scales[0] > 448.0 / a2 * 10
+    # dY is E5M2: its scale uses 57344
+    assert torch.allclose(layer.scales[2], 57344.0 / layer.amax_history[2].amax())
+
+
+def test_delayed_scaling_state_round_trips_through_state_dict_and_a_checkpoint_file(tmp_path):
+    model, report = _delayed_model()
+    _train_steps(model, report, 3)
+    (hook,) = report.hooks
+    state = hook.state_dict()
+    assert set(state["layers"]) == {layer["name"] for layer in report.layers if layer["converted"]}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    path = ckpt.save_checkpoint(tmp_path, 3, model=model, optimizer=opt, hooks=report.hooks)
+
+    fresh, fresh_report = _delayed_model()
+    (fresh_hook,) = fresh_report.hooks
+    assert not torch.equal(fresh.model.layers[0].self_attn.q_proj.scales, model.model.layers[0].self_attn.q_proj.scales)
+    ckpt.load_checkpoint(path, model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=1e-3),
+                         hooks=fresh_report.hooks)
+    for name, layer in hook.layers:
+        other = dict(fresh_hook.layers)[name]
+        for key in ("amax_history", "scales", "pending_amax", "history_ready"):
+            assert torch.equal(getattr(layer, key), getattr(other, key)), (name, key)
+    # Same state and weights => the resumed model computes exactly what the original does.
+    with torch.no_grad():
+        assert torch.equal(loss_of(model, batch(9)), loss_of(fresh, batch(9)))
+    # HF weights stay plain: no amax buffers in the safetensors file.
+    from safetensors.torch import load_file
+    assert not any("amax" in k or "scales" in k for k in load_file(str(path / "model.safetensors")))
+
+
+def test_delayed_state_from_another_configuration_is_rejected_with_a_fix():
+    model, report = _delayed_model(history=4)
+    _, other = _delayed_model(history=8)
+    with pytest.raises(ValueError, match="amax_history_len=4, this run uses 8"):
+        other.hooks[0].load_state_dict(report.hooks[0].state_dict())
+    _, fewer = (lambda m: (m, apply_recipe(m, "fp8_delayed", amax_history_len=4, bf16_last_layers=1)))(tiny_model())
+    with pytest.raises(ValueError, match="resume with the same bf16_first_layers/bf16_last_layers"):
+        fewer.hooks[0].load_state_dict(report.hooks[0].state_dict())
+
+
+def test_delayed_scaling_compiles_without_graph_breaks_and_matches_eager():
+    torch._dynamo.reset()
+    eager = DelayedScalingLinear(nn.Linear(32, 48, bias=False), history_len=4, real=False)
+    compiled_layer = DelayedScalingLinear(nn.Linear(32, 48, bias=False), history_len=4, real=False)
+    compiled_layer.weight.data.copy_(eager.weight.data)
+    compiled = torch.compile(compiled_layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, 32)
+    for _ in range(2):
+        outs = []
+        for mod in (eager, compiled):
+            xi = x.clone().requires_grad_()
+            y = mod(xi)
+            y.square().sum().backward()
+            outs.append((y.detach(), xi.grad))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        assert torch.equal(eager.pending_amax, compiled_layer.pending_amax)
+        eager.update_scales()
+        compiled_layer.update_scales()
+    assert bool(compiled_layer.history_ready) and compiled_layer.amax_history[2, 0] > 0
+
+
+# ------------------------------------------------------------------------------------------ numerics
+STATS = ("amax_input", "amax_weight", "amax_grad", "underflow_frac", "saturation_frac", "snr_db")
+
+
+@pytest.mark.parametrize("recipe", LOW_PRECISION)
+def test_numerics_are_reported_per_converted_layer_only_while_sampling(recipe):
+    model = tiny_model()
+    report = apply_recipe(model, recipe, bf16_last_layers=1)
+    report.set_numerics_sampling(True)
+    loss_of(model, batch()).backward()
+    stats = report.collect_numerics()
+    report.set_numerics_sampling(False)
+    converted = [layer["name"] for layer in report.layers if layer["converted"]]
+    for name in converted:
+        for stat in STATS:
+            value = stats[f"numerics/{name}/{stat}"]
+            assert isinstance(value, float) and value == value and abs(value) != float("inf")
+        assert 0.0 <= stats[f"numerics/{name}/underflow_frac"] <= 1.0
+        snr = stats[f"numerics/{name}/snr_db"]
+        assert (5.0 < snr < 60.0), (name, snr)  # FP4 ~ 10-20 dB, FP8 ~ 25-35 dB
+    assert not any("layers.3." in key for key in stats)
+    # Off: no hooks anywhere, nothing collected.
+    assert all(not m._forward_hooks for m in model.modules())
+    loss_of(model, batch()).backward()
+    assert report.collect_numerics() == {}
+
+
+def test_numerics_see_flush_to_zero_and_nvfp4_is_noisier_than_mxfp8():
+    snrs = {}
+    for recipe in ("mxfp8", "nvfp4"):
+        model = tiny_model()
+        report = apply_recipe(model, recipe)
+        report.set_numerics_sampling(True)
+        loss_of(model, batch()).backward()
+        stats = report.collect_numerics()
+        report.set_numerics_sampling(False)
+        snrs[recipe] = stats["numerics/layers.0.mlp.up_proj/snr_db"]
+        if recipe == "nvfp4":
+            # E2M1 has nothing between 0 and 0.5 x block scale: small elements flush to zero.
+            assert stats["numerics/layers.0.mlp.up_proj/underflow_frac"] > 0.01
+    assert snrs["mxfp8"] > snrs["nvfp4"] + 6.0
+
+
+# ----------------------------------------------------------------------------------- a short training
+def test_first_step_loss_of_every_recipe_equals_bf16_up_to_quantization_error():
+    ids = batch(3)
+    with torch.no_grad():
+        base = loss_of(tiny_model(), ids).item()
+        for recipe in LOW_PRECISION:
+            model = tiny_model()
+            apply_recipe(model, recipe)
+            loss = loss_of(model, ids).item()
+            tol = 0.02 if recipe == "nvfp4" else 0.005
+            assert abs(loss - base) / base < tol, (recipe, loss, base)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_few_training_steps_reduce_the_loss_like_bf16(recipe):
+    torch.manual_seed(0)
+    model = tiny_model()
+    report = apply_recipe(model, recipe, bf16_last_layers=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = batch(5, size=8)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        for hook in report.hooks:
+            hook.post_optimizer_step(model)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, losses
