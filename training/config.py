@@ -163,6 +163,10 @@ class PerfOptions:
     metrics_lag: int = 2
     # Background thread that pins and copies the next batch to the GPU (GPU only).
     prefetch: bool = True
+    # Gradient clipping folded into the fused AdamW kernel (its `grad_scale` divides each gradient as it
+    # is read) instead of clip_grad_norm_'s extra pass that multiplies every FP32 gradient in place:
+    # saves a read and a write of all gradients (~9 GB per step at 1.14B params, ~3 ms on H100).
+    fused_clip: bool = True
     # TF32 for any FP32 matmul left (e.g. outside autocast); BF16 autocast GEMMs are unaffected.
     allow_tf32: bool = True
 
@@ -306,6 +310,7 @@ class RunSpec:
                              minimum=0),
             prefetch=_bool("training.perf", "prefetch", perf_d.get("prefetch", pbase.prefetch)),
             allow_tf32=_bool("training.perf", "allow_tf32", perf_d.get("allow_tf32", pbase.allow_tf32)),
+            fused_clip=_bool("training.perf", "fused_clip", perf_d.get("fused_clip", pbase.fused_clip)),
         )
         out = TrainingSpec(
             steps=steps, tokens=tokens,

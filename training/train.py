@@ -183,8 +183,9 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     # nanoGPT's split: decay matrices (linears, embeddings), not norms' gains.
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2),
-                                  fused=on_cuda or None)
+    # Fused AdamW (one multi-tensor kernel; CPU has a fused kernel too, so CPU and GPU runs share the
+    # update rule and the clipping path below).
+    optimizer = torch.optim.AdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2), fused=True)
 
     # ---- resume -------------------------------------------------------------------------------
     start_step, tokens_seen, wall_offset = 0, 0, 0.0
@@ -309,6 +310,18 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
         else:
             prev_end["host"] = time.perf_counter()
 
+    def clip_gradients() -> torch.Tensor:
+        """Global gradient norm (a device tensor: no sync); clips to `grad_clip` when set."""
+        if not t.perf.fused_clip:
+            return torch.nn.utils.clip_grad_norm_(params, clip)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        # The fused AdamW kernel divides every gradient by `grad_scale` as it reads it: the same
+        # min(1, clip / (norm + 1e-6)) factor as clip_grad_norm_, without its in-place pass.
+        optimizer.grad_scale = (torch.clamp((norm.float() + 1e-6) / clip, min=1.0)
+                                if math.isfinite(clip) else None)
+        return norm
+
     step = start_step
     try:
         for step, micro_batches in loader:
@@ -334,7 +347,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
                         loss = net(inputs, targets)
                     (loss / t.grad_accum).backward()
                 loss_sum += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            grad_norm = clip_gradients()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             for hook in post_step_hooks:

@@ -93,3 +93,17 @@ def test_recipe_numerics_are_sampled_only_on_numerics_every_steps(make_spec, cac
     assert any(k.startswith("numerics/layers.0.") for k in keys)
     report = sink.events_of("conversion_report")[0]["report"]
     assert report["recipe"] == "fp8_delayed" and result.conversion_report == report["layers"]
+
+
+def test_clipping_inside_the_fused_optimizer_trains_like_clip_grad_norm(make_spec, cache_dir):
+    losses = {}
+    for fused_clip in (True, False):
+        sink = ListSink()
+        # grad_clip 0.05 is far below the gradient norm of these first steps: every step is clipped.
+        train(make_spec(training={"steps": 8, "grad_clip": 0.05, "perf": {"fused_clip": fused_clip}}), sink,
+              cache_dir=cache_dir)
+        losses[fused_clip] = [v for _, v in sink.series("train/loss")]
+        norms = [v for _, v in sink.series("train/grad_norm")]
+        assert min(norms) > 0.05
+    assert losses[True] == pytest.approx(losses[False], abs=1e-5)
+    assert losses[True][-1] < losses[True][0]
