@@ -16,9 +16,12 @@ Usage (on the GPU machine, repo root; the anchor is looked up at .devcarry/hf_ll
     python bench/train_bench.py --configs bf16 bf16:sdpa_backend=cudnn bf16:fused_loss=false
     python bench/train_bench.py --configs bf16 fp8_tensorwise --budget-s 500 --no-anchor
 
-Perf switches (training.perf of the run spec): fused_loss, loss_chunk_tokens, sdpa_backend
-(auto|cudnn|flash|efficient|math), compile_mode, metrics_lag, prefetch, allow_tf32; plus `compile`
-and `activation_checkpointing` (training keys). Writes `$OUT/train_bench.json` (when $OUT is set) and
+Perf switches (training.perf of the run spec): fused_loss, loss_chunk_tokens, fused_clip, bf16_residual,
+sdpa_backend (auto|cudnn|flash|efficient|math), compile_mode, metrics_lag, prefetch, allow_tf32; plus
+`compile` and `activation_checkpointing` (training keys). An A/B of the BF16 path in one call (~8 min):
+
+    python bench/train_bench.py --configs bf16 bf16:sdpa_backend=cudnn \
+        bf16:sdpa_backend=cudnn,bf16_residual=true bf16:fused_loss=false,fused_clip=false Writes `$OUT/train_bench.json` (when $OUT is set) and
 `bench/results/train_bench_<date>_<gpu>.json`, and prints the ratio table last.
 """
 from __future__ import annotations
@@ -39,7 +42,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared" / "tools" / "hf_llama_anchor.py"]
-BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "compile", "activation_checkpointing"}
+BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
+             "activation_checkpointing"}
 INT_KEYS = {"loss_chunk_tokens", "metrics_lag"}
 TRAINING_KEYS = {"compile", "activation_checkpointing"}
 

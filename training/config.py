@@ -167,6 +167,11 @@ class PerfOptions:
     # is read) instead of clip_grad_norm_'s extra pass that multiplies every FP32 gradient in place:
     # saves a read and a write of all gradients (~9 GB per step at 1.14B params, ~3 ms on H100).
     fused_clip: bool = True
+    # Carry the residual stream in BF16 on GPU (Megatron's default, fp32_residual_connection=False).
+    # Under autocast HF Llama's residual adds promote to FP32 (FP32 embeddings + BF16 block outputs), so
+    # every add/norm moves twice the bytes of a BF16 stack. Off by default: it changes the baseline's
+    # numerics (weights stay FP32 masters either way).
+    bf16_residual: bool = False
     # TF32 for any FP32 matmul left (e.g. outside autocast); BF16 autocast GEMMs are unaffected.
     allow_tf32: bool = True
 
@@ -311,6 +316,8 @@ class RunSpec:
             prefetch=_bool("training.perf", "prefetch", perf_d.get("prefetch", pbase.prefetch)),
             allow_tf32=_bool("training.perf", "allow_tf32", perf_d.get("allow_tf32", pbase.allow_tf32)),
             fused_clip=_bool("training.perf", "fused_clip", perf_d.get("fused_clip", pbase.fused_clip)),
+            bf16_residual=_bool("training.perf", "bf16_residual",
+                                perf_d.get("bf16_residual", pbase.bf16_residual)),
         )
         out = TrainingSpec(
             steps=steps, tokens=tokens,

@@ -144,3 +144,13 @@ class CausalLMLoss(torch.nn.Module):
                                                     targets.flatten(), self.chunk_tokens, dtype)
         logits = self.model.lm_head(hidden)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _to_bf16(module, inputs, output):
+    return output.to(torch.bfloat16)
+
+
+def carry_residual_in_bf16(model: LlamaForCausalLM):
+    """Cast the embedding output to BF16 so the residual stream that starts there stays BF16 (see
+    PerfOptions.bf16_residual). Returns the hook handle (`.remove()` undoes it)."""
+    return model.model.embed_tokens.register_forward_hook(_to_bf16)

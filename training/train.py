@@ -27,7 +27,7 @@ from training.config import RunSpec, SpecError, plab_home
 from training.data import BatchLoader, TokenDataset
 from training.distributed import DistContext, init_distributed
 from training.flops import flops_per_token, mfu, peak_tflops
-from training.model import CausalLMLoss, build_model, count_parameters, llama_config
+from training.model import CausalLMLoss, build_model, carry_residual_in_bf16, count_parameters, llama_config
 from training.sink import MetricSink, NullSink
 
 
@@ -175,6 +175,8 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     hooks = list(getattr(report, "hooks", []) or [])
     post_step_hooks = [h for h in hooks if hasattr(h, "post_optimizer_step")]
     can_sample_numerics = hasattr(report, "set_numerics_sampling") and hasattr(report, "collect_numerics")
+    if on_cuda and t.perf.bf16_residual:
+        carry_residual_in_bf16(model)
     if t.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
