@@ -13,7 +13,7 @@ appendix B) that nanoGPT's `estimate_mfu` and torchtitan also use:
 * **Causal masking is NOT halved**: we count the full T x T score matrix, like PaLM and nanoGPT, so our
   MFU is comparable with published figures. A causal FlashAttention kernel does about half that work,
   so the attention share of MFU is overstated by up to 2x (for the 1b preset at T=2048 that term is
-  ~12 % of the total).
+  ~11 % of the total).
 
 MFU is always reported against the GPU's dense **BF16** peak, for every recipe, so a faster FP8 recipe
 shows as higher MFU rather than being normalised away; "effective TFLOP/s" is flops_per_token x tokens/s.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from pathlib import Path
 
@@ -84,6 +85,12 @@ class JsonlSink(MetricSink):
         with self._lock:
             self._f.write(line + "\n")
             self._f.flush()
+
+    def flush(self):
+        with self._lock:
+            if not self._f.closed:
+                self._f.flush()
+                os.fsync(self._f.fileno())
 
     def close(self):
         with self._lock:
