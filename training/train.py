@@ -178,7 +178,11 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     if on_cuda and t.perf.bf16_residual:
         carry_residual_in_bf16(model)
     if t.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.x renamed the API; the GPU images may carry an older release.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
     params = [p for p in model.parameters() if p.requires_grad]

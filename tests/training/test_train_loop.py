@@ -107,3 +107,14 @@ def test_clipping_inside_the_fused_optimizer_trains_like_clip_grad_norm(make_spe
         assert min(norms) > 0.05
     assert losses[True] == pytest.approx(losses[False], abs=1e-5)
     assert losses[True][-1] < losses[True][0]
+
+
+@pytest.mark.parametrize("variant", [{"grad_accum": 2}, {"activation_checkpointing": True}])
+def test_gradient_accumulation_and_activation_checkpointing_do_not_change_the_losses(make_spec, cache_dir,
+                                                                                   variant):
+    runs = {}
+    for name, extra in (("plain", {}), ("variant", variant)):
+        sink = ListSink()
+        train(make_spec(training={"steps": 5, "batch_size": 8, **extra}), sink, cache_dir=cache_dir)
+        runs[name] = [v for _, v in sink.series("train/loss")]
+    assert runs["variant"] == pytest.approx(runs["plain"], abs=1e-5)
