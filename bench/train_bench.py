@@ -81,7 +81,10 @@ def run_spec(config: dict, *, steps: int, batch: int, seq: int, model: str = "1b
 
 # ---------------------------------------------------------------------------------------------------
 # worker side: one config in this process
-class BatchingSink:
+from training.sink import MetricSink  # noqa: E402 (needs the repo root on sys.path)
+
+
+class BatchingSink(MetricSink):
     """Stand-in for the workers' API streamer: `log` only appends under a lock; a background thread
     drains the buffer every 0.2 s and serialises each batch to JSON (the cost of an HTTP body) and
     writes it out. Records the time the training thread spends inside `log`."""
