@@ -15,6 +15,7 @@ Usage (on the GPU machine, repo root; the anchor is looked up at .devcarry/hf_ll
     python bench/train_bench.py                                  # anchor + every recipe, until the budget
     python bench/train_bench.py --configs bf16 bf16:sdpa_backend=cudnn bf16:fused_loss=false
     python bench/train_bench.py --configs bf16 fp8_tensorwise --budget-s 500 --no-anchor
+    python bench/train_bench.py --configs bf16 --gpus 2 --batch 8 --no-anchor   # 2-GPU DDP scaling
 
 Perf switches (training.perf of the run spec): fused_loss, loss_chunk_tokens, fused_clip, bf16_residual,
 sdpa_backend (auto|cudnn|flash|efficient|math), compile_mode, metrics_lag, prefetch, allow_tf32; plus
@@ -70,8 +71,9 @@ def parse_config(text: str) -> dict:
     return {"label": text, "recipe": recipe, "perf": perf, "training": training}
 
 
-def run_spec(config: dict, *, steps: int, batch: int, seq: int, model: str = "1b", device: str = "cuda") -> dict:
-    training = {"steps": steps, "batch_size": batch, "lr": 1e-4, "warmup_steps": 1, "val_every": 0,
+def run_spec(config: dict, *, steps: int, batch: int, seq: int, model: str = "1b", device: str = "cuda",
+             gpus: int = 1) -> dict:
+    training = {"steps": steps, "batch_size": batch, "gpus": gpus, "lr": 1e-4, "warmup_steps": 1, "val_every": 0,
                 "val_batches": 0, "checkpoint_every": 0, "compile": True, "device": device,
                 "perf": dict(config["perf"])}
     training.update(config["training"])
@@ -132,18 +134,20 @@ class BatchingSink(MetricSink):
 
 
 def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_dir: Path, model: str,
-           device: str) -> dict:
+           device: str, gpus: int) -> dict | None:
     import torch
     from training.train import train
 
     config = json.loads(config_json)
-    spec = run_spec(config, steps=warmup + steps, batch=batch, seq=seq, model=model, device=device)
+    spec = run_spec(config, steps=warmup + steps, batch=batch, seq=seq, model=model, device=device, gpus=gpus)
     sink = BatchingSink(out_dir / f"metrics_{os.getpid()}.jsonl")
     t0 = time.perf_counter()
     try:
         result = train(spec, sink)
     finally:
         sink.close()
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
+        return None
     wall = time.perf_counter() - t0
     per_step = {p["step"]: p["metrics"] for p in sink.inner.points if "perf/step_time_s" in p["metrics"]}
     timed = [per_step[s] for s in sorted(per_step) if s > warmup]
@@ -224,6 +228,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=520.0, help="skip configs that cannot finish within this")
     ap.add_argument("--per-run-timeout-s", type=float, default=240.0)
     ap.add_argument("--no-anchor", action="store_true")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="GPUs per config (torchrun + DDP); --batch stays the global batch")
     ap.add_argument("--model", default="1b", help="model preset (1b is the anchor's shape)")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -231,8 +237,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     if a.worker is not None:
-        print(json.dumps(worker(a.worker, a.steps, a.warmup, a.batch, a.seq, Path(a.worker_out), a.model,
-                                a.device)), flush=True)
+        res = worker(a.worker, a.steps, a.warmup, a.batch, a.seq, Path(a.worker_out), a.model, a.device, a.gpus)
+        if res is not None:
+            print(json.dumps(res), flush=True)
         return 0
 
     t_begin = time.perf_counter()
@@ -267,9 +274,11 @@ def main(argv=None) -> int:
                             "skipped": f"budget: {remaining():.0f} s left, a run takes ~{expected:.0f} s"})
             print(f"[bench] skip {config['label']}: out of budget", flush=True)
             continue
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(config),
+        launcher = [sys.executable] if a.gpus == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}"]
+        cmd = [*launcher, str(Path(__file__).resolve()), "--worker", json.dumps(config),
                "--worker-out", str(scratch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-               "--batch", str(a.batch), "--seq", str(a.seq), "--model", a.model, "--device", a.device]
+               "--batch", str(a.batch), "--seq", str(a.seq), "--model", a.model, "--device", a.device, "--gpus", str(a.gpus)]
         res = _run(cmd, timeout=min(a.per_run_timeout_s, max(remaining(), 1)))
         res.setdefault("label", config["label"])
         res.setdefault("recipe", config["recipe"])
@@ -294,7 +303,7 @@ def main(argv=None) -> int:
     report = {
         "bench": "train_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device, "git_commit": _git_commit(), "model": "1b (1.14B)",
-        "batch": a.batch, "seq": a.seq, "timed_steps": a.steps, "warmup_steps": a.warmup,
+        "batch": a.batch, "seq": a.seq, "gpus": a.gpus, "timed_steps": a.steps, "warmup_steps": a.warmup,
         "anchor": anchor, "results": results, "total_wall_s": time.perf_counter() - t_begin,
         "notes": "tokens/s from the median timed step (CUDA events); MFU against the dense BF16 peak for every "
                  "recipe; emulated recipes' throughput is not hardware throughput.",
@@ -307,19 +316,20 @@ def main(argv=None) -> int:
     gpu_tag = "".join(ch if ch.isalnum() else "_" for ch in device)[:40]
     (results_dir / f"train_bench_{dt.date.today().isoformat()}_{gpu_tag}.json").write_text(text)
 
-    print(f"\n# train_bench on {device}, {a.model}, batch {a.batch}x{a.seq}, median of {a.steps} steps")
+    print(f"\n# train_bench on {a.gpus} x {device}, {a.model}, global batch {a.batch}x{a.seq}, "
+          f"median of {a.steps} steps")
     if anchor_tps:
         print(f"anchor hf_llama_anchor bf16: {anchor_tps:,.0f} tok/s, step {anchor['step_s'] * 1e3:.1f} ms, "
               f"peak {anchor.get('peak_mem_gib', 0):.1f} GiB")
     elif anchor:
         print(f"anchor: {anchor.get('error')}")
-    print(f"{'config':44s} {'tok/s':>9s} {'vs anchor':>9s} {'vs bf16':>8s} {'step ms':>8s} {'MFU':>6s} "
+    print(f"{'config':56s} {'tok/s':>9s} {'vs anchor':>9s} {'vs bf16':>8s} {'step ms':>8s} {'MFU':>6s} "
           f"{'GiB':>6s} {'wait%':>6s} {'sink%':>6s}  gemm")
     for r in results:
         if "tokens_per_s" not in r:
-            print(f"{r['label'][:44]:44s} {r.get('skipped') or r.get('error')}")
+            print(f"{r['label'][:56]:56s} {r.get('skipped') or r.get('error')}")
             continue
-        print(f"{r['label'][:44]:44s} {r['tokens_per_s']:9,.0f} {_fmt(r['vs_anchor'], '9.3f')} "
+        print(f"{r['label'][:56]:56s} {r['tokens_per_s']:9,.0f} {_fmt(r['vs_anchor'], '9.3f')} "
               f"{_fmt(r['vs_our_bf16'], '8.3f')} {r['step_time_s'] * 1e3:8.1f} {_fmt(r['mfu'], '6.3f')} "
               f"{_fmt(r['peak_mem_gib'], '6.1f')} {100 * r['data_wait_share']:6.2f} {100 * r['sink_log_share']:6.3f}  "
               f"{r['label_kind']}")
