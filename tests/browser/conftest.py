@@ -71,6 +71,12 @@ class Server:
     def set_status(self, run_id: int, status: str, **fields) -> dict:
         r = self.http.post(f"/api/v1/runs/{run_id}/status", json={"status": status, **fields})
         assert r.status_code == 200, r.text
+        # The API may answer before its transaction commits (FastAPI ends `yield` dependencies after the
+        # response by default), so wait until a read sees the change before the next write depends on it.
+        deadline = time.monotonic() + 10
+        while self.http.get(f"/api/v1/runs/{run_id}").json()["status"] != status:
+            assert time.monotonic() < deadline, f"run {run_id} never showed status {status!r}"
+            time.sleep(0.02)
         return r.json()
 
 

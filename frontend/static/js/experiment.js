@@ -32,6 +32,8 @@ const state = {
   zoom: null, // [x_min, x_max] on the server's x axis while the user is zoomed in
   timer: null,
   polls: 0,
+  firstRenderMs: null,
+  tableReadyMs: null,
 };
 
 // ---------------------------------------------------------------- data
@@ -47,18 +49,45 @@ async function fetchSeries(keys, maxPoints, { withZoom }) {
   return byRun;
 }
 
+// plotly.js (4.6 MB) takes the browser a second or more to parse on a busy machine: load it only after the
+// first API requests are on their way, so the server answers while the browser parses.
+let plotlyReady = null;
+function loadPlotly() {
+  if (!plotlyReady) {
+    plotlyReady = window.Plotly ? Promise.resolve() : new Promise((resolve, reject) => {
+      const script = document.createElement("script");
+      script.src = root.dataset.plotlyUrl;
+      script.onload = () => { performance.mark("plab:plotly-ready"); resolve(); };
+      script.onerror = () => reject(new Error(`could not load plotly.js from ${script.src}`));
+      document.head.appendChild(script);
+    });
+  }
+  return plotlyReady;
+}
+
 async function refresh() {
-  const [experiment, series, perf] = await Promise.all([
+  const requests = Promise.all([
     get(`/api/v1/experiments/${encodeURIComponent(experimentId)}`),
     fetchSeries(LOSS_KEYS, MAX_POINTS, { withZoom: true }),
     // Throughput/memory curves only feed bar charts (a median): a few hundred points are plenty.
     fetchSeries(PERF_KEYS, 200, { withZoom: false }).catch(() => new Map()),
   ]);
+  const plotly = loadPlotly();
+  plotly.catch(() => {}); // awaited below; this only keeps an early API failure from orphaning it
+  const [experiment, series, perf] = await requests;
   state.experiment = experiment;
   state.runs = orderRuns(items(experiment.runs || [], "runs"));
   state.series = series;
   state.perf = perf;
-  render();
+  // Statuses, progress and cancel buttons need no plotly.js: show them as soon as the data is here.
+  renderHeader();
+  renderTable();
+  if (state.tableReadyMs == null) {
+    performance.mark("plab:table-ready");
+    state.tableReadyMs = performance.now();
+  }
+  await plotly;
+  drawCharts();
 }
 
 function orderRuns(runs) {
@@ -264,6 +293,7 @@ function syncNumericsRuns() {
 }
 
 async function drawNumerics({ force = false } = {}) {
+  if (!window.Plotly) return;
   syncNumericsRuns();
   const run = state.runs.find((r) => String(r.id) === numerics.runId);
   const live = run && LIVE_STATUSES.has(run.status);
@@ -412,9 +442,7 @@ function renderTable() {
     : `<tr class="placeholder"><td colspan="9">This experiment has no runs.</td></tr>`;
 }
 
-function render() {
-  renderHeader();
-  renderTable();
+function drawCharts() {
   drawLoss();
   drawRelative();
   drawSpeed();
@@ -440,6 +468,11 @@ async function tick() {
   let failed = false;
   try {
     await refresh();
+    // Time from navigation start to the first complete render: what bench/dashboard_bench.py reports.
+    if (state.firstRenderMs == null) {
+      performance.mark("plab:first-render");
+      state.firstRenderMs = performance.now();
+    }
     showGlobalError("");
   } catch (err) {
     failed = true;
@@ -470,11 +503,11 @@ document.getElementById("x-axis").addEventListener("change", (event) => {
 document.getElementById("smoothing").addEventListener("input", (event) => {
   state.smoothing = Number(event.target.value);
   document.getElementById("smoothing-value").textContent = state.smoothing.toFixed(2);
-  if (state.experiment) { drawLoss(); drawRelative(); }
+  if (state.experiment && window.Plotly) { drawLoss(); drawRelative(); }
 });
 document.getElementById("log-scale").addEventListener("change", (event) => {
   state.logScale = event.target.checked;
-  if (state.experiment) drawLoss();
+  if (state.experiment && window.Plotly) drawLoss();
 });
 for (const id of ["numerics-run", "numerics-stat"]) {
   document.getElementById(id).addEventListener("change", () => {
