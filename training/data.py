@@ -117,13 +117,17 @@ class TokenDataset:
 
 
 def _encode_file(tokenizer, text: str, chunk_chars: int = 1 << 20) -> list[int]:
-    # Encode in ~1 MB pieces cut after a newline: parallel in the Rust tokenizer, and byte-level BPE never
-    # merges across a newline-then-text boundary's pre-tokens, so the cut does not change the tokens.
+    # Encode in ~1 MB pieces (parallel in the Rust tokenizer). A piece ends right after a newline that
+    # follows a non-space character, where the byte-level pre-tokenizer ends a pre-token anyway, so the
+    # pieces tokenize exactly like the whole text (tested). A cut inside a whitespace run need not:
+    # "\n  cd" splits into "\n", " ", " cd" whole but "\n  " + "cd" when cut before "cd".
     pieces, start = [], 0
     while start < len(text):
         end = min(start + chunk_chars, len(text))
         if end < len(text):
             nl = text.rfind("\n", start, end)
+            while nl > start and text[nl - 1].isspace():
+                nl = text.rfind("\n", start, nl - 1)
             end = nl + 1 if nl > start else end
         pieces.append(text[start:end])
         start = end

@@ -140,6 +140,9 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
         spec = RunSpec.from_dict(spec)
     if not isinstance(spec, RunSpec):
         raise TypeError(f"spec must be a RunSpec or a run-spec dict, got {type(spec).__name__}")
+    if should_stop is not None and not callable(should_stop):
+        raise TypeError(f"should_stop must be a callable returning bool (e.g. threading.Event().is_set), "
+                        f"got {type(should_stop).__name__}")
     t = spec.training
     cache_dir = Path(cache_dir) if cache_dir is not None else plab_home() / "cache"
 

@@ -79,3 +79,13 @@ def test_validation_windows_are_fixed_and_disjoint_from_training(dataset):
 def test_random_corpus_uses_uint32_beyond_65535_tokens():
     ds = TokenDataset.random(70_000, 16, n_tokens=4096)
     assert ds.train.dtype == np.uint32 and int(ds.train.max()) < 70_000
+
+
+def test_encoding_in_pieces_gives_exactly_the_tokens_of_the_whole_text(tok):
+    from training.data import _encode_file
+    shakespeare = (CORPUS / "input.txt").read_text()[:60_000]
+    whitespace_heavy = "".join(f"line {i}\n\n\n  indented {i}  \n \n" for i in range(2000))
+    for text in (shakespeare, whitespace_heavy):
+        whole = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        for chunk_chars in (97, 1000):
+            assert _encode_file(tok, text, chunk_chars=chunk_chars) == whole

@@ -118,3 +118,23 @@ def test_gradient_accumulation_and_activation_checkpointing_do_not_change_the_lo
         train(make_spec(training={"steps": 5, "batch_size": 8, **extra}), sink, cache_dir=cache_dir)
         runs[name] = [v for _, v in sink.series("train/loss")]
     assert runs["variant"] == pytest.approx(runs["plain"], abs=1e-5)
+
+
+def test_a_multi_gpu_spec_outside_torchrun_says_how_to_launch_it(make_spec, cache_dir):
+    from training.config import SpecError
+    with pytest.raises(SpecError, match="torchrun --nproc-per-node 2"):
+        train(make_spec(training={"gpus": 2}), cache_dir=cache_dir)
+
+
+def test_should_stop_must_be_callable(make_spec, cache_dir):
+    with pytest.raises(TypeError, match="should_stop must be a callable"):
+        train(make_spec(), should_stop=True, cache_dir=cache_dir)
+
+
+def test_random_corpus_trains_without_a_tokenizer_for_throughput_runs(make_spec, tmp_path):
+    sink = ListSink()
+    result = train(make_spec(data={"corpus": "random", "vocab_size": 256}, training={"steps": 3}), sink,
+                   output_dir=tmp_path, cache_dir=tmp_path / "cache")
+    assert result.status == "succeeded" and len(sink.series("train/loss")) == 3
+    assert not (tmp_path / "cache").exists()   # nothing tokenized or cached
+    assert not list((tmp_path / "checkpoints" / "step_00000003").glob("tokenizer*"))
