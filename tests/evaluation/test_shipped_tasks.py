@@ -210,3 +210,28 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path, tiny_checkpoi
 def test_a_missing_heldout_text_is_reported_before_loading_the_model(tiny_checkpoint, tmp_path):
     with pytest.raises(EvaluationError, match="held-out text .* is not a file"):
         evaluate_checkpoint(tiny_checkpoint, ["plab_heldout_bpb"], heldout_text=tmp_path / "nope.txt")
+
+
+def _evaluate_in_daemon(checkpoint, limit, queue):
+    try:
+        result = evaluate_checkpoint(checkpoint, ["plab_lambada_openai"], limit=limit, device="cpu", batch_size=32)
+        queue.put(result["tasks"]["plab_lambada_openai"]["metrics"])
+    except Exception as err:  # noqa: BLE001 - the parent reports it
+        queue.put(repr(err))
+
+
+def test_evaluation_runs_inside_a_daemonic_worker_process_with_the_same_stderr(tiny_checkpoint, shipped_results):
+    """Celery's prefork workers are daemonic and may not start the process pool lm-eval
+    uses for bootstrap stderrs (LAMBADA perplexity); the adapter runs it in-process."""
+    import multiprocessing
+
+    # spawn, not fork: a forked child of a process that already ran torch can deadlock in
+    # its OpenMP thread pool.
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    worker = ctx.Process(target=_evaluate_in_daemon, args=(tiny_checkpoint, shipped_results["limit"], queue), daemon=True)
+    worker.start()
+    metrics = queue.get(timeout=240)
+    worker.join(timeout=60)
+    assert isinstance(metrics, dict), metrics
+    assert metrics == shipped_results["tasks"]["plab_lambada_openai"]["metrics"]

@@ -142,7 +142,7 @@ def evaluate_checkpoint(
 
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat()
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="plab-eval-tasks-") as tmp, _offline_mode(offline):
+    with tempfile.TemporaryDirectory(prefix="plab-eval-tasks-") as tmp, _lm_eval_environment(offline):
         try:
             rendered = render_task_dirs(
                 Path(tmp) / "tasks", data_dir=data_dir, heldout_text=heldout_text, tasks_dir=tasks_dir
@@ -440,27 +440,34 @@ def _check_placeholders(requested: list[str], manager: Any, rendered: Any) -> No
 
 
 @contextlib.contextmanager
-def _offline_mode(enabled: bool):
-    """Force the Hugging Face libraries offline for the duration, then restore them.
+def _lm_eval_environment(offline: bool):
+    """Set the environment lm-eval runs under for the duration, then restore it.
 
-    The environment variables only take effect when datasets/huggingface_hub are first
-    imported, so the module-level flags of already imported ones are patched too.
+    Offline: the environment variables only take effect when datasets/huggingface_hub are
+    first imported, so the module-level flags of already imported ones are patched too.
+    Daemonic processes (Celery's prefork workers) may not start children, which lm-eval's
+    bootstrap stderr does through multiprocessing.Pool; DISABLE_MULTIPROC makes it run the
+    same seeded resamples in-process, so the stderr is identical.
     """
-    if not enabled:
-        yield
-        return
-    saved_env = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    import multiprocessing
+
+    wanted = {}
+    if offline:
+        wanted.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    if multiprocessing.current_process().daemon:
+        wanted["DISABLE_MULTIPROC"] = "1"
+    saved_env = {k: os.environ.get(k) for k in wanted}
     patched: list[tuple[Any, str, Any]] = []
     for module_name, attrs in (
         ("huggingface_hub.constants", ("HF_HUB_OFFLINE",)),
         ("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")),
     ):
-        module = sys.modules.get(module_name)
+        module = sys.modules.get(module_name) if offline else None
         for attr in attrs if module is not None else ():
             if hasattr(module, attr):
                 patched.append((module, attr, getattr(module, attr)))
                 setattr(module, attr, True)
-    os.environ.update({k: "1" for k in saved_env})
+    os.environ.update(wanted)
     try:
         yield
     finally:
