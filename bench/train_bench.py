@@ -16,6 +16,7 @@ Usage (on the GPU machine, repo root; the anchor is looked up at .devcarry/hf_ll
     python bench/train_bench.py --configs bf16 bf16:sdpa_backend=cudnn bf16:fused_loss=false
     python bench/train_bench.py --configs bf16 fp8_tensorwise --budget-s 500 --no-anchor
     python bench/train_bench.py --configs bf16 --gpus 2 --batch 8 --no-anchor   # 2-GPU DDP scaling
+    python bench/train_bench.py --configs bf16 --no-anchor --profile            # where the step's time goes
 
 Perf switches (training.perf of the run spec): fused_loss, loss_chunk_tokens, fused_clip, bf16_residual,
 sdpa_backend (auto|cudnn|flash|efficient|math), compile_mode, metrics_lag, prefetch, allow_tf32; plus
@@ -102,7 +103,11 @@ class BatchingSink(MetricSink):
         self._thread = threading.Thread(target=self._drain_loop, daemon=True)
         self._thread.start()
 
+    on_step = None  # called once per logged training step (drives the profiler's schedule)
+
     def log(self, step, metrics, *, tokens, wall_time):
+        if self.on_step is not None and "train/loss" in metrics:
+            self.on_step()
         t0 = time.perf_counter()
         point = {"step": step, "tokens": tokens, "wall_time": wall_time, "metrics": dict(metrics)}
         with self._lock:
@@ -134,18 +139,34 @@ class BatchingSink(MetricSink):
 
 
 def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_dir: Path, model: str,
-           device: str, gpus: int) -> dict | None:
+           device: str, gpus: int, profile: bool = False) -> dict | None:
     import torch
     from training.train import train
 
     config = json.loads(config_json)
     spec = run_spec(config, steps=warmup + steps, batch=batch, seq=seq, model=model, device=device, gpus=gpus)
     sink = BatchingSink(out_dir / f"metrics_{os.getpid()}.jsonl")
+    prof = None
+    if profile:
+        # Kernel-time table of 3 steps after warm-up; the profiled steps are slower, so a profiled
+        # run's tokens/s is marked and must not be compared with unprofiled ones.
+        acts = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
+            wait=warmup, warmup=1, active=3, repeat=1))
+        prof.start()
+        sink.on_step = prof.step
     t0 = time.perf_counter()
     try:
         result = train(spec, sink)
     finally:
         sink.close()
+        if prof is not None:
+            prof.stop()
+    if prof is not None and int(os.environ.get("RANK", "0")) == 0:
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        safe = "".join(ch if ch.isalnum() else "_" for ch in config["label"])[:60]
+        (out_dir / f"profile_{safe}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return None
     wall = time.perf_counter() - t0
@@ -170,7 +191,7 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
                                                                                          result.gemm_backend),
         "params": result.summary.get("params"), "flops_per_token": result.summary.get("flops_per_token"),
         "first_steps_s": [per_step[s]["perf/step_time_s"] for s in sorted(per_step)[:warmup]],
-        "wall_s": wall, "device_name": result.device_name,
+        "wall_s": wall, "device_name": result.device_name, "profiled": profile,
     }
 
 
@@ -228,6 +249,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=520.0, help="skip configs that cannot finish within this")
     ap.add_argument("--per-run-timeout-s", type=float, default=240.0)
     ap.add_argument("--no-anchor", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="write a kernel-time table per config to $OUT/profile_<config>.txt (slows those runs)")
     ap.add_argument("--gpus", type=int, default=1,
                     help="GPUs per config (torchrun + DDP); --batch stays the global batch")
     ap.add_argument("--model", default="1b", help="model preset (1b is the anchor's shape)")
@@ -237,7 +260,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     if a.worker is not None:
-        res = worker(a.worker, a.steps, a.warmup, a.batch, a.seq, Path(a.worker_out), a.model, a.device, a.gpus)
+        res = worker(a.worker, a.steps, a.warmup, a.batch, a.seq, Path(a.worker_out), a.model, a.device, a.gpus,
+                     a.profile)
         if res is not None:
             print(json.dumps(res), flush=True)
         return 0
@@ -278,7 +302,8 @@ def main(argv=None) -> int:
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}"]
         cmd = [*launcher, str(Path(__file__).resolve()), "--worker", json.dumps(config),
                "--worker-out", str(scratch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-               "--batch", str(a.batch), "--seq", str(a.seq), "--model", a.model, "--device", a.device, "--gpus", str(a.gpus)]
+               "--batch", str(a.batch), "--seq", str(a.seq), "--model", a.model, "--device", a.device, "--gpus", str(a.gpus),
+               *(["--profile"] if a.profile else [])]
         res = _run(cmd, timeout=min(a.per_run_timeout_s, max(remaining(), 1)))
         res.setdefault("label", config["label"])
         res.setdefault("recipe", config["recipe"])
