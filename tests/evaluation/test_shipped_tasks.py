@@ -235,3 +235,17 @@ def test_evaluation_runs_inside_a_daemonic_worker_process_with_the_same_stderr(t
     worker.join(timeout=60)
     assert isinstance(metrics, dict), metrics
     assert metrics == shipped_results["tasks"]["plab_lambada_openai"]["metrics"]
+
+
+@pytest.mark.slow
+def test_standard_lm_eval_task_names_pass_through_to_lm_eval(tiny_checkpoint):
+    """`arc_easy` is lm-eval's own task (dataset allenai/ai2_arc on the Hub): it is found in
+    lm-eval's registry; it runs when the dataset is in the HF cache, and otherwise (offline)
+    the error says what to do."""
+    try:
+        result = evaluate_checkpoint(tiny_checkpoint, ["arc_easy"], limit=2, device="cpu")
+    except EvaluationError as err:
+        assert re.search(r"'arc_easy' needs its dataset .*ai2_arc.*--online", str(err)), err
+    else:
+        assert result["tasks"]["arc_easy"]["n_samples"] == 2
+        assert set(result["tasks"]["arc_easy"]["metrics"]) == {"acc", "acc_norm"}

@@ -180,14 +180,24 @@ def evaluate_checkpoint(
         out_tasks: dict[str, dict] = {}
         for name in requested:
             t_task = time.perf_counter()
-            raw = lm_eval.simple_evaluate(
-                model=lm,
-                tasks=[name],
-                task_manager=manager,
-                limit=limit,
-                log_samples=True,
-                bootstrap_iters=bootstrap_iters,
-            )
+            try:
+                raw = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=[name],
+                    task_manager=manager,
+                    limit=limit,
+                    log_samples=True,
+                    bootstrap_iters=bootstrap_iters,
+                )
+            except ConnectionError as err:
+                if name not in needs_builtin:
+                    raise
+                raise EvaluationError(
+                    f"lm-eval task {name!r} needs its dataset from the Hugging Face Hub ({err}); "
+                    + ("it is not in the local cache and evaluation runs offline: pass offline=False "
+                       "(plab eval --online) on a machine that can reach the Hub, or use a plab_* task"
+                       if offline else "the Hub could not be reached")
+                ) from err
             elapsed = time.perf_counter() - t_task
             converted = _convert_results(raw)
             for task_name, task_result in converted.items():
