@@ -104,3 +104,14 @@ def test_a_missing_tasks_dir_is_an_error_not_an_empty_list(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="PLAB_EVAL_TASKS_DIR names .* not a directory"):
         list_tasks()
     assert main(["--list-tasks"]) == 2
+
+
+def test_a_broken_user_yaml_is_listed_as_invalid_with_the_reason(user_tasks_dir, capsys):
+    (user_tasks_dir / "broken.yaml").write_text("task: [unclosed\n")
+    (user_tasks_dir / "no_task_key.yaml").write_text("dataset_path: json\n")
+    invalid = {t["name"]: t for t in list_tasks() if t["kind"] == "invalid"}
+    assert set(invalid) == {"broken", "no_task_key"}
+    assert "Unknown config shape" in invalid["no_task_key"]["error"]
+    assert main(["--list-tasks"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("broken") and "INVALID" in line for line in lines)

@@ -46,12 +46,14 @@ class EvaluationError(ValueError):
 def list_tasks(tasks_dir: str | os.PathLike | None = None, *, include_lm_eval: bool = False) -> list[dict]:
     """Every task and group `evaluate_checkpoint` can run, sorted by name.
 
-    Each entry: ``name``, ``kind`` (``task``|``group``|``tag``), ``source`` (``shipped``,
+    Each entry: ``name``, ``kind`` (``task``|``group``|``tag``, or ``invalid`` with an
+    ``error`` for a user YAML lm-eval cannot read), ``source`` (``shipped``,
     ``user`` or ``lm_eval``), ``path`` (the YAML), ``output_type`` (tasks), ``subtasks``
     (groups), ``groups`` (the shipped/user groups a task belongs to). ``include_lm_eval``
     adds lm-eval's built-in tasks (thousands; they need the Hugging Face Hub or its cache).
     """
     from lm_eval.tasks._index import Kind, TaskIndex
+    from lm_eval.tasks._yaml_loader import load_yaml
 
     sources = [("shipped", SHIPPED_TASKS_DIR)] + [("user", d) for d in user_task_dirs(tasks_dir)]
     entries: dict[str, dict] = {}
@@ -76,6 +78,15 @@ def list_tasks(tasks_dir: str | os.PathLike | None = None, *, include_lm_eval: b
             if item["kind"] == "tag":
                 item["subtasks"] = sorted(entry.tags)
             entries[name] = item
+    for root in user_task_dirs(tasks_dir):
+        # lm-eval's indexer skips a YAML it cannot parse without a word; a user who just
+        # dropped one in needs to see why it is missing.
+        for path in sorted(root.rglob("*.yaml")):
+            try:
+                cfg = load_yaml(path, resolve_func=False)
+                TaskIndex._kind_of(cfg)
+            except Exception as err:  # noqa: BLE001 - any parse error is reported, not raised
+                entries[f"!{path}"] = {"name": path.stem, "kind": "invalid", "source": "user", "path": str(path), "error": str(err)}
     for item in entries.values():
         if item["kind"] == "group" and item["source"] != "lm_eval":
             for sub in item["subtasks"]:

@@ -117,6 +117,9 @@ def _print_tasks(tasks: list[dict], *, as_json: bool) -> int:
     for t in tasks:
         if t["name"] in grouped:
             continue  # shown as a count under its group
+        if t["kind"] == "invalid":
+            print(f"{t['name']:<40} INVALID  {t['path']}: {t['error']}")
+            continue
         detail = f"group of {len(t['subtasks'])}" if t["kind"] in ("group", "tag") else t.get("output_type", "")
         print(f"{t['name']:<40} {t['source']:<8} {detail:<24} {t['path'] or ''}")
     return 0
