@@ -25,7 +25,22 @@ from pathlib import Path
 from typing import Any
 
 RANDOM_CORPUS = "random"
-MODEL_PRESET_NAMES = ("tiny", "125m", "350m", "1b")  # kept in sync with training.model.PRESETS (tested)
+# Model presets (re-exported as training.model.PRESETS). Defined here so that validating a spec does not
+# import transformers. `1b` is the 1.14B shape of ANCHORS.md when data.vocab_size is the anchor's 32000
+# (a preset takes its vocabulary from data.vocab_size, docs/INTERFACES.md); `tiny`
+# (CPU tests) has 4 blocks so bf16_last_layers=1 leaves 3 converted, and every linear dim a multiple of 32
+# so the FP8/MX/NVFP4 blocks tile it.
+MODEL_PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "125m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4),
+    "350m": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=8),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+               num_key_value_heads=8),
+}
+MODEL_PRESET_NAMES = tuple(MODEL_PRESETS)
 CUSTOM_MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "vocab_size")
 
@@ -216,6 +231,7 @@ class RunSpec:
     # ---- derived quantities -------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
+        """The model's vocabulary: a custom model's vocab_size when set, else data.vocab_size."""
         return self.model.vocab_size or self.data.vocab_size
 
     @property
@@ -357,8 +373,7 @@ class RunSpec:
         if self.model.preset is None:
             layers = self.model.num_hidden_layers
         else:
-            from training.model import PRESETS
-            layers = PRESETS[self.model.preset]["num_hidden_layers"]
+            layers = MODEL_PRESETS[self.model.preset]["num_hidden_layers"]
         if self.bf16_first_layers + self.bf16_last_layers > layers:
             raise SpecError(f"bf16_first_layers + bf16_last_layers ({self.bf16_first_layers} + "
                             f"{self.bf16_last_layers}) exceeds the model's {layers} layers")

@@ -1,34 +1,22 @@
 """Llama-style decoder models through transformers `LlamaForCausalLM` (SDPA attention, untied LM head).
 
-Presets follow ANCHORS.md (`1b` is the 1.14B shape the reference throughput was measured on).
-`tiny` is for CPU tests: 4 layers so that `bf16_last_layers=1` leaves 3 converted blocks, and every
-linear dimension a multiple of 32 so the FP8/MX/NVFP4 block sizes tile it.
+Presets (`PRESETS`, dims in training.config.MODEL_PRESETS) follow ANCHORS.md: `1b` is the 1.14B shape
+the reference throughput was measured on; `tiny` is for CPU tests.
 """
 from __future__ import annotations
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from training.config import ModelSpec, SpecError
+from training.config import MODEL_PRESETS, ModelSpec, SpecError
 
-PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2),
-    "125m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=4),
-    "350m": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                 num_key_value_heads=8),
-    # vocab_size fixed here because the anchor measurement (ANCHORS.md) used 32000.
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
-               num_key_value_heads=8, vocab_size=32000),
-}
+PRESETS = MODEL_PRESETS  # defined in training.config so spec validation stays import-light
 
 
 def llama_config(model: str | dict | ModelSpec, vocab_size: int, seq_len: int) -> LlamaConfig:
     """LlamaConfig for a preset name, a custom-dims dict or a ModelSpec.
 
-    A preset's own vocab_size (only `1b`) wins over `vocab_size`; for a custom dict, its `vocab_size`
-    key wins when set.
+    A preset takes `vocab_size`; a custom dict's own `vocab_size` key wins when set.
     """
     if isinstance(model, ModelSpec):
         model = model.to_value()
@@ -43,8 +31,8 @@ def llama_config(model: str | dict | ModelSpec, vocab_size: int, seq_len: int) -
     else:
         raise SpecError(f"model must be a preset name or a dict, got {model!r}")
     vocab = dims.pop("vocab_size", None) or vocab_size
-    if not isinstance(vocab_size, int) or vocab < 2:
-        raise SpecError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
+        raise SpecError(f"vocab_size must be an integer >= 2, got {vocab!r}")
     if not isinstance(seq_len, int) or seq_len < 1:
         raise SpecError(f"seq_len must be a positive integer, got {seq_len!r}")
     cfg = LlamaConfig(

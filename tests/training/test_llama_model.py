@@ -6,7 +6,7 @@ from training.model import PRESETS, CausalLMLoss, build_model, count_parameters,
 
 
 def test_1b_preset_is_the_114b_anchor_shape():
-    cfg = llama_config("1b", vocab_size=999, seq_len=2048)   # the preset's own vocab (32000) wins
+    cfg = llama_config("1b", vocab_size=32000, seq_len=2048)   # the anchor's vocabulary
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (2048, 8192, 16)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (16, 8, 32000)
     assert cfg.tie_word_embeddings is False and cfg._attn_implementation == "sdpa"
