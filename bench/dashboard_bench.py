@@ -191,9 +191,14 @@ def ingest(base: str, database_url: str, experiment: dict, steps: int, method: s
     runs succeeded through the API as a worker would."""
     spike_step = int(steps * 0.54321)
     runs = sorted(experiment["runs"], key=lambda r: r["id"])
-    jobs = []
+    jobs, summaries = [], {}
     for i, run in enumerate(runs):
-        jobs.extend(batches_for(run["id"], synthetic_series(i, steps, spike_step if i == SPIKE_RUN_INDEX else None)))
+        series = synthetic_series(i, steps, spike_step if i == SPIKE_RUN_INDEX else None)
+        jobs.extend(batches_for(run["id"], series))
+        # What a worker sends with `succeeded` (workers/job.py): the page's bars read these.
+        summaries[run["id"]] = {"tokens_per_s": statistics.median(series["perf/tokens_per_s"]),
+                                "final_loss": series["train/loss"][-1], "peak_mem_gib": 20.0 - i, "mfu": 0.3 + 0.01 * i,
+                                "steps": steps, "tokens": steps * TOKENS_PER_STEP}
     total = sum(len(p) for _, p in jobs)
     log(f"loading {total:,} points by {method}")
     t0 = time.perf_counter()
@@ -205,7 +210,10 @@ def ingest(base: str, database_url: str, experiment: dict, steps: int, method: s
         for run in runs:  # final, as after training, so the page stops polling
             for status in ("running", "succeeded"):
                 backend = "emulated" if run["recipe"] in ("mxfp8", "nvfp4") else "real"
-                r = client.post(f"/api/v1/runs/{run['id']}/status", json={"status": status, "gemm_backend": backend})
+                body = {"status": status, "gemm_backend": backend}
+                if status == "succeeded":
+                    body["summary"] = summaries[run["id"]]
+                r = client.post(f"/api/v1/runs/{run['id']}/status", json=body)
                 if r.status_code != 200:
                     raise RuntimeError(f"setting run {run['id']} {status} failed: {r.status_code} {r.text[:300]}")
                 # The API can answer before its commit is visible; wait for it before the next transition.

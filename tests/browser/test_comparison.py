@@ -111,6 +111,9 @@ def test_throughput_bars_show_speedup_over_bf16_and_mark_emulated_runs(server, p
     exp, runs = compared
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
     charts.wait_for_traces("throughput-chart", 1)
+    # These runs sent no final summary: their tokens/s come from the logged perf series, fetched after
+    # the loss curves are drawn.
+    page.wait_for_function("() => document.getElementById('throughput-chart').data[0].y[0] === 1000")
     bars = page.evaluate("() => { const t = document.getElementById('throughput-chart').data[0];"
                          " return {x: t.x, y: t.y, text: t.text, pattern: t.marker.pattern.shape}; }")
     assert bars["x"] == ["bf16", "fp8_tensorwise", "mxfp8 (emulated)", "nvfp4"]
