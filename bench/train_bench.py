@@ -36,6 +36,7 @@ import queue
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -268,7 +269,9 @@ def main(argv=None) -> int:
 
     t_begin = time.perf_counter()
     out_env = os.environ.get("OUT")
-    scratch = Path(out_env) if out_env else REPO / "bench" / "results"
+    # Per-config metric streams and profiles: next to the JSON under $OUT, else in a temp dir (they are
+    # scratch, not results to commit).
+    scratch = Path(out_env) if out_env else Path(tempfile.mkdtemp(prefix="plab-train-bench-"))
     scratch.mkdir(parents=True, exist_ok=True)
     if a.configs is None:
         from training.precision import RECIPES
