@@ -32,7 +32,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import queue
 import statistics
 import subprocess
 import sys
@@ -227,6 +226,8 @@ def _run(cmd: list[str], timeout: float) -> dict:
 
 
 def _git_commit() -> str:
+    if os.environ.get("PLAB_GIT_COMMIT"):  # a copy of the tree without .git (the GPU machine)
+        return os.environ["PLAB_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO,
                               timeout=10).stdout.strip() or os.environ.get("PLAB_GIT_COMMIT", "unknown")
