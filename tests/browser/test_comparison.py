@@ -192,3 +192,18 @@ def test_numerics_heatmap_shows_layers_by_sampled_steps(server, page, charts, co
     page.select_option("#numerics-stat", "saturation_frac")
     page.wait_for_function("() => document.getElementById('numerics-chart').data[0].z.flat().every(v => v === 0)")
     assert page.console_log.errors == []
+
+
+def test_zooming_the_loss_chart_requeries_the_server_for_that_window(server, page, charts, compared):
+    exp, runs = compared
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    charts.wait_for_traces("loss-chart", 4)
+    with page.expect_request(lambda r: "/series?" in r.url and "x_min=20" in r.url and "x_max=40" in r.url):
+        page.evaluate("() => Plotly.relayout('loss-chart', {'xaxis.range': [20, 40]})")
+    page.wait_for_function("() => document.getElementById('loss-chart').data[0].x.length === 21")
+    assert charts.traces("loss-chart")[0]["x"] == list(range(20, 41))
+
+    # Back to the full range: the whole series again.
+    page.evaluate("() => Plotly.relayout('loss-chart', {'xaxis.autorange': true})")
+    page.wait_for_function("() => document.getElementById('loss-chart').data[0].x.length === 80")
+    assert page.console_log.errors == []

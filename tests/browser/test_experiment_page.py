@@ -56,3 +56,13 @@ def test_live_run_updates_without_reload_and_can_be_cancelled(server, page, char
     server.set_status(base["id"], "succeeded")
     page.wait_for_selector("#live-status[data-polling='false']", timeout=8000)
     assert page.console_log.errors == []
+
+
+def test_missing_experiment_shows_the_api_message_and_stops_polling(server, page):
+    page.goto(f"{server.base_url}/experiments/987654")
+    banner = page.locator("#global-error")
+    banner.wait_for(state="visible")
+    assert "987654" in banner.inner_text()
+    assert page.locator("#live-status").get_attribute("data-polling") == "false"
+    # The only console line is the browser's own report of the 404 response.
+    assert all("404" in e for e in page.console_log.errors)

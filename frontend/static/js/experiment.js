@@ -333,8 +333,12 @@ async function drawNumerics({ force = false } = {}) {
     }
     numerics.fetchedAt = Date.now();
     const isSnr = numerics.stat === "snr_db";
+    const zmax = Math.max(0, ...z.flat().filter((v) => v != null && Number.isFinite(v)));
+    // Fractions start at 0 = pale (plotly's YlOrRd runs dark → pale, hence reversed); SNR: brighter is better.
+    const scale = isSnr ? { colorscale: "Viridis" }
+      : { colorscale: "YlOrRd", reversescale: true, zmin: 0, zmax: zmax > 0 ? zmax : 1 };
     Plotly.react("numerics-chart", [{
-      type: "heatmap", x: steps, y: layers, z, colorscale: isSnr ? "Viridis" : "YlOrRd", reversescale: false,
+      type: "heatmap", x: steps, y: layers, z, ...scale,
       hoverongaps: false, colorbar: { title: { text: isSnr ? "dB" : "fraction" } },
       hovertemplate: "%{y}<br>step %{x}<br>%{z:.3g}<extra></extra>",
     }], {

@@ -1,0 +1,36 @@
+"""The dashboard works with no internet: every script and stylesheet comes from the server itself, and
+plotly.js is the copy inside the installed `plotly` Python package."""
+from __future__ import annotations
+
+import re
+
+import plotly
+import pytest
+
+from frontend.pages import plotly_js_path
+
+
+def test_plotly_js_is_served_from_the_installed_plotly_package(server):
+    r = server.http.get("/static/vendor/plotly.min.js")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/javascript")
+    assert r.content == plotly_js_path().read_bytes()
+    assert plotly_js_path().is_relative_to(plotly.__path__[0])
+
+
+@pytest.mark.parametrize("path", ["/", "/experiments/new", "/runs", "/experiments/1"])
+def test_pages_reference_no_external_asset(server, path):
+    r = server.http.get(path)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/html")
+    refs = re.findall(r'(?:src|href)="([^"]+)"', r.text)
+    assert refs, "a page without assets would not exercise this test"
+    external = [u for u in refs if re.match(r"^(https?:)?//", u)]
+    assert external == []
+    for ref in refs:
+        if ref.startswith("/static/"):
+            assert server.http.get(ref).status_code == 200, ref
+
+
+def test_unknown_experiment_page_id_is_a_404_not_a_page(server):
+    assert server.http.get("/experiments/not-an-id").status_code == 404
