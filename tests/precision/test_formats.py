@@ -11,6 +11,7 @@ from training.precision.formats import (
     nvfp4_parts,
     random_hadamard_transform,
     random_sign_vector,
+    rht_matrix,
     round_to_e2m1,
 )
 
@@ -180,14 +181,15 @@ def test_nvfp4_stochastic_quantize_dequantize_is_unbiased_and_neighbouring():
 def test_hadamard_is_orthonormal_and_rht_preserves_the_wgrad_product():
     h = hadamard_16()
     assert torch.allclose(h @ h.t(), torch.eye(16), atol=0)
-    signs = random_sign_vector(0)
+    rht = rht_matrix(random_sign_vector(0))
+    assert torch.allclose(rht @ rht.t(), torch.eye(16), atol=1e-6)
     g = torch.Generator().manual_seed(5)
     dy_t = torch.randn(48, 160, generator=g)  # [out_features, tokens]
     x_t = torch.randn(32, 160, generator=g)   # [in_features, tokens]
     plain = dy_t @ x_t.t()
-    rotated = random_hadamard_transform(dy_t, signs) @ random_hadamard_transform(x_t, signs).t()
+    rotated = random_hadamard_transform(dy_t, rht) @ random_hadamard_transform(x_t, rht).t()
     assert torch.allclose(rotated, plain, rtol=1e-5, atol=1e-4)
     # Token counts that are not a multiple of 16 are zero-padded, which leaves the product unchanged.
     plain_odd = dy_t[:, :150] @ x_t[:, :150].t()
-    rotated_odd = random_hadamard_transform(dy_t[:, :150], signs) @ random_hadamard_transform(x_t[:, :150], signs).t()
+    rotated_odd = random_hadamard_transform(dy_t[:, :150], rht) @ random_hadamard_transform(x_t[:, :150], rht).t()
     assert torch.allclose(rotated_odd, plain_odd, rtol=1e-5, atol=1e-4)

@@ -371,3 +371,24 @@ def test_a_few_training_steps_reduce_the_loss_like_bf16(recipe):
             hook.post_optimizer_step(model)
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_blockwise"])
+def test_emulated_linears_trace_into_one_graph_under_torch_compile(recipe):
+    torch._dynamo.reset()
+    holder = nn.Module()
+    holder.model = nn.Module()
+    holder.model.layers = nn.ModuleList([nn.Module()])
+    holder.model.layers[0].proj = nn.Linear(128, 128, bias=False)
+    apply_recipe(holder, recipe, **({"stochastic_rounding": False} if recipe == "nvfp4" else {}))
+    layer = holder.model.layers[0].proj
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # fullgraph: a break is an error
+    x = torch.randn(2, 16, 128)
+    results = []
+    for module in (layer, compiled):
+        xi = x.clone().requires_grad_()
+        y = module(xi)
+        y.square().sum().backward()
+        results.append((y.detach(), xi.grad))
+    assert torch.allclose(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)

@@ -38,6 +38,11 @@ Recipes (X activations, W weights, dY output gradients):
 
 `quantize_dequantize(x, fmt, *, block_size=None, scale_rounding=None, stochastic=False, generator=None)`
 is the format contract of ARCHITECTURE.md (bit-exact with torchao's MXFP8 and NVFP4 reference quantizers).
+
+The real-kernel paths cannot run on CPU; `python -m training.precision.gpu_check --out FILE.json` checks them
+on a GPU in one call (backend choice, real vs emulated agreement, training, compile, bit-exactness on GPU).
+Emulated GEMMs in eager mode cost many elementwise kernels per layer; for throughput runs use
+`training.compile`, which fuses each quantizer (the emulation traces into one graph, no breaks).
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ from torch import nn
 
 from training.precision.formats import Quantized
 
-_MM_OUT_DTYPE_OK: dict[str, bool] = {}
+# torch >= 2.8 has mm(..., out_dtype=float32) for BF16 inputs on CUDA: FP32 accumulation, FP32 result.
+_MM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
 class GemmQuantizer:
@@ -45,14 +46,10 @@ class GemmQuantizer:
 
 
 def _bf16_mm_fp32_out(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """BF16 x BF16 GEMM with FP32 accumulation and FP32 output where the build supports out_dtype
-    (CUDA, torch >= 2.8); otherwise BF16 output, i.e. exactly what a plain BF16 GEMM returns."""
-    key = str(a.device.type)
-    if _MM_OUT_DTYPE_OK.get(key, True):
-        try:
-            return torch.mm(a, b_t, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            _MM_OUT_DTYPE_OK[key] = False
+    """BF16 x BF16 GEMM with FP32 accumulation; FP32 output where the build has it (so per-tensor scales
+    multiply the accumulator before the one rounding, as in the real kernels), else BF16 output."""
+    if _MM_HAS_OUT_DTYPE:
+        return torch.mm(a, b_t, out_dtype=torch.float32)
     return torch.mm(a, b_t).float()
 
 
@@ -91,6 +88,9 @@ class EmulatedLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, quantizer: GemmQuantizer):
         out_dtype = compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):
+            # The real kernels (torchao) quantize the autocast (BF16) copy of the activation; so do we.
+            x2 = x2.to(out_dtype)
         w_fprop, _ = quantizer.weight(weight)
         y = emulated_mm(quantizer.input(x2), w_fprop)
         if bias is not None:

@@ -266,19 +266,14 @@ def random_sign_vector(seed: int, n: int = 16) -> torch.Tensor:
     return torch.where(torch.rand(n, generator=g) >= 0.5, 1.0, -1.0)
 
 
-_RHT_CACHE: dict = {}
+def rht_matrix(signs: torch.Tensor) -> torch.Tensor:
+    """diag(signs) @ H16: the random Hadamard transform as one orthonormal 16x16 matrix."""
+    return torch.diag(signs.to(torch.float32)) @ hadamard_16().to(signs.device)
 
 
-def rht_matrix(signs: torch.Tensor, device) -> torch.Tensor:
-    """diag(signs) @ H16 on `device`, built once per sign vector and device."""
-    key = (tuple(signs.tolist()), str(device))
-    if key not in _RHT_CACHE:
-        _RHT_CACHE[key] = (torch.diag(signs.to(torch.float32)) @ hadamard_16()).to(device)
-    return _RHT_CACHE[key]
-
-
-def random_hadamard_transform(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """Apply diag(signs) @ H16 to every 16-run of the last dim (zero-padded to a multiple of 16).
+def random_hadamard_transform(x: torch.Tensor, rht: torch.Tensor) -> torch.Tensor:
+    """Apply the 16x16 transform `rht` (see rht_matrix) to every 16-run of the last dim, zero-padded to a
+    multiple of 16.
 
     Both Wgrad operands get the same orthogonal transform along the token (reduction) dimension, so
     their product is unchanged in exact arithmetic while outliers are spread over 16 elements before
@@ -286,7 +281,7 @@ def random_hadamard_transform(x: torch.Tensor, signs: torch.Tensor) -> torch.Ten
     """
     padded, _ = _pad_last(x, 16)
     blocks = padded.to(torch.float32).reshape(-1, 16)  # one 2D GEMM, not a broadcast batched one
-    return (blocks @ rht_matrix(signs, x.device)).reshape(padded.shape)
+    return (blocks @ rht.to(blocks.device)).reshape(padded.shape)
 
 
 # ------------------------------------------------------------------------------------ public contract

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from training.precision.emulation import GemmQuantizer, QuantizedLinear
-from training.precision.formats import quantize_nvfp4, random_hadamard_transform, random_sign_vector
+from training.precision.formats import quantize_nvfp4, random_hadamard_transform, random_sign_vector, rht_matrix
 from training.precision.fp8_tensorwise import transposed
 from training.precision.registry import Recipe, capability_reason, register
 
@@ -23,11 +23,13 @@ BLOCK = 16
 
 
 class NVFP4Quantizer(GemmQuantizer):
-    def __init__(self, *, rht: bool, stochastic_rounding: bool, weight_2d: bool, rht_seed: int):
+    def __init__(self, *, rht: bool, stochastic_rounding: bool, weight_2d: bool, rht_seed: int, device=None):
         self.rht = rht
         self.stochastic_rounding = stochastic_rounding
         self.weight_2d = weight_2d
         self.signs = random_sign_vector(rht_seed)
+        # Built once on the layer's device: no per-step host work, nothing for torch.compile to trace.
+        self.rht_matrix = rht_matrix(self.signs).to(device) if device is not None else rht_matrix(self.signs)
 
     def input(self, x2d, *, track=False):
         return quantize_nvfp4(x2d, track=track)
@@ -43,8 +45,8 @@ class NVFP4Quantizer(GemmQuantizer):
 
     def wgrad(self, dy_t, x_t):
         if self.rht:
-            dy_t = random_hadamard_transform(dy_t, self.signs)
-            x_t = random_hadamard_transform(x_t, self.signs)
+            dy_t = random_hadamard_transform(dy_t, self.rht_matrix)
+            x_t = random_hadamard_transform(x_t, self.rht_matrix)
         return quantize_nvfp4(dy_t, stochastic=self.stochastic_rounding), quantize_nvfp4(x_t)
 
     def describe(self):
@@ -86,7 +88,8 @@ class NVFP4Recipe(Recipe):
 
     def convert(self, linear, name, options, real):
         quantizer = NVFP4Quantizer(rht=options["rht"], stochastic_rounding=options["stochastic_rounding"],
-                                   weight_2d=options["weight_2d"], rht_seed=options["rht_seed"])
+                                   weight_2d=options["weight_2d"], rht_seed=options["rht_seed"],
+                                   device=linear.weight.device)
         if real:
             from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
 
