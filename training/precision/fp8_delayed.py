@@ -142,7 +142,8 @@ class DelayedScalingLinear(QuantizedLinear):
             self.pending_amax[WEIGHT].copy_(torch.maximum(self.pending_amax[WEIGHT],
                                                           self.weight.detach().abs().amax().float()))
         tokens = x.numel() // x.shape[-1]
-        if self.real and x.is_cuda and tokens % 16 == 0:
+        # torch._scaled_mm needs every dim divisible by 16; other token counts take the emulated path.
+        if self.real and tokens % 16 == 0:
             return DelayedScaledMMFn.apply(x, self.weight, self.bias, self)
         return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer)
 
