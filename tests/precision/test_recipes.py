@@ -450,3 +450,33 @@ def test_emulation_matches_torchao_float8_linear_which_also_runs_on_cpu(recipe):
         # Same quantized operands; only the GEMM's output rounding differs (torchao's rowwise GEMM
         # returns BF16-rounded values, 2^-9 relative) -- an order of magnitude below FP8's own error.
         assert _rel(a, b) < 4e-3, (recipe, what, _rel(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mxfp8_emulation_equals_torchao_mxfp8_linear_emulated_mode_exactly(dtype):
+    # torchao's own MXFP8 training linear has a hardware-agnostic EMULATED mode: our Fprop, Dgrad and
+    # Wgrad (operand formats and block orientations) must give the same numbers, bit for bit.
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    from training.precision.registry import REGISTRY
+
+    g = torch.Generator().manual_seed(0)
+    weight, x0, dy = torch.randn(96, 128, generator=g) * 0.05, torch.randn(64, 128, generator=g), \
+        torch.randn(64, 96, generator=g)
+    theirs = MXFP8Linear(128, 96, bias=False, kernel_preference=KernelPreference.EMULATED,
+                         scale_calculation_mode=ScaleCalculationMode.RCEIL).to(dtype)
+    lin = nn.Linear(128, 96, bias=False).to(dtype)
+    with torch.no_grad():
+        theirs.weight.copy_(weight)
+        lin.weight.copy_(weight)
+    ours, _, _ = REGISTRY["mxfp8"].convert(lin, "proj", {"scale_rounding": "rceil"}, False)
+    results = []
+    for module in (theirs, ours):
+        x = x0.to(dtype).requires_grad_()
+        y = module(x)
+        y.backward(dy.to(dtype))
+        results.append((y, x.grad, module.weight.grad))
+    for what, a, b in zip(("Y", "dX", "dW"), *results):
+        assert torch.equal(a, b), what
