@@ -65,18 +65,26 @@ function loadPlotly() {
   return plotlyReady;
 }
 
+// Loss-series answers can arrive out of order (a poll in flight while the user zooms): only the answer to
+// the latest request is drawn.
+let lossRequests = 0;
+function fetchLossSeries() {
+  const seq = ++lossRequests;
+  return fetchSeries(LOSS_KEYS, MAX_POINTS, { withZoom: true }).then((series) => ({ series, latest: seq === lossRequests }));
+}
+
 async function refresh() {
   const requests = Promise.all([
     get(`/api/v1/experiments/${encodeURIComponent(experimentId)}`),
-    fetchSeries(LOSS_KEYS, MAX_POINTS, { withZoom: true }),
+    fetchLossSeries(),
   ]);
   const plotly = loadPlotly();
   plotly.catch(() => {}); // awaited below; this only keeps an early API failure from orphaning it
-  const [experiment, series] = await requests;
+  const [experiment, loss] = await requests;
   if (state.firstRenderMs == null) performance.mark("plab:data-ready");
   state.experiment = experiment;
   state.runs = orderRuns(items(experiment.runs || [], "runs"));
-  state.series = series;
+  if (loss.latest) state.series = loss.series;
   // Statuses, progress and cancel buttons need no plotly.js: show them as soon as the data is here.
   renderHeader();
   renderTable();
@@ -557,8 +565,9 @@ function attachZoom() {
     if (JSON.stringify(zoom) === JSON.stringify(state.zoom)) return;
     // Re-query the zoomed window so the server's downsampling spends its points where the user looks.
     state.zoom = zoom;
-    fetchSeries(LOSS_KEYS, MAX_POINTS, { withZoom: true }).then((series) => {
-      state.series = series;
+    fetchLossSeries().then((loss) => {
+      if (!loss.latest) return;
+      state.series = loss.series;
       drawLoss();
     }).catch((err) => showGlobalError(err.message));
   });
