@@ -193,3 +193,20 @@ def test_hadamard_is_orthonormal_and_rht_preserves_the_wgrad_product():
     plain_odd = dy_t[:, :150] @ x_t[:, :150].t()
     rotated_odd = random_hadamard_transform(dy_t[:, :150], rht) @ random_hadamard_transform(x_t[:, :150], rht).t()
     assert torch.allclose(rotated_odd, plain_odd, rtol=1e-5, atol=1e-4)
+
+
+def test_fp8_blockwise_matches_torchao_blockwise_reference_quantizers():
+    kernels = pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(256, 384, generator=g)
+    x[torch.rand(256, 384, generator=g) < 0.01] *= 100.0
+
+    q, inv_scale = kernels.torch_blockwise_scale_act_quant_lhs(x, 128)  # 1x128 runs
+    ref = (q.float().reshape(256, 3, 128) * inv_scale.reshape(256, 3, 1)).reshape(256, 384)
+    ours = quantize_dequantize(x, "fp8_blockwise")
+    # Same E4M3 codes and scales; torchao multiplies by the reciprocal scale, we divide by the scale.
+    assert torch.allclose(ours, ref, rtol=2 ** -22, atol=0)
+
+    qw, inv_w = kernels.torch_blockwise_scale_weight_quant(x, 128)  # 128x128 tiles
+    ref_w = (qw.float().reshape(2, 128, 3, 128) * inv_w.reshape(2, 1, 3, 1)).reshape(256, 384)
+    assert torch.allclose(quantize_dequantize(x, "fp8_blockwise", block_size=(128, 128)), ref_w, rtol=2 ** -22, atol=0)

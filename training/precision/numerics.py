@@ -83,6 +83,8 @@ class NumericsProbe:
         def hook(module, args, output):
             with torch.no_grad():
                 x = args[0].detach()
+                if x.is_cuda and torch.is_autocast_enabled("cuda"):
+                    x = x.to(torch.get_autocast_dtype("cuda"))  # what the GEMM quantizes under autocast
                 x2 = x.reshape(-1, x.shape[-1])
                 self._bucket(name, "input").add(x2, quantizer.input(x2, track=True))
                 w = module.weight.detach()
