@@ -2,7 +2,19 @@
 
 The pages hold no data of their own: every number on screen comes from `/api/v1`, so what the dashboard
 shows is exactly what an API client would see. plotly.js is served from the installed `plotly` package
-so the dashboard works on a machine with no internet access.
+so the dashboard works on a machine with no internet access. The JavaScript is plain ES modules under
+static/js (no build step).
+
+Pages and the element ids tests rely on:
+  /                    experiments list: #experiments-table (rows tr[data-experiment-id]), .status-counts, .summary
+  /experiments/new     #experiment-form, #form-error (the API's 4xx message), #field-* inputs, #field-ablation
+  /experiments/{id}    #loss-chart, #val-loss-chart (one trace per run), #relative-chart (one per non-BF16 run),
+                       #throughput-chart, #memory-chart, #numerics-chart, #runs-table (tr[data-run-id][data-status],
+                       button.cancel-run), #x-axis, #smoothing, #log-scale, #live-status[data-polling],
+                       #export-json/#export-csv/#export-html; `window.plabExperiment` holds the page state
+                       (firstRenderMs, tableReadyMs for bench/dashboard_bench.py)
+  /runs                #runs-list, #filter-status, #filter-recipe, #filter-q (filters mirrored in the URL)
+The API token for writes lives in localStorage under "plab-api-token" (#api-token-box in the top bar).
 """
 from __future__ import annotations
 

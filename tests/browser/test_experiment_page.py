@@ -53,8 +53,13 @@ def test_live_run_updates_without_reload_and_can_be_cancelled(server, page, char
     page.wait_for_selector(f"#runs-table tr[data-run-id='{other['id']}'][data-status='cancelled']", timeout=8000)
     assert server.http.get(f"/api/v1/runs/{other['id']}").json()["status"] == "cancelled"
 
-    server.set_status(base["id"], "succeeded")
+    # A running run cannot stop at once: the page says so until the worker reports `cancelled`.
+    page.locator(f"#runs-table tr[data-run-id='{base['id']}'] button.cancel-run").click()
+    page.wait_for_selector(f"#runs-table tr[data-run-id='{base['id']}'] .cancelling", timeout=8000)
+    assert server.http.get(f"/api/v1/runs/{base['id']}").json()["cancel_requested"] is True
+    server.set_status(base["id"], "cancelled")
     page.wait_for_selector("#live-status[data-polling='false']", timeout=8000)
+    assert page.locator(f"#runs-table tr[data-run-id='{base['id']}'] .badge.status-cancelled").count() == 1
     assert page.console_log.errors == []
 
 

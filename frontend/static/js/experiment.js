@@ -460,7 +460,9 @@ function runRow(run, i) {
     <td class="num">${loss == null ? "" : loss.toFixed(4)}</td>
     <td class="num">${tps == null ? "" : Math.round(tps).toLocaleString()}</td>
     <td class="run-message">${escapeHtml(message)}</td>
-    <td>${live ? `<button type="button" class="cancel-run" data-run-id="${escapeHtml(run.id)}">Cancel</button>` : ""}</td>
+    <td>${!live ? "" : run.cancel_requested
+      ? `<span class="muted cancelling" title="the worker stops at the next step boundary">cancelling…</span>`
+      : `<button type="button" class="cancel-run" data-run-id="${escapeHtml(run.id)}">Cancel</button>`}</td>
   </tr>`;
 }
 
