@@ -34,6 +34,13 @@ class GemmQuantizer:
         """(Fprop operand W [out, in], Dgrad operand W^T [in, out])."""
         raise NotImplementedError
 
+    # The GEMMs ask for one orientation at a time so a step quantizes W once per GEMM, not twice.
+    def weight_fprop(self, w: torch.Tensor) -> Quantized:
+        return self.weight(w)[0]
+
+    def weight_dgrad(self, w: torch.Tensor) -> Quantized:
+        return self.weight(w)[1]
+
     def grad(self, dy2d: torch.Tensor, *, track: bool = False) -> Quantized:
         raise NotImplementedError
 
@@ -91,8 +98,7 @@ class EmulatedLinearFn(torch.autograd.Function):
         if x.is_cuda and torch.is_autocast_enabled("cuda"):
             # The real kernels (torchao) quantize the autocast (BF16) copy of the activation; so do we.
             x2 = x2.to(out_dtype)
-        w_fprop, _ = quantizer.weight(weight)
-        y = emulated_mm(quantizer.input(x2), w_fprop)
+        y = emulated_mm(quantizer.input(x2), quantizer.weight_fprop(weight))
         if bias is not None:
             y = y + bias.to(torch.float32)
         # High-precision operands are saved and requantized in backward (as torchao does): Wgrad
@@ -113,8 +119,7 @@ class EmulatedLinearFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            _, w_dgrad = q.weight(weight)
-            grad_x = emulated_mm(q.grad(dy2), w_dgrad).to(ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = emulated_mm(q.grad(dy2), q.weight_dgrad(weight)).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             a, b = q.wgrad(dy2.t(), x2.t())
             grad_w = emulated_mm(a, b).to(weight.dtype)

@@ -25,6 +25,12 @@ class RowwiseQuantizer(GemmQuantizer):
         # Dgrad reduces over out_features, so W is re-scaled along its columns for it.
         return _rows(w, track), _rows(w.t())
 
+    def weight_fprop(self, w):
+        return _rows(w)
+
+    def weight_dgrad(self, w):
+        return _rows(w.t())
+
     def grad(self, dy2d, *, track=False):
         return _rows(dy2d, track)
 

@@ -25,6 +25,12 @@ class MXFP8Quantizer(GemmQuantizer):
     def weight(self, w, *, track=False):
         return self._q(w, track), self._q(w.t())
 
+    def weight_fprop(self, w):
+        return self._q(w)
+
+    def weight_dgrad(self, w):
+        return self._q(w.t())
+
     def grad(self, dy2d, *, track=False):
         return self._q(dy2d, track)
 

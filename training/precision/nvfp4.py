@@ -40,6 +40,12 @@ class NVFP4Quantizer(GemmQuantizer):
             return q, transposed(q)
         return quantize_nvfp4(w, track=track), quantize_nvfp4(w.t())
 
+    def weight_fprop(self, w):
+        return quantize_nvfp4(w, block_2d=self.weight_2d)
+
+    def weight_dgrad(self, w):
+        return transposed(quantize_nvfp4(w, block_2d=True)) if self.weight_2d else quantize_nvfp4(w.t())
+
     def grad(self, dy2d, *, track=False):
         return quantize_nvfp4(dy2d, stochastic=self.stochastic_rounding, track=track)
 
