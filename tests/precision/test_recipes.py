@@ -480,3 +480,31 @@ def test_mxfp8_emulation_equals_torchao_mxfp8_linear_emulated_mode_exactly(dtype
         results.append((y, x.grad, module.weight.grad))
     for what, a, b in zip(("Y", "dX", "dW"), *results):
         assert torch.equal(a, b), what
+
+
+def test_delayed_amax_is_max_reduced_across_data_parallel_ranks(tmp_path):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    mp.spawn(_delayed_ddp_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
+    scales = [torch.load(tmp_path / f"scales{r}.pt") for r in range(2)]
+    assert torch.equal(scales[0], scales[1])
+    assert not dist.is_initialized()
+
+
+def _delayed_ddp_worker(rank, world, init_file):
+    import torch.distributed as dist
+
+    from training.precision.fp8_delayed import DelayedScalingHook
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        layer = DelayedScalingLinear(nn.Linear(16, 16, bias=False), history_len=4, real=False)
+        hook = DelayedScalingHook([("l", layer)], 4)
+        x = torch.randn(8, 16) * (10.0 if rank == 1 else 1.0)  # rank 1 sees larger activations
+        layer(x.requires_grad_()).sum().backward()
+        hook.post_optimizer_step()
+        torch.save(layer.scales.clone(), f"{init_file.rsplit('/', 1)[0]}/scales{rank}.pt")
+    finally:
+        dist.destroy_process_group()

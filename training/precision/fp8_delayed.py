@@ -173,8 +173,21 @@ class DelayedScalingHook:
         self.history_len = history_len
 
     def post_optimizer_step(self, model=None) -> None:
+        self._sync_pending_across_ranks()
         for _, layer in self.layers:
             layer.update_scales()
+
+    def _sync_pending_across_ranks(self) -> None:
+        """Data-parallel ranks see different micro-batches; like Transformer Engine, take the max amax over
+        ranks (one collective for all layers) so every rank uses the same scales."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not self.layers:
+            return
+        pending = torch.stack([layer.pending_amax for _, layer in self.layers])
+        dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+        for (_, layer), row in zip(self.layers, pending):
+            layer.pending_amax.copy_(row)
 
     def state_dict(self) -> dict:
         return {
