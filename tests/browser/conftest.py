@@ -1,8 +1,10 @@
 """Fixtures for the dashboard's browser tests: the real server as a subprocess, headless Debian Chromium.
 
 The server is `python -m uvicorn backend.app:create_app --factory` on a fresh SQLite database in a
-temporary PLAB_HOME, exactly as a user would start it; the browser is the system Chromium driven by
-Playwright (no `playwright install`: CI installs the `chromium` Debian package).
+temporary PLAB_HOME, exactly as a user would start it, with PLAB_API_TOKEN set (writes need the token, as in a
+shared deployment); the browser is the system Chromium driven by Playwright (no `playwright install`: CI
+installs the `chromium` Debian package, or set PLAB_CHROMIUM). Screenshots of every test go to
+test-artifacts/browser/.
 """
 from __future__ import annotations
 
@@ -23,8 +25,6 @@ ARTIFACTS = REPO / "test-artifacts" / "browser"
 CHROMIUM = os.environ.get("PLAB_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-pytestmark = pytest.mark.browser
 
 
 def _free_port() -> int:

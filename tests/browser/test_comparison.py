@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.browser
+
 
 @pytest.fixture(scope="module")
 def compared(server):

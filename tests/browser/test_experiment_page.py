@@ -1,6 +1,10 @@
 """The experiment page draws what the API holds: one loss trace per run, the runs table, live polling."""
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.browser
+
 
 def test_experiment_page_draws_one_loss_trace_per_run_and_no_console_errors(server, page, charts):
     exp = server.create_experiment(["bf16", "fp8_tensorwise", "mxfp8"], name="three-recipes")

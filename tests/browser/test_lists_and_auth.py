@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
+pytestmark = pytest.mark.browser
+
 
 def test_experiments_list_shows_status_counts_and_best_speedup_within_one_percent(server, page):
     exp = server.create_experiment(["bf16", "fp8_tensorwise", "nvfp4"], name="list-summary")

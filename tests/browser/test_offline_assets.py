@@ -9,6 +9,8 @@ import pytest
 
 from frontend.pages import plotly_js_path
 
+pytestmark = pytest.mark.browser
+
 
 def test_plotly_js_is_served_from_the_installed_plotly_package(server):
     r = server.http.get("/static/vendor/plotly.min.js")

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
+pytestmark = pytest.mark.browser
+
 
 def test_form_creates_experiment_and_opens_its_page(server, page, charts):
     page.goto(f"{server.base_url}/experiments/new")
