@@ -50,3 +50,25 @@ def test_form_refuses_an_empty_name_before_calling_the_api(server, page):
     page.click("#experiment-submit")
     assert "Name is required" in page.locator("#form-error").inner_text()
     assert requests == []
+
+
+def test_form_sends_custom_dimensions_and_a_token_budget(server, page):
+    page.goto(f"{server.base_url}/experiments/new")
+    page.fill("#field-name", "custom-dims")
+    page.check("input[name=model_kind][value=custom]")
+    page.fill("input[name=hidden_size]", "128")
+    page.fill("input[name=intermediate_size]", "384")
+    page.fill("input[name=num_hidden_layers]", "2")
+    page.fill("input[name=num_attention_heads]", "4")
+    page.fill("input[name=num_key_value_heads]", "2")
+    page.check("input[name=budget_kind][value=tokens]")
+    page.fill("#field-tokens", "65536")
+    page.fill("#field-eval-tasks", "blimp, lambada")
+    page.uncheck("#field-enqueue")
+    page.click("#experiment-submit")
+    page.wait_for_url(re.compile(r"/experiments/\d+$"))
+    exp = server.http.get(f"/api/v1/experiments/{page.url.rsplit('/', 1)[1]}").json()
+    assert exp["model"]["hidden_size"] == 128 and exp["model"]["num_hidden_layers"] == 2
+    assert exp["training"]["tokens"] == 65536 and exp["training"]["steps"] is None
+    assert exp["eval_tasks"] == ["blimp", "lambada"]
+    assert page.console_log.errors == []
