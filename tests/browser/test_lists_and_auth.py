@@ -15,7 +15,15 @@ def test_experiments_list_shows_status_counts_and_best_speedup_within_one_percen
     for recipe, tps, loss in (("bf16", 1000.0, 2.0), ("fp8_tensorwise", 1300.0, 2.01), ("nvfp4", 1600.0, 2.06)):
         server.set_status(runs[recipe]["id"], "running")
         server.set_status(runs[recipe]["id"], "succeeded", summary={"tokens_per_s": tps, "final_loss": loss})
+    worse = server.create_experiment(["bf16", "nvfp4"], name="list-none-within")
+    for run, loss in zip(sorted(worse["runs"], key=lambda r: r["recipe"] != "bf16"), (2.0, 2.06)):
+        server.set_status(run["id"], "running")
+        server.set_status(run["id"], "succeeded", summary={"tokens_per_s": 1000.0, "final_loss": loss})
+
     page.goto(server.base_url + "/")
+    none_within = page.locator(f"#experiments-table tr[data-experiment-id='{worse['id']}'] .summary")
+    none_within.wait_for()
+    assert none_within.inner_text() == "no recipe within 1% of BF16's final loss"
     row = page.locator(f"#experiments-table tr[data-experiment-id='{exp['id']}']")
     row.wait_for()
     assert row.locator(".experiment-link").inner_text() == "list-summary"

@@ -105,7 +105,9 @@ export function describeBest(runs) {
     return `${best.label}: ${best.speedup.toFixed(2)}× BF16 at ${sign}${best.deltaPct.toFixed(2)}% final loss`
       + (best.emulated ? " (emulated GEMMs)" : "");
   }
-  const done = runs.length && runs.every((r) => r.status === "succeeded" || r.status === "failed"
-    || r.status === "cancelled" || r.status === "diverged");
-  return done ? "no recipe within 1% of BF16's final loss" : "";
+  // Say "none" only when there was something to compare: a finished BF16 loss and another finished recipe.
+  const base = runs.find((r) => recipeName(r) === BASELINE && r.status === "succeeded");
+  const compared = runs.some((r) => recipeName(r) !== BASELINE && r.status === "succeeded" && finalLoss(r) != null);
+  const done = runs.every((r) => !["queued", "running"].includes(r.status));
+  return done && base && finalLoss(base) != null && compared ? "no recipe within 1% of BF16's final loss" : "";
 }
