@@ -52,30 +52,12 @@ class GemmQuantizer:
         return type(self).__name__
 
 
-@torch.library.custom_op("plab::bf16_mm_fp32_out", mutates_args=())
-def bf16_mm_fp32_out(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """BF16 x BF16 GEMM with FP32 accumulation and FP32 output (so per-tensor scales multiply the accumulator
-    before the one rounding, as in the real block-scaled kernels).
-
-    An opaque custom op on purpose: torch.compile then calls cuBLAS' BF16 GEMM with an FP32 output as is,
-    instead of lowering `mm(..., out_dtype=float32)` in a way that may upcast both operands to an FP32 GEMM
-    (no tensor cores: an order of magnitude slower, which would make every emulated recipe look terrible).
-    """
+def _bf16_mm_fp32_out(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """BF16 x BF16 GEMM with FP32 accumulation; FP32 output where the build has it (so per-tensor scales
+    multiply the accumulator before the one rounding, as in the real kernels), else BF16 output."""
     if _MM_HAS_OUT_DTYPE:
         return torch.mm(a, b_t, out_dtype=torch.float32)
     return torch.mm(a, b_t).float()
-
-
-@bf16_mm_fp32_out.register_fake
-def _(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    return a.new_empty((a.shape[0], b_t.shape[1]), dtype=torch.float32)
-
-
-def _mm_backward(ctx, grad):  # pragma: no cover - the emulated GEMMs sit inside our own autograd.Functions
-    raise RuntimeError("plab::bf16_mm_fp32_out is not differentiable on its own")
-
-
-bf16_mm_fp32_out.register_autograd(_mm_backward)
 
 
 def emulated_mm(a: Quantized, b: Quantized) -> torch.Tensor:
@@ -83,9 +65,7 @@ def emulated_mm(a: Quantized, b: Quantized) -> torch.Tensor:
     if a.values.is_cuda:
         with torch.autocast("cuda", enabled=False):
             if a.bf16_exact and b.bf16_exact:
-                # Dequantized values of these formats are exact in BF16: materialise them in BF16 (half the
-                # bytes of FP32; the cast fuses into the quantization kernel under torch.compile).
-                out = bf16_mm_fp32_out(a.values.to(torch.bfloat16), b.values.to(torch.bfloat16).t())
+                out = _bf16_mm_fp32_out(a.values.to(torch.bfloat16), b.values.to(torch.bfloat16).t())
             else:
                 # FP32 block scales (fp8_blockwise) are not exact in BF16: keep the GEMM in FP32, no TF32.
                 out = torch.mm(a.values, b.values.t())
