@@ -20,6 +20,8 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
+    """A session committed when the route returns. Routes use it with scope="function", so the commit happens
+    before the response is sent: a client that reads right after a write sees it."""
     session = request.app.state.sessionmaker()
     try:
         yield session

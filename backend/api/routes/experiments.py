@@ -12,7 +12,7 @@ router = APIRouter(prefix="/experiments", tags=["experiments"])
 
 
 @router.post("", status_code=201, response_model=ExperimentOut, dependencies=[Depends(require_write_token)])
-def create_experiment(body: ExperimentCreate, session: Session = Depends(get_session)):
+def create_experiment(body: ExperimentCreate, session: Session = Depends(get_session, scope="function")):
     exp = runs.create_experiment(session, body)
     session.commit()
     if body.enqueue:
@@ -23,13 +23,13 @@ def create_experiment(body: ExperimentCreate, session: Session = Depends(get_ses
 
 @router.get("", response_model=Page)
 def list_experiments(limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0, le=2**31),
-                     session: Session = Depends(get_session)):
+                     session: Session = Depends(get_session, scope="function")):
     total, items = runs.list_experiments(session, limit, offset)
     return Page(total=total, items=[ExperimentOut.model_validate(e) for e in items])
 
 
 @router.get("/{experiment_id}", response_model=ExperimentOut)
-def get_experiment(experiment_id: ObjectId, session: Session = Depends(get_session)):
+def get_experiment(experiment_id: ObjectId, session: Session = Depends(get_session, scope="function")):
     return ExperimentOut.model_validate(runs.get_experiment(session, experiment_id))
 
 
@@ -39,7 +39,7 @@ def experiment_series(experiment_id: ObjectId,
                                         description="comma-separated metric keys"),
                       max_points: int = Query(2000, ge=4, le=100_000), x: str = Query("step"),
                       x_min: float | None = None, x_max: float | None = None,
-                      session: Session = Depends(get_session)):
+                      session: Session = Depends(get_session, scope="function")):
     """Every run's series for the given keys, downsampled on the server (min/max buckets)."""
     q = SeriesQuery(max_points=max_points, x=x, x_min=x_min, x_max=x_max)
     exp = runs.get_experiment(session, experiment_id)

@@ -17,41 +17,41 @@ write = [Depends(require_write_token)]
 def list_runs(experiment_id: int | None = Query(None, ge=1, le=2**31), status: str | None = Query(None, max_length=16),
               recipe: str | None = Query(None, max_length=32), q: str | None = Query(None, max_length=200),
               limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**31),
-              session: Session = Depends(get_session)):
+              session: Session = Depends(get_session, scope="function")):
     total, items = runs.list_runs(session, experiment_id=experiment_id, status=status, recipe=recipe, q=q,
                                   limit=limit, offset=offset)
     return Page(total=total, items=[RunOut.model_validate(r) for r in items])
 
 
 @router.post("", status_code=201, response_model=RunDetail, dependencies=write)
-def create_external_run(body: RunCreate, session: Session = Depends(get_session)):
+def create_external_run(body: RunCreate, session: Session = Depends(get_session, scope="function")):
     """A run logged from the user's own script (not trained by our workers)."""
     return RunDetail.model_validate(runs.create_external_run(session, body))
 
 
 @router.get("/{run_id}", response_model=RunDetail)
-def get_run(run_id: ObjectId, session: Session = Depends(get_session)):
+def get_run(run_id: ObjectId, session: Session = Depends(get_session, scope="function")):
     return RunDetail.model_validate(runs.get_run(session, run_id))
 
 
 @router.post("/{run_id}/cancel", response_model=RunOut, dependencies=write)
-def cancel_run(run_id: ObjectId, session: Session = Depends(get_session)):
+def cancel_run(run_id: ObjectId, session: Session = Depends(get_session, scope="function")):
     return RunOut.model_validate(runs.cancel_run(session, run_id))
 
 
 @router.post("/{run_id}/status", response_model=RunOut, dependencies=write)
-def update_status(run_id: ObjectId, body: StatusUpdate, session: Session = Depends(get_session)):
+def update_status(run_id: ObjectId, body: StatusUpdate, session: Session = Depends(get_session, scope="function")):
     return RunOut.model_validate(runs.update_status(session, run_id, body))
 
 
 @router.patch("/{run_id}", response_model=RunOut, dependencies=write)
-def update_run_info(run_id: ObjectId, body: RunInfoUpdate, session: Session = Depends(get_session)):
+def update_run_info(run_id: ObjectId, body: RunInfoUpdate, session: Session = Depends(get_session, scope="function")):
     """Informational fields (conversion report, GEMM backend, device, summary) without a status change."""
     return RunOut.model_validate(runs.update_info(session, run_id, body))
 
 
 @router.post("/{run_id}/metrics", response_model=MetricBatchResult, dependencies=write)
-def ingest_metrics(run_id: ObjectId, body: MetricBatch, session: Session = Depends(get_session)):
+def ingest_metrics(run_id: ObjectId, body: MetricBatch, session: Session = Depends(get_session, scope="function")):
     """Batch ingest, at most 10,000 points; idempotent on (run, key, step)."""
     run = runs.get_run(session, run_id)
     inserted, duplicates = metrics.ingest(session, run_id, body.points)
@@ -65,7 +65,7 @@ def ingest_metrics(run_id: ObjectId, body: MetricBatch, session: Session = Depen
 
 
 @router.get("/{run_id}/metrics")
-def list_metric_keys(run_id: ObjectId, session: Session = Depends(get_session)):
+def list_metric_keys(run_id: ObjectId, session: Session = Depends(get_session, scope="function")):
     runs.get_run(session, run_id)
     return {"run_id": run_id, "keys": metrics.metric_keys(session, run_id)}
 
@@ -73,14 +73,14 @@ def list_metric_keys(run_id: ObjectId, session: Session = Depends(get_session)):
 @router.get("/{run_id}/metrics/{key:path}", response_model=Series)
 def read_series(run_id: ObjectId, key: str = Path(max_length=200), max_points: int = Query(2000, ge=4, le=100_000),
                 x: str = Query("step"), x_min: float | None = None, x_max: float | None = None,
-                session: Session = Depends(get_session)):
+                session: Session = Depends(get_session, scope="function")):
     q = SeriesQuery(max_points=max_points, x=x, x_min=x_min, x_max=x_max)
     runs.get_run(session, run_id)
     return metrics.read_series(session, run_id, key, max_points=q.max_points, x=q.x, x_min=q.x_min, x_max=q.x_max)
 
 
 @router.post("/{run_id}/artifacts", status_code=201, response_model=ArtifactOut, dependencies=write)
-def add_artifact(run_id: ObjectId, body: ArtifactIn, session: Session = Depends(get_session)):
+def add_artifact(run_id: ObjectId, body: ArtifactIn, session: Session = Depends(get_session, scope="function")):
     runs.get_run(session, run_id)
     art = Artifact(run_id=run_id, **body.model_dump())
     session.add(art)
@@ -89,7 +89,7 @@ def add_artifact(run_id: ObjectId, body: ArtifactIn, session: Session = Depends(
 
 
 @router.get("/{run_id}/artifacts", response_model=list[ArtifactOut])
-def list_artifacts(run_id: ObjectId, session: Session = Depends(get_session)):
+def list_artifacts(run_id: ObjectId, session: Session = Depends(get_session, scope="function")):
     run = runs.get_run(session, run_id)
     return [ArtifactOut.model_validate(a) for a in
             session.query(Artifact).filter(Artifact.run_id == run.id).order_by(Artifact.id).all()]
