@@ -13,7 +13,7 @@ from backend.settings import get_settings
 
 def make_app() -> Celery:
     settings = get_settings()
-    app = Celery("plab", include=["workers.tasks"])
+    app = Celery("plab", include=["workers.tasks", "workers.gemm_tasks"])
     conf = dict(
         broker_url=settings.broker_url,
         task_default_queue="default",
