@@ -83,10 +83,11 @@ def create_app(settings: Settings | None = None, *, migrate: bool | None = None)
     app.state.sessionmaker = session_factory(settings.database_url)
     install_error_handlers(app)
 
-    from backend.api.routes import experiments, runs
+    from backend.api.routes import evaluations, experiments, gemm, runs
 
-    for module in (experiments, runs):
+    for module in (experiments, runs, gemm):
         app.include_router(module.router, prefix="/api/v1")
+    app.include_router(evaluations.router, prefix="/api/v1")
 
     @app.get("/api/v1/health", tags=["meta"])
     def health():

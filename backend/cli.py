@@ -322,15 +322,106 @@ def cmd_demo(args) -> int:
 
 # -- delegated commands -------------------------------------------------------------------------------------------
 def cmd_eval(argv: list[str]) -> int:
+    """`plab eval RUN_ID --tasks a,b [--limit N] [--wait]` starts an evaluation job through the API; anything else
+    (a checkpoint folder, --list-tasks, --compare) is the local lm-eval front end of training.evaluation."""
     from training.evaluation import main as eval_main
 
+    if argv and argv[0].isdigit() and not Path(argv[0]).exists():
+        return _eval_run_via_api(argv)
     return eval_main(argv) or 0
 
 
-def cmd_gemm(argv: list[str]) -> int:
-    from training.gemm import main as gemm_main
+def _eval_run_via_api(argv: list[str]) -> int:
+    from workers.client import ApiError
 
-    return gemm_main(argv) or 0
+    p = argparse.ArgumentParser(prog="plab eval RUN_ID", description="evaluate a run's checkpoint on the workers")
+    p.add_argument("run_id", type=int)
+    p.add_argument("--tasks", required=True, help="comma-separated, e.g. plab_blimp,plab_lambada_openai")
+    p.add_argument("--limit", type=int, help="documents per task")
+    p.add_argument("--wait", action="store_true", help="wait for the job and print its results")
+    p.add_argument("--api-url")
+    a = p.parse_args(argv)
+    client = _client(a.api_url)
+    body = {"tasks": [t for t in a.tasks.split(",") if t]}
+    if a.limit:
+        body["limit"] = a.limit
+    try:
+        ev = client._request("POST", f"/runs/{a.run_id}/evaluations", json=body)
+    except ApiError as e:
+        raise UsageError(e.message) from e
+    print(f"evaluation {ev['id']} of run {a.run_id} queued: {', '.join(ev['tasks'])}")
+    while a.wait and ev["status"] in ("queued", "running"):
+        time.sleep(2)
+        ev = client._request("GET", f"/evaluations/{ev['id']}")
+    if a.wait:
+        for r in ev["results"]:
+            shown = ", ".join(f"{m} {v.get('value'):.4f}" for m, v in (r["metrics"].get("metrics") or {}).items()
+                              if isinstance(v, dict) and v.get("value") is not None)
+            print(f"  {r['task']:<28} {shown}")
+        print(f"status: {ev['status']}" + (f" ({ev['error_message']})" if ev.get("error_message") else ""))
+        return 0 if ev["status"] == "succeeded" else 1
+    return 0
+
+
+def cmd_gemm(argv: list[str]) -> int:
+    """`plab gemm-bench ...` runs training.gemm's benchmark on this machine; with `--post` (or `--experiment ID`)
+    the result is also stored through the API, where the experiment page shows it next to the training runs."""
+    import httpx
+
+    from training.gemm import main as gemm_main
+    from workers.client import ApiError, PlabClient
+
+    # allow_abbrev=False: an abbreviation of a benchmark option (e.g. --mo for --model) must reach the benchmark's
+    # parser, not be taken for one of these.
+    p = argparse.ArgumentParser(prog="plab gemm-bench", add_help=False, allow_abbrev=False,
+                                usage="plab gemm-bench [benchmark options] [--post] [--experiment ID] [--name NAME] "
+                                      "[--api-url URL]")
+    g = p.add_argument_group("storing the result through the API (token: $PLAB_API_TOKEN)")
+    g.add_argument("--post", action="store_true",
+                   help="after the run, store the result as a GEMM benchmark on the API server")
+    g.add_argument("--experiment", type=int, metavar="ID",
+                   help="attach the result to experiment ID (its page shows the GEMM panel); implies --post")
+    g.add_argument("--name", default="", help="a label for the stored benchmark")
+    g.add_argument("--api-url", help="the API server (default: $PLAB_API_URL or http://127.0.0.1:8000)")
+    opts, rest = p.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        try:
+            gemm_main(["--help"])
+        except SystemExit:
+            pass
+        print("\n" + g.title + ":")
+        print("\n".join(line for line in p.format_help().splitlines()[2:] if line.strip() and not line.endswith(":")))
+        return 0
+    if opts.experiment is not None and opts.experiment < 1:
+        raise UsageError(f"--experiment must be a positive experiment id, got {opts.experiment}")
+    post_result = None
+    if opts.post or opts.experiment is not None:
+        from backend.settings import get_settings
+
+        settings = get_settings()
+        url = opts.api_url or settings.api_url
+        client = PlabClient(url, settings.api_token, retries=1)
+        # Checked before the benchmark runs: a long GPU run whose result cannot be stored is time lost.
+        try:
+            client.health()
+            if opts.experiment is not None:
+                client.get_experiment(opts.experiment)
+        except ApiError as e:
+            raise UsageError(f"{url}: {e.message}") from e
+        except httpx.HTTPError as e:
+            raise UsageError(f"cannot reach the API at {url} ({e}); start it with `plab serve` or pass --api-url")
+
+        def post_result(result: dict) -> None:
+            try:
+                bench = client.post_gemm_result(result, experiment_id=opts.experiment, name=opts.name)
+            except (ApiError, httpx.HTTPError) as e:
+                raise UsageError(f"the benchmark ran but {url} did not store its result: {e}"
+                                 + ("" if "--output" in rest else "; add --output FILE to keep the JSON")) from e
+            where = (f"{url.rstrip('/')}/experiments/{opts.experiment}" if opts.experiment is not None
+                     else f"{url.rstrip('/')}/api/v1/gemm-benchmarks/{bench['id']}")
+            print(f"\nstored as GEMM benchmark {bench['id']}: {where}")
+
+    return gemm_main(rest, post_result=post_result) or 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -199,3 +199,51 @@ class SeriesQuery(Strict):
         if self.x_min is not None and self.x_max is not None and self.x_min > self.x_max:
             raise ValueError(f"x_min ({self.x_min}) must not exceed x_max ({self.x_max})")
         return self
+
+
+# -- evaluations ------------------------------------------------------------------------------------------------------
+class EvaluationCreate(Strict):
+    tasks: list[str] = Field(min_length=1, max_length=200,
+                             description="task or group names, e.g. plab_blimp, plab_lambada_openai")
+    limit: int | None = Field(default=None, ge=1, le=1_000_000, description="documents per task (for quick checks)")
+
+    @field_validator("tasks")
+    @classmethod
+    def task_names(cls, v: list[str]) -> list[str]:
+        for t in v:
+            if not t or len(t) > 200 or not all(c.isalnum() or c in "_-.:" for c in t):
+                raise ValueError(f"{t!r} is not a task name (letters, digits, '_', '-', '.', ':')")
+        return list(dict.fromkeys(v))
+
+
+class EvaluationStatusUpdate(Strict):
+    status: Literal["running", "succeeded", "failed"]
+    error_message: str | None = Field(default=None, max_length=100_000)
+    lm_eval_version: str | None = Field(default=None, max_length=32)
+
+
+class EvalTaskResultIn(Strict):
+    task: str = Field(min_length=1, max_length=200)
+    result: dict[str, Any] = Field(description="one task's entry of training.evaluation.evaluate_checkpoint()")
+
+
+class EvalResultOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    task: str
+    metrics: dict[str, Any]
+    task_hash: str | None
+    duration_s: float | None
+
+
+class EvaluationOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    id: int
+    run_id: int
+    tasks: list[str]
+    limit: int | None
+    status: str
+    error_message: str | None
+    lm_eval_version: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    results: list[EvalResultOut] = Field(default_factory=list)

@@ -36,7 +36,7 @@ def llama_config(model: str | dict | ModelSpec, vocab_size: int, seq_len: int) -
     if not isinstance(seq_len, int) or seq_len < 1:
         raise SpecError(f"seq_len must be a positive integer, got {seq_len!r}")
     cfg = LlamaConfig(
-        vocab_size=vocab, max_position_embeddings=seq_len, tie_word_embeddings=False,
+        vocab_size=vocab, max_position_embeddings=max(seq_len, EVAL_MIN_CONTEXT), tie_word_embeddings=False,
         rms_norm_eps=1e-5, initializer_range=0.02, attention_bias=False, mlp_bias=False,
         use_cache=False, bos_token_id=None, eos_token_id=None, pad_token_id=None, **dims,
     )

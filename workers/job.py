@@ -62,8 +62,66 @@ def device_name() -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
+def validation_text(spec: dict, out: "os.PathLike", max_tokens: int = 400_000) -> str | None:
+    """The experiment's held-out text (the validation split the loop reports val/loss on), decoded from its
+    token shard, for the held-out bits-per-byte task. None for synthetic corpora."""
+    from pathlib import Path
+
+    from training.config import RunSpec, plab_home
+    from training.data import TokenDataset
+    from training.tokenizer import get_tokenizer
+
+    rs = RunSpec.from_dict(spec)
+    corpus = rs.data.corpus_dir()
+    if corpus is None:
+        return None
+    out = Path(out)
+    if not out.is_file():
+        tok = get_tokenizer(corpus, rs.data.vocab_size, plab_home() / "cache")
+        ds = TokenDataset.from_corpus(corpus, tok, seq_len=rs.data.seq_len, val_fraction=rs.data.val_fraction,
+                                      cache_dir=plab_home() / "cache")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(tok.decode(ds.val[:max_tokens].tolist()))
+        tmp.replace(out)
+    return str(out)
+
+
+def run_evaluation(evaluation_id: int) -> int:
+    """Evaluate a run's checkpoint with lm-eval; each task's result is posted as soon as it is done."""
+    from training.evaluation import evaluate_checkpoint
+
+    settings = get_settings()
+    client = PlabClient(settings.api_url, settings.api_token)
+    job = client._request("GET", f"/evaluations/{evaluation_id}/job")
+    if job["status"] not in ("queued", "running"):
+        print(f"[plab] evaluation {evaluation_id} is '{job['status']}'; nothing to do")
+        return EXIT_SKIPPED
+    client._request("POST", f"/evaluations/{evaluation_id}/status", json={"status": "running"})
+    try:
+        heldout = None
+        if any("heldout" in t for t in job["tasks"]):
+            heldout = validation_text(job["spec"], settings.home / "runs" / str(job["run_id"]) / "validation.txt")
+
+        def post(task: str, result: dict) -> None:
+            client._request("POST", f"/evaluations/{evaluation_id}/results", json={"task": task, "result": result})
+
+        result = evaluate_checkpoint(job["checkpoint"], job["tasks"], limit=job["limit"], heldout_text=heldout,
+                                     on_task_done=post)
+    except BaseException as e:  # noqa: BLE001 - reported, then re-raised as an exit code
+        tb = "".join(traceback.format_exception(e)[-6:])
+        client._request("POST", f"/evaluations/{evaluation_id}/status",
+                        json={"status": "failed", "error_message": f"{type(e).__name__}: {e}\n\n{tb}"[:100_000]})
+        raise
+    client._request("POST", f"/evaluations/{evaluation_id}/status",
+                    json={"status": "succeeded", "lm_eval_version": result.get("lm_eval_version")})
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "eval":
+        return run_evaluation(int(argv[1]))
     run_id = int(argv[0])
     settings = get_settings()
     rank = int(os.environ.get("RANK", "0"))
@@ -98,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         summary = dict(result.summary or {})
         summary.update({"final_loss": result.final_loss, "final_val_loss": result.final_val_loss,
                         "steps": result.steps, "tokens": result.tokens})
-        client.set_status(run_id, result.status, diverged_step=result.diverged_step, summary=summary,
-                          gemm_backend=result.gemm_backend, device_name=result.device_name)
-        if result.checkpoint_dir:
+        if result.checkpoint_dir:  # before the final status: a succeeded run may be evaluated at once
             client.add_artifact(run_id, "checkpoint", str(result.checkpoint_dir), step=result.steps,
                                 meta={"format": "hf", "final": True})
+        client.set_status(run_id, result.status, diverged_step=result.diverged_step, summary=summary,
+                          gemm_backend=result.gemm_backend, device_name=result.device_name)
     return EXIT_OK
 
 

@@ -72,3 +72,13 @@ def train_run(self, run_id: int) -> int:
         log.warning("run %s: job killed by signal %s; retrying", run_id, -proc.returncode)
         raise self.retry(countdown=1)
     return proc.returncode
+
+
+@app.task(name="workers.tasks.evaluate_run", bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=2)
+def evaluate_run(self, evaluation_id: int) -> int:
+    """lm-eval on a run's checkpoint, in a child process on this slot's device."""
+    proc = subprocess.run([sys.executable, "-m", "workers.job", "eval", str(evaluation_id)], env=job_env(),
+                          preexec_fn=_die_with_parent)
+    if proc.returncode < 0:
+        raise self.retry(countdown=1)
+    return proc.returncode

@@ -97,3 +97,42 @@ def test_two_jobs_on_a_two_slot_worker_run_at_the_same_time(stack):
     exp = stack.wait_final(exp["id"])
     a, b = exp["runs"]
     assert a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"]
+
+
+def test_evaluation_through_the_worker_stores_results_and_compares_with_bf16(stack):
+    from training.evaluation import SHIPPED_TASKS
+
+    # eval_tasks on the experiment: each run is evaluated as soon as its training succeeds.
+    exp = stack.create(name="eval", **TINY, training=tiny_training(8), recipes=["bf16", "fp8_tensorwise"],
+                       eval_tasks=["plab_arc_easy"])
+    exp = stack.wait_final(exp["id"])
+    assert all(r["status"] == "succeeded" for r in exp["runs"])
+
+    def evaluations_done():
+        evs = [stack.api.get(f"/runs/{r['id']}/evaluations").json() for r in exp["runs"]]
+        return evs if all(e and all(x["status"] in ("succeeded", "failed") for x in e) for e in evs) else None
+
+    auto = stack.wait(evaluations_done, 300, "automatic evaluations")
+    assert all(e[0]["status"] == "succeeded" and e[0]["tasks"] == ["plab_arc_easy"] for e in auto), auto
+    # by hand: every shipped task, a few documents each
+    for run in exp["runs"]:
+        r = stack.api.post(f"/runs/{run['id']}/evaluations", json={"tasks": list(SHIPPED_TASKS), "limit": 4})
+        assert r.status_code == 201, r.text
+    evs = stack.wait(lambda: (lambda e: e if all(len(x) == 2 and x[1]["status"] in ("succeeded", "failed")
+                                                 for x in e) else None)(
+        [stack.api.get(f"/runs/{r['id']}/evaluations").json() for r in exp["runs"]]), 600, "manual evaluations")
+    for e in evs:
+        assert e[1]["status"] == "succeeded", e[1]["error_message"]
+        stored = {r["task"] for r in e[1]["results"]}
+        assert set(SHIPPED_TASKS) <= stored
+        for r in e[1]["results"]:
+            for metric in r["metrics"]["metrics"].values():
+                assert metric["value"] is None or metric["value"] == metric["value"]  # finite or explicitly absent
+    table = stack.api.get(f"/experiments/{exp['id']}/accuracy").json()
+    assert table["baseline_run_id"] == exp["runs"][0]["id"]
+    fp8 = next(r for r in table["runs"] if r["recipe"] == "fp8_tensorwise")
+    rows = {(row["task"], row["metric"]): row for row in fp8["vs_bf16"]}
+    assert ("plab_piqa", "acc") in rows and ("plab_arc_easy", "acc") in rows
+    for row in rows.values():
+        assert row["ci_low"] <= row["delta"] <= row["ci_high"]
+        assert isinstance(row["significant"], bool)

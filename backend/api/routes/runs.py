@@ -7,7 +7,8 @@ from backend.api.deps import ObjectId, get_session, require_write_token
 from backend.models import Artifact
 from backend.schemas import (ArtifactIn, ArtifactOut, MetricBatch, MetricBatchResult, Page, RunCreate, RunDetail,
                              RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate)
-from backend.services import metrics, runs
+from backend import queue
+from backend.services import evaluations, metrics, runs
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 write = [Depends(require_write_token)]
@@ -41,7 +42,14 @@ def cancel_run(run_id: ObjectId, session: Session = Depends(get_session, scope="
 
 @router.post("/{run_id}/status", response_model=RunOut, dependencies=write)
 def update_status(run_id: ObjectId, body: StatusUpdate, session: Session = Depends(get_session, scope="function")):
-    return RunOut.model_validate(runs.update_status(session, run_id, body))
+    run = runs.update_status(session, run_id, body)
+    tasks = run.experiment.eval_tasks if body.status == "succeeded" and not run.external else []
+    if tasks and evaluations.checkpoint_of(session, run.id):
+        # The experiment's `eval_tasks`: every run is evaluated as soon as its training succeeds.
+        ev = evaluations.create_evaluation(session, run.id, list(tasks), None)
+        session.commit()
+        queue.enqueue_eval(ev.id)
+    return RunOut.model_validate(run)
 
 
 @router.patch("/{run_id}", response_model=RunOut, dependencies=write)

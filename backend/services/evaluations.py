@@ -1,0 +1,115 @@
+"""lm-eval jobs on run checkpoints, their per-task results, and the paired comparison against BF16."""
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from backend.models import Artifact, EvalResult, Evaluation, Run, utcnow
+from backend.schemas import EvalResultOut, EvaluationOut, EvaluationStatusUpdate, EvalTaskResultIn
+from backend.services.runs import Conflict, NotFound, get_experiment, get_run
+
+EVAL_TRANSITIONS = {"queued": {"running", "failed"}, "running": {"running", "succeeded", "failed"}}
+
+
+def checkpoint_of(session: Session, run_id: int) -> str | None:
+    art = session.scalars(select(Artifact).where(Artifact.run_id == run_id, Artifact.kind == "checkpoint")
+                          .order_by(Artifact.step.desc().nulls_last(), Artifact.id.desc()).limit(1)).first()
+    return art.path if art else None
+
+
+def create_evaluation(session: Session, run_id: int, tasks: list[str], limit: int | None) -> Evaluation:
+    run = get_run(session, run_id)
+    if run.status != "succeeded":
+        raise Conflict(f"run {run_id} is '{run.status}': only a run that succeeded has a final checkpoint to "
+                       "evaluate")
+    if checkpoint_of(session, run_id) is None:
+        raise Conflict(f"run {run_id} has no checkpoint artifact to evaluate")
+    ev = Evaluation(run_id=run_id, tasks=tasks, limit=limit, status="queued")
+    session.add(ev)
+    session.flush()
+    return ev
+
+
+def get_evaluation(session: Session, evaluation_id: int) -> Evaluation:
+    ev = session.get(Evaluation, evaluation_id)
+    if ev is None:
+        raise NotFound(f"evaluation {evaluation_id} does not exist")
+    return ev
+
+
+def evaluation_out(session: Session, ev: Evaluation) -> EvaluationOut:
+    results = session.scalars(select(EvalResult).where(EvalResult.evaluation_id == ev.id)
+                              .order_by(EvalResult.id)).all()
+    out = EvaluationOut.model_validate(ev)
+    out.results = [EvalResultOut.model_validate(r) for r in results]
+    return out
+
+
+def list_evaluations(session: Session, run_id: int) -> list[Evaluation]:
+    get_run(session, run_id)
+    return list(session.scalars(select(Evaluation).where(Evaluation.run_id == run_id).order_by(Evaluation.id)))
+
+
+def update_status(session: Session, evaluation_id: int, body: EvaluationStatusUpdate) -> Evaluation:
+    ev = get_evaluation(session, evaluation_id)
+    if body.status not in EVAL_TRANSITIONS.get(ev.status, set()):
+        raise Conflict(f"evaluation {evaluation_id} cannot go from '{ev.status}' to '{body.status}'")
+    ev.status = body.status
+    if body.error_message is not None:
+        ev.error_message = body.error_message
+    if body.lm_eval_version is not None:
+        ev.lm_eval_version = body.lm_eval_version
+    if body.status in ("succeeded", "failed"):
+        ev.finished_at = utcnow()
+    return ev
+
+
+def store_result(session: Session, evaluation_id: int, body: EvalTaskResultIn) -> EvalResult:
+    """One task's result; re-posting the same task replaces it (a retried job must not duplicate)."""
+    ev = get_evaluation(session, evaluation_id)
+    result = dict(body.result)
+    samples = result.pop("samples", None) or {}
+    row = session.scalars(select(EvalResult).where(EvalResult.evaluation_id == ev.id,
+                                                   EvalResult.task == body.task)).first()
+    if row is None:
+        row = EvalResult(evaluation_id=ev.id, run_id=ev.run_id, task=body.task)
+        session.add(row)
+    row.metrics, row.samples = result, samples
+    row.task_hash = result.get("task_hash")
+    row.duration_s = result.get("time_s")
+    session.flush()
+    return row
+
+
+def latest_results(session: Session, run_id: int) -> dict[str, dict]:
+    """task -> the evaluate_checkpoint task entry (samples included) from the newest finished evaluation."""
+    rows = session.execute(
+        select(EvalResult).join(Evaluation).where(EvalResult.run_id == run_id, Evaluation.status == "succeeded")
+        .order_by(Evaluation.id)).scalars().all()
+    out: dict[str, dict] = {}
+    for r in rows:  # later evaluations overwrite earlier ones
+        out[r.task] = {**r.metrics, "samples": r.samples}
+    return out
+
+
+def accuracy_table(session: Session, experiment_id: int, *, method: str = "bootstrap", n_boot: int = 2000) -> dict:
+    """Tasks x recipes: value ± stderr, and per non-BF16 run the paired delta to BF16 with its 95% interval."""
+    from training.evaluation.stats import compare_results
+
+    exp = get_experiment(session, experiment_id)
+    runs: list[Run] = list(exp.runs)
+    per_run = {r.id: latest_results(session, r.id) for r in runs}
+    base = next((r for r in runs if r.recipe == "bf16" and r.status == "succeeded" and per_run[r.id]), None)
+    table = []
+    for r in runs:
+        res = per_run[r.id]
+        values = {task: {m: v for m, v in (entry.get("metrics") or {}).items()} for task, entry in res.items()}
+        comparison = []
+        if base is not None and r.id != base.id and res:
+            shared = [t for t in res if t in per_run[base.id]]
+            if shared:
+                comparison = compare_results(per_run[base.id], res, tasks=shared, method=method, n_boot=n_boot)
+        table.append({"run_id": r.id, "recipe": r.recipe, "label": r.label, "status": r.status,
+                      "gemm_backend": r.gemm_backend, "tasks": values, "vs_bf16": comparison})
+    return {"experiment_id": exp.id, "baseline_run_id": base.id if base else None, "method": method,
+            "confidence": 0.95, "runs": table}
