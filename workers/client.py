@@ -118,6 +118,40 @@ class PlabClient:
     def stream(self, run_id: int, **kw) -> MetricStreamer:
         return MetricStreamer(self, run_id, **kw)
 
+    # GEMM benchmarks (issue 6)
+    def health(self) -> dict:
+        return self._request("GET", "/health")
+
+    def create_gemm_benchmark(self, *, request: dict | None = None, result: dict | None = None,
+                              experiment_id: int | None = None, name: str = "", enqueue: bool = True,
+                              queue: str = "default") -> dict:
+        """Queue `request` (run_gemm_benchmark kwargs) on a worker, or store a finished `result`."""
+        body: dict = {"name": name, "experiment_id": experiment_id}
+        if result is not None:
+            body["result"] = json_safe(result)
+        else:
+            body.update(request=request, enqueue=enqueue, queue=queue)
+        return self._request("POST", "/gemm-benchmarks", json=body)
+
+    def post_gemm_result(self, result: dict, *, experiment_id: int | None = None, name: str = "") -> dict:
+        return self.create_gemm_benchmark(result=result, experiment_id=experiment_id, name=name)
+
+    def get_gemm_benchmark(self, benchmark_id: int) -> dict:
+        return self._request("GET", f"/gemm-benchmarks/{benchmark_id}")
+
+    def list_gemm_benchmarks(self, experiment_id: int | None = None, limit: int = 50) -> dict:
+        params: dict = {"limit": limit}
+        if experiment_id is not None:
+            params["experiment_id"] = experiment_id
+        return self._request("GET", "/gemm-benchmarks", params=params)
+
+    def set_gemm_status(self, benchmark_id: int, status: str, *, result: dict | None = None,
+                        device_name: str | None = None, error_message: str | None = None) -> dict:
+        body = {"status": status, "result": json_safe(result), "device_name": device_name,
+                "error_message": error_message}
+        return self._request("POST", f"/gemm-benchmarks/{benchmark_id}/status",
+                             json={k: v for k, v in body.items() if v is not None})
+
 
 def _finite_or_none(v: float) -> float | None:
     v = float(v)
@@ -229,3 +263,14 @@ class MetricStreamer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def json_safe(value):
+    """NaN/Inf (e.g. the relative error of a kernel that returned Inf) as null: httpx, like JSON, has no such numbers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
