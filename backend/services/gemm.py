@@ -152,7 +152,18 @@ def validate_result(result: Any) -> dict:
         if not isinstance(rec, dict) or not all(k in rec for k in ("layer", "gemm", "m", "k", "n", "format", "mode")):
             raise InvalidInput(f"result.results[{i}] must have layer, gemm, m, k, n, format and mode")
     validate_request(result["request"])
-    return result
+    return _finite(result)
+
+
+def _finite(value: Any) -> Any:
+    """NaN/Inf (a failed check's relative error) become null: JSON has no such numbers and PostgreSQL refuses them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _experiment(session: Session, experiment_id: int | None) -> None:
