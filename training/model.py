@@ -13,6 +13,10 @@ from training.config import MODEL_PRESETS, ModelSpec, SpecError
 PRESETS = MODEL_PRESETS  # defined in training.config so spec validation stays import-light
 
 
+# Plain RoPE does not depend on max_position_embeddings, but lm-eval takes it as the longest context it may
+# feed: a model trained on short windows must still accept a multiple-choice ending longer than them.
+EVAL_MIN_CONTEXT = 2048
+
 def llama_config(model: str | dict | ModelSpec, vocab_size: int, seq_len: int) -> LlamaConfig:
     """LlamaConfig for a preset name, a custom-dims dict or a ModelSpec.
 
