@@ -1,0 +1,281 @@
+// GEMM panel of the experiment page (issue 6): the experiment's GEMM benchmarks from /api/v1/gemm-benchmarks,
+// drawn as grouped bars of speedup over BF16 per layer × pass × format (kernel-only and with quantization), a
+// table of the shapes, and the predicted end-to-end speedup next to the one the experiment's training runs
+// measured (tokens/s of the recipe's run / BF16's). Formats without hardware support on the benchmark's
+// device ran emulated: their bars are hatched and their names say so, because their timings are not what
+// the format's hardware would give.
+import { get, items, escapeHtml, formatDate, statusBadge, LIVE_STATUSES } from "./api.js";
+import { BASELINE, gemmBackend, recipeName, runLabel, tokensPerSecond } from "./summary.js";
+
+const root = document.getElementById("experiment-root");
+const experimentId = root.dataset.experimentId;
+const panel = document.getElementById("gemm-panel");
+const POLL_MS = 5000;
+const LAYER_ORDER = ["qkv", "attn_out", "mlp_up", "mlp_down", "lm_head", "custom"];
+const PASS_ORDER = ["fprop", "dgrad", "wgrad"];
+const MODES = [
+  { key: "kernel", chart: "gemm-chart-kernel", title: "kernel-only (operands quantized beforehand)" },
+  { key: "quant", chart: "gemm-chart-quant", title: "with quantization (quantize kernels timed, as in training)" },
+];
+const FORMAT_COLORS = { fp8_tensorwise: "#1f77b4", fp8_rowwise: "#2ca02c", fp8_blockwise: "#9467bd",
+  mxfp8: "#ff7f0e", nvfp4: "#d62728" };
+const EMULATED = "emulated – no hardware support";
+const PLOT_CONFIG = { responsive: true, displaylogo: false };
+
+// `refreshes` counts completed loads (tests wait on it).
+export const gemmState = { list: [], selectedId: null, detail: null, runs: [], timer: null, drawn: false, refreshes: 0 };
+window.plabGemm = gemmState;
+
+// ---------------------------------------------------------------- reading a result
+function fmt(x, digits = 2) {
+  return typeof x === "number" && Number.isFinite(x) ? x.toFixed(digits) : "–";
+}
+
+// TFLOP/s span 0.001 (a tiny GEMM timed on a CPU) to 2000 (FP4 on a B200): three significant digits.
+function tflops(x) {
+  return typeof x === "number" && Number.isFinite(x) ? x.toPrecision(3) : "–";
+}
+
+function gemmKey(r) {
+  return `${r.layer}.${r.gemm}`;
+}
+
+function orderShapes(shapes) {
+  const rank = (list, v) => { const i = list.indexOf(v); return i < 0 ? list.length : i; };
+  return [...shapes].sort((a, b) => rank(LAYER_ORDER, a.layer) - rank(LAYER_ORDER, b.layer)
+    || rank(PASS_ORDER, a.gemm) - rank(PASS_ORDER, b.gemm) || a.m - b.m || a.k - b.k || a.n - b.n);
+}
+
+// A format is labelled emulated when any of its timings ran the emulation path (no kernel for it on that device).
+export function emulatedFormats(result) {
+  return new Set((result.results || []).filter((r) => r.backend === "emulated").map((r) => r.format));
+}
+
+function formatLabel(format, emulated) {
+  return emulated.has(format) ? `${format} (${EMULATED})` : format;
+}
+
+function recordIndex(result) {
+  const index = new Map();
+  for (const r of result.results || []) {
+    index.set(`${r.format}|${r.format === "bf16" ? "both" : r.mode}|${r.layer}|${r.gemm}|${r.m}x${r.k}x${r.n}`, r);
+  }
+  return (format, mode, s) => index.get(
+    `${format}|${format === "bf16" ? "both" : mode}|${s.layer}|${s.gemm}|${s.m}x${s.k}x${s.n}`);
+}
+
+// ---------------------------------------------------------------- drawing
+function drawBars(result) {
+  const emulated = emulatedFormats(result);
+  const shapes = orderShapes(result.shapes || []);
+  const lookup = recordIndex(result);
+  const categories = shapes.map((s) => (s.layer === "custom" ? `${s.m}x${s.k}x${s.n}` : gemmKey(s)));
+  const formats = (result.formats || []).filter((f) => f !== "bf16");
+  for (const mode of MODES) {
+    const el = document.getElementById(mode.chart);
+    if (!(result.modes || []).includes(mode.key)) {
+      el.hidden = true;
+      continue;
+    }
+    el.hidden = false;
+    const traces = formats.map((format) => {
+      const recs = shapes.map((s) => lookup(format, mode.key, s));
+      return {
+        type: "bar", name: formatLabel(format, emulated), x: categories,
+        y: recs.map((r) => r?.speedup_vs_bf16 ?? null),
+        text: recs.map((r) => (r?.speedup_vs_bf16 ? `${r.speedup_vs_bf16.toFixed(2)}×` : (r?.check || ""))),
+        customdata: recs.map((r) => [r?.tflops ?? null, r?.backend ?? "", r?.note ?? ""]),
+        hovertemplate: `${format}<br>%{x}: %{y:.2f}× BF16<br>%{customdata[0]:.1f} TFLOP/s`
+          + "<br>%{customdata[1]} %{customdata[2]}<extra></extra>",
+        marker: { color: FORMAT_COLORS[format] || "#7f7f7f",
+          pattern: { shape: emulated.has(format) ? "/" : "", fgcolor: "#ffffff", solidity: 0.4 } },
+        meta: { format, mode: mode.key, emulated: emulated.has(format) },
+      };
+    });
+    window.Plotly.react(el, traces, {
+      title: { text: `Speedup over BF16 per GEMM, ${mode.title}`, font: { size: 14 } },
+      barmode: "group", margin: { l: 60, r: 20, t: 40, b: 90 },
+      yaxis: { title: { text: "× BF16" }, rangemode: "tozero" },
+      xaxis: { tickangle: -35 },
+      legend: { orientation: "h", y: -0.35 },
+      shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: 1, y1: 1, line: { dash: "dot", color: "#111" } }],
+    }, PLOT_CONFIG);
+  }
+}
+
+function renderShapes(result) {
+  const emulated = emulatedFormats(result);
+  const lookup = recordIndex(result);
+  const formats = (result.formats || []).filter((f) => f !== "bf16");
+  const modes = result.modes || [];
+  const head = document.querySelector("#gemm-shapes-table thead");
+  const cols = [];
+  for (const format of formats) for (const mode of modes) cols.push({ format, mode });
+  head.innerHTML = "<tr><th>Layer</th><th>Pass</th><th>M × K × N</th><th>Count</th><th>BF16 TFLOP/s</th>"
+    + cols.map((c) => `<th class="${emulated.has(c.format) ? "gemm-emulated" : ""}" title="${escapeHtml(
+      emulated.has(c.format) ? EMULATED : "")}">${escapeHtml(c.format)}${emulated.has(c.format) ? "*" : ""}<br>${
+      c.mode === "kernel" ? "kernel-only" : "with quant."}</th>`).join("") + "</tr>";
+  const body = document.querySelector("#gemm-shapes-table tbody");
+  body.innerHTML = orderShapes(result.shapes || []).map((s) => {
+    const base = lookup("bf16", "both", s);
+    const cells = cols.map((c) => {
+      const r = lookup(c.format, c.mode, s);
+      const text = r?.speedup_vs_bf16 ? `${r.speedup_vs_bf16.toFixed(2)}×` : escapeHtml(r?.check || "–");
+      const failed = r && (r.check === "fail" || r.check === "error");
+      return `<td class="num${emulated.has(c.format) ? " emulated" : ""}${failed ? " check-failed" : ""}" `
+        + `data-format="${escapeHtml(c.format)}" data-mode="${c.mode}" title="${escapeHtml(r?.note || "")}">${text}</td>`;
+    }).join("");
+    return `<tr data-layer="${escapeHtml(s.layer)}" data-gemm="${escapeHtml(s.gemm)}"><td>${escapeHtml(s.layer)}</td>`
+      + `<td>${escapeHtml(s.gemm)}</td><td class="num">${s.m} × ${s.k} × ${s.n}</td><td class="num">${s.count}</td>`
+      + `<td class="num">${tflops(base?.tflops)}</td>${cells}</tr>`;
+  }).join("");
+}
+
+// Measured end-to-end speedup of a recipe: its finished run's tokens/s over the finished BF16 run's.
+export function measuredSpeedups(runs, format) {
+  const base = runs.find((r) => recipeName(r) === BASELINE && r.status === "succeeded");
+  const baseTps = base ? tokensPerSecond(base) : null;
+  if (!baseTps) return [];
+  return runs.filter((r) => recipeName(r) === format && r.status === "succeeded" && tokensPerSecond(r) != null)
+    .map((r) => ({ label: runLabel(r), speedup: tokensPerSecond(r) / baseTps, emulated: gemmBackend(r) === "emulated" }));
+}
+
+function predictionCell(pred) {
+  if (!pred) return "–";
+  if (pred.speedup == null) return `<span title="${escapeHtml(pred.note || "")}">${escapeHtml(pred.basis)}</span>`;
+  const basis = pred.basis === "amdahl" ? `Amdahl, GEMM ${fmt(100 * pred.gemm_share, 1)}% of the BF16 step`
+    : "GEMM-only: an upper bound (no measured BF16 step time)";
+  return `${pred.speedup.toFixed(2)}× <span class="muted">(${escapeHtml(basis)})</span>`;
+}
+
+function renderPrediction(result) {
+  const emulated = emulatedFormats(result);
+  const formats = (result.formats || []).filter((f) => f !== "bf16");
+  const totals = result.totals || {};
+  const prediction = result.prediction || {};
+  const hasRuns = gemmState.runs.some((r) => r.status === "succeeded");
+  const body = document.querySelector("#gemm-prediction-table tbody");
+  document.getElementById("gemm-measured-head").hidden = !hasRuns;
+  body.innerHTML = formats.map((format) => {
+    const measured = measuredSpeedups(gemmState.runs, format);
+    const measuredText = measured.length ? measured.map((m) => `${m.speedup.toFixed(2)}×`
+      + (measured.length > 1 ? ` <span class="muted">${escapeHtml(m.label)}</span>` : "")
+      + (m.emulated ? ' <span class="gemm gemm-emulated">emulated GEMMs</span>' : "")).join("<br>") : "–";
+    return `<tr data-format="${escapeHtml(format)}"><td>${escapeHtml(formatLabel(format, emulated))}</td>`
+      + `<td class="num">${fmt(totals.kernel?.[format]?.speedup)}×</td>`
+      + `<td class="num">${fmt(totals.quant?.[format]?.speedup)}×</td>`
+      + `<td class="predicted">${predictionCell(prediction.quant?.[format] ?? prediction.kernel?.[format])}</td>`
+      + (hasRuns ? `<td class="measured num">${measuredText}</td>` : "") + "</tr>";
+  }).join("");
+}
+
+function renderMeta(bench) {
+  const result = bench.result || {};
+  const dev = result.device || {};
+  const cfg = result.config || {};
+  const what = cfg.dims ? `model ${cfg.model === "custom" ? "custom dims" : cfg.model}: hidden ${cfg.dims.hidden_size}, `
+    + `${cfg.dims.num_hidden_layers} layers, micro-batch ${cfg.micro_batch} × seq ${cfg.seq_len}`
+    + (cfg.gated_mlp === false ? ", plain (non-gated) MLP" : "") : "explicit GEMM shapes";
+  const timer = dev.timer === "CPU" ? "CPU timings (wall clock): not indicative of GPU speedups" : `timer ${dev.timer || "?"}`;
+  const emulated = [...emulatedFormats(result)];
+  document.getElementById("gemm-meta").innerHTML = `${statusBadge(bench.status)} `
+    + `<span id="gemm-device" data-device-type="${escapeHtml(dev.type || "")}">${escapeHtml(dev.name || bench.device_name || "")}`
+    + ` (${escapeHtml(dev.type || "?")}, ${escapeHtml(timer)})</span> · ${escapeHtml(what)} · ${escapeHtml(formatDate(bench.created_at))}`
+    + (emulated.length ? ` · <span class="gemm gemm-emulated" id="gemm-emulated-note">${escapeHtml(emulated.join(", "))}: `
+      + `${EMULATED} on this device (hatched)</span>` : "");
+  const failures = result.failures || [];
+  const fail = document.getElementById("gemm-failures");
+  fail.hidden = !failures.length && !bench.error_message;
+  fail.textContent = bench.error_message ? bench.error_message
+    : `${failures.length} low-precision result(s) failed the check against BF16: ${failures.join("; ")}`;
+}
+
+function renderSelector() {
+  const select = document.getElementById("gemm-benchmark");
+  select.innerHTML = gemmState.list.map((b) => `<option value="${b.id}">#${b.id} ${escapeHtml(b.name || "")} · `
+    + `${escapeHtml(b.device_name || "")} · ${escapeHtml(b.status)}</option>`).join("");
+  select.value = String(gemmState.selectedId);
+  select.closest("label").hidden = gemmState.list.length < 2;
+}
+
+function render() {
+  const bench = gemmState.detail;
+  renderSelector();
+  const hasResult = bench && bench.status === "succeeded" && bench.result && bench.result.results;
+  document.getElementById("gemm-result").hidden = !hasResult;
+  if (!bench) return;
+  if (!hasResult) {
+    document.getElementById("gemm-meta").innerHTML = `${statusBadge(bench.status)} GEMM benchmark #${bench.id}`;
+    const fail = document.getElementById("gemm-failures");
+    fail.hidden = !bench.error_message;
+    fail.textContent = bench.error_message || "";
+    return;
+  }
+  renderMeta(bench);
+  renderShapes(bench.result);
+  renderPrediction(bench.result);
+  if (window.Plotly) {
+    drawBars(bench.result);
+    gemmState.drawn = true;
+  }
+}
+
+// ---------------------------------------------------------------- data
+// experiment.js loads plotly.js (after its first requests); this panel waits for it rather than loading it twice.
+function plotlyReady(timeoutMs = 30_000) {
+  return new Promise((resolve, reject) => {
+    const start = performance.now();
+    const check = () => {
+      if (window.Plotly) resolve();
+      else if (performance.now() - start > timeoutMs) reject(new Error("plotly.js did not load"));
+      else setTimeout(check, 100);
+    };
+    check();
+  });
+}
+
+async function refresh() {
+  const [page, experiment] = await Promise.all([
+    get(`/api/v1/gemm-benchmarks?experiment_id=${encodeURIComponent(experimentId)}&limit=50`),
+    get(`/api/v1/experiments/${encodeURIComponent(experimentId)}`),
+  ]);
+  gemmState.list = items(page);
+  gemmState.runs = items(experiment.runs || [], "runs");
+  panel.hidden = gemmState.list.length === 0;
+  if (!gemmState.list.length) {
+    gemmState.refreshes += 1;
+    return;
+  }
+  if (!gemmState.list.some((b) => b.id === gemmState.selectedId)) {
+    gemmState.selectedId = (gemmState.list.find((b) => b.status === "succeeded") || gemmState.list[0]).id;
+  }
+  gemmState.detail = await get(`/api/v1/gemm-benchmarks/${gemmState.selectedId}`);
+  render();
+  if (!gemmState.drawn && gemmState.detail.status === "succeeded") {
+    await plotlyReady();
+    render();
+  }
+  gemmState.refreshes += 1;
+}
+
+async function tick() {
+  clearTimeout(gemmState.timer);
+  try {
+    await refresh();
+  } catch (err) {
+    document.getElementById("gemm-failures").hidden = false;
+    document.getElementById("gemm-failures").textContent = `GEMM benchmarks could not be loaded: ${err.message}`;
+  }
+  // Keep polling while a benchmark is still to finish, or while training runs may still change the measured column.
+  const live = gemmState.list.some((b) => LIVE_STATUSES.has(b.status))
+    || (gemmState.list.length && gemmState.runs.some((r) => LIVE_STATUSES.has(r.status)));
+  if (live) gemmState.timer = setTimeout(tick, POLL_MS);
+}
+
+document.getElementById("gemm-benchmark").addEventListener("change", (e) => {
+  gemmState.selectedId = Number(e.target.value);
+  gemmState.drawn = false;
+  tick();
+});
+
+tick();
