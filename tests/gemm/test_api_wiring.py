@@ -273,3 +273,29 @@ def test_cli_help_documents_the_posting_options():
     assert proc.returncode == 0
     for flag in ("--shapes", "--post", "--experiment ID", "--api-url", "PLAB_API_TOKEN"):
         assert flag in proc.stdout
+
+
+# ---------------------------------------------------------------- the Celery task on a real worker
+def test_a_queued_benchmark_is_run_by_a_worker_and_its_result_stored(tmp_path):
+    with served(tmp_path, worker=True) as (http, env):
+        request = {"shapes": TINY_SHAPES, "formats": ["bf16", "fp8_tensorwise"], "modes": ["kernel"],
+                   "device": "auto", "repeats": 1, "warmup": 0, "compile_quant": False}
+        r = http.post("/gemm-benchmarks", json={"request": request, "name": "via worker"})
+        assert r.status_code == 201, r.text
+        bid = r.json()["id"]
+        deadline = time.monotonic() + 90
+        while (bench := http.get(f"/gemm-benchmarks/{bid}").json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()[-3000:]
+            time.sleep(0.5)
+        # A request the benchmark refuses at run time (no GPU here) is reported as failed, with its message.
+        r = http.post("/gemm-benchmarks", json={"request": {**request, "device": "cuda"}})
+        bad = r.json()["id"]
+        while (failed := http.get(f"/gemm-benchmarks/{bad}").json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline + 60, (tmp_path / "worker.log").read_text()[-3000:]
+            time.sleep(0.5)
+    assert bench["status"] == "succeeded", bench.get("error_message")
+    assert bench["result"]["device"]["timer"] == "CPU"  # CUDA_VISIBLE_DEVICES="" in the worker's environment
+    assert {(x["format"], x["mode"]) for x in bench["result"]["results"]} == {("bf16", "both"),
+                                                                              ("fp8_tensorwise", "kernel")}
+    assert bench["result"]["request"] == bench["request"]
+    assert failed["status"] == "failed" and "no CUDA GPU is available" in failed["error_message"]
