@@ -137,3 +137,38 @@ class GemmBenchmark(Base):
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
+
+
+class MetricRollup(Base):
+    """Pre-computed min/max buckets of one metric series, maintained by `services.metrics.ingest`.
+
+    Level `l` cuts the step axis into fixed buckets of 2**l steps (`bucket = step >> l`), so a bucket's content
+    never depends on how long the run is yet: a new batch only merges into the buckets it touches. Each bucket
+    keeps the minimum and the maximum point (a one-step spike survives every level) and the first point with a
+    non-finite value (stored as NULL), plus sums for bucket means (the relative loss difference uses them).
+    """
+    __tablename__ = "metric_rollups"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    level: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    n_points: Mapped[int] = mapped_column(BigInteger)
+    n_value: Mapped[int] = mapped_column(BigInteger)
+    sum_value: Mapped[float] = mapped_column(Float)
+    sum_step: Mapped[float] = mapped_column(Float)
+    n_tokens: Mapped[int] = mapped_column(BigInteger)
+    sum_tokens: Mapped[float] = mapped_column(Float)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    min_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    min_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    min_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    min_wall_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_wall_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    null_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    null_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    null_wall_time: Mapped[float | None] = mapped_column(Float, nullable=True)

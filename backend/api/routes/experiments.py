@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import json
+from typing import Literal
+
 from fastapi import APIRouter, Depends, Query
+from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
 from backend import queue
 from backend.api.deps import ObjectId, get_session, require_write_token
 from backend.schemas import ExperimentCreate, ExperimentOut, Page, SeriesQuery
-from backend.services import metrics, runs
+from backend.services import comparison, metrics, runs
 
 router = APIRouter(prefix="/experiments", tags=["experiments"])
 
@@ -40,14 +44,38 @@ def experiment_series(experiment_id: ObjectId,
                       max_points: int = Query(2000, ge=4, le=100_000), x: str = Query("step"),
                       x_min: float | None = None, x_max: float | None = None,
                       session: Session = Depends(get_session, scope="function")):
-    """Every run's series for the given keys, downsampled on the server (min/max buckets)."""
+    """Every run's series for the given keys, downsampled on the server from pre-computed min/max buckets
+    (a one-step spike survives any zoom). An unknown key is an empty series."""
     q = SeriesQuery(max_points=max_points, x=x, x_min=x_min, x_max=x_max)
     exp = runs.get_experiment(session, experiment_id)
     key_list = [k for k in (s.strip() for s in keys.split(",")) if k]
     out = []
     for run in exp.runs:
-        series = {k: metrics.read_series(session, run.id, k, max_points=q.max_points, x=q.x, x_min=q.x_min,
-                                         x_max=q.x_max).model_dump(exclude={"key"}) for k in key_list}
+        series = {}
+        for k in key_list:
+            s = metrics.read_series(session, run.id, k, max_points=q.max_points, x=q.x, x_min=q.x_min, x_max=q.x_max)
+            series[k] = {"step": s.step, "tokens": s.tokens, "wall_time": s.wall_time, "value": s.value,
+                         "total_points": s.total_points, "downsampled": s.downsampled}
         out.append({"run_id": run.id, "recipe": run.recipe, "label": run.label, "status": run.status,
                     "gemm_backend": run.gemm_backend, "series": series})
-    return {"experiment_id": exp.id, "x": q.x, "keys": key_list, "runs": out}
+    # Serialised here: FastAPI's generic encoder walks every one of the ~10^5 numbers and costs more than
+    # the database's work on long experiments. Values are finite or None by construction (ingest stores NULL).
+    body = json.dumps({"experiment_id": exp.id, "x": q.x, "keys": key_list, "runs": out}, separators=(",", ":"),
+                      allow_nan=False)
+    return Response(content=body, media_type="application/json")
+
+
+@router.get("/{experiment_id}/comparison")
+def experiment_comparison(experiment_id: ObjectId,
+                          key: str = Query("train/loss", min_length=1, max_length=200),
+                          x: Literal["tokens", "step"] = Query("tokens"),
+                          max_points: int = Query(2000, ge=2, le=100_000),
+                          final_n: int = Query(20, ge=1, le=10_000,
+                                               description="final loss = mean of the last final_n points"),
+                          session: Session = Depends(get_session, scope="function")):
+    """Relative difference of `key` to the BF16 run in percent, `100 * (run - bf16) / bf16`, at BF16's points
+    (the other run interpolated linearly on tokens or steps), plus per run: final loss, final difference,
+    tokens/s, speedup over BF16, MFU, peak memory and GEMM backend (emulated runs flagged).
+    409 when the experiment has no BF16 run; an unknown key gives empty curves."""
+    return comparison.compare_experiment(session, experiment_id, key=key, x=x, max_points=max_points,
+                                         final_n=final_n)
