@@ -9,25 +9,24 @@ from training.gemm import run_gemm_benchmark
 
 pytestmark = pytest.mark.browser
 
-# A small Llama (GQA) so that the real benchmark of every GEMM of its training step takes a second on the CPU.
-DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 256}
+# The model of the experiments `server.create_experiment` makes (tiny preset, vocabulary 512, 4 sequences of 32
+# tokens per step), so the benchmark describes their training step; every GEMM of it takes milliseconds on a CPU.
+BENCH = dict(model="tiny", micro_batch=4, seq_len=32, vocab_size=512, formats=["bf16", "fp8_tensorwise", "nvfp4"],
+             device="cpu", repeats=1, warmup=0, compile_quant=False)
 
 
 @pytest.fixture(scope="module")
 def cpu_result() -> dict:
-    # bf16_step_time_s: a BF16 step far longer than its GEMMs, so the prediction is an Amdahl one.
-    return run_gemm_benchmark(DIMS, micro_batch=1, seq_len=32, formats=["bf16", "fp8_tensorwise", "nvfp4"],
-                              device="cpu", repeats=1, warmup=0, compile_quant=False, bf16_step_time_s=5.0)
+    return run_gemm_benchmark(**BENCH)
 
 
-def finished_experiment(server, name: str) -> dict:
+def finished_experiment(server, name: str, *, bf16_step_s: float, device_name: str) -> dict:
     exp = server.create_experiment(["bf16", "fp8_tensorwise"], name=name)
     for run in exp["runs"]:
         tps = 1000.0 if run["recipe"] == "bf16" else 1500.0
-        server.set_status(run["id"], "running", device_name="cpu (test)")
+        server.set_status(run["id"], "running", device_name=device_name)
         server.set_status(run["id"], "succeeded", gemm_backend="bf16" if run["recipe"] == "bf16" else "real",
-                          summary={"tokens_per_s": tps, "final_loss": 1.6})
+                          summary={"tokens_per_s": tps, "final_loss": 1.6, "step_time_s": bf16_step_s})
     return exp
 
 
@@ -38,7 +37,10 @@ def post_benchmark(server, body: dict) -> dict:
 
 
 def test_panel_draws_speedup_bars_shapes_and_predicted_next_to_measured_speedup(server, page, charts, cpu_result):
-    exp = finished_experiment(server, "gemm-panel")
+    # The BF16 run's step: ten times its GEMMs, on the benchmark's device (a prediction needs both on one machine).
+    bf16_gemm_s = cpu_result["totals"]["quant"]["bf16"]["total_s"]
+    exp = finished_experiment(server, "gemm-panel", bf16_step_s=10 * bf16_gemm_s,
+                              device_name=cpu_result["device"]["name"])
     bench = post_benchmark(server, {"result": cpu_result, "experiment_id": exp["id"], "name": "tiny on cpu"})
     stored = bench["result"]
 
@@ -63,18 +65,20 @@ def test_panel_draws_speedup_bars_shapes_and_predicted_next_to_measured_speedup(
     assert rows.count() == 15
     first = rows.first
     assert first.get_attribute("data-layer") == "qkv" and first.get_attribute("data-gemm") == "fprop"
-    # QKV of a GQA model: (4 + 2·2) heads × 16 = 128 wide, over 32 tokens.
-    assert "32 × 64 × 128" in first.inner_text()
+    qkv = next(x for x in stored["shapes"] if x["layer"] == "qkv" and x["gemm"] == "fprop")
+    assert qkv["m"] == 4 * 32 and f"{qkv['m']} × {qkv['k']} × {qkv['n']}" in first.inner_text()
     assert page.locator("#gemm-shapes-table td.emulated[data-format='nvfp4']").count() == 30
     assert page.locator("#gemm-shapes-table td.emulated[data-format='fp8_tensorwise']").count() == 0
     assert "emulated – no hardware support" in page.locator("#gemm-emulated-note").inner_text()
     assert "CPU timings" in page.locator("#gemm-device").inner_text()
 
     fp8 = page.locator("#gemm-prediction-table tr[data-format='fp8_tensorwise']")
-    predicted = stored["prediction"]["quant"]["fp8_tensorwise"]
-    assert predicted["basis"] == "amdahl"
-    assert f"{predicted['speedup']:.2f}×" in fp8.locator("td.predicted").inner_text()
-    assert "Amdahl" in fp8.locator("td.predicted").inner_text()
+    # The benchmark had no step time (GEMM-only); the experiment's BF16 run supplies it: Amdahl on its step.
+    assert stored["prediction"]["quant"]["fp8_tensorwise"]["basis"] == "GEMM-only"
+    step, fp8_gemm_s = 10 * bf16_gemm_s, stored["totals"]["quant"]["fp8_tensorwise"]["total_s"]
+    expected = step / (step - bf16_gemm_s + fp8_gemm_s)
+    predicted = fp8.locator("td.predicted").inner_text()
+    assert f"{expected:.2f}×" in predicted and "Amdahl with the BF16 run's step time, GEMM 10.0%" in predicted
     assert fp8.locator("td.measured").inner_text().strip() == "1.50×"  # 1500 / 1000 tokens/s
     # No nvfp4 run in this experiment: nothing measured to show.
     assert page.locator("#gemm-prediction-table tr[data-format='nvfp4'] td.measured").inner_text().strip() == "–"
@@ -100,6 +104,8 @@ def test_no_panel_without_a_benchmark_and_a_queued_one_appears_when_a_worker_fin
         assert r.status_code == 200, r.text
     charts.wait_for_traces("gemm-chart-kernel", 2, timeout=20_000)
     assert page.locator("#gemm-meta .badge.status-succeeded").count() == 1
-    # No finished training run: no measured column.
+    # No finished training run: no measured column, and the prediction stays the GEMM-only upper bound.
     assert page.locator("#gemm-measured-head").is_hidden()
+    predicted = page.locator("#gemm-prediction-table tr[data-format='fp8_tensorwise'] td.predicted").inner_text()
+    assert "upper bound" in predicted and "no finished BF16 run" in predicted
     assert page.console_log.errors == []

@@ -23,7 +23,7 @@ const EMULATED = "emulated – no hardware support";
 const PLOT_CONFIG = { responsive: true, displaylogo: false };
 
 // `refreshes` counts completed loads (tests wait on it).
-export const gemmState = { list: [], selectedId: null, detail: null, runs: [], timer: null, drawn: false, refreshes: 0 };
+export const gemmState = { list: [], selectedId: null, detail: null, experiment: null, runs: [], timer: null, drawn: false, refreshes: 0 };
 window.plabGemm = gemmState;
 
 // ---------------------------------------------------------------- reading a result
@@ -140,19 +140,74 @@ export function measuredSpeedups(runs, format) {
     .map((r) => ({ label: runLabel(r), speedup: tokensPerSecond(r) / baseTps, emulated: gemmBackend(r) === "emulated" }));
 }
 
+function sameDims(a, b) {
+  const keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"];
+  const kv = (d) => d.num_key_value_heads ?? d.num_attention_heads;
+  const hd = (d) => d.head_dim ?? d.hidden_size / d.num_attention_heads;
+  return keys.every((k) => a[k] === b[k]) && kv(a) === kv(b) && hd(a) === hd(b);
+}
+
+// The finished BF16 run whose step the benchmark describes: same model, same micro-batch and sequence length,
+// same device. Its measured step time turns the GEMM-only speedup into an Amdahl prediction (training.gemm.predict);
+// anything else would mix two configurations. Returns {run, stepS, gemmsPerStep} or {why} when there is none.
+export function bf16StepFor(result, experiment, runs) {
+  const base = runs.find((r) => recipeName(r) === BASELINE && r.status === "succeeded");
+  const stepS = base?.summary?.step_time_s;
+  if (!base || !(stepS > 0)) return { why: "no finished BF16 run with a step time in this experiment" };
+  const req = result.request || {};
+  const train = experiment.training || {};
+  const accum = train.grad_accum || 1;
+  const microBatch = (train.batch_size || 0) / (accum * (train.gpus || 1));
+  const dims = result.config?.dims;
+  const model = experiment.model;
+  const sameModel = typeof model === "string"
+    ? req.model === model && (req.vocab_size ?? 32000) === experiment.data?.vocab_size
+    : Boolean(model && dims && sameDims(dims, model));
+  if (!sameModel || req.micro_batch !== microBatch || req.seq_len !== experiment.data?.seq_len
+      || (result.config?.gated_mlp === false)) {
+    return { why: "the benchmark's model, micro-batch or sequence length differs from this experiment's" };
+  }
+  if ((base.device_name || "") !== (result.device?.name || "")) {
+    return { why: `the BF16 run ran on ${base.device_name || "another device"}, the benchmark on ${result.device?.name}` };
+  }
+  return { run: base, stepS, gemmsPerStep: accum };
+}
+
+// predict_speedup of training/gemm/predict.py with the run's step: only the GEMM share of the step changes.
+function amdahl(stepS, bf16GemmS, fmtGemmS) {
+  if (!(bf16GemmS > 0) || !(fmtGemmS > 0) || bf16GemmS > stepS) return null;
+  return { basis: "amdahl-run", speedup: stepS / (stepS - bf16GemmS + fmtGemmS), gemm_share: bf16GemmS / stepS };
+}
+
 function predictionCell(pred) {
   if (!pred) return "–";
   if (pred.speedup == null) return `<span title="${escapeHtml(pred.note || "")}">${escapeHtml(pred.basis)}</span>`;
-  const basis = pred.basis === "amdahl" ? `Amdahl, GEMM ${fmt(100 * pred.gemm_share, 1)}% of the BF16 step`
-    : "GEMM-only: an upper bound (no measured BF16 step time)";
+  const share = `GEMM ${fmt(100 * pred.gemm_share, 1)}% of the BF16 step`;
+  const basis = pred.basis === "amdahl" ? `Amdahl, ${share}`
+    : pred.basis === "amdahl-run" ? `Amdahl with the BF16 run's step time, ${share}`
+      : `GEMM-only: an upper bound${pred.why ? `; ${pred.why}` : ""}`;
   return `${pred.speedup.toFixed(2)}× <span class="muted">(${escapeHtml(basis)})</span>`;
+}
+
+// The benchmark's own prediction when it was given a BF16 step time; else one from this experiment's BF16 run.
+function predictionFor(result, format) {
+  const mode = (result.modes || []).includes("quant") ? "quant" : "kernel";
+  const own = result.prediction?.[mode]?.[format];
+  if (own && own.basis !== "GEMM-only") return own;
+  const step = gemmState.experiment ? bf16StepFor(result, gemmState.experiment, gemmState.runs) : { why: "" };
+  if (step.run) {
+    const totals = result.totals?.[mode] || {};
+    const pred = amdahl(step.stepS, step.gemmsPerStep * (totals.bf16?.total_s || 0),
+      step.gemmsPerStep * (totals[format]?.total_s || 0));
+    if (pred) return pred;
+  }
+  return own ? { ...own, why: step.why } : null;
 }
 
 function renderPrediction(result) {
   const emulated = emulatedFormats(result);
   const formats = (result.formats || []).filter((f) => f !== "bf16");
   const totals = result.totals || {};
-  const prediction = result.prediction || {};
   const hasRuns = gemmState.runs.some((r) => r.status === "succeeded");
   const body = document.querySelector("#gemm-prediction-table tbody");
   document.getElementById("gemm-measured-head").hidden = !hasRuns;
@@ -164,7 +219,7 @@ function renderPrediction(result) {
     return `<tr data-format="${escapeHtml(format)}"><td>${escapeHtml(formatLabel(format, emulated))}</td>`
       + `<td class="num">${fmt(totals.kernel?.[format]?.speedup)}×</td>`
       + `<td class="num">${fmt(totals.quant?.[format]?.speedup)}×</td>`
-      + `<td class="predicted">${predictionCell(prediction.quant?.[format] ?? prediction.kernel?.[format])}</td>`
+      + `<td class="predicted">${predictionCell(predictionFor(result, format))}</td>`
       + (hasRuns ? `<td class="measured num">${measuredText}</td>` : "") + "</tr>";
   }).join("");
 }
@@ -240,6 +295,7 @@ async function refresh() {
     get(`/api/v1/experiments/${encodeURIComponent(experimentId)}`),
   ]);
   gemmState.list = items(page);
+  gemmState.experiment = experiment;
   gemmState.runs = items(experiment.runs || [], "runs");
   panel.hidden = gemmState.list.length === 0;
   if (!gemmState.list.length) {
