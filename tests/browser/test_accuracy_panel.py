@@ -177,3 +177,30 @@ def test_panel_explains_how_to_evaluate_when_no_evaluation_exists(server, page):
     assert page.locator("#accuracy-result").is_hidden()
     assert page.evaluate("() => window.plabAccuracy.accuracyLoads") == 0
     assert page.console_log.errors == []
+
+
+def test_failed_evaluation_shows_the_workers_error_and_unpaired_tasks_show_no_delta(server, page):
+    exp = finished_runs(server, "accuracy-failed", ["bf16", "nvfp4"], {"bf16": "bf16", "nvfp4": "emulated"})
+    run_of = {r["recipe"]: r["id"] for r in exp["runs"]}
+    # A group's entry carries its subtasks' names, not per-document results: with no subtask stored there is
+    # nothing to pair, so the table shows the values but no delta.
+    blimp = {"kind": "group", "group": None, "subtasks": ["plab_blimp_anaphor_gender_agreement"],
+             "metrics": {"acc": {"value": 0.71, "stderr": 0.01}}, "aggregation": {"acc": "mean"},
+             "higher_is_better": {"acc": True}, "n_samples": 100, "n_docs": 1000, "task_hash": "2" * 64}
+    for recipe in ("bf16", "nvfp4"):
+        ev = start_evaluation(server, run_of[recipe], ["plab_blimp"])
+        worker_posts(server, ev["id"], {"plab_blimp": blimp})
+    broken = start_evaluation(server, run_of["nvfp4"], ["plab_piqa"])
+    worker_posts(server, broken["id"], {}, finish=False)
+    r = server.http.post(f"/api/v1/evaluations/{broken['id']}/status",
+                         json={"status": "failed", "error_message": "EvaluationError: no checkpoint at /tmp/x\n\ntb"})
+    assert r.status_code == 200, r.text
+
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    page.locator("#accuracy-table tr[data-task='plab_blimp']").wait_for()
+    assert "no checkpoint at /tmp/x" in page.locator("#accuracy-error").inner_text()
+    cell = page.locator(f"#accuracy-table tr[data-task='plab_blimp'] td[data-run-id='{run_of['nvfp4']}']")
+    assert "71.0%" in cell.inner_text() and "Δ –" in cell.inner_text()
+    assert page.locator("#accuracy-delta-chart").is_hidden()  # no paired difference to draw
+    assert page.locator("#accuracy-status").get_attribute("data-live") == "false"
+    assert page.console_log.errors == []
