@@ -4,7 +4,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
@@ -73,7 +73,14 @@ def create_benchmark(body: GemmBenchmarkCreate, session: Session = Depends(get_s
         session.commit()
         from backend.queue import enqueue_gemm
 
-        enqueue_gemm(bench.id, body.queue)
+        try:
+            enqueue_gemm(bench.id, body.queue)
+        except Exception as e:  # noqa: BLE001 - a broker that is down must not leave a benchmark queued forever
+            gemm.update_status(session, bench.id, status="failed",
+                               error_message=f"could not be sent to the job queue: {type(e).__name__}: {e}")
+            session.commit()
+            raise HTTPException(status_code=503, detail=f"GEMM benchmark {bench.id} was stored but the job queue "
+                                f"is unavailable ({type(e).__name__}); check PLAB_BROKER_URL and retry") from e
     return _out(bench, GemmBenchmarkDetail)
 
 

@@ -290,22 +290,25 @@ function plotlyReady(timeoutMs = 30_000) {
 }
 
 async function refresh() {
-  const [page, experiment] = await Promise.all([
-    get(`/api/v1/gemm-benchmarks?experiment_id=${encodeURIComponent(experimentId)}&limit=50`),
-    get(`/api/v1/experiments/${encodeURIComponent(experimentId)}`),
-  ]);
+  // The list first: an experiment without benchmarks costs the page one small request and no polling.
+  const page = await get(`/api/v1/gemm-benchmarks?experiment_id=${encodeURIComponent(experimentId)}&limit=50`);
   gemmState.list = items(page);
-  gemmState.experiment = experiment;
-  gemmState.runs = items(experiment.runs || [], "runs");
   panel.hidden = gemmState.list.length === 0;
   if (!gemmState.list.length) {
     gemmState.refreshes += 1;
     return;
   }
+  const experiment = await get(`/api/v1/experiments/${encodeURIComponent(experimentId)}`);
+  gemmState.experiment = experiment;
+  gemmState.runs = items(experiment.runs || [], "runs");
   if (!gemmState.list.some((b) => b.id === gemmState.selectedId)) {
     gemmState.selectedId = (gemmState.list.find((b) => b.status === "succeeded") || gemmState.list[0]).id;
   }
-  gemmState.detail = await get(`/api/v1/gemm-benchmarks/${gemmState.selectedId}`);
+  // A finished benchmark never changes: its (large) result is fetched once; only the runs are re-read.
+  const listed = gemmState.list.find((b) => b.id === gemmState.selectedId);
+  if (!gemmState.detail || gemmState.detail.id !== listed.id || gemmState.detail.status !== listed.status) {
+    gemmState.detail = await get(`/api/v1/gemm-benchmarks/${gemmState.selectedId}`);
+  }
   render();
   if (!gemmState.drawn && gemmState.detail.status === "succeeded") {
     await plotlyReady();
