@@ -244,8 +244,16 @@ def test_cli_runs_on_cpu_on_a_tiny_shape_list_and_its_result_reaches_the_api(tmp
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "timer CPU" in proc.stdout  # the printed timings say they are CPU timings
         assert f"stored as GEMM benchmark" in proc.stdout
+        # Without the token the server refuses the write: the user is told why and where the JSON is.
+        anonymous = {k: v for k, v in env.items() if k != "PLAB_API_TOKEN"}
+        refused = plab_gemm_bench(["--shapes", TINY_SHAPES, "--formats", "bf16", "--device", "cpu", "--repeats", "1",
+                                   "--output", str(tmp_path / "kept.json"), "--post"], anonymous)
+        assert refused.returncode == 2
+        assert "did not store its result" in refused.stderr and "Bearer" in refused.stderr
+        assert (tmp_path / "kept.json").is_file()
         page = http.get("/gemm-benchmarks", params={"experiment_id": exp["id"]}).json()
         assert page["total"] == 1
+        assert http.get("/gemm-benchmarks").json()["total"] == 1
         stored = http.get(f"/gemm-benchmarks/{page['items'][0]['id']}").json()
     assert stored["status"] == "succeeded" and stored["name"] == "tiny on cpu"
     result = stored["result"]
