@@ -36,8 +36,8 @@ def cpu_result() -> dict:
                               repeats=2, warmup=0, compile_quant=False)
 
 
-def make_client(tmp_path: Path, token: str | None = None) -> TestClient:
-    url = f"sqlite:///{tmp_path / 'plab.sqlite'}"
+def make_client(tmp_path: Path, token: str | None = None, url: str | None = None) -> TestClient:
+    url = url or f"sqlite:///{tmp_path / 'plab.sqlite'}"
     upgrade(url)
     app = create_app(Settings(home=tmp_path, database_url=url, broker_url="filesystem://", api_token=token,
                               data_dir=tmp_path, api_url="http://test"), migrate=False)
@@ -135,6 +135,20 @@ def test_a_posted_result_is_stored_as_succeeded_and_listed_under_its_experiment(
     assert "result" not in page["items"][0]  # lists stay small; the detail has the result
     assert api.get(f"/api/v1/gemm-benchmarks/{bench['id']}").json()["result"]["device"]["timer"] == "CPU"
     assert api.get("/api/v1/gemm-benchmarks").json()["total"] == 2
+
+
+def test_a_result_round_trips_through_postgresql_too(tmp_path, postgres_url, cpu_result):
+    api = make_client(tmp_path, url=postgres_url)
+    exp_id = experiment(api)
+    result = json.loads(json.dumps(cpu_result))
+    result["results"][1]["rel_error"] = math.nan  # PostgreSQL's JSON has no NaN: the API stores null
+    r = api.post("/api/v1/gemm-benchmarks", content=json.dumps({"result": result, "experiment_id": exp_id}),
+                 headers={"Content-Type": "application/json"})
+    assert r.status_code == 201, r.text
+    stored = api.get(f"/api/v1/gemm-benchmarks/{r.json()['id']}").json()
+    result["results"][1]["rel_error"] = None
+    assert stored["result"] == result and stored["status"] == "succeeded"
+    assert api.get("/api/v1/gemm-benchmarks", params={"experiment_id": exp_id}).json()["total"] == 1
 
 
 def test_non_finite_numbers_in_a_result_are_stored_as_null(api, cpu_result):
