@@ -257,7 +257,7 @@ def test_cli_runs_on_cpu_on_a_tiny_shape_list_and_its_result_reaches_the_api(tmp
                                 "--experiment", str(exp["id"]), "--name", "tiny on cpu"], env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "timer CPU" in proc.stdout  # the printed timings say they are CPU timings
-        assert f"stored as GEMM benchmark" in proc.stdout
+        assert "stored as GEMM benchmark" in proc.stdout
         # Without the token the server refuses the write: the user is told why and where the JSON is.
         anonymous = {k: v for k, v in env.items() if k != "PLAB_API_TOKEN"}
         refused = plab_gemm_bench(["--shapes", TINY_SHAPES, "--formats", "bf16", "--device", "cpu", "--repeats", "1",
