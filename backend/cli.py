@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="embedded one-shot comparison on SQLite with an embedded broker")
     dm.add_argument("--no-serve", action="store_true", help="exit when the runs finish, with a summary table")
-    dm.add_argument("--steps", type=int, default=150)
+    dm.add_argument("--steps", type=int, default=100)
     dm.add_argument("--recipes", help=f"comma-separated (default {','.join(DEMO_RECIPES)})")
     dm.add_argument("--slots", type=int, default=2, help="runs trained at the same time")
     dm.add_argument("--port", type=int, default=8000)

@@ -106,8 +106,19 @@ def run_evaluation(evaluation_id: int) -> int:
         def post(task: str, result: dict) -> None:
             client._request("POST", f"/evaluations/{evaluation_id}/results", json={"task": task, "result": result})
 
+        posted: set[str] = set()
+
+        def post_once(task: str, result: dict) -> None:
+            post(task, result)
+            posted.add(task)
+
         result = evaluate_checkpoint(job["checkpoint"], job["tasks"], limit=job["limit"], heldout_text=heldout,
-                                     on_task_done=post)
+                                     on_task_done=post_once)
+        # A group (e.g. plab_blimp) carries no per-document scores itself: its subtasks do, and the paired
+        # comparison with BF16 needs them, so they are stored too.
+        for task, entry in (result.get("tasks") or {}).items():
+            if task not in posted:
+                post_once(task, entry)
     except BaseException as e:  # noqa: BLE001 - reported, then re-raised as an exit code
         tb = "".join(traceback.format_exception(e)[-6:])
         client._request("POST", f"/evaluations/{evaluation_id}/status",

@@ -103,10 +103,13 @@ def accuracy_table(session: Session, experiment_id: int, *, method: str = "boots
     table = []
     for r in runs:
         res = per_run[r.id]
-        values = {task: {m: v for m, v in (entry.get("metrics") or {}).items()} for task, entry in res.items()}
+        # Subtasks of a group (BLiMP's 67 paradigms) are stored for the paired test; the table shows what was asked.
+        requested = {t for ev in session.scalars(select(Evaluation).where(Evaluation.run_id == r.id)) for t in ev.tasks}
+        shown = [t for t in res if t in requested] or list(res)
+        values = {task: dict(res[task].get("metrics") or {}) for task in shown}
         comparison = []
         if base is not None and r.id != base.id and res:
-            shared = [t for t in res if t in per_run[base.id]]
+            shared = [t for t in shown if t in per_run[base.id]]
             if shared:
                 comparison = compare_results(per_run[base.id], res, tasks=shared, method=method, n_boot=n_boot)
         table.append({"run_id": r.id, "recipe": r.recipe, "label": r.label, "status": r.status,
