@@ -163,5 +163,10 @@ def compare_experiment(session: Session, experiment_id: int, *, key: str = "trai
             rx, ry = comparison_points(session, run.id, key, x, max_points)
             entry["x"], entry["delta_pct"] = relative_difference(bx, by, rx, ry)
         runs_out.append(entry)
+    note = None
+    if not bx:
+        note = (f"the {exp.baseline} run has no {key!r} points with {x} yet: no difference to show" if x == "tokens"
+                else f"the {exp.baseline} run has no {key!r} points yet: no difference to show")
     return {"experiment_id": exp.id, "key": key, "x": x, "baseline_run_id": base.id, "final_n": final_n,
-            "aligned_on": f"the baseline's points ({x}); other runs interpolated linearly", "runs": runs_out}
+            "aligned_on": f"the baseline's points ({x}); other runs interpolated linearly", "note": note,
+            "runs": runs_out}
