@@ -16,7 +16,8 @@ What it does, in order:
 3. times the comparison data endpoint
    `GET /api/v1/experiments/{id}/series?keys=train/loss,train/lr,perf/tokens_per_s&max_points=2000` (median of
    --repeats after one warm-up) and checks every series has at most 2,000 points and that the spike is in the
-   answer;
+   answer; then times `GET /api/v1/experiments/{id}/comparison?key=train/loss&x=tokens` (the relative difference
+   to BF16; no bar, reported with its median differences, which should be close to 0.4 % x run index);
 4. opens the experiment page in headless Chromium (/usr/bin/chromium, a fresh persistent profile) --page-loads
    times and reads the page's own `plabExperiment.firstRenderMs` (navigation start to charts and runs table
    drawn): the first visit, the second, and returning visits (from the third, Chromium runs plotly.js from its
