@@ -268,5 +268,11 @@ def test_the_experiment_series_endpoint_answers_every_run_and_key(env):
     assert len(by_run[b]["train/loss"]["step"]) == 100 and by_run[c]["train/loss"]["step"] == []
     assert by_run[a]["nope"] == {"step": [], "tokens": [], "wall_time": [], "value": [], "total_points": 0,
                                  "downsampled": False}
+    # the endpoint's batched read answers exactly what read_series answers, pair by pair, at several sizes
+    ingest(session, c, random_series(2000, seed=11), key="train/lr")
+    for mp in (4, 50, 150, 5000):
+        many = metrics.read_many(session, [a, b, c], [KEY, "train/lr", "nope"], max_points=mp)
+        for (run, key), s in many.items():
+            assert s == metrics.read_series(session, run, key, max_points=mp), (run, key, mp)
     bad = api.get(f"/api/v1/experiments/{exp_id}/series?x=epoch")
     assert bad.status_code == 422 and "x" in bad.json()["detail"]

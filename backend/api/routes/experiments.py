@@ -49,11 +49,13 @@ def experiment_series(experiment_id: ObjectId,
     q = SeriesQuery(max_points=max_points, x=x, x_min=x_min, x_max=x_max)
     exp = runs.get_experiment(session, experiment_id)
     key_list = [k for k in (s.strip() for s in keys.split(",")) if k]
+    answers = metrics.read_many(session, [run.id for run in exp.runs], key_list, max_points=q.max_points, x=q.x,
+                                x_min=q.x_min, x_max=q.x_max)
     out = []
     for run in exp.runs:
         series = {}
         for k in key_list:
-            s = metrics.read_series(session, run.id, k, max_points=q.max_points, x=q.x, x_min=q.x_min, x_max=q.x_max)
+            s = answers[(run.id, k)]
             series[k] = {"step": s.step, "tokens": s.tokens, "wall_time": s.wall_time, "value": s.value,
                          "total_points": s.total_points, "downsampled": s.downsampled}
         out.append({"run_id": run.id, "recipe": run.recipe, "label": run.label, "status": run.status,
