@@ -40,8 +40,9 @@ def session_factory(url: str) -> sessionmaker[Session]:
 
 
 @contextmanager
-def session_scope(url: str) -> Iterator[Session]:
-    session = session_factory(url)()
+def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A session that commits when the block ends normally and rolls back on any exception."""
+    session = factory()
     try:
         yield session
         session.commit()
@@ -50,3 +51,7 @@ def session_scope(url: str) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def session_scope(url: str):
+    return transaction(session_factory(url))

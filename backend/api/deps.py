@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Path, Request
 from sqlalchemy.orm import Session
 
+from backend.db import transaction
 from backend.settings import Settings
 
 # Ids are 32-bit in the database; larger numbers are refused before they reach it.
@@ -22,15 +23,8 @@ def get_settings(request: Request) -> Settings:
 def get_session(request: Request) -> Iterator[Session]:
     """A session committed when the route returns. Routes use it with scope="function", so the commit happens
     before the response is sent: a client that reads right after a write sees it."""
-    session = request.app.state.sessionmaker()
-    try:
+    with transaction(request.app.state.sessionmaker) as session:
         yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 def require_write_token(request: Request, settings: Settings = Depends(get_settings)) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from training.precision.emulation import GemmQuantizer, QuantizedLinear
+from training.precision.emulation import GemmQuantizer
 from training.precision.formats import quantize_fp8_blocks
-from training.precision.fp8_tensorwise import scaled_mm_shape_reason, torchao_float8_linear
-from training.precision.registry import Recipe, capability_reason, register
+from training.precision.fp8_tensorwise import TorchaoFloat8Recipe
+from training.precision.registry import register
 
 E4M3 = torch.float8_e4m3fn
 
@@ -42,20 +42,9 @@ class RowwiseQuantizer(GemmQuantizer):
 
 
 @register
-class FP8RowwiseRecipe(Recipe):
+class FP8RowwiseRecipe(TorchaoFloat8Recipe):
     name = "fp8_rowwise"
     summary = "E4M3 everywhere; power-of-two scale per row/column along each GEMM's reduction dim"
     gpu_requirement = "real FP8 GEMMs on sm_89+ via torchao Float8Linear (rowwise); emulated elsewhere"
-    options = {}
-
-    def real_unavailable(self, device, options):
-        return capability_reason(device, (8, 9), "FP8 tensor cores")
-
-    def skip_reason(self, linear, real):
-        return scaled_mm_shape_reason(linear, self.name) if real else None
-
-    def convert(self, linear, name, options, real):
-        quantizer = RowwiseQuantizer()
-        if real:
-            return torchao_float8_linear(linear, "rowwise"), quantizer, "torchao Float8Linear (rowwise)"
-        return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"
+    torchao_recipe = "rowwise"
+    quantizer_cls = RowwiseQuantizer

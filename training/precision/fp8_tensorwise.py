@@ -52,11 +52,11 @@ def scaled_mm_shape_reason(linear, recipe: str):
     return None
 
 
-@register
-class FP8TensorwiseRecipe(Recipe):
-    name = "fp8_tensorwise"
-    summary = "E4M3 X/W, E5M2 dY; one scale per tensor from its current amax"
-    gpu_requirement = "real FP8 GEMMs on sm_89+ (Ada, Hopper, Blackwell) via torchao Float8Linear; emulated elsewhere"
+class TorchaoFloat8Recipe(Recipe):
+    """A per-tensor or per-row FP8 recipe: torchao `Float8Linear` where FP8 tensor cores exist, our exact
+    emulation with `quantizer_cls` elsewhere."""
+    torchao_recipe = ""
+    quantizer_cls: type[GemmQuantizer] = GemmQuantizer
     options = {}
 
     def real_unavailable(self, device, options):
@@ -66,7 +66,17 @@ class FP8TensorwiseRecipe(Recipe):
         return scaled_mm_shape_reason(linear, self.name) if real else None
 
     def convert(self, linear, name, options, real):
-        quantizer = TensorwiseQuantizer()
+        quantizer = self.quantizer_cls()
         if real:
-            return torchao_float8_linear(linear, "tensorwise"), quantizer, "torchao Float8Linear (tensorwise)"
+            return (torchao_float8_linear(linear, self.torchao_recipe), quantizer,
+                    f"torchao Float8Linear ({self.torchao_recipe})")
         return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"
+
+
+@register
+class FP8TensorwiseRecipe(TorchaoFloat8Recipe):
+    name = "fp8_tensorwise"
+    summary = "E4M3 X/W, E5M2 dY; one scale per tensor from its current amax"
+    gpu_requirement = "real FP8 GEMMs on sm_89+ (Ada, Hopper, Blackwell) via torchao Float8Linear; emulated elsewhere"
+    torchao_recipe = "tensorwise"
+    quantizer_cls = TensorwiseQuantizer
