@@ -198,6 +198,10 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     # ---- resume -------------------------------------------------------------------------------
     start_step, tokens_seen, wall_offset = 0, 0, 0.0
     last_loss = last_val = None
+    # Randomness inside the step (NVFP4's stochastic rounding of gradients) draws from the global generators:
+    # seed them from the run's seed and rank so the same spec reproduces the same run; a resume below restores
+    # their exact state from the checkpoint instead.
+    torch.manual_seed(spec.seed * 1_000_003 + ctx.rank)
     if resume and output_dir is not None and (latest := ckpt.latest_checkpoint(output_dir)) is not None:
         state = ckpt.load_checkpoint(latest, model=model, optimizer=optimizer, hooks=hooks)
         if state.get("spec") is not None and _numerics_identity(state["spec"]) != _numerics_identity(spec.to_dict()):
