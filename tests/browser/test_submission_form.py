@@ -27,6 +27,20 @@ def test_form_creates_experiment_and_opens_its_page(server, page, charts):
     assert recipes == [("bf16", 0), ("fp8_tensorwise", 1), ("nvfp4", 1)]
     charts.wait_for_traces("loss-chart", 3)
     assert page.locator("#runs-table tbody tr[data-run-id]").count() == 3
+    # The runs report losses as a worker would; the open page picks them up without a reload: the overlay
+    # has one trace per run, the relative difference one per non-BF16 run (+1% for fp8, +2% for nvfp4).
+    by_recipe = {r["recipe"]: r for r in exp["runs"]}
+    for recipe, offset in (("bf16", 0.0), ("fp8_tensorwise", 1.0), ("nvfp4", 2.0)):
+        server.log_loss_curve(by_recipe[recipe]["id"], steps=20, start=3.0, offset_pct=offset, tokens_per_step=256,
+                              tokens_per_s=1000.0)
+    page.wait_for_function("() => { const gd = document.getElementById('loss-chart');"
+                           " return gd && gd.data && gd.data.length === 3 && gd.data.every(t => t.x.length === 20); }",
+                           timeout=20_000)
+    charts.wait_for_traces("relative-chart", 2)
+    rel = {t["name"]: t["y"] for t in charts.traces("relative-chart")}
+    assert len(rel) == 2
+    means = sorted(sum(y) / len(y) for y in rel.values())
+    assert abs(means[0] - 1.0) < 0.05 and abs(means[1] - 2.0) < 0.05
     assert page.console_log.errors == []
 
 
