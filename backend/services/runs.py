@@ -4,8 +4,8 @@ from __future__ import annotations
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
-from backend.models import FINAL_STATUSES, Experiment, Run, utcnow
-from backend.schemas import ExperimentCreate, RecipeRequest, RunCreate, RunInfoUpdate, StatusUpdate
+from backend.models import FINAL_STATUSES, Artifact, Experiment, Run, utcnow
+from backend.schemas import ArtifactIn, ExperimentCreate, RecipeRequest, RunCreate, RunInfoUpdate, StatusUpdate
 
 
 class InvalidInput(ValueError):
@@ -173,3 +173,16 @@ def update_info(session: Session, run_id: int, body: RunInfoUpdate) -> Run:
     if body.conversion_report is not None:
         run.conversion_report = body.conversion_report
     return run
+
+
+def add_artifact(session: Session, run_id: int, body: ArtifactIn) -> Artifact:
+    get_run(session, run_id)
+    art = Artifact(run_id=run_id, **body.model_dump())
+    session.add(art)
+    session.flush()
+    return art
+
+
+def list_artifacts(session: Session, run_id: int) -> list[Artifact]:
+    get_run(session, run_id)
+    return list(session.scalars(select(Artifact).where(Artifact.run_id == run_id).order_by(Artifact.id)))

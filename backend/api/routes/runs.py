@@ -4,7 +4,6 @@ from fastapi import APIRouter, Depends, Path, Query
 from sqlalchemy.orm import Session
 
 from backend.api.deps import ObjectId, get_session, require_write_token
-from backend.models import Artifact
 from backend.schemas import (ArtifactIn, ArtifactOut, MetricBatch, MetricBatchResult, Page, RunCreate, RunDetail,
                              RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate)
 from backend import queue
@@ -89,15 +88,9 @@ def read_series(run_id: ObjectId, key: str = Path(max_length=200), max_points: i
 
 @router.post("/{run_id}/artifacts", status_code=201, response_model=ArtifactOut, dependencies=write)
 def add_artifact(run_id: ObjectId, body: ArtifactIn, session: Session = Depends(get_session, scope="function")):
-    runs.get_run(session, run_id)
-    art = Artifact(run_id=run_id, **body.model_dump())
-    session.add(art)
-    session.flush()
-    return ArtifactOut.model_validate(art)
+    return ArtifactOut.model_validate(runs.add_artifact(session, run_id, body))
 
 
 @router.get("/{run_id}/artifacts", response_model=list[ArtifactOut])
 def list_artifacts(run_id: ObjectId, session: Session = Depends(get_session, scope="function")):
-    run = runs.get_run(session, run_id)
-    return [ArtifactOut.model_validate(a) for a in
-            session.query(Artifact).filter(Artifact.run_id == run.id).order_by(Artifact.id).all()]
+    return [ArtifactOut.model_validate(a) for a in runs.list_artifacts(session, run_id)]
