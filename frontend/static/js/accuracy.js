@@ -2,7 +2,7 @@
 // /api/v1/experiments/{id}/accuracy, each recipe's paired difference to the BF16 run with its 95% interval and a
 // significance marker, and a bar chart of those differences. Evaluations run as Celery jobs long after training;
 // the panel polls while any evaluation (or run, whose success may start one) is still to finish.
-import { get, items, escapeHtml, statusBadge, LIVE_STATUSES } from "./api.js";
+import { get, items, escapeHtml, statusBadge, LIVE_STATUSES, plotlyReady } from "./api.js";
 import { gemmBackend, recipeName, runLabel } from "./summary.js";
 
 const root = document.getElementById("experiment-root");
@@ -304,17 +304,6 @@ function render() {
 }
 
 // ---------------------------------------------------------------- data
-function plotlyReady(timeoutMs = 30_000) {
-  return new Promise((resolve, reject) => {
-    const start = performance.now();
-    const check = () => {
-      if (window.Plotly) resolve();
-      else if (performance.now() - start > timeoutMs) reject(new Error("plotly.js did not load"));
-      else setTimeout(check, 100);
-    };
-    check();
-  });
-}
 
 // The accuracy table costs the server a bootstrap per task and recipe: ask for it again only when an evaluation
 // changed (new, finished, or a task result more), not on every poll.

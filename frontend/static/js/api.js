@@ -103,3 +103,16 @@ export function statusBadge(status) {
   const s = escapeHtml(status || "unknown");
   return `<span class="badge status-${s}" data-status="${s}">${s}</span>`;
 }
+
+// experiment.js loads plotly.js (after its first requests); the panels wait for it rather than loading it twice.
+export function plotlyReady(timeoutMs = 30_000) {
+  return new Promise((resolve, reject) => {
+    const start = performance.now();
+    const check = () => {
+      if (window.Plotly) resolve();
+      else if (performance.now() - start > timeoutMs) reject(new Error("plotly.js did not load"));
+      else setTimeout(check, 100);
+    };
+    check();
+  });
+}

@@ -4,7 +4,7 @@
 // measured (tokens/s of the recipe's run / BF16's). Formats without hardware support on the benchmark's
 // device ran emulated: their bars are hatched and their names say so, because their timings are not what
 // the format's hardware would give.
-import { get, items, escapeHtml, formatDate, statusBadge, LIVE_STATUSES } from "./api.js";
+import { get, items, escapeHtml, formatDate, statusBadge, LIVE_STATUSES, plotlyReady } from "./api.js";
 import { BASELINE, gemmBackend, recipeName, runLabel, tokensPerSecond } from "./summary.js";
 
 const root = document.getElementById("experiment-root");
@@ -276,18 +276,6 @@ function render() {
 }
 
 // ---------------------------------------------------------------- data
-// experiment.js loads plotly.js (after its first requests); this panel waits for it rather than loading it twice.
-function plotlyReady(timeoutMs = 30_000) {
-  return new Promise((resolve, reject) => {
-    const start = performance.now();
-    const check = () => {
-      if (window.Plotly) resolve();
-      else if (performance.now() - start > timeoutMs) reject(new Error("plotly.js did not load"));
-      else setTimeout(check, 100);
-    };
-    check();
-  });
-}
 
 async function refresh() {
   // The list first: an experiment without benchmarks costs the page one small request and no polling.
