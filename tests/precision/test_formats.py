@@ -210,3 +210,63 @@ def test_fp8_blockwise_matches_torchao_blockwise_reference_quantizers():
     qw, inv_w = kernels.torch_blockwise_scale_weight_quant(x, 128)  # 128x128 tiles
     ref_w = (qw.float().reshape(2, 128, 3, 128) * inv_w.reshape(2, 1, 3, 1)).reshape(256, 384)
     assert torch.allclose(quantize_dequantize(x, "fp8_blockwise", block_size=(128, 128)), ref_w, rtol=2 ** -22, atol=0)
+
+
+# ------------------------------------------------------------------ training-path layouts and dtypes
+@pytest.mark.parametrize("rows", [64, 40])  # 40: not a multiple of the block, zero-padded
+def test_blocks_along_axis_0_equal_blocks_along_the_last_dim_of_the_transpose(rows):
+    from training.precision.formats import quantize_fp8_blocks, quantize_mxfp8, quantize_nvfp4
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, 96, generator=g)
+    x[torch.rand(rows, 96, generator=g) < 0.02] *= 50.0
+    xt = x.t().contiguous()
+    pairs = {
+        "mxfp8": (quantize_mxfp8(x, axis=0), quantize_mxfp8(xt)),
+        "mxfp8_floor": (quantize_mxfp8(x, axis=0, scale_rounding="floor"), quantize_mxfp8(xt, scale_rounding="floor")),
+        "nvfp4": (quantize_nvfp4(x, axis=0), quantize_nvfp4(xt)),
+        "fp8_rowwise": (quantize_fp8_blocks(x, None, power_of_2=True, axis=0),
+                        quantize_fp8_blocks(xt, None, power_of_2=True)),
+        "fp8_blocks": (quantize_fp8_blocks(x, 32, axis=0), quantize_fp8_blocks(xt, 32)),
+    }
+    for name, (along_rows, of_transpose) in pairs.items():
+        assert along_rows.values.shape == x.shape, name
+        assert torch.equal(along_rows.values.t(), of_transpose.values), name
+        assert (along_rows.outer is None) == (of_transpose.outer is None), name
+        if along_rows.outer is not None:
+            assert torch.equal(along_rows.outer, of_transpose.outer), name
+    # 16x16 tiles do not depend on the orientation.
+    assert torch.equal(quantize_nvfp4(x, block_2d=True).values.t(), quantize_nvfp4(xt, block_2d=True).values)
+
+
+@pytest.mark.parametrize("case", ["normal", "outliers_x1e4", "all_zero_blocks", "tiny_1e-30"])
+def test_bf16_values_for_the_gpu_gemm_are_the_fp32_values_exactly(case):
+    # The GPU emulation writes dequantized operands straight in BF16: that must lose nothing.
+    from training.precision.formats import quantize_fp8_blocks, quantize_fp8_tensorwise, quantize_mxfp8, quantize_nvfp4
+
+    x = INPUTS[case]
+    for quantize in (lambda t, **k: quantize_mxfp8(t, **k), lambda t, **k: quantize_nvfp4(t, **k),
+                     lambda t, **k: quantize_nvfp4(t, block_2d=True, **k),
+                     lambda t, **k: quantize_fp8_tensorwise(t, **k),
+                     lambda t, **k: quantize_fp8_tensorwise(t, torch.float8_e5m2, **k),
+                     lambda t, **k: quantize_fp8_blocks(t, None, power_of_2=True, **k)):
+        for dtype in DTYPES:
+            src = x.to(dtype)
+            fp32, bf16 = quantize(src), quantize(src, dtype=torch.bfloat16)
+            assert bf16.values.dtype == torch.bfloat16
+            assert torch.equal(bf16.values.float(), fp32.values)
+
+
+def test_hadamard_along_rows_is_the_transform_of_the_transpose():
+    rht = rht_matrix(random_sign_vector(3))
+    g = torch.Generator().manual_seed(9)
+    for tokens in (64, 50):  # 50: zero-padded to 64 in both
+        dy = torch.randn(tokens, 48, generator=g)
+        along_rows = random_hadamard_transform(dy, rht, axis=0)
+        along_last = random_hadamard_transform(dy.t().contiguous(), rht)
+        assert along_rows.shape == (64, 48)
+        assert torch.allclose(along_rows.t(), along_last, rtol=1e-6, atol=1e-6)
+        reference = (torch.nn.functional.pad(dy.t(), (0, 64 - tokens)).reshape(48, -1, 16) @ rht).reshape(48, 64)
+        assert torch.allclose(along_last, reference, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="axis must be -1"):
+        random_hadamard_transform(dy, rht, axis=1)

@@ -10,10 +10,16 @@ It returns a `RecipeReport`: `.layers` (every block linear, converted or skipped
 `.set_numerics_sampling(on)` / `.collect_numerics()` (see numerics.py).
 
 Backends: "auto" runs real low-precision kernels where the GPU has them and exact emulation elsewhere
-(quantize -> dequantize, exact -> BF16 GEMM with FP32 accumulation on GPU, FP32 math on CPU; the
-Fprop, Dgrad and Wgrad operands are each quantized in their own format and block orientation, blocks
-along each GEMM's reduction dim). "emulated" forces emulation; "real" raises if real kernels are
-unavailable and says why. Emulated throughput is not the format's throughput: label it.
+(quantize -> dequantize straight to BF16, exact for these formats -> plain BF16 GEMM with FP32
+accumulation on GPU, per-tensor scales applied to its BF16 result (NVFP4: a second rounding, see
+emulation.py); FP32 math on CPU; the Fprop, Dgrad and Wgrad operands are each quantized in their own
+format and block orientation, blocks along each GEMM's reduction dim). "emulated" forces emulation;
+"real" raises if real kernels are unavailable and says why. Emulated throughput is not the format's
+throughput: label it.
+
+Parameters: FP32 parameters under CUDA BF16 autocast, or BF16 parameters without autocast (FP32 masters
+in the optimizer), or FP32 on CPU. Converted layers return the activation (autocast) dtype and gradients
+in the dtypes of their input and weight; fp8_delayed keeps its scaling state in FP32 either way.
 
 Recipes (X activations, W weights, dY output gradients):
   bf16            BF16 autocast compute, FP32 master weights. The baseline. Any device.
@@ -42,7 +48,8 @@ is the format contract of ARCHITECTURE.md (bit-exact with torchao's MXFP8 and NV
 The real-kernel paths cannot run on CPU; `python -m training.precision.gpu_check --out FILE.json` checks them
 on a GPU in one call (backend choice, real vs emulated agreement, training, compile, bit-exactness on GPU).
 Emulated GEMMs in eager mode cost many elementwise kernels per layer; for throughput runs use
-`training.compile`, which fuses each quantizer (the emulation traces into one graph, no breaks).
+`training.compile`, which fuses each quantizer (every recipe traces into one graph with no breaks and no
+host synchronisation; tests/precision checks fullgraph compilation against eager).
 """
 from __future__ import annotations
 

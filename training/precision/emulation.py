@@ -7,10 +7,34 @@ both operands (the layout every block format scales along):
     Dgrad  dX = dY   @ W        a = dY   [tokens, out], b = W^T  [in, out]     reduce over out
     Wgrad  dW = dY^T @ X        a = dY^T [out, tokens], b = X^T  [in, tokens]  reduce over tokens
 
-A `GemmQuantizer` says how each operand is quantized; `EmulatedLinearFn` quantizes, dequantizes
-(exactly, see formats.py) and multiplies. On GPU the GEMM runs in BF16 with FP32 accumulation (the
-dequantized values are exact in BF16); per-tensor scales multiply the FP32 result, as the real
-block-scaled kernels do. On CPU it runs in FP32 math.
+A `GemmQuantizer` says how each operand is quantized; `EmulatedLinearFn` quantizes, dequantizes and
+multiplies. Operands blocked along a dimension that is not the contiguous one (W for Dgrad, dY and X
+for Wgrad) are quantized in place along axis 0 and handed to the GEMM as transposed views: no
+transposed copies are written, the GEMM reads either layout.
+
+Numerics of the GEMM:
+  - On GPU, for formats whose dequantized values are exact in BF16 (MXFP8, NVFP4, FP8 per-tensor and
+    power-of-two row scales; see formats.py) the quantizer writes the dequantized values (element x block
+    scale) straight in BF16 and the GEMM is a plain BF16 `torch.mm`: cuBLAS multiplies exactly and
+    accumulates in FP32 (as the BF16 baseline, subject to torch's allow_bf16_reduced_precision_reduction
+    switch), then rounds the result once to BF16. A per-tensor FP32 `outer` scale (NVFP4's global scale,
+    the FP8 per-tensor scale) is multiplied onto that BF16 result in FP32 and rounded again to the output
+    dtype: the result is accumulator -> BF16 -> x outer -> BF16, a double rounding (at most one extra
+    BF16 rounding, 2^-9 relative, far below the format's own error; MXFP8 has no outer scale and is
+    rounded once). The real block-scaled kernels apply the global scale to the FP32 accumulator before
+    their single rounding; we accept the extra rounding because an FP32-output GEMM (mm with
+    out_dtype=float32) runs at a small fraction of BF16 speed on torch 2.11, which would make emulated
+    runs useless for throughput-bound experiments. Under torch.compile the scale multiplication is an
+    elementwise epilogue that inductor can fuse into the kernel that next reads the GEMM's output.
+    NVFP4's Wgrad adds one more BF16 rounding on GPU, of its Hadamard transform (see nvfp4.py).
+  - Formats with arbitrary FP32 block scales (fp8_blockwise) are not exact in BF16: FP32 values, FP32
+    GEMM (autocast off), on GPU too.
+  - On CPU: FP32 values and an FP32 GEMM, output scaled in FP32 and rounded once to the output dtype.
+
+Precision of inputs and outputs: under CUDA autocast (FP32 parameters) the activation is quantized from
+its autocast (BF16) copy, as the real kernels do, and the output is in the autocast dtype; without
+autocast (e.g. BF16 parameters) it is in the activation's dtype. Gradients come back in the dtype of the
+input and of the weight.
 """
 from __future__ import annotations
 
@@ -19,65 +43,73 @@ from torch import nn
 
 from training.precision.formats import Quantized
 
-# torch >= 2.8 has mm(..., out_dtype=float32) for BF16 inputs on CUDA: FP32 accumulation, FP32 result.
-_MM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
-
 
 class GemmQuantizer:
-    """How a recipe quantizes the operands of the three GEMMs. Subclasses override the four methods;
-    `track=True` asks for saturation counts (numerics telemetry only)."""
+    """How a recipe quantizes the operands of the three GEMMs (see the module docstring for the layouts).
 
-    def input(self, x2d: torch.Tensor, *, track: bool = False) -> Quantized:
+    Every method takes `dtype` (the dtype of the dequantized `values`: FP32, or BF16 for the GPU GEMM)
+    and `track=True` asks for saturation counts (numerics telemetry only). `bf16_exact=False` marks
+    formats whose dequantized values are not exact in BF16 (the GEMM then stays FP32)."""
+
+    bf16_exact = True
+
+    def input(self, x2d: torch.Tensor, *, dtype=torch.float32, track: bool = False) -> Quantized:
+        """Fprop operand a = X [tokens, in], blocks along in."""
+        raise NotImplementedError
+
+    def weight_fprop(self, w: torch.Tensor, *, dtype=torch.float32, track: bool = False) -> Quantized:
+        """Fprop operand b = W [out, in], blocks along in."""
+        raise NotImplementedError
+
+    def weight_dgrad(self, w: torch.Tensor, *, dtype=torch.float32, track: bool = False) -> Quantized:
+        """Dgrad operand b = W^T [in, out], blocks along out (a transposed view is fine)."""
         raise NotImplementedError
 
     def weight(self, w: torch.Tensor, *, track: bool = False) -> tuple[Quantized, Quantized]:
-        """(Fprop operand W [out, in], Dgrad operand W^T [in, out])."""
+        """(Fprop operand W [out, in], Dgrad operand W^T [in, out]), FP32 values."""
+        return self.weight_fprop(w, track=track), self.weight_dgrad(w)
+
+    def grad(self, dy2d: torch.Tensor, *, dtype=torch.float32, track: bool = False) -> Quantized:
+        """Dgrad operand a = dY [tokens, out], blocks along out."""
         raise NotImplementedError
 
-    # The GEMMs ask for one orientation at a time so a step quantizes W once per GEMM, not twice.
-    def weight_fprop(self, w: torch.Tensor) -> Quantized:
-        return self.weight(w)[0]
-
-    def weight_dgrad(self, w: torch.Tensor) -> Quantized:
-        return self.weight(w)[1]
-
-    def grad(self, dy2d: torch.Tensor, *, track: bool = False) -> Quantized:
-        raise NotImplementedError
-
-    def wgrad(self, dy_t: torch.Tensor, x_t: torch.Tensor) -> tuple[Quantized, Quantized]:
-        """Operands of the Wgrad GEMM, both [*, tokens], reduced over tokens."""
+    def wgrad(self, dy2d: torch.Tensor, x2d: torch.Tensor, *, dtype=torch.float32) -> tuple[Quantized, Quantized]:
+        """Wgrad operands from dY [tokens, out] and X [tokens, in]: (a = dY^T [out, tokens],
+        b = X^T [in, tokens]), both blocked along tokens (transposed views are fine)."""
         raise NotImplementedError
 
     def describe(self) -> str:
         return type(self).__name__
 
 
-def _bf16_mm_fp32_out(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """BF16 x BF16 GEMM with FP32 accumulation; FP32 output where the build has it (so per-tensor scales
-    multiply the accumulator before the one rounding, as in the real kernels), else BF16 output."""
-    if _MM_HAS_OUT_DTYPE:
-        return torch.mm(a, b_t, out_dtype=torch.float32)
-    return torch.mm(a, b_t).float()
+def gemm_dtype(t: torch.Tensor, quantizer: GemmQuantizer | None = None) -> torch.dtype:
+    """BF16 GEMMs on GPU where the dequantized values are exact in BF16 (`quantizer` None: FP8 codes,
+    always exact), FP32 otherwise and on CPU."""
+    exact = quantizer is None or quantizer.bf16_exact
+    return torch.bfloat16 if t.is_cuda and exact else torch.float32
 
 
-def emulated_mm(a: Quantized, b: Quantized) -> torch.Tensor:
-    """a @ b.T on dequantized operands, FP32 result."""
+def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """a @ b.T (+ bias) on the dequantized operands, in `out_dtype`. The GEMM runs in the values' dtype
+    (BF16 in, FP32 accumulation, BF16 out; or FP32); per-tensor `outer` scales and the bias are applied
+    to its result in FP32 (see the module docstring for the rounding this implies)."""
     if a.values.is_cuda:
         with torch.autocast("cuda", enabled=False):
-            if a.bf16_exact and b.bf16_exact:
-                out = _bf16_mm_fp32_out(a.values.to(torch.bfloat16), b.values.to(torch.bfloat16).t())
-            else:
-                # FP32 block scales (fp8_blockwise) are not exact in BF16: keep the GEMM in FP32, no TF32.
-                out = torch.mm(a.values, b.values.t())
+            out = torch.mm(a.values, b.values.t())
     else:
         out = torch.mm(a.values, b.values.t())
     if a.outer is not None and b.outer is not None:
-        out = out * (a.outer * b.outer)
-    elif a.outer is not None:
-        out = out * a.outer
-    elif b.outer is not None:
-        out = out * b.outer
-    return out
+        scale = a.outer * b.outer
+    else:
+        scale = a.outer if a.outer is not None else b.outer
+    if scale is None and bias is None:
+        return out.to(out_dtype)
+    out = out.to(torch.float32)
+    if scale is not None:
+        out = out * scale
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -95,34 +127,37 @@ class EmulatedLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, quantizer: GemmQuantizer):
         out_dtype = compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
-        if x.is_cuda and torch.is_autocast_enabled("cuda"):
-            # The real kernels (torchao) quantize the autocast (BF16) copy of the activation; so do we.
+        if x2.dtype != out_dtype:
+            # Under autocast the real kernels (torchao) quantize the autocast (BF16) copy; so do we.
             x2 = x2.to(out_dtype)
-        y = emulated_mm(quantizer.input(x2), quantizer.weight_fprop(weight))
-        if bias is not None:
-            y = y + bias.to(torch.float32)
+        dtype = gemm_dtype(x2, quantizer)
+        y = emulated_mm(quantizer.input(x2, dtype=dtype), quantizer.weight_fprop(weight, dtype=dtype),
+                        out_dtype, bias)
         # High-precision operands are saved and requantized in backward (as torchao does): Wgrad
         # needs X blocked along tokens, a different quantization than Fprop's.
         ctx.save_for_backward(x2, weight)
         ctx.quantizer = quantizer
+        ctx.gemm_dtype = dtype
         ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
         q: GemmQuantizer = ctx.quantizer
+        dtype = ctx.gemm_dtype
         dy2 = dy.reshape(-1, dy.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = emulated_mm(q.grad(dy2), q.weight_dgrad(weight)).to(ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = emulated_mm(q.grad(dy2, dtype=dtype), q.weight_dgrad(weight, dtype=dtype),
+                                 ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            a, b = q.wgrad(dy2.t(), x2.t())
-            grad_w = emulated_mm(a, b).to(weight.dtype)
+            a, b = q.wgrad(dy2, x2, dtype=dtype)
+            grad_w = emulated_mm(a, b, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None

@@ -4,18 +4,28 @@ Everything here is plain torch, so it runs identically on CPU, on Hopper (where 
 tensor cores) and on Blackwell. The MXFP8 and NVFP4 quantizers reproduce torchao 0.18's reference
 quantizers (`MXTensor.to_mx`, `NVFP4Tensor.to_nvfp4`) operation for operation, including their edge cases
 (all-zero blocks, scales in the FP32 denormal range), because the bit-exactness contract of
-ARCHITECTURE.md is checked against them.
+ARCHITECTURE.md is checked against them (`quantize_dequantize` below).
 
-Internally a quantized operand is a `Quantized`: `values` (FP32, element x block scale, which is exactly
-representable in BF16 for MXFP8, NVFP4 and power-of-two FP8 scales) and an optional per-tensor `outer`
-scale that a GEMM applies to its FP32 output, the way `torch._scaled_mm` and the Blackwell block-scaled
-GEMMs apply their global scales.
+Internally a quantized operand is a `Quantized`: `values` (element x block scale) and an optional FP32
+per-tensor `outer` scale that the GEMM applies to its output, the way `torch._scaled_mm` and the Blackwell
+block-scaled GEMMs apply their global scales. `values` are computed in FP32 and then stored in the dtype
+the caller asks for: FP32 on CPU, BF16 for the GEMMs on GPU. The cast to BF16 is exact for MXFP8 (E4M3 x
+2^k: 4 significant bits), NVFP4 (E2M1 x E4M3: at most 6 significant bits) and FP8 with power-of-two or
+per-tensor scales (the FP8 codes themselves), except that magnitudes below BF16's smallest subnormal
+(2^-133, i.e. blocks of amax below ~1e-37) flush to zero. Block-scaled FP8 with arbitrary FP32 scales
+(`fp8_blockwise`) is not exact in BF16 and stays FP32 (`bf16_exact=False`).
+
+Blocks run along one axis of a 2D operand: `axis=-1` (the last dim, contiguous) or `axis=0` (the rows,
+e.g. tokens for the Wgrad GEMM, read in place instead of from a transposed copy). The code is
+elementwise math around one block reduction (a reshape to (..., blocks, block) and an amax), with zero
+padding only where a dimension is not a multiple of the block, so torch.compile (inductor) fuses each
+quantizer into one or two kernels; nothing here synchronises with the host.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -34,19 +44,26 @@ F8E4M3_MAX_POW2 = 8
 FORMATS = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4")
 SCALE_ROUNDINGS = ("floor", "rceil")
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+AXES = (-1, 0)
 
 
 @dataclass
 class Quantized:
     """A quantized operand: dequantized value = values * outer (outer None means 1)."""
 
-    values: torch.Tensor  # FP32, same shape as the source
+    values: torch.Tensor  # element x block scale, in the dtype asked for (FP32 or BF16); any layout
     outer: Optional[torch.Tensor] = None  # FP32 scalar
     bf16_exact: bool = True  # values survive a cast to BF16 unchanged (so a BF16 GEMM is exact)
     saturated: Optional[torch.Tensor] = None  # count of elements clamped at the format max (tracked only)
 
     def dequantize(self) -> torch.Tensor:
-        return self.values if self.outer is None else self.values * self.outer
+        """The dequantized operand in FP32."""
+        values = self.values.to(torch.float32)
+        return values if self.outer is None else values * self.outer
+
+    def t(self) -> "Quantized":
+        """The transposed operand (a view: no copy)."""
+        return Quantized(self.values.t(), self.outer, self.bf16_exact, self.saturated)
 
 
 def _fp8_max(dtype: torch.dtype) -> float:
@@ -60,6 +77,54 @@ def _pad_last(x: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
     return x, k
+
+
+def _as_2d(x: torch.Tensor, axis: int) -> torch.Tensor:
+    if axis not in AXES:
+        raise ValueError(f"axis must be -1 (last dim) or 0 (rows of a 2D tensor), got {axis!r}")
+    if axis == 0 and x.dim() != 2:
+        raise ValueError(f"blocks along axis 0 need a 2D tensor, got shape {tuple(x.shape)}")
+    return x.reshape(-1, x.shape[-1])
+
+
+def _block_view(x2: torch.Tensor, block: int, axis: int) -> tuple[torch.Tensor, int, Callable]:
+    """View a 2D tensor as blocks of `block` elements along `axis` (zero-padded only when needed).
+
+    Returns (blocked, dim, unblock): `blocked` is (rows, cols/block, block) for axis -1 or
+    (rows/block, block, cols) for axis 0, `dim` is the in-block dim to reduce over, and `unblock` turns a
+    tensor of blocked's shape back into one of x2's shape (dropping the padding).
+    """
+    rows, cols = x2.shape
+    if axis == -1:
+        pad = (-cols) % block
+        padded = torch.nn.functional.pad(x2, (0, pad)) if pad else x2
+        blocked = padded.reshape(rows, (cols + pad) // block, block)
+
+        def unblock(t: torch.Tensor) -> torch.Tensor:
+            t = t.reshape(rows, cols + pad)
+            return t[:, :cols] if pad else t
+        return blocked, 2, unblock
+    pad = (-rows) % block
+    padded = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
+    blocked = padded.reshape((rows + pad) // block, block, cols)
+
+    def unblock(t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(rows + pad, cols)
+        return t[:rows] if pad else t
+    return blocked, 1, unblock
+
+
+def _tile_view(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, Callable]:
+    """View a 2D tensor as (rows/block, block, cols/block, block) tiles (zero-padded only when needed)."""
+    rows, cols = x2.shape
+    pr, pc = (-rows) % block, (-cols) % block
+    padded = torch.nn.functional.pad(x2, (0, pc, 0, pr)) if (pr or pc) else x2
+    tiles = padded.reshape((rows + pr) // block, block, (cols + pc) // block, block)
+
+    def unblock(t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(rows + pr, cols + pc)
+        return t[:rows, :cols] if (pr or pc) else t
+    return tiles, unblock
 
 
 def _count_saturated(scaled: torch.Tensor, max_pos: float, track: bool):
@@ -76,7 +141,7 @@ def fp8_scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, *, power_of_
 
 
 def fp8_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, track: bool = False):
-    """Saturating cast of x*scale to FP8; returns the FP8 codes as FP32 and the saturation count."""
+    """Saturating cast of x*scale to FP8; returns the FP8 codes (in `fp8_dtype`) and the saturation count."""
     max_pos = _fp8_max(fp8_dtype)
     scaled = x.to(torch.float32) * scale
     saturated = _count_saturated(scaled, max_pos, track)
@@ -85,40 +150,38 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, tr
 
 
 def quantize_fp8_tensorwise(x: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, *, scale=None,
-                            track: bool = False) -> Quantized:
+                            dtype: torch.dtype = torch.float32, track: bool = False) -> Quantized:
     """Per-tensor FP8. `scale` (x -> FP8 multiplier) defaults to the current amax (torchao `tensorwise`);
-    delayed scaling passes the scale derived from its amax history instead."""
+    delayed scaling passes the scale derived from its amax history instead. `values` are the FP8 codes
+    (exact in BF16), `outer` the reciprocal scale the GEMM multiplies its accumulator by, as _scaled_mm."""
     if scale is None:
         scale = fp8_scale_from_amax(x.detach().abs().amax(), fp8_dtype)
     q, saturated = fp8_cast(x, scale, fp8_dtype, track=track)
-    # The reciprocal is what _scaled_mm multiplies the FP32 accumulator by; emulation does the same.
-    return Quantized(q.to(torch.float32), outer=scale.reciprocal(), saturated=saturated)
+    return Quantized(q.to(dtype), outer=scale.reciprocal(), saturated=saturated)
 
 
 def quantize_fp8_blocks(x: torch.Tensor, block: Optional[int], fp8_dtype=torch.float8_e4m3fn, *,
-                        power_of_2: bool = False, block_2d: bool = False, track: bool = False) -> Quantized:
-    """FP8 with one scale per 1 x `block` run along the last dim (block None: the whole row, i.e. torchao
-    `rowwise`), or per `block` x `block` tile when block_2d (DeepSeek-V3 weights). Rows are zero-padded
-    to a whole number of blocks and the padding cut off again."""
-    x2 = x.reshape(-1, x.shape[-1])
-    rows, k = x2.shape
-    if block is None:
-        blocked = x2.unsqueeze(1)  # (rows, 1, k)
-        amax = blocked.abs().amax(dim=-1, keepdim=True)
+                        power_of_2: bool = False, block_2d: bool = False, axis: int = -1,
+                        dtype: torch.dtype = torch.float32, track: bool = False) -> Quantized:
+    """FP8 with one scale per run of `block` elements along `axis` (block None: the whole row for axis -1,
+    the whole column for axis 0, i.e. torchao `rowwise`), or per `block` x `block` tile when block_2d
+    (DeepSeek-V3 weights; transpose-invariant, so axis does not matter). `values` are FP8 code / scale:
+    exact in BF16 only with power-of-two scales, so `dtype` applies only then (else FP32)."""
+    shape = x.shape
+    x2 = _as_2d(x, axis)
+    if block_2d:
+        blocked, unblock = _tile_view(x2, block)
+        amax = blocked.abs().amax(dim=(1, 3), keepdim=True)
+    elif block is None:
+        blocked, unblock = x2, (lambda t: t)
+        amax = x2.abs().amax(dim=1 if axis == -1 else 0, keepdim=True)
     else:
-        padded, _ = _pad_last(x2, block)
-        blocked = padded.reshape(rows, -1, block)
-        if block_2d:
-            pr = (-rows) % block
-            tiles = torch.nn.functional.pad(blocked, (0, 0, 0, 0, 0, pr)) if pr else blocked
-            nb = tiles.shape[1]
-            tile_amax = tiles.reshape(-1, block, nb, block).abs().amax(dim=(1, 3))  # (row_tiles, nb)
-            amax = tile_amax.repeat_interleave(block, dim=0)[:rows].unsqueeze(-1)
-        else:
-            amax = blocked.abs().amax(dim=-1, keepdim=True)
+        blocked, dim, unblock = _block_view(x2, block, axis)
+        amax = blocked.abs().amax(dim=dim, keepdim=True)
     scale = fp8_scale_from_amax(amax.detach(), fp8_dtype, power_of_2=power_of_2)
     q, saturated = fp8_cast(blocked, scale, fp8_dtype, track=track)
-    values = (q.to(torch.float32) / scale).reshape(rows, -1)[:, :k].reshape(x.shape)
+    values = q.to(torch.float32) / scale
+    values = unblock(values.to(dtype) if power_of_2 else values).reshape(shape)
     return Quantized(values, bf16_exact=power_of_2, saturated=saturated)
 
 
@@ -161,22 +224,21 @@ def e8m0_to_fp32(exponent: torch.Tensor) -> torch.Tensor:
     return torch.where(exponent != E8M0_NAN, s, float("nan"))
 
 
-def quantize_mxfp8(x: torch.Tensor, *, block_size: int = 32, scale_rounding: str = "rceil",
-                   track: bool = False) -> Quantized:
-    """MXFP8: E4M3 elements, one E8M0 (power-of-two) scale per `block_size` run of the last dim."""
+def quantize_mxfp8(x: torch.Tensor, *, block_size: int = 32, scale_rounding: str = "rceil", axis: int = -1,
+                   dtype: torch.dtype = torch.float32, track: bool = False) -> Quantized:
+    """MXFP8: E4M3 elements, one E8M0 (power-of-two) scale per `block_size` run along `axis`; `values`
+    (E4M3 x 2^k) stored in `dtype`, of x's shape (x reshaped to 2D for axis -1)."""
     shape = x.shape
-    padded, k = _pad_last(x.reshape(-1, shape[-1]), block_size)
-    blocks = padded.reshape(padded.shape[0], -1, block_size)
+    blocks, dim, unblock = _block_view(_as_2d(x, axis), block_size, axis)
     # amax in the input dtype first, as torchao does (a BF16 amax is exact anyway).
-    max_abs = blocks.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+    max_abs = blocks.abs().amax(dim=dim, keepdim=True).to(torch.float32)
     data = blocks.to(torch.float32)
     exponent, factor, divide = mxfp8_block_scales(max_abs, scale_rounding)
     scaled = data / factor if divide else data * factor
     saturated = _count_saturated(scaled, F8E4M3_MAX, track)
     codes = torch.clamp(scaled, -F8E4M3_MAX, F8E4M3_MAX).to(torch.float8_e4m3fn)
-    values = codes.to(torch.float32) * e8m0_to_fp32(exponent)
-    values = values.reshape(padded.shape)[:, :k].reshape(shape)
-    return Quantized(values, saturated=saturated)
+    values = (codes.to(torch.float32) * e8m0_to_fp32(exponent)).to(dtype)
+    return Quantized(unblock(values).reshape(shape), saturated=saturated)
 
 
 # ---------------------------------------------------------------------------------------------- NVFP4
@@ -186,7 +248,8 @@ def round_to_e2m1(v: torch.Tensor, *, stochastic: bool = False, generator=None) 
     The grid is uniform with step 0.5 below 2, 1 below 4 and 2 above, so rounding |v|/step to an integer
     rounds onto the grid; torch.round is half-to-even, and an even integer is an even E2M1 mantissa,
     which matches the hardware (and torchao's bit-twiddling) round-to-nearest-even. Stochastic rounding
-    rounds up with probability equal to the distance from the lower neighbour, hence unbiased.
+    rounds up with probability equal to the distance from the lower neighbour, hence unbiased. Without a
+    generator the draws are `torch.rand_like` (global RNG; inductor lowers it to in-kernel Philox).
     """
     a = v.abs()
     step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
@@ -209,25 +272,11 @@ def nvfp4_per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
     return amax.to(torch.float32) / (F8E4M3_MAX * F4_E2M1_MAX)
 
 
-def nvfp4_parts(x: torch.Tensor, *, block_2d: bool = False, stochastic: bool = False, generator=None,
-                per_tensor_scale: Optional[torch.Tensor] = None, track: bool = False):
-    """Quantize to NVFP4 and return the pieces: E2M1 element values (FP32), E4M3 block scales (FP32,
-    one per 1x16 block, broadcast over 16x16 tiles when block_2d), the FP32 per-tensor scale, and the
-    saturation count. Follows torchao `nvfp4_quantize` with two-level scaling op for op."""
-    shape = x.shape
-    if per_tensor_scale is None:
-        per_tensor_scale = nvfp4_per_tensor_scale(x.detach().abs().amax())
-    padded, k = _pad_last(x.reshape(-1, shape[-1]), 16)
-    rows = padded.shape[0]
-    data = padded.to(torch.float32).reshape(rows, -1, 16)
-    if block_2d:
-        pr = (-rows) % 16
-        tiles = torch.nn.functional.pad(data, (0, 0, 0, 0, 0, pr)) if pr else data
-        nb = tiles.shape[1]
-        tile_amax = tiles.reshape(-1, 16, nb, 16).abs().amax(dim=(1, 3))
-        max_abs = tile_amax.repeat_interleave(16, dim=0)[:rows]
-    else:
-        max_abs = data.abs().amax(dim=-1)
+def _nvfp4_blocked(data: torch.Tensor, max_abs: torch.Tensor, per_tensor_scale: torch.Tensor, *,
+                   stochastic: bool, generator, track: bool):
+    """NVFP4 of blocked FP32 `data` given each block's amax (broadcastable to data): E2M1 elements, E4M3
+    block scales (as FP32) and the saturation count. torchao `nvfp4_quantize` with two-level scaling,
+    op for op."""
     block_scale = max_abs / F4_E2M1_MAX
     scaled_block_scales = block_scale / per_tensor_scale
     block_scales_e4m3 = torch.clamp(scaled_block_scales, min=F8E4M3_TINY, max=F8E4M3_MAX).to(
@@ -236,20 +285,63 @@ def nvfp4_parts(x: torch.Tensor, *, block_2d: bool = False, stochastic: bool = F
     reciprocal = (1.0 / per_tensor_scale) / block_scales_e4m3
     # When the tensor amax is below ~8e-36 the reciprocal of the global scale overflows to inf and 0*inf
     # would be NaN (torchao then decodes that NaN's bits as +-1.5); we keep zeros zero instead.
-    scaled = torch.where(data == 0, 0.0, data * reciprocal.unsqueeze(-1))
+    scaled = torch.where(data == 0, 0.0, data * reciprocal)
     saturated = _count_saturated(scaled, F4_E2M1_MAX, track)
     scaled = torch.clamp(scaled, -F4_E2M1_MAX, F4_E2M1_MAX)
     elements = round_to_e2m1(scaled, stochastic=stochastic, generator=generator)
-    return elements, block_scales_e4m3, per_tensor_scale, saturated, (rows, k, shape)
+    return elements, block_scales_e4m3, saturated
 
 
-def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, stochastic: bool = False, generator=None,
-                   track: bool = False) -> Quantized:
-    """NVFP4 for a GEMM: values = E2M1 x E4M3 block scale (exact in BF16), outer = FP32 tensor scale."""
-    elements, scales, pts, saturated, (rows, k, shape) = nvfp4_parts(
-        x, block_2d=block_2d, stochastic=stochastic, generator=generator, track=track)
-    values = (elements * scales.unsqueeze(-1)).reshape(rows, -1)[:, :k].reshape(shape)
-    return Quantized(values, outer=pts, saturated=saturated)
+def _nvfp4_blocks(x2: torch.Tensor, *, axis: int, block_2d: bool, stochastic: bool, generator,
+                  per_tensor_scale: Optional[torch.Tensor], track: bool):
+    if per_tensor_scale is None:
+        per_tensor_scale = nvfp4_per_tensor_scale(x2.detach().abs().amax())
+    if block_2d:  # 16x16 tiles: one amax per tile, broadcast over its 256 elements
+        blocked, unblock = _tile_view(x2, 16)
+        data = blocked.to(torch.float32)
+        max_abs = data.abs().amax(dim=(1, 3), keepdim=True)
+    else:
+        blocked, dim, unblock = _block_view(x2, 16, axis)
+        data = blocked.to(torch.float32)
+        max_abs = data.abs().amax(dim=dim, keepdim=True)
+    elements, scales, saturated = _nvfp4_blocked(data, max_abs, per_tensor_scale, stochastic=stochastic,
+                                                 generator=generator, track=track)
+    return elements, scales, per_tensor_scale, saturated, unblock
+
+
+def nvfp4_parts(x: torch.Tensor, *, block_2d: bool = False, stochastic: bool = False, generator=None,
+                per_tensor_scale: Optional[torch.Tensor] = None, track: bool = False):
+    """Quantize to NVFP4 (blocks along the last dim) and return the pieces: E2M1 element values (FP32,
+    shape (rows, blocks, 16)), E4M3 block scales (FP32, one per 1x16 block: (rows, blocks), broadcast
+    over 16x16 tiles when block_2d), the FP32 per-tensor scale, the saturation count and
+    (rows, k, shape) to undo the blocking. Follows torchao `nvfp4_quantize` with two-level scaling."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    rows, k = x2.shape
+    elements, scales, pts, saturated, _ = _nvfp4_blocks(x2, axis=-1, block_2d=block_2d, stochastic=stochastic,
+                                                        generator=generator, per_tensor_scale=per_tensor_scale,
+                                                        track=track)
+    if block_2d:  # (row tiles, 16, col tiles, 16) -> (rows, blocks, 16)
+        nb = elements.shape[2]
+        elements = elements.reshape(-1, nb, 16)[:rows]
+        scales = scales.expand(-1, 16, -1, -1).reshape(-1, nb)[:rows]
+    else:
+        scales = scales.squeeze(-1)
+    return elements, scales, pts, saturated, (rows, k, shape)
+
+
+def quantize_nvfp4(x: torch.Tensor, *, axis: int = -1, block_2d: bool = False, stochastic: bool = False,
+                   generator=None, per_tensor_scale: Optional[torch.Tensor] = None,
+                   dtype: torch.dtype = torch.float32, track: bool = False) -> Quantized:
+    """NVFP4 for a GEMM: values = E2M1 x E4M3 block scale (exact in BF16, stored in `dtype`), outer = the
+    FP32 tensor scale. 1x16 blocks along `axis`, or 16x16 tiles (block_2d)."""
+    shape = x.shape
+    x2 = _as_2d(x, axis)
+    elements, scales, pts, saturated, unblock = _nvfp4_blocks(
+        x2, axis=axis, block_2d=block_2d, stochastic=stochastic, generator=generator,
+        per_tensor_scale=per_tensor_scale, track=track)
+    values = (elements * scales).to(dtype)
+    return Quantized(unblock(values).reshape(shape), outer=pts, saturated=saturated)
 
 
 # ----------------------------------------------------------------------------------- Hadamard (RHT)
@@ -271,17 +363,34 @@ def rht_matrix(signs: torch.Tensor) -> torch.Tensor:
     return torch.diag(signs.to(torch.float32)) @ hadamard_16().to(signs.device)
 
 
-def random_hadamard_transform(x: torch.Tensor, rht: torch.Tensor) -> torch.Tensor:
-    """Apply the 16x16 transform `rht` (see rht_matrix) to every 16-run of the last dim, zero-padded to a
-    multiple of 16.
+def random_hadamard_transform(x: torch.Tensor, rht: torch.Tensor, *, axis: int = -1,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Apply the 16x16 transform `rht` (see rht_matrix) to every run of 16 elements along `axis` (-1: the
+    last dim; 0: the rows of a 2D tensor), zero-padded to a multiple of 16.
 
     Both Wgrad operands get the same orthogonal transform along the token (reduction) dimension, so
     their product is unchanged in exact arithmetic while outliers are spread over 16 elements before
     FP4 quantization. The result keeps the padded length; callers pad both operands alike.
+
+    One GEMM with a 16-wide reduction: (rows, 16) @ (16, 16) for axis -1, a batched (16, 16) @ (16, cols)
+    per run of 16 rows for axis 0 (read in place). It runs in `dtype`: FP32 (default) multiplies exactly
+    and accumulates in FP32; BF16 inputs with dtype=bfloat16 (the GPU training path) still multiply
+    exactly (the entries of `rht` are +-1/4) and accumulate in FP32, and the result is rounded once to
+    BF16 (2^-9 relative) before the FP4 quantization reads it. A GEMM rather than a pointwise 16-term sum:
+    inductor would materialise such a sum in several chunks, while the GEMM writes the result once.
     """
-    padded, _ = _pad_last(x, 16)
-    blocks = padded.to(torch.float32).reshape(-1, 16)  # one 2D GEMM, not a broadcast batched one
-    return (blocks @ rht.to(blocks.device)).reshape(padded.shape)
+    if axis not in AXES:
+        raise ValueError(f"axis must be -1 (last dim) or 0 (rows of a 2D tensor), got {axis!r}")
+    m = rht.to(device=x.device, dtype=dtype)
+    if axis == -1:
+        padded, _ = _pad_last(x, 16)
+        blocks = padded.reshape(-1, 16).to(dtype)  # one 2D GEMM, not a broadcast batched one
+        return (blocks @ m).reshape(padded.shape)
+    if x.dim() != 2:
+        raise ValueError(f"the transform along axis 0 needs a 2D tensor, got shape {tuple(x.shape)}")
+    blocks, _, _ = _block_view(x, 16, 0)  # (rows/16, 16, cols)
+    # out[g, j, c] = sum_i rht[i, j] * x[g, i, c]
+    return torch.matmul(m.t(), blocks.to(dtype)).reshape(-1, x.shape[1])
 
 
 # ------------------------------------------------------------------------------------ public contract

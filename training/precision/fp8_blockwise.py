@@ -9,30 +9,38 @@ from torch import nn
 
 from training.precision.emulation import EmulatedLinearFn, GemmQuantizer
 from training.precision.formats import quantize_fp8_blocks
-from training.precision.fp8_tensorwise import transposed
 from training.precision.registry import Recipe, capability_reason, register
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
 
 
-def _runs(t, track=False):
-    return quantize_fp8_blocks(t, BLOCK, E4M3, track=track)
+def _runs(t, *, axis=-1, track=False):
+    return quantize_fp8_blocks(t, BLOCK, E4M3, axis=axis, track=track)
+
+
+def _tiles(w, *, track=False):
+    return quantize_fp8_blocks(w, BLOCK, E4M3, block_2d=True, track=track)
 
 
 class BlockwiseQuantizer(GemmQuantizer):
-    def input(self, x2d, *, track=False):
-        return _runs(x2d, track)
+    # FP32 scales per block are not exact in BF16: the emulated GEMMs stay FP32 (`dtype` is ignored).
+    bf16_exact = False
 
-    def weight(self, w, *, track=False):
-        q = quantize_fp8_blocks(w, BLOCK, E4M3, block_2d=True, track=track)
-        return q, transposed(q)
+    def input(self, x2d, *, dtype=torch.float32, track=False):
+        return _runs(x2d, track=track)
 
-    def grad(self, dy2d, *, track=False):
-        return _runs(dy2d, track)
+    def weight_fprop(self, w, *, dtype=torch.float32, track=False):
+        return _tiles(w, track=track)
 
-    def wgrad(self, dy_t, x_t):
-        return _runs(dy_t), _runs(x_t)
+    def weight_dgrad(self, w, *, dtype=torch.float32, track=False):
+        return _tiles(w, track=track).t()  # 128x128 tiles are transpose-invariant
+
+    def grad(self, dy2d, *, dtype=torch.float32, track=False):
+        return _runs(dy2d, track=track)
+
+    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
+        return _runs(dy2d, axis=0).t(), _runs(x2d, axis=0).t()
 
     def describe(self):
         return "E4M3, 1x128 activation/gradient scales, 128x128 weight tiles"

@@ -5,56 +5,82 @@ X and W in E4M3, dY in E5M2. Each converted layer keeps, per operand, an amax hi
 `amax_history_len` steps (default 1024). The scale used at step t is 448 (57344 for E5M2) divided by
 the max of the history up to step t-1; during step t the layer records the amaxes it sees (max over
 micro-batches), and `DelayedScalingHook.post_optimizer_step` pushes them into the history and derives
-the next scales. The first step has no history and falls back to the current amax. Values above the
-stale scale's range saturate (that is the recipe's known risk; telemetry's saturation_frac shows it).
+the next scales (one batched update for all layers). The first step has no history and falls back to
+the current amax. Values above the stale scale's range saturate (that is the recipe's known risk;
+telemetry's saturation_frac shows it).
 
-History, scales and pending amaxes are non-persistent buffers updated with tensor ops only (no Python
-state on the step path, so torch.compile does not break the graph); they travel in checkpoints through
-the hook's state_dict, not through the HF weights. Real kernels: `torch._scaled_mm` on sm_89+.
+Each operand's amax is computed once per step: X's and W's in the layer's forward (recorded into the
+pending amaxes and, before the history exists, turned into the just-in-time scale), dY's once in the
+backward. Everything on the step path is tensor ops with no host synchronisation, so torch.compile
+traces the layer into the model's graph without breaks: the forward's record is a module-level in-place
+update of a buffer (functionalized by AOTAutograd), the backward's is the custom op
+`plab::record_grad_amax_`, which declares the buffer it mutates (mutates_args) so AOTAutograd keeps the
+mutation in the compiled backward. History, scales and pending amaxes are non-persistent buffers; they
+travel in checkpoints through the hook's state_dict, not through the HF weights.
+
+Real kernels: `torch._scaled_mm` on sm_89+ (row-major first operand, column-major second, as torchao's
+float8 path): Fprop with fast accumulation, Dgrad and Wgrad without, each writing its output dtype
+directly (activation dtype for Y and dX, the weight's dtype for dW). Backward reuses the FP8 copies of
+X and W saved in forward (per-tensor scaling is transpose-invariant); the column-major operands it needs
+are transposed FP8 copies (1 byte per element). Elsewhere (CPU, pre-Ada GPUs, token counts not divisible
+by 16) the same casts feed the exact emulation of emulation.py.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from training.precision.emulation import EmulatedLinearFn, GemmQuantizer, QuantizedLinear, compute_dtype
-from training.precision.formats import fp8_cast, fp8_scale_from_amax, quantize_fp8_tensorwise
-from training.precision.fp8_tensorwise import scaled_mm_shape_reason, transposed
+from training.precision import emulation
+from training.precision.emulation import GemmQuantizer, QuantizedLinear, compute_dtype, emulated_mm
+from training.precision.formats import (FP8_AMAX_EPS, Quantized, fp8_cast, fp8_scale_from_amax,
+                                        quantize_fp8_tensorwise)
+from training.precision.fp8_tensorwise import scaled_mm_shape_reason
 from training.precision.registry import Recipe, capability_reason, register
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 INPUT, WEIGHT, GRAD = 0, 1, 2
 OPERAND_DTYPES = (E4M3, E4M3, E5M2)
+OPERAND_MAX = tuple(float(torch.finfo(d).max) for d in OPERAND_DTYPES)
+STATE_BUFFERS = ("amax_history", "pending_amax", "scales", "history_ready")
+
+
+@torch.library.custom_op("plab::record_grad_amax_", mutates_args=("pending",))
+def record_grad_amax_(pending: torch.Tensor, amax: torch.Tensor) -> None:
+    """pending[GRAD] = max(pending[GRAD], amax), in place (called from the backward)."""
+    row = pending[GRAD:GRAD + 1]
+    row.copy_(torch.maximum(row, amax.reshape(1).to(pending.dtype)))
+
+
+@record_grad_amax_.register_fake
+def _(pending, amax):
+    return None
 
 
 class DelayedQuantizer(GemmQuantizer):
-    """Per-tensor FP8 with the layer's delayed scales. Calls with track=True come from telemetry,
-    which must observe without feeding the amax history."""
+    """Per-tensor FP8 with the layer's current delayed scales, for numerics telemetry: it observes
+    without feeding the amax history (the training GEMMs run in DelayedFP8Fn)."""
 
     def __init__(self, layer: "DelayedScalingLinear"):
         self.layer = layer  # the quantizer is not a Module, so this back-reference adds no submodule
 
-    def _scale(self, which: int, t: torch.Tensor) -> torch.Tensor:
-        return self.layer.effective_scale(which, t.detach().abs().amax())
+    def _q(self, t, which, dtype=torch.float32, track=False):
+        scale = self.layer.effective_scale(which, t.detach().abs().amax())
+        return quantize_fp8_tensorwise(t, OPERAND_DTYPES[which], scale=scale, dtype=dtype, track=track)
 
-    def input(self, x2d, *, track=False):
-        return quantize_fp8_tensorwise(x2d, E4M3, scale=self._scale(INPUT, x2d), track=track)
+    def input(self, x2d, *, dtype=torch.float32, track=False):
+        return self._q(x2d, INPUT, dtype, track)
 
-    def weight(self, w, *, track=False):
-        q = quantize_fp8_tensorwise(w, E4M3, scale=self._scale(WEIGHT, w), track=track)
-        return q, transposed(q)
+    def weight_fprop(self, w, *, dtype=torch.float32, track=False):
+        return self._q(w, WEIGHT, dtype, track)
 
-    def grad(self, dy2d, *, track=False):
-        amax = dy2d.detach().abs().amax()
-        if not track:
-            self.layer.record_amax(GRAD, amax)
-        return quantize_fp8_tensorwise(dy2d, E5M2, scale=self.layer.effective_scale(GRAD, amax), track=track)
+    def weight_dgrad(self, w, *, dtype=torch.float32, track=False):
+        return self._q(w, WEIGHT, dtype, track).t()
 
-    def wgrad(self, dy_t, x_t):
-        # Same per-tensor scales as Fprop/Dgrad: the quantized tensors are orientation-independent.
-        s_g = self.layer.effective_scale(GRAD, dy_t.detach().abs().amax())
-        s_x = self.layer.effective_scale(INPUT, x_t.detach().abs().amax())
-        return quantize_fp8_tensorwise(dy_t, E5M2, scale=s_g), quantize_fp8_tensorwise(x_t, E4M3, scale=s_x)
+    def grad(self, dy2d, *, dtype=torch.float32, track=False):
+        return self._q(dy2d, GRAD, dtype, track)
+
+    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
+        return self._q(dy2d, GRAD, dtype).t(), self._q(x2d, INPUT, dtype).t()
 
     def describe(self):
         return f"E4M3 X/W, E5M2 dY, per-tensor delayed scaling (history {self.layer.amax_history.shape[1]})"
@@ -65,52 +91,80 @@ def _to_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix stored column-major (what torch._scaled_mm wants for its second operand)."""
     return t.t().contiguous().t()
 
 
-class DelayedScaledMMFn(torch.autograd.Function):
-    """Real FP8 GEMMs with delayed scales: torch._scaled_mm for Fprop (fast accumulation, as torchao),
-    Dgrad and Wgrad (full-precision accumulation: gradients are less forgiving)."""
+def _fp8_mm(real: bool, a8, inv_a, b8, inv_b, out_dtype, *, fast_accum: bool, bias=None) -> torch.Tensor:
+    """a8 @ b8 (+ bias) with per-tensor scales. Real: torch._scaled_mm, the bias added in the output dtype
+    (as torchao's Float8Linear). Emulated: the exact emulation of emulation.py (FP8 codes are exact in
+    BF16: BF16 GEMM on GPU, FP32 on CPU), the bias added to the scaled result before its rounding."""
+    if real:
+        out = torch._scaled_mm(a8, b8, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype,
+                               use_fast_accum=fast_accum)
+        return out if bias is None else out + bias.to(out_dtype)
+    dtype = emulation.gemm_dtype(a8)
+    return emulated_mm(Quantized(a8.to(dtype), inv_a), Quantized(b8.to(dtype).t(), inv_b), out_dtype, bias)
+
+
+class DelayedFP8Fn(torch.autograd.Function):
+    """The three FP8 GEMMs of a linear with delayed scales. Forward gets the X and W scales (from the
+    history, or just in time on the first step); backward computes dY's amax once, records it with
+    `plab::record_grad_amax_` and takes dY's scale from the same `scales`/`ready` buffers."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, layer):
-        out_dtype = compute_dtype(x)
-        x2 = x.reshape(-1, x.shape[-1])
-        s_x = layer.effective_scale(INPUT, x2.detach().abs().amax())
-        s_w = layer.effective_scale(WEIGHT, weight.detach().abs().amax())
+    def forward(ctx, x2, weight, bias, s_x, s_w, scales, ready, pending, real: bool, record: bool, out_dtype):
         x8 = _to_fp8(x2, s_x, E4M3)
         w8 = _to_fp8(weight, s_w, E4M3)
-        y = torch._scaled_mm(x8, w8.t(), scale_a=s_x.reciprocal(), scale_b=s_w.reciprocal(),
-                             out_dtype=torch.bfloat16, use_fast_accum=True)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        # FP8 copies are what backward needs (per-tensor scaling is transpose-invariant): a quarter of
-        # the memory of saving FP32 operands.
-        ctx.save_for_backward(x8, w8, s_x, s_w)
-        ctx.layer = layer
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.has_bias = bias is not None
+        inv_x, inv_w = s_x.reciprocal(), s_w.reciprocal()
+        y = _fp8_mm(real, x8, inv_x, w8.t(), inv_w, out_dtype, fast_accum=True, bias=bias)
+        # The FP8 copies are what backward needs (1 byte per element instead of the activation's 2-4).
+        ctx.save_for_backward(x8, w8, inv_x, inv_w, scales, ready)
+        ctx.pending = pending  # mutated in backward through the custom op (not a saved tensor: no version check)
+        ctx.real, ctx.record = real, record
+        ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return y
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
-        x8, w8, s_x, s_w = ctx.saved_tensors
-        layer = ctx.layer
+        x8, w8, inv_x, inv_w, scales, ready = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        amax = dy2.detach().abs().amax()
-        layer.record_amax(GRAD, amax)
-        s_g = layer.effective_scale(GRAD, amax)
+        amax = dy2.detach().abs().amax().to(torch.float32)
+        if ctx.record:
+            torch.ops.plab.record_grad_amax_(ctx.pending, amax)
+        s_g = torch.where(ready, scales[GRAD], fp8_scale_from_amax(amax, E5M2))
         g8 = _to_fp8(dy2, s_g, E5M2)
         inv_g = s_g.reciprocal()
-        grad_x = torch._scaled_mm(g8, _col_major(w8), scale_a=inv_g, scale_b=s_w.reciprocal(),
-                                  out_dtype=torch.bfloat16)
-        grad_w = torch._scaled_mm(g8.t().contiguous(), _col_major(x8), scale_a=inv_g, scale_b=s_x.reciprocal(),
-                                  out_dtype=torch.float32)
-        grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype).reshape(ctx.x_shape), grad_w, grad_b, None
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            w8_second = _col_major(w8) if ctx.real else w8
+            grad_x = _fp8_mm(ctx.real, g8, inv_g, w8_second, inv_w, ctx.x_dtype, fast_accum=False)
+        if ctx.needs_input_grad[1]:
+            if ctx.real:
+                grad_w = _fp8_mm(True, g8.t().contiguous(), inv_g, _col_major(x8), inv_x, ctx.w_dtype,
+                                 fast_accum=False)
+            else:
+                grad_w = _fp8_mm(False, g8.t(), inv_g, x8, inv_x, ctx.w_dtype, fast_accum=False)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+
+
+def _advance_history(history: torch.Tensor, pending: torch.Tensor, scales: torch.Tensor):
+    """One step of delayed scaling for a batch of layers: history (L, 3, H), pending (L, 3), scales (L, 3)
+    -> (new history, new scales). The scale is FP8 max / max(history) with torchao's FP64 division; an
+    operand never seen (amax 0, e.g. no backward yet) keeps its previous scale."""
+    history = torch.roll(history, shifts=1, dims=-1)
+    history[..., 0] = pending
+    amax = history.amax(dim=-1)
+    # FP8 max per operand row, built on the device (torch.tensor(list) would be a synchronous host copy).
+    row = torch.arange(3, device=amax.device)
+    fp8_max = torch.where(row == GRAD, OPERAND_MAX[GRAD], OPERAND_MAX[INPUT]).to(torch.float64)
+    fresh = (fp8_max / torch.clamp(amax.to(torch.float64), min=FP8_AMAX_EPS)).to(torch.float32)
+    return history, torch.where(amax > 0, fresh, scales)
 
 
 class DelayedScalingLinear(QuantizedLinear):
@@ -125,37 +179,48 @@ class DelayedScalingLinear(QuantizedLinear):
         self.quantizer = DelayedQuantizer(self)
         self.real = real
 
+    def _apply(self, fn, recurse=True):
+        """Keep the scaling state in FP32 through `.to(dtype)` / `.bfloat16()` (a BF16 copy of the model
+        must not round its amax history and scales); device moves apply as usual."""
+        state = {key: self._buffers[key] for key in STATE_BUFFERS}
+        super()._apply(fn, recurse)
+        for key, old in state.items():
+            new = self._buffers[key]
+            if new is not old and new.dtype != old.dtype:
+                self._buffers[key] = old.to(device=new.device)
+        return self
+
     def effective_scale(self, which: int, current_amax: torch.Tensor) -> torch.Tensor:
+        """The scale used now: from the history once it exists, else just in time from `current_amax`."""
         just_in_time = fp8_scale_from_amax(current_amax, OPERAND_DTYPES[which])
         return torch.where(self.history_ready, self.scales[which], just_in_time)
 
-    def record_amax(self, which: int, amax: torch.Tensor) -> None:
-        """Called from backward for dY (backward only runs for training steps)."""
-        cur = self.pending_amax[which]
-        cur.copy_(torch.maximum(cur, amax.to(torch.float32)))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and torch.is_grad_enabled():
-            # Recorded here rather than inside the autograd.Function so the buffer mutation is a plain
-            # module-level in-place op that torch.compile functionalizes.
-            self.pending_amax[INPUT].copy_(torch.maximum(self.pending_amax[INPUT], x.detach().abs().amax().float()))
-            self.pending_amax[WEIGHT].copy_(torch.maximum(self.pending_amax[WEIGHT],
-                                                          self.weight.detach().abs().amax().float()))
-        tokens = x.numel() // x.shape[-1]
+        out_dtype = compute_dtype(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != out_dtype:
+            x2 = x2.to(out_dtype)  # under autocast the kernels see the autocast (BF16) copy
+        amax_x = x2.detach().abs().amax().to(torch.float32)
+        amax_w = self.weight.detach().abs().amax().to(torch.float32)
+        record = self.training and torch.is_grad_enabled()
+        if record:
+            pending = self.pending_amax
+            pending.copy_(torch.maximum(pending, torch.stack([amax_x, amax_w, pending[GRAD]])))
+        s_x = self.effective_scale(INPUT, amax_x)
+        s_w = self.effective_scale(WEIGHT, amax_w)
         # torch._scaled_mm needs every dim divisible by 16; other token counts take the emulated path.
-        if self.real and tokens % 16 == 0:
-            return DelayedScaledMMFn.apply(x, self.weight, self.bias, self)
-        return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer)
+        real = self.real and x2.shape[0] % 16 == 0
+        y = DelayedFP8Fn.apply(x2, self.weight, self.bias, s_x, s_w, self.scales, self.history_ready,
+                               self.pending_amax, real, record, out_dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()
     def update_scales(self) -> None:
-        history = torch.roll(self.amax_history, shifts=1, dims=1)
-        history[:, 0] = self.pending_amax
+        """Push the pending amaxes into the history and derive the next scales (this layer only; the hook
+        does all layers at once)."""
+        history, scales = _advance_history(self.amax_history, self.pending_amax, self.scales)
         self.amax_history.copy_(history)
-        amax = history.amax(dim=1)
-        fresh = torch.stack([fp8_scale_from_amax(amax[i], OPERAND_DTYPES[i]) for i in range(3)])
-        # An operand never seen (amax 0, e.g. no backward yet) keeps its previous scale.
-        self.scales.copy_(torch.where(amax > 0, fresh, self.scales))
+        self.scales.copy_(scales)
         self.history_ready.fill_(True)
         self.pending_amax.zero_()
 
@@ -172,22 +237,30 @@ class DelayedScalingHook:
         self.layers = layers
         self.history_len = history_len
 
+    @torch.no_grad()
     def post_optimizer_step(self, model=None) -> None:
-        self._sync_pending_across_ranks()
-        for _, layer in self.layers:
-            layer.update_scales()
+        """All layers in one batch: a handful of kernels per step, not a dozen per layer."""
+        if not self.layers:
+            return
+        mods = [layer for _, layer in self.layers]
+        pending = torch.stack([m.pending_amax for m in mods])
+        self._max_across_ranks(pending)
+        history, scales = _advance_history(torch.stack([m.amax_history for m in mods]), pending,
+                                           torch.stack([m.scales for m in mods]))
+        torch._foreach_copy_([m.amax_history for m in mods], list(history.unbind(0)))
+        torch._foreach_copy_([m.scales for m in mods], list(scales.unbind(0)))
+        ready = torch.ones((), dtype=torch.bool, device=pending.device)
+        torch._foreach_copy_([m.history_ready for m in mods], [ready] * len(mods))
+        torch._foreach_zero_([m.pending_amax for m in mods])
 
-    def _sync_pending_across_ranks(self) -> None:
+    @staticmethod
+    def _max_across_ranks(pending: torch.Tensor) -> None:
         """Data-parallel ranks see different micro-batches; like Transformer Engine, take the max amax over
         ranks (one collective for all layers) so every rank uses the same scales."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not self.layers:
-            return
-        pending = torch.stack([layer.pending_amax for _, layer in self.layers])
-        dist.all_reduce(pending, op=dist.ReduceOp.MAX)
-        for (_, layer), row in zip(self.layers, pending):
-            layer.pending_amax.copy_(row)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(pending, op=dist.ReduceOp.MAX)
 
     def state_dict(self) -> dict:
         return {
@@ -214,7 +287,7 @@ class DelayedScalingHook:
                              "resume with the same bf16_first_layers/bf16_last_layers")
         with torch.no_grad():
             for name, layer in self.layers:
-                for key in ("amax_history", "pending_amax", "scales", "history_ready"):
+                for key in STATE_BUFFERS:
                     getattr(layer, key).copy_(saved[name][key].to(getattr(layer, key).device))
 
 

@@ -13,29 +13,27 @@ from training.precision.registry import register
 E4M3 = torch.float8_e4m3fn
 
 
-def _rows(t, track=False):
-    return quantize_fp8_blocks(t, None, E4M3, power_of_2=True, track=track)
+def _rows(t, *, axis=-1, dtype=torch.float32, track=False):
+    """One power-of-two scale per row (axis -1) or per column (axis 0)."""
+    return quantize_fp8_blocks(t, None, E4M3, power_of_2=True, axis=axis, dtype=dtype, track=track)
 
 
 class RowwiseQuantizer(GemmQuantizer):
-    def input(self, x2d, *, track=False):
-        return _rows(x2d, track)
+    def input(self, x2d, *, dtype=torch.float32, track=False):
+        return _rows(x2d, dtype=dtype, track=track)
 
-    def weight(self, w, *, track=False):
+    def weight_fprop(self, w, *, dtype=torch.float32, track=False):
+        return _rows(w, dtype=dtype, track=track)
+
+    def weight_dgrad(self, w, *, dtype=torch.float32, track=False):
         # Dgrad reduces over out_features, so W is re-scaled along its columns for it.
-        return _rows(w, track), _rows(w.t())
+        return _rows(w, axis=0, dtype=dtype, track=track).t()
 
-    def weight_fprop(self, w):
-        return _rows(w)
+    def grad(self, dy2d, *, dtype=torch.float32, track=False):
+        return _rows(dy2d, dtype=dtype, track=track)
 
-    def weight_dgrad(self, w):
-        return _rows(w.t())
-
-    def grad(self, dy2d, *, track=False):
-        return _rows(dy2d, track)
-
-    def wgrad(self, dy_t, x_t):
-        return _rows(dy_t), _rows(x_t)
+    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
+        return _rows(dy2d, axis=0, dtype=dtype).t(), _rows(x2d, axis=0, dtype=dtype).t()
 
     def describe(self):
         return "E4M3 all operands, power-of-two scale per row along the reduction dim"

@@ -8,30 +8,29 @@ from __future__ import annotations
 import torch
 
 from training.precision.emulation import GemmQuantizer, QuantizedLinear
-from training.precision.formats import Quantized, quantize_fp8_tensorwise
+from training.precision.formats import quantize_fp8_tensorwise
 from training.precision.registry import Recipe, capability_reason, register
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def transposed(q: Quantized) -> Quantized:
-    """Per-tensor (and 2D-tile) quantization is transpose-invariant: Dgrad reuses Fprop's weight."""
-    return Quantized(q.values.t(), q.outer, q.bf16_exact, q.saturated)
-
-
 class TensorwiseQuantizer(GemmQuantizer):
-    def input(self, x2d, *, track=False):
-        return quantize_fp8_tensorwise(x2d, E4M3, track=track)
+    # Per-tensor quantization is transpose-invariant: every orientation is a view of one quantization.
+    def input(self, x2d, *, dtype=torch.float32, track=False):
+        return quantize_fp8_tensorwise(x2d, E4M3, dtype=dtype, track=track)
 
-    def weight(self, w, *, track=False):
-        q = quantize_fp8_tensorwise(w, E4M3, track=track)
-        return q, transposed(q)
+    def weight_fprop(self, w, *, dtype=torch.float32, track=False):
+        return quantize_fp8_tensorwise(w, E4M3, dtype=dtype, track=track)
 
-    def grad(self, dy2d, *, track=False):
-        return quantize_fp8_tensorwise(dy2d, E5M2, track=track)
+    def weight_dgrad(self, w, *, dtype=torch.float32, track=False):
+        return quantize_fp8_tensorwise(w, E4M3, dtype=dtype, track=track).t()
 
-    def wgrad(self, dy_t, x_t):
-        return quantize_fp8_tensorwise(dy_t, E5M2), quantize_fp8_tensorwise(x_t, E4M3)
+    def grad(self, dy2d, *, dtype=torch.float32, track=False):
+        return quantize_fp8_tensorwise(dy2d, E5M2, dtype=dtype, track=track)
+
+    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
+        return (quantize_fp8_tensorwise(dy2d, E5M2, dtype=dtype).t(),
+                quantize_fp8_tensorwise(x2d, E4M3, dtype=dtype).t())
 
     def describe(self):
         return "E4M3 X/W, E5M2 dY, per-tensor current scaling"

@@ -2,8 +2,13 @@
 along each GEMM's reduction dim, for X, W and dY alike (W is re-blocked along out_features for Dgrad,
 X and dY along tokens for Wgrad). Scale rule option `scale_rounding`: "rceil" (default, the
 cuBLAS/Blackwell rule) or "floor" (OCP spec). Real kernels: torchao `MXFP8Linear`, sm_100+ only;
-on Hopper and CPU exact emulation (E4M3 x 2^k is exact in BF16)."""
+on Hopper and CPU exact emulation: E4M3 x 2^k is exact in BF16, so on GPU the quantizer writes the
+dequantized operand in BF16 and a plain BF16 GEMM (FP32 accumulation) gives the block-scaled product
+with a single rounding of the result. W for Dgrad and X, dY for Wgrad are blocked along their rows in
+place and used as transposed views."""
 from __future__ import annotations
+
+import torch
 
 from training.precision.emulation import GemmQuantizer, QuantizedLinear
 from training.precision.formats import SCALE_ROUNDINGS, quantize_mxfp8
@@ -16,26 +21,25 @@ class MXFP8Quantizer(GemmQuantizer):
     def __init__(self, scale_rounding: str):
         self.scale_rounding = scale_rounding
 
-    def _q(self, t, track=False):
-        return quantize_mxfp8(t, block_size=BLOCK, scale_rounding=self.scale_rounding, track=track)
+    def _q(self, t, *, axis=-1, dtype=torch.float32, track=False):
+        return quantize_mxfp8(t, block_size=BLOCK, scale_rounding=self.scale_rounding, axis=axis, dtype=dtype,
+                              track=track)
 
-    def input(self, x2d, *, track=False):
-        return self._q(x2d, track)
+    def input(self, x2d, *, dtype=torch.float32, track=False):
+        return self._q(x2d, dtype=dtype, track=track)
 
-    def weight(self, w, *, track=False):
-        return self._q(w, track), self._q(w.t())
+    def weight_fprop(self, w, *, dtype=torch.float32, track=False):
+        return self._q(w, dtype=dtype, track=track)
 
-    def weight_fprop(self, w):
-        return self._q(w)
+    def weight_dgrad(self, w, *, dtype=torch.float32, track=False):
+        # Blocks along out_features: W's columns, quantized in place and used transposed.
+        return self._q(w, axis=0, dtype=dtype, track=track).t()
 
-    def weight_dgrad(self, w):
-        return self._q(w.t())
+    def grad(self, dy2d, *, dtype=torch.float32, track=False):
+        return self._q(dy2d, dtype=dtype, track=track)
 
-    def grad(self, dy2d, *, track=False):
-        return self._q(dy2d, track)
-
-    def wgrad(self, dy_t, x_t):
-        return self._q(dy_t), self._q(x_t)
+    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
+        return self._q(dy2d, axis=0, dtype=dtype).t(), self._q(x2d, axis=0, dtype=dtype).t()
 
     def describe(self):
         return f"MXFP8 E4M3, E8M0 scale per 1x{BLOCK} along the reduction dim ({self.scale_rounding})"
@@ -71,7 +75,6 @@ class MXFP8Recipe(Recipe):
     def convert(self, linear, name, options, real):
         quantizer = MXFP8Quantizer(options["scale_rounding"])
         if real:
-            import torch
             from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
             from torchao.prototype.mx_formats.config import ScaleCalculationMode
             from torchao.quantization.quantize_.common.kernel_preference import KernelPreference

@@ -7,8 +7,21 @@ pass through a 16-point random Hadamard transform along the token dim (`rht`: on
 vector, seeded by `rht_seed`), which spreads outliers before FP4 quantization and cancels in the
 product. Gradients are stochastically rounded (`stochastic_rounding`) so their quantization is
 unbiased. Each part can be switched off for ablations. Real kernels: torchao `NVFP4Linear`, sm_100+
-only and only with every part on; exact emulation elsewhere (E2M1 x E4M3 is exact in BF16, the FP32
-tensor scales multiply the FP32 GEMM output).
+only and only with every part on; emulation elsewhere.
+
+Emulation (see emulation.py): each operand is quantized and dequantized to element x E4M3 block scale,
+which is exact in BF16; on GPU that BF16 tensor feeds a plain BF16 GEMM (FP32 accumulation, BF16
+result) and the FP32 per-tensor scales of both operands are then multiplied onto the BF16 result and
+rounded again: accumulator -> BF16 -> x global scales -> BF16. This double rounding (one extra BF16
+rounding, 2^-9 relative) is the one place where the emulation is not bit-exact with a block-scaled
+kernel that applies the global scale to its FP32 accumulator; it is far below FP4's own error. The
+other one is the RHT on GPU: a BF16 GEMM (exact products, FP32 accumulation) whose result is rounded to
+BF16 before the FP4 quantization reads it (2^-9 relative, against FP4 steps of 17-33%), where a fused
+hardware kernel would quantize the FP32 sums; an FP32 result would double the memory traffic of the
+Wgrad quantizers. On CPU every GEMM, the RHT included, is FP32 with a single rounding. The Wgrad
+operands are blocked along tokens in place (no transposed copies), and stochastic rounding draws with
+`torch.rand_like` (in-kernel Philox under torch.compile; eager and compiled runs therefore draw
+different, equally distributed, roundings).
 """
 from __future__ import annotations
 
@@ -16,7 +29,6 @@ import torch
 
 from training.precision.emulation import GemmQuantizer, QuantizedLinear
 from training.precision.formats import quantize_nvfp4, random_hadamard_transform, random_sign_vector, rht_matrix
-from training.precision.fp8_tensorwise import transposed
 from training.precision.registry import Recipe, capability_reason, register
 
 BLOCK = 16
@@ -31,29 +43,31 @@ class NVFP4Quantizer(GemmQuantizer):
         # Built once on the layer's device: no per-step host work, nothing for torch.compile to trace.
         self.rht_matrix = rht_matrix(self.signs).to(device) if device is not None else rht_matrix(self.signs)
 
-    def input(self, x2d, *, track=False):
-        return quantize_nvfp4(x2d, track=track)
+    def input(self, x2d, *, dtype=torch.float32, track=False):
+        return quantize_nvfp4(x2d, dtype=dtype, track=track)
 
-    def weight(self, w, *, track=False):
+    def weight_fprop(self, w, *, dtype=torch.float32, track=False):
+        return quantize_nvfp4(w, block_2d=self.weight_2d, dtype=dtype, track=track)
+
+    def weight_dgrad(self, w, *, dtype=torch.float32, track=False):
+        # 16x16 tiles are transpose-invariant: Dgrad sees the very weight Fprop saw. With 1x16 blocks,
+        # W is re-blocked along out_features (its columns, in place, used transposed).
         if self.weight_2d:
-            q = quantize_nvfp4(w, block_2d=True, track=track)
-            return q, transposed(q)
-        return quantize_nvfp4(w, track=track), quantize_nvfp4(w.t())
+            return quantize_nvfp4(w, block_2d=True, dtype=dtype, track=track).t()
+        return quantize_nvfp4(w, axis=0, dtype=dtype, track=track).t()
 
-    def weight_fprop(self, w):
-        return quantize_nvfp4(w, block_2d=self.weight_2d)
+    def grad(self, dy2d, *, dtype=torch.float32, track=False):
+        return quantize_nvfp4(dy2d, stochastic=self.stochastic_rounding, dtype=dtype, track=track)
 
-    def weight_dgrad(self, w):
-        return transposed(quantize_nvfp4(w, block_2d=True)) if self.weight_2d else quantize_nvfp4(w.t())
-
-    def grad(self, dy2d, *, track=False):
-        return quantize_nvfp4(dy2d, stochastic=self.stochastic_rounding, track=track)
-
-    def wgrad(self, dy_t, x_t):
+    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
+        # Both operands blocked along tokens (axis 0 of [tokens, features]); the RHT mixes each run of 16
+        # tokens in place, as a GEMM in the GEMM dtype (BF16 on GPU: exact products, FP32 accumulation).
         if self.rht:
-            dy_t = random_hadamard_transform(dy_t, self.rht_matrix)
-            x_t = random_hadamard_transform(x_t, self.rht_matrix)
-        return quantize_nvfp4(dy_t, stochastic=self.stochastic_rounding), quantize_nvfp4(x_t)
+            m = self.rht_matrix.to(dy2d.device)
+            dy2d = random_hadamard_transform(dy2d, m, axis=0, dtype=dtype)
+            x2d = random_hadamard_transform(x2d, m, axis=0, dtype=dtype)
+        return (quantize_nvfp4(dy2d, axis=0, stochastic=self.stochastic_rounding, dtype=dtype).t(),
+                quantize_nvfp4(x2d, axis=0, dtype=dtype).t())
 
     def describe(self):
         parts = ["16x16 weights" if self.weight_2d else "1x16 weights"]
