@@ -5,17 +5,19 @@ import datetime as _dt
 import os
 import platform
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
-from .formats import (ERROR_BOUNDS, FORMATS, MODES, UnsupportedShape, logical_operands, make_operands,
-                      prepare, sm_version)
-from .predict import aggregate, predict_speedup
+from .formats import (EMULATED_LABEL, ERROR_BOUNDS, FORMATS, MODES, FormatOps, UnsupportedShape, logical_operands,
+                      make_operands, prepare, sm_version)
+from .predict import BF16_LAYERS, aggregate, predictions
+from .quantization import attributed_quant_s, readers, step_tensors, timing_key
 from .shapes import GemmShape, gemm_shapes, model_dims, parse_shapes
-from .timing import buffer_count, time_gemm
+from .timing import PROTOCOL, buffer_count, time_gemm
 
 SCHEMA = "plab.gemm_bench/1"
 DEFAULT_VOCAB = 32000  # the vocabulary of the 1.14B anchor (ANCHORS.md)
@@ -107,6 +109,62 @@ def relative_error(c: torch.Tensor, c_ref: torch.Tensor) -> float:
     return float((c32 - r32).norm() / r32.norm().clamp_min(1e-30))
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Quantizers:
+    """A format's training quantizers, compiled where training compiles them (FP8 tensorwise/rowwise on
+    CUDA); if torch.compile fails they fall back to eager and the note says so."""
+
+    def __init__(self, ops: FormatOps, compile_quant: bool):
+        self.ops = ops
+        self.compiled = (compile_quant and ops.device.type == "cuda"
+                         and ops.fmt in ("fp8_tensorwise", "fp8_rowwise"))
+        self.note = self._describe()
+        self._fns: dict = {}
+
+    def _describe(self) -> str:
+        fmt, ops = self.ops.fmt, self.ops
+        if fmt in ("fp8_tensorwise", "fp8_rowwise"):
+            return ("torch.compile (static shapes): amax, scale, cast and transposed write fused as in "
+                    "compiled training" if self.compiled else "eager quantizers")
+        if fmt == "fp8_blockwise":
+            return ("torchao Triton quantization kernels (those of fp8_blockwise_mm)" if ops.backend == "real"
+                    else f"{EMULATED_LABEL}: quantize-dequantize (training.precision), eager")
+        what = "MXTensor.to_mx" if fmt == "mxfp8" else "NVFP4Tensor.to_nvfp4"
+        return f"torchao {what}, eager" + ("" if ops.backend == "real" else f" ({EMULATED_LABEL})")
+
+    def __call__(self, role: str, x: torch.Tensor, layouts: tuple):
+        if role not in self._fns:
+            self._fns[role] = self.ops.quantizer(role, compiled=self.compiled)
+        try:
+            return self._fns[role](x, layouts)
+        except Exception as exc:  # noqa: BLE001 - time the eager path rather than lose the format
+            if not self.compiled:
+                raise
+            self.compiled = False
+            self._fns.clear()
+            self.note = f"eager quantizers (torch.compile failed: {type(exc).__name__}: {exc})"[:300]
+            return self(role, x, layouts)
+
+
+def _time_tensor_quantization(quant: _Quantizers, tensor, device, generator, warmup, repeats) -> dict:
+    """Seconds to quantize one instance of `tensor` in all its layouts (first call = compile, untimed)."""
+    n_buf = buffer_count(2 * tensor.elements, device)
+    bufs = [torch.randn(tensor.rows, tensor.cols, device=device, dtype=torch.bfloat16, generator=generator)
+            for _ in range(n_buf)]
+    t0 = time.perf_counter()
+    quant(tensor.role, bufs[0], tensor.layouts)
+    _sync(device)
+    first_call_s = time.perf_counter() - t0
+    timing = time_gemm(lambda i: quant(tensor.role, bufs[i], tensor.layouts), n_buf, device,
+                       warmup=warmup, repeats=repeats)
+    return {"time_s": timing["median_s"], "timing": timing, "first_call_s": first_call_s,
+            "bytes_read": 2 * tensor.elements}
+
+
 def run_gemm_benchmark(model: Any = None, *, micro_batch: int = 4, seq_len: int = 2048,
                        shapes: str | list[GemmShape] | None = None, formats: Iterable[str] | str | None = None,
                        modes: Iterable[str] | str | None = None, gated_mlp: bool = True,
@@ -119,21 +177,30 @@ def run_gemm_benchmark(model: Any = None, *, micro_batch: int = 4, seq_len: int 
     Give `model` (preset name `tiny|125m|350m|1b`, a dims dict or a LlamaConfig) with `micro_batch` and
     `seq_len`, or `shapes` ("MxKxN,..." or GemmShape list) for GEMMs timed as given. Every low-precision
     result is checked against the BF16 product of the same operands; failures are in `failures`.
-    `bf16_step_time_s`, a measured BF16 training step of the same config on the same device, turns the
-    GEMM-only speedup into an Amdahl prediction of the end-to-end speedup.
+
+    Modes: `kernel` times each GEMM on operands quantized beforehand. `quant` adds the step's
+    quantization work: each tensor the step quantizes (X, W, dY per layer, in the layouts its GEMMs read;
+    quantization.py) is timed once per distinct shape and counted with its multiplicity; a quant-mode
+    GEMM record is its kernel time plus its share of its tensors' quantization, and is checked with the
+    operands those quantizers produce. `repeats`/`warmup` None: do_bench's time-based counts on CUDA
+    (timing.py), 3/1 on CPU. `bf16_step_time_s`, a measured BF16 training step of the same config on the
+    same device, turns the GEMM-only speedup into an Amdahl prediction of the end-to-end speedup
+    (predict.py), per mode: kernel-only = upper bound, with quantization = expected.
     """
     formats = _validate_list("formats", formats, FORMATS, FORMATS)
     if "bf16" not in formats:
         formats.insert(0, "bf16")  # every speedup and error check is relative to BF16
     modes = _validate_list("modes", modes, MODES, MODES)
     dev = _resolve_device(device)
-    repeats = repeats if repeats is not None else (20 if dev.type == "cuda" else 3)
-    warmup = warmup if warmup is not None else (5 if dev.type == "cuda" else 1)
     for name, value, low in (("repeats", repeats, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if bf16_step_time_s is not None and (not isinstance(bf16_step_time_s, (int, float)) or bf16_step_time_s <= 0):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ValueError(f"{name} must be an integer >= {low} (or None for do_bench's time-based count), "
+                             f"got {value!r}")
+    if bf16_step_time_s is not None and (isinstance(bf16_step_time_s, bool)
+                                         or not isinstance(bf16_step_time_s, (int, float)) or bf16_step_time_s <= 0):
         raise ValueError(f"bf16_step_time_s must be positive seconds, got {bf16_step_time_s!r}")
+    if not isinstance(compile_quant, bool):
+        raise ValueError(f"compile_quant must be True or False, got {compile_quant!r}")
     say = progress or (lambda msg: None)
 
     config: dict = {"micro_batch": micro_batch, "seq_len": seq_len, "gated_mlp": gated_mlp}
@@ -160,8 +227,32 @@ def run_gemm_benchmark(model: Any = None, *, micro_batch: int = 4, seq_len: int 
                "warmup": warmup, "device": str(device), "bf16_step_time_s": bf16_step_time_s,
                "compile_quant": compile_quant, "seed": seed}
     gen = torch.Generator(device=dev).manual_seed(seed)
+    low = [f for f in formats if f != "bf16"]
+    ops: dict = {}
+    for fmt in low:
+        try:
+            ops[fmt] = FormatOps(fmt, dev)
+        except UnsupportedShape as exc:  # no kernels for the format on this GPU at all
+            ops[fmt] = exc
+
+    def supported(fmt):
+        def check(shape) -> bool:
+            if isinstance(ops[fmt], Exception):
+                return False
+            try:
+                ops[fmt].check_shape(shape)
+            except UnsupportedShape:
+                return False
+            return True
+        return check
+
+    want_quant = "quant" in modes
+    plans = {fmt: step_tensors(shape_list, supported(fmt)) for fmt in low} if want_quant else {}
+    quantizers = {fmt: _Quantizers(o, compile_quant) for fmt, o in ops.items() if not isinstance(o, Exception)}
+
     records: list[dict] = []
-    for shape in shape_list:
+    pending: dict = {}  # (shape index, format) -> quant-mode record waiting for its quantization time
+    for si, shape in enumerate(shape_list):
         say(f"{shape.label} (x{shape.count})")
         set_bytes = 2 * (shape.m * shape.k + shape.k * shape.n)
         n_buf = buffer_count(set_bytes, dev)
@@ -169,46 +260,96 @@ def run_gemm_benchmark(model: Any = None, *, micro_batch: int = 4, seq_len: int 
         ref = torch.mm(*logical_operands(shape.gemm, *buffers[0]))
         bf16_time = None
         for fmt in formats:
-            for mode in (["both"] if fmt == "bf16" else modes):
-                rec = {**shape.to_dict(), "flops": shape.flops, "format": fmt, "mode": mode,
-                       "backend": None, "time_s": None, "tflops": None, "speedup_vs_bf16": None,
-                       "rel_error": None, "error_bound": ERROR_BOUNDS.get(fmt), "check": None, "note": ""}
-                try:
-                    prepared = prepare(fmt, "kernel" if mode == "both" else mode, shape, buffers, dev,
-                                       compile_quant=compile_quant)
-                    rec["backend"], rec["note"] = prepared.backend, prepared.note
-                    if fmt != "bf16":
-                        err = relative_error(prepared.run(0), ref)
-                        rec["rel_error"] = err
-                        rec["check"] = "pass" if err <= ERROR_BOUNDS[fmt] else "fail"
-                    timing = time_gemm(prepared.run, n_buf, dev, warmup=warmup, repeats=repeats)
-                except UnsupportedShape as exc:
-                    rec.update(check="unsupported", note=str(exc))
-                except Exception as exc:  # a broken kernel must not hide the other results
-                    rec.update(check="error", note=f"{type(exc).__name__}: {exc}")
-                else:
-                    rec.update(time_s=timing["median_s"], timing=timing,
-                               tflops=shape.flops / timing["median_s"] / 1e12)
-                    if fmt == "bf16":
-                        bf16_time = timing["median_s"]
-                    elif bf16_time:
-                        rec["speedup_vs_bf16"] = bf16_time / timing["median_s"]
-                finally:
-                    prepared = None
+            rec = {**shape.to_dict(), "flops": shape.flops, "format": fmt, "mode": "both" if fmt == "bf16" else "kernel",
+                   "backend": None, "time_s": None, "gemm_s": None, "quant_s": None, "tflops": None,
+                   "speedup_vs_bf16": None, "rel_error": None, "error_bound": ERROR_BOUNDS.get(fmt),
+                   "check": None, "note": ""}
+            prepared = None
+            try:
+                if isinstance(ops.get(fmt), Exception):
+                    raise ops[fmt]
+                prepared = prepare(fmt, shape, buffers, dev)
+                rec["backend"], rec["note"] = prepared.backend, prepared.note
+                if fmt != "bf16":
+                    err = relative_error(prepared.run(0), ref)
+                    rec["rel_error"] = err
+                    rec["check"] = "pass" if err <= ERROR_BOUNDS[fmt] else "fail"
+                timing = time_gemm(prepared.run, n_buf, dev, warmup=warmup, repeats=repeats)
+            except UnsupportedShape as exc:
+                rec.update(check="unsupported", note=str(exc))
+            except Exception as exc:  # a broken kernel must not hide the other results
+                rec.update(check="error", note=f"{type(exc).__name__}: {exc}")
+            else:
+                rec.update(time_s=timing["median_s"], gemm_s=timing["median_s"], quant_s=0.0, timing=timing,
+                           tflops=shape.flops / timing["median_s"] / 1e12)
+                if fmt == "bf16":
+                    bf16_time = timing["median_s"]
+                elif bf16_time:
+                    rec["speedup_vs_bf16"] = bf16_time / timing["median_s"]
+            finally:
+                prepared = None
+            if fmt == "bf16" or "kernel" in modes:
                 records.append(rec)
+            if fmt != "bf16" and want_quant:
+                qrec = _quant_record(rec, fmt, si, shape, buffers[0], ref, plans[fmt], quantizers.get(fmt), ops[fmt])
+                records.append(qrec)
+                if qrec["check"] in ("pass", "fail"):
+                    pending[(si, fmt)] = qrec
         del buffers, ref
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
+    quant_tensors: list[dict] = []
+    for fmt in (low if want_quant else []):
+        tensors, uses = plans[fmt]
+        if fmt not in quantizers or not tensors:
+            continue
+        quant = quantizers[fmt]
+        times: dict = {}
+        by_key: dict = {}
+        for ti, tensor in enumerate(tensors):
+            key = timing_key(fmt, tensor)
+            row = {**tensor.to_dict(), "format": fmt, "time_s": None, "shared_with": None}
+            if key in by_key:
+                row["shared_with"] = by_key[key]["tensor"]
+                row.update({k: by_key[key][k] for k in ("time_s", "note", "backend")})
+            else:
+                say(f"quantization {fmt} {tensor.name} {tensor.rows}x{tensor.cols} {'+'.join(tensor.layouts)}")
+                try:
+                    row.update(_time_tensor_quantization(quant, tensor, dev, gen, warmup, repeats))
+                except Exception as exc:  # noqa: BLE001 - reported, the GEMMs reading it say so
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                row.update(note=quant.note, backend=quant.ops.backend)
+                by_key[key] = row
+            if row["time_s"] is not None:
+                times[ti] = row["time_s"]
+                row["per_step_s"] = row["time_s"] * tensor.count
+            quant_tensors.append(row)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        n_readers = readers(uses)
+        for si, pair in enumerate(uses):
+            qrec = pending.get((si, fmt))
+            if qrec is None or pair is None:
+                continue
+            q = attributed_quant_s(pair, times, n_readers)
+            if q is None:
+                names = [tensors[t].name for t, _ in pair if t not in times]
+                qrec.update(check="error", note=f"quantization of {', '.join(names)} failed (see quantization)")
+                continue
+            t = qrec["gemm_s"] + q
+            qrec.update(time_s=t, quant_s=q, tflops=qrec["flops"] / t / 1e12)
+            bf16_t = next((r["time_s"] for r in records if r["format"] == "bf16" and r["layer"] == qrec["layer"]
+                           and r["gemm"] == qrec["gemm"] and (r["m"], r["k"], r["n"]) == (qrec["m"], qrec["k"], qrec["n"])
+                           and r["time_s"]), None)
+            qrec["speedup_vs_bf16"] = bf16_t / t if bf16_t else None
+
     totals = aggregate(records, formats, modes)
-    bf16_total = totals[modes[0]]["bf16"]["total_s"]
-    prediction = {mode: {fmt: predict_speedup(bf16_total, t["total_s"], bf16_step_time_s)
-                         for fmt, t in totals[mode].items() if fmt != "bf16" and bf16_total and t["total_s"]}
-                  for mode in modes}
     failures = [f"{r['layer']}.{r['gemm']} {r['m']}x{r['k']}x{r['n']} {r['format']}/{r['mode']}: "
                 + (f"relative error {r['rel_error']:.4g} > bound {r['error_bound']}" if r["check"] == "fail"
                    else r["note"])
                 for r in records if r["check"] in ("fail", "error")]
+    failures += [f"quantization {r['format']} {r['tensor']}: {r['error']}" for r in quant_tensors if r.get("error")]
     return {
         "schema": SCHEMA,
         "request": request,
@@ -221,10 +362,46 @@ def run_gemm_benchmark(model: Any = None, *, micro_batch: int = 4, seq_len: int 
         "modes": modes,
         "repeats": repeats,
         "warmup": warmup,
+        "protocol": PROTOCOL if dev.type == "cuda" else "wall clock per call (CPU)",
         "bf16_step_time_s": bf16_step_time_s,
         "shapes": [s.to_dict() for s in shape_list],
         "results": records,
+        "quantization": {"tensors": quant_tensors,
+                         "model": "per layer and step: X, W, dY each quantized once per layout its GEMMs read "
+                                  "(training/gemm/quantization.py); per-GEMM quant_s is the GEMM's equal share "
+                                  "of its two tensors' time"},
         "totals": totals,
-        "prediction": prediction,
+        "bf16_layers": list(BF16_LAYERS),
+        "prediction": predictions(totals, bf16_step_time_s),
         "failures": failures,
     }
+
+
+def _quant_record(krec: dict, fmt: str, si: int, shape, buffer, ref, plan, quant, ops) -> dict:
+    """The quant-mode record of one GEMM: kernel time now, its quantization share later; checked here
+    with the operands the step's (timed) quantizers produce."""
+    qrec = {k: v for k, v in krec.items() if k != "timing"}
+    qrec.update(mode="quant", time_s=None, quant_s=None, tflops=None, speedup_vs_bf16=None, rel_error=None,
+                check=None)
+    if krec.get("timing"):
+        qrec["timing"] = krec["timing"]
+    if krec["check"] == "unsupported":
+        qrec["check"] = "unsupported"
+        return qrec
+    if krec["check"] == "error" or krec["time_s"] is None:
+        qrec.update(check="error", note=f"kernel failed: {krec['note']}")
+        return qrec
+    tensors, uses = plan
+    pair = uses[si]
+    try:
+        operands = []
+        for (t_index, layout), stored in zip(pair, buffer):
+            tensor = tensors[t_index]
+            operands.append(quant(tensor.role, stored, tensor.layouts)[tensor.layouts.index(layout)])
+        err = relative_error(ops.gemm(shape.gemm)(*operands), ref)
+    except Exception as exc:  # noqa: BLE001
+        qrec.update(check="error", note=f"quantization for the check failed: {type(exc).__name__}: {exc}"[:300])
+        return qrec
+    qrec.update(rel_error=err, check="pass" if err <= ERROR_BOUNDS[fmt] else "fail",
+                note="; ".join(x for x in (krec["note"], f"quantization: {quant.note}") if x))
+    return qrec

@@ -82,48 +82,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--formats", type=_csv_choice(FORMATS, "format"), default=list(FORMATS),
                    help=f"comma-separated subset of {','.join(FORMATS)}")
     p.add_argument("--mode", choices=("kernel", "quant", "both"), default="both",
-                   help="kernel: operands quantized beforehand; quant: quantization timed too")
+                   help="kernel: operands quantized beforehand; quant: plus the step's quantization of "
+                        "X, W, dY per layer (each tensor timed once, counted per occurrence)")
     p.add_argument("--non-gated-mlp", action="store_true",
                    help="plain MLP: up-projection width = intermediate (default: SwiGLU gate+up = 2x)")
     p.add_argument("--no-gqa", action="store_true", help="num_key_value_heads = num_attention_heads")
-    p.add_argument("--repeats", type=_positive_int, default=None, help="timed calls per GEMM (median)")
-    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--repeats", type=_positive_int, default=None,
+                   help="timed calls per GEMM (median); default on CUDA: do_bench's count (100 ms of calls), CPU 3")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed calls first; default on CUDA: do_bench's count (25 ms of calls), CPU 1")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--bf16-step-time", type=_positive_float, default=None,
                    help="measured BF16 training step (s) of this config for the Amdahl prediction")
     p.add_argument("--no-compile-quant", action="store_true",
-                   help="run FP8 quantizers eagerly (default: torch.compile them on CUDA)")
+                   help="run the FP8 quantizers of quant mode eagerly (default on CUDA: torch.compile, as training)")
     p.add_argument("--output", type=Path, default=None, help="write the result JSON here")
     return p
 
 
 def format_table(result: dict) -> str:
-    """Per-shape speedups and per-format totals as plain text."""
+    """Per-shape speedups, the step's quantization per tensor and per-format totals as plain text."""
     lines = []
     dev = result["device"]
-    lines.append(f"device: {dev['name']} ({dev['type']}, timer {dev['timer']})")
-    lines.append(f"{'gemm':<32}{'format':<16}{'mode':<8}{'backend':<10}{'ms':>9}{'TFLOP/s':>10}"
+    lines.append(f"device: {dev['name']} ({dev['type']}, timer {dev['timer']}); {result.get('protocol', '')}")
+    lines.append(f"{'gemm':<32}{'format':<16}{'mode':<8}{'backend':<10}{'ms':>9}{'quant ms':>9}{'TFLOP/s':>10}"
                  f"{'vs bf16':>9}{'rel.err':>9}  check")
     for r in result["results"]:
         name = f"{r['layer']}.{r['gemm']} {r['m']}x{r['k']}x{r['n']}"
         ms = f"{r['time_s'] * 1e3:.3f}" if r["time_s"] else "-"
+        qms = f"{r['quant_s'] * 1e3:.3f}" if r.get("quant_s") else "-"
         tf = f"{r['tflops']:.4g}" if r["tflops"] else "-"
         sp = f"{r['speedup_vs_bf16']:.2f}x" if r["speedup_vs_bf16"] else "-"
         er = f"{r['rel_error']:.3g}" if r["rel_error"] is not None else "-"
-        lines.append(f"{name:<32}{r['format']:<16}{r['mode']:<8}{str(r['backend']):<10}{ms:>9}{tf:>10}"
+        lines.append(f"{name:<32}{r['format']:<16}{r['mode']:<8}{str(r['backend']):<10}{ms:>9}{qms:>9}{tf:>10}"
                      f"{sp:>9}{er:>9}  {r['check'] or ''}")
+    tensors = result.get("quantization", {}).get("tensors", [])
+    if tensors:
+        lines.append("")
+        lines.append("quantization per step tensor (timed once per distinct shape, counted per occurrence):")
+        lines.append(f"  {'format':<16}{'tensor':<18}{'rows x cols':>16}  {'layouts':<8}{'count':>6}{'ms':>9}"
+                     f"{'in GB/s':>9}{'ms/step':>10}")
+        for t in tensors:
+            ms = f"{t['time_s'] * 1e3:.3f}" if t["time_s"] else "-"
+            gbs = f"{2 * t['rows'] * t['cols'] / t['time_s'] / 1e9:.3g}" if t["time_s"] else "-"
+            step = f"{t['per_step_s'] * 1e3:.3f}" if t.get("per_step_s") else (t.get("error") or "-")
+            lines.append(f"  {t['format']:<16}{t['tensor']:<18}{t['rows']:>8}x{t['cols']:<7}  "
+                         f"{'+'.join(t['layouts']):<8}{t['count']:>6}{ms:>9}{gbs:>9}{step:>10}")
     lines.append("")
-    lines.append("whole step (sum of count x time):")
+    lines.append("whole step (sum of count x time; GEMM + quantization):")
     for mode, per_fmt in result["totals"].items():
         for fmt, t in per_fmt.items():
             pred = result["prediction"].get(mode, {}).get(fmt)
             extra = ""
             if pred:
-                extra = (f"  predicted {pred['speedup']:.2f}x ({pred['basis']})" if pred["speedup"]
-                         else f"  prediction {pred['basis']}: {pred['note']}")
+                extra = (f"  predicted {pred['speedup']:.3f}x ({pred['basis']}; {pred.get('label', mode)})"
+                         if pred["speedup"] else f"  prediction {pred['basis']}: {pred['note']}")
             fb = f"  [{len(t['bf16_fallback'])} shapes at BF16]" if fmt != "bf16" and t["bf16_fallback"] else ""
             sp = f"{t['speedup']:.2f}x" if t["speedup"] else "-"
-            lines.append(f"  {mode:<7}{fmt:<16}{t['total_s'] * 1e3:10.3f} ms  GEMM speedup {sp}{extra}{fb}")
+            split = f" (GEMM {t['gemm_s'] * 1e3:.3f} + quant {t['quant_s'] * 1e3:.3f})" if t.get("quant_s") else ""
+            lines.append(f"  {mode:<7}{fmt:<16}{t['total_s'] * 1e3:10.3f} ms{split}  GEMM speedup {sp}{extra}{fb}")
+    kept = result.get("bf16_layers")
+    if kept and any(p.get("bf16_layers") for per in result["prediction"].values() for p in per.values()):
+        lines.append(f"  predictions keep {', '.join(kept)} in BF16, as training does")
     if result["failures"]:
         lines.append("")
         lines.append(f"FAILED CHECKS ({len(result['failures'])}):")

@@ -1,28 +1,36 @@
-"""How each number format runs one GEMM pass, in the two timing modes.
+"""How each number format quantizes a training-step tensor and runs one GEMM pass on quantized operands.
 
-Operand storage per pass follows the training step (see shapes.py), so layouts are the ones a real
-linear layer sees:
+A linear layer y = x·Wᵀ has three tensors per step - X (T×in, "input"), W (out×in, "weight") and
+dY (T×out, "grad_output") - and three GEMMs. Each GEMM reads two of the tensors, each in one of two
+layouts: "row" (the tensor as stored, quantized along its rows, i.e. along its last dim) or "t" (its
+transpose, quantized along the stored tensor's first dim):
 
-    fprop  A = x   (T×in, row-major)        B = Wᵀ  with W (out×in) row-major
-    dgrad  A = dy  (T×out, row-major)       B = W   (out×in) row-major
-    wgrad  A = dyᵀ with dy (T×out)          B = x   (T×in) row-major
+    pass    A (m×k)            B (k×n), given as Bᵀ (n×k)      torchao float8 cast (Float8Linear)
+    fprop   X   row            W   row   (Bᵀ = W)              input dim -1, weight
+    dgrad   dY  row            W   t     (Bᵀ = Wᵀ)             grad_output dim -1, weight for grad_input
+    wgrad   dY  t  (A = dYᵀ)   X   t     (Bᵀ = Xᵀ)             grad_output dim 0,  input for grad_weight
 
-Recipes (what was chosen, following torchao 0.18):
-- fp8_tensorwise: one scale per tensor (448/amax, current scaling). E4M3 for x and W, E5M2 for dy (torchao
-  `Float8LinearConfig()` default); fast accumulation on fprop only (torchao `gemm_config_output`).
-- fp8_rowwise: one scale per row of A and per column of B along K, E4M3 everywhere, scales rounded down
-  to a power of two (torchao recipe `rowwise`).
+Storage (`make_operands`) is the one a real linear layer has: fprop (X, W), dgrad (dY, W), wgrad (dY, X),
+all row-major. A quantizer maps a stored tensor and the layouts it is needed in to one quantized operand
+per layout; a GEMM maps the quantized A and Bᵀ to C. Kernel-only mode times the GEMM on operands
+quantized beforehand; the "with quantization" mode (see quantization.py) times each tensor's quantizer
+once per step - as training quantizes each tensor once per layout - and adds it to the GEMMs.
+
+Recipes (following torchao 0.18):
+- fp8_tensorwise: one scale per tensor (448/amax, current scaling), shared by both layouts of the tensor
+  (one amax reduction, two casts). E4M3 for X and W, E5M2 for dY (torchao `Float8LinearConfig()`
+  default); fast accumulation on fprop only (torchao `gemm_config_output`; grad GEMMs without).
+- fp8_rowwise: one scale per row of each layout (so two amax reductions per tensor), E4M3 everywhere,
+  scales rounded down to a power of two (torchao recipe `rowwise`; fast accumulation on fprop as well,
+  its `gemm_config_output` keeps the default).
 - fp8_blockwise: 1×128 activation/gradient tiles and 128×128 weight tiles, E4M3, torchao's prototype
-  Triton quantizers and its cuBLAS blockwise GEMM, or its Triton GEMM where cuBLAS lacks blockwise
-  scaling (`torchao.prototype.blockwise_fp8_training`, SM90+).
+  Triton quantizers (the six of `fp8_blockwise_mm`) and its cuBLAS blockwise GEMM, or its Triton GEMM where
+  cuBLAS lacks blockwise scaling (`torchao.prototype.blockwise_fp8_training`, SM90+).
 - mxfp8 (E4M3, 32-element blocks, E8M0 scales, RCEIL) and nvfp4 (E2M1, 16-element blocks, E4M3 scales
-  and a per-tensor FP32 scale): torchao kernels on SM100+; elsewhere emulated by quantize → dequantize
-  → BF16 GEMM, labelled as such.
-
-Modes: `kernel` times the GEMM on operands quantized beforehand (for emulated formats: dequantize +
-BF16 GEMM, which is what the emulated kernel does); `quant` puts the quantization of both operands inside
-the timed region, as in training: torchao's float8 linear likewise keeps BF16 tensors and casts both
-operands of each of the three GEMMs (in the layout that GEMM needs).
+  and a per-tensor FP32 scale): torchao quantizers; its block-scaled GEMMs on SM100+, elsewhere the
+  emulated GEMM (dequantize → BF16 GEMM, torchao's `KernelPreference.EMULATED` path), labelled as such.
+On CUDA the FP8 tensorwise/rowwise quantizers run under torch.compile (static shapes, as the training
+step is compiled), where amax, scale, cast and transposed write fuse.
 """
 from __future__ import annotations
 
@@ -33,6 +41,14 @@ import torch
 
 FORMATS = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4")
 MODES = ("kernel", "quant")
+ROLES = ("input", "weight", "grad_output")
+LAYOUTS = ("row", "t")
+# (role, layout) of A and of B per pass; see the table above.
+PASS_OPERANDS = {
+    "fprop": (("input", "row"), ("weight", "row")),
+    "dgrad": (("grad_output", "row"), ("weight", "t")),
+    "wgrad": (("grad_output", "t"), ("input", "t")),
+}
 
 # Relative Frobenius error ‖C − C_bf16‖ / ‖C_bf16‖ allowed for a GEMM of Gaussian operands. Expected
 # values (two quantized operands, errors add in quadrature): E4M3 ≈ 0.04, E5M2 grads ≈ 0.07,
@@ -46,9 +62,6 @@ ERROR_BOUNDS = {
 }
 
 EMULATED_LABEL = "emulated – no hardware support"
-# Operand roles per pass: they decide the FP8 element type (gradients → E5M2 in tensorwise).
-OPERAND_ROLES = {"fprop": ("input", "weight"), "dgrad": ("grad_output", "weight"),
-                 "wgrad": ("grad_output", "input")}
 _EPS = 1e-12
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -73,17 +86,22 @@ def sm_version(device: torch.device) -> int:
     return 10 * major + minor
 
 
+def storage_dims(gemm: str, m: int, k: int, n: int):
+    """(rows, cols) of the stored A and B tensors of a pass (see the module table)."""
+    if gemm == "fprop":
+        return (m, k), (n, k)
+    if gemm == "dgrad":
+        return (m, k), (k, n)
+    if gemm == "wgrad":
+        return (k, m), (k, n)
+    raise ValueError(f"unknown gemm pass {gemm!r}; expected fprop, dgrad or wgrad")
+
+
 def make_operands(shape, device: torch.device, generator: torch.Generator | None = None):
     """BF16 (A_storage, B_storage) for one pass, in the layout the training step stores them."""
-    m, k, n = shape.m, shape.k, shape.n
-    kw = dict(device=device, dtype=torch.bfloat16)
-    if shape.gemm == "fprop":
-        return torch.randn(m, k, **kw, generator=generator), torch.randn(n, k, **kw, generator=generator)
-    if shape.gemm == "dgrad":
-        return torch.randn(m, k, **kw, generator=generator), torch.randn(k, n, **kw, generator=generator)
-    if shape.gemm == "wgrad":
-        return torch.randn(k, m, **kw, generator=generator), torch.randn(k, n, **kw, generator=generator)
-    raise ValueError(f"unknown gemm pass {shape.gemm!r}; expected fprop, dgrad or wgrad")
+    (ra, ca), (rb, cb) = storage_dims(shape.gemm, shape.m, shape.k, shape.n)
+    kw = dict(device=device, dtype=torch.bfloat16, generator=generator)
+    return torch.randn(ra, ca, **kw), torch.randn(rb, cb, **kw)
 
 
 def logical_operands(gemm: str, a_store: torch.Tensor, b_store: torch.Tensor):
@@ -94,41 +112,52 @@ def logical_operands(gemm: str, a_store: torch.Tensor, b_store: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------------
-# FP8 current-scaling quantizers. Each takes a 2-D view X (r×k, any strides) and returns X quantized in
-# row-major layout with its inverse scale, so A is quantized as-is and B through Bᵀ (n×k) – which gives
-# the column-major B that torch._scaled_mm needs. In quant mode on CUDA they run compiled together with
-# the GEMM (fp8_quant_gemm); eager they would cost ~6 memory passes per operand.
+# FP8 current scaling. `fp8_quantize_layouts(x, ...)` returns, per requested layout, the row-major FP8
+# matrix (x or xᵀ) and its inverse scale (a scalar, or one per row of that matrix for rowwise).
 # ---------------------------------------------------------------------------------------------------
 
-def fp8_tensorwise_quantize(x: torch.Tensor, dtype: torch.dtype):
-    fmax = torch.finfo(dtype).max
-    amax = x.abs().max().to(torch.float32)
-    scale = fmax / torch.clamp(amax, min=_EPS)
-    q = (x.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype).contiguous()
-    return q, scale.reciprocal()
+def fp8_tensorwise_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fmax / amax(x): one FP32 scale for the whole tensor."""
+    return torch.finfo(dtype).max / torch.clamp(x.abs().max().to(torch.float32), min=_EPS)
 
 
-def fp8_rowwise_quantize(x: torch.Tensor, dtype: torch.dtype):
-    fmax = torch.finfo(dtype).max
+def fp8_rowwise_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One power-of-two scale per row (torchao `round_scales_to_power_of_2=True` in its rowwise recipe)."""
     amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
-    # Power-of-two scales (torchao `round_scales_to_power_of_2=True` in its rowwise recipe).
-    scale = torch.exp2(torch.floor(torch.log2(fmax / torch.clamp(amax, min=_EPS))))
-    q = (x.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype).contiguous()
-    return q, scale.reciprocal()
+    return torch.exp2(torch.floor(torch.log2(torch.finfo(dtype).max / torch.clamp(amax, min=_EPS))))
+
+
+def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    fmax = torch.finfo(dtype).max
+    return (x.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype).contiguous()
+
+
+def fp8_quantize_layouts(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, layouts: tuple):
+    """Training's FP8 cast of one tensor: ((q, inv_scale) per layout). Tensorwise: one amax for all
+    layouts (torchao casts a tensor for its two GEMMs with the same scale); rowwise: one per layout."""
+    shared = None if rowwise else fp8_tensorwise_scale(x, dtype)
+    out = []
+    for layout in layouts:
+        src = x if layout == "row" else x.t()
+        scale = fp8_rowwise_scale(src, dtype) if rowwise else shared
+        out.append((fp8_cast(src, scale, dtype), scale.reciprocal()))
+    return tuple(out)
+
+
+def fp8_scaled_mm(qa, sa, qbt, sbt, fast_accum: bool) -> torch.Tensor:
+    """C = A·B from row-major FP8 A (m×k) and Bᵀ (n×k); rowwise scales of Bᵀ come as (n, 1)."""
+    return torch._scaled_mm(qa, qbt.t(), scale_a=sa, scale_b=sbt.t() if sbt.dim() else sbt,
+                            out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Emulation (formats without hardware support here): quantize → dequantize → BF16 GEMM.
+# Emulation helpers (formats without hardware support here).
 # ---------------------------------------------------------------------------------------------------
 
 def emulation_quantize_dequantize(x: torch.Tensor, fmt: str, block_size=None) -> torch.Tensor:
-    """Quantize → dequantize `x` (blocks along its last dim) for the emulated GEMM path.
-
-    The one quantizer of the project, `training.precision.quantize_dequantize` (bit-exact with torchao's
-    reference quantizers by its contract). Operands whose K is not the contiguous dim (B of fprop, A of
-    wgrad) are made contiguous first, as a real quantization kernel writes them in the K-major layout
-    the GEMM needs.
-    """
+    """Quantize → dequantize `x` (blocks along its last dim) with the project's quantizer
+    (`training.precision.quantize_dequantize`, bit-exact with torchao's reference quantizers by its
+    contract); `x` is made contiguous first, as a quantization kernel writes the layout the GEMM needs."""
     from training.precision import quantize_dequantize
     x = x.contiguous()
     if fmt == "mxfp8":
@@ -136,32 +165,37 @@ def emulation_quantize_dequantize(x: torch.Tensor, fmt: str, block_size=None) ->
     return quantize_dequantize(x, fmt, block_size=block_size)
 
 
-def _emulation_quantize(x: torch.Tensor, fmt: str):
-    """Stored (quantized) form for the kernel-only emulated mode; `.dequantize()` is timed."""
+def mx_quantize(x: torch.Tensor, fmt: str, real: bool):
+    """torchao's stored form of `x` (blocks along the last dim): MXTensor (mxfp8) or NVFP4Tensor."""
+    x = x.contiguous()
     if fmt == "mxfp8":
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
         from torchao.prototype.mx_formats.mx_tensor import MXTensor
-        return MXTensor.to_mx(x.contiguous(), _E4M3, 32, scaling_mode=ScaleCalculationMode.RCEIL)
+        kwargs = {}
+        if real:
+            from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+            kwargs["kernel_preference"] = KernelPreference.AUTO
+        return MXTensor.to_mx(x, _E4M3, 32, scaling_mode=ScaleCalculationMode.RCEIL, **kwargs)
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
-    x = x.contiguous()
     return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max()))
 
 
 # ---------------------------------------------------------------------------------------------------
-# Preparation per format
+# Per format: shape check, tensor quantizer, GEMM on quantized operands.
 # ---------------------------------------------------------------------------------------------------
 
 _compiled: dict = {}
 
 
-def _maybe_compiled(fn, device: torch.device, compile_quant: bool):
-    if device.type != "cuda" or not compile_quant:
-        return fn
+def _compiled_fn(fn):
     if fn not in _compiled:
         import torch._dynamo
-        # One graph per (dtype, flags, stride pattern); shapes are dynamic so all layers share it.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _compiled[fn] = torch.compile(fn, dynamic=True)
+        # Static shapes, one graph per tensor shape × (dtype, layouts), as the compiled training step has;
+        # a model has about a dozen distinct tensor shapes per format.
+        for name in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+        _compiled[fn] = torch.compile(fn, dynamic=False)
     return _compiled[fn]
 
 
@@ -172,185 +206,141 @@ def _check_divisible(shape, fmt: str, multiple: int, dims: str = "mkn"):
                                f"(got {', '.join(bad)}); training keeps such a layer in BF16")
 
 
-def prepare(fmt: str, mode: str, shape, buffers, device: torch.device, *,
-            compile_quant: bool = True) -> PreparedGemm:
-    """A callable computing C = A·B for operand buffer i in format `fmt`, timing mode `mode`.
+class FormatOps:
+    """The quantizers and GEMMs of one low-precision format on one device.
 
-    `buffers` is a list of (A_storage, B_storage) BF16 pairs from `make_operands`. Kernel-only mode
-    quantizes every buffer here, outside the timed region.
+    `quantizer(role, compiled)` → q(x, layouts) returning one quantized operand per layout;
+    `gemm(pass)` → g(qa, qbt) returning C in BF16. `backend` is real | emulated | cpu.
     """
+
+    def __init__(self, fmt: str, device: torch.device):
+        if fmt not in FORMATS or fmt == "bf16":
+            raise ValueError(f"unknown low-precision format {fmt!r}; choose from {', '.join(FORMATS[1:])}")
+        self.fmt, self.device, self.sm = fmt, device, sm_version(device)
+        self._use_triton_blockwise: bool | None = None
+        if fmt in ("fp8_tensorwise", "fp8_rowwise"):
+            if device.type == "cuda" and self.sm < 89:
+                raise UnsupportedShape(f"{fmt} needs FP8 tensor cores (SM89+); this GPU is SM{self.sm}")
+            self.backend, self.note = ("real" if device.type == "cuda" else "cpu"), ""
+        elif fmt == "fp8_blockwise":
+            real = self.sm >= 90
+            self.backend = "real" if real else "emulated"
+            self.note = "torchao Triton quantizers + cuBLAS blockwise GEMM" if real else EMULATED_LABEL
+        else:
+            real = self.sm >= 100
+            self.backend = "real" if real else "emulated"
+            self.note = ("torchao CUTLASS/cuBLAS block-scaled GEMM (scale swizzle inside the timed region)"
+                         if real else EMULATED_LABEL)
+
+    # -- shapes --------------------------------------------------------------------------------------
+    def check_shape(self, shape) -> None:
+        if self.fmt in ("fp8_tensorwise", "fp8_rowwise"):
+            _check_divisible(shape, self.fmt, 16, "kn")  # torch._scaled_mm: K and N multiples of 16
+        elif self.fmt == "fp8_blockwise":
+            _check_divisible(shape, self.fmt, 128)
+        else:
+            _check_divisible(shape, self.fmt, 32 if self.fmt == "mxfp8" else 16, "k")  # blocks along K
+
+    # -- quantizers ----------------------------------------------------------------------------------
+    def quantizer(self, role: str, compiled: bool = False) -> Callable:
+        if role not in ROLES:
+            raise ValueError(f"unknown operand role {role!r}; expected one of {', '.join(ROLES)}")
+        fmt = self.fmt
+        if fmt in ("fp8_tensorwise", "fp8_rowwise"):
+            rowwise = fmt == "fp8_rowwise"
+            dtype = _E5M2 if not rowwise and role == "grad_output" else _E4M3
+            if compiled and self.device.type == "cuda":
+                fn = _compiled_fn(fp8_quantize_layouts)
+                return lambda x, layouts: fn(x, dtype, rowwise, tuple(layouts))
+            return lambda x, layouts: fp8_quantize_layouts(x, dtype, rowwise, tuple(layouts))
+        if fmt == "fp8_blockwise":
+            if self.backend == "real":
+                from torchao.prototype.blockwise_fp8_training import kernels as bk
+                kernels = {  # the quantizers of torchao's fp8_blockwise_mm forward/backward
+                    ("input", "row"): lambda x: bk.triton_fp8_blockwise_act_quant_lhs(x, 128),
+                    ("input", "t"): lambda x: bk.triton_fp8_blockwise_act_quant_rhs(x, 128),
+                    ("weight", "row"): lambda x: bk.triton_fp8_blockwise_weight_quant_transposed_rhs(x, block_size=128),
+                    ("weight", "t"): lambda x: bk.triton_fp8_blockwise_weight_quant_rhs(x, block_size=128),
+                    ("grad_output", "row"): lambda x: bk.triton_fp8_blockwise_act_quant_lhs(x, 128),
+                    ("grad_output", "t"): lambda x: bk.triton_fp8_blockwise_act_quant_transposed_lhs(x, 128),
+                }
+                return lambda x, layouts: tuple(kernels[(role, layout)](x) for layout in layouts)
+            block = (128, 128) if role == "weight" else 128
+            return lambda x, layouts: tuple(
+                emulation_quantize_dequantize(x if layout == "row" else x.t(), fmt, block) for layout in layouts)
+        real = self.backend == "real"
+        return lambda x, layouts: tuple(mx_quantize(x if layout == "row" else x.t(), fmt, real)
+                                        for layout in layouts)
+
+    # -- GEMMs ---------------------------------------------------------------------------------------
+    def gemm(self, gemm: str) -> Callable:
+        if gemm not in PASS_OPERANDS:
+            raise ValueError(f"unknown gemm pass {gemm!r}; expected fprop, dgrad or wgrad")
+        fmt = self.fmt
+        if fmt in ("fp8_tensorwise", "fp8_rowwise"):
+            fast_accum = gemm == "fprop" and self.device.type == "cuda"
+            return lambda qa, qbt: fp8_scaled_mm(*qa, *qbt, fast_accum)
+        if fmt == "fp8_blockwise":
+            if self.backend == "real":
+                return lambda qa, qbt: self._blockwise_gemm(gemm, qa, qbt)
+            return lambda qa, qbt: torch.mm(qa, qbt.t())
+        if self.backend == "real":
+            from torch.ops import aten
+            if fmt == "mxfp8":
+                from torchao.prototype.mx_formats.mx_tensor import _addmm_mx_dispatch as dispatch
+            else:
+                from torchao.prototype.mx_formats.nvfp4_tensor import _addmm_nvfp4_dispatch as dispatch
+            return lambda qa, qbt: dispatch(qa, qbt.t(), aten.mm.default)
+        return lambda qa, qbt: torch.mm(qa.dequantize(torch.bfloat16), qbt.dequantize(torch.bfloat16).t())
+
+    def _blockwise_gemm(self, gemm, qa, qbt):
+        from torchao.prototype.blockwise_fp8_training import kernels as bk
+        from torchao.prototype.blockwise_fp8_training.linear import _run_blockwise_mm
+
+        def run(use_triton):
+            (a, sa), (b, sb) = qa, qbt
+            if gemm == "wgrad":
+                return _run_blockwise_mm(use_triton=use_triton, triton_kernel=bk.triton_fp8_gemm_1x128_128x1,
+                                         mat_a=a, mat_b=b, scale_a=sa,
+                                         scale_recipe_a=bk.BLOCKWISE_1X128_SCALING_TYPE,
+                                         scale_b=sb.transpose(-1, -2),
+                                         scale_recipe_b=bk.BLOCKWISE_1X128_SCALING_TYPE,
+                                         triton_scale_b=sb, out_dtype=torch.bfloat16)
+            return _run_blockwise_mm(use_triton=use_triton, triton_kernel=bk.triton_fp8_gemm_1x128_128x128,
+                                     mat_a=a, mat_b=b, scale_a=sa,
+                                     scale_recipe_a=bk.BLOCKWISE_1X128_SCALING_TYPE, scale_b=sb,
+                                     scale_recipe_b=bk.BLOCKWISE_128X128_SCALING_TYPE,
+                                     out_dtype=torch.bfloat16)
+
+        # torchao's default GEMM is cuBLAS blockwise (CUDA ≥ 12.9 on SM90); where this torch/cuBLAS lacks
+        # it, torchao's Triton blockwise GEMM is the one training would use, so time that instead.
+        if self._use_triton_blockwise is None:
+            try:
+                out = run(False)
+                self._use_triton_blockwise = False
+                return out
+            except Exception as exc:  # noqa: BLE001 - any failure of the cuBLAS path: "not available here"
+                self._use_triton_blockwise = True
+                self.note = (f"torchao Triton quantizers + Triton blockwise GEMM (cuBLAS blockwise failed: "
+                             f"{exc})")[:300]
+        return run(self._use_triton_blockwise)
+
+
+def prepare(fmt: str, shape, buffers, device: torch.device) -> PreparedGemm:
+    """Kernel-only: a callable computing C = A·B on operand buffer i in format `fmt`, every buffer's
+    operands quantized here, outside the timed region (for emulated formats the timed "kernel" is what
+    the emulation runs: dequantize + BF16 GEMM for mxfp8/nvfp4, the BF16 GEMM of the dequantized values
+    for blockwise). `buffers` are (A_storage, B_storage) BF16 pairs from `make_operands`."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose kernel or quant")
-    views = [logical_operands(shape.gemm, a, b) for a, b in buffers]
     if fmt == "bf16":
+        views = [logical_operands(shape.gemm, a, b) for a, b in buffers]
         return PreparedGemm(lambda i: torch.mm(*views[i]), "bf16")
-    sm = sm_version(device)
-    if fmt in ("fp8_tensorwise", "fp8_rowwise"):
-        return _prepare_fp8_scaled_mm(fmt, mode, shape, views, device, compile_quant)
-    if fmt == "fp8_blockwise":
-        _check_divisible(shape, fmt, 128)
-        if sm >= 90:
-            return _prepare_blockwise_real(mode, shape, buffers)
-        return _prepare_emulated(fmt, mode, shape, views)
-    _check_divisible(shape, fmt, 32 if fmt == "mxfp8" else 16, "k")  # blocks run along K
-    if sm >= 100:
-        return _prepare_mx_real(fmt, mode, views)
-    return _prepare_emulated(fmt, mode, shape, views)
-
-
-def fp8_quant_gemm(a: torch.Tensor, bt: torch.Tensor, dtype_a: torch.dtype, rowwise: bool,
-                   fast_accum: bool) -> torch.Tensor:
-    """Quantize A (m×k) and Bᵀ (n×k) with current scaling, then C = A·B on FP8 tensor cores."""
-    quantize = fp8_rowwise_quantize if rowwise else fp8_tensorwise_quantize
-    qa, sa = quantize(a, dtype_a)
-    qbt, sbt = quantize(bt, _E4M3)
-    return fp8_scaled_mm(qa, sa, qbt, sbt, fast_accum)
-
-
-def fp8_scaled_mm(qa, sa, qbt, sbt, fast_accum: bool) -> torch.Tensor:
-    # Rowwise scales of B come as (n, 1) from quantizing Bᵀ; _scaled_mm wants (1, n).
-    return torch._scaled_mm(qa, qbt.t(), scale_a=sa, scale_b=sbt.t() if sbt.dim() else sbt,
-                            out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
-
-
-def _prepare_fp8_scaled_mm(fmt, mode, shape, views, device, compile_quant) -> PreparedGemm:
-    _check_divisible(shape, fmt, 16, "kn")  # torch._scaled_mm needs K and N multiples of 16
-    if device.type == "cuda" and sm_version(device) < 89:
-        raise UnsupportedShape(f"{fmt} needs FP8 tensor cores (SM89+); this GPU is SM{sm_version(device)}")
-    rowwise = fmt == "fp8_rowwise"
-    dtype_a = _E5M2 if not rowwise and OPERAND_ROLES[shape.gemm][0] == "grad_output" else _E4M3
-    fast_accum = shape.gemm == "fprop" and device.type == "cuda"
-    backend = "real" if device.type == "cuda" else "cpu"
-    if mode == "kernel":
-        quantize = fp8_rowwise_quantize if rowwise else fp8_tensorwise_quantize
-        pre = [(*quantize(a, dtype_a), *quantize(b.t(), _E4M3)) for a, b in views]
-        return PreparedGemm(lambda i: fp8_scaled_mm(*pre[i], fast_accum), backend)
-
-    def eager(i):
-        a, b = views[i]
-        return fp8_quant_gemm(a, b.t(), dtype_a, rowwise, fast_accum)
-    if device.type != "cuda" or not compile_quant:
-        return PreparedGemm(eager, backend, "quantizers eager")
-    # One compiled graph for quantize A, quantize B and the GEMM, as torchao's float8 training runs under
-    # torch.compile: amax, scale, cast and transpose fuse, and one guard check replaces a dozen eager
-    # launches that would otherwise make small GEMMs CPU-bound.
-    fused = _maybe_compiled(fp8_quant_gemm, device, compile_quant)
-
-    def compiled(i):
-        a, b = views[i]
-        return fused(a, b.t(), dtype_a, rowwise, fast_accum)
-    try:
-        compiled(0)
-    except Exception as exc:  # noqa: BLE001 - time the eager path rather than lose the format
-        return PreparedGemm(eager, backend, f"quantizers eager (torch.compile failed: {exc})"[:300])
-    return PreparedGemm(compiled, backend, "quantize+GEMM compiled (torch.compile)")
-
-
-def _prepare_blockwise_real(mode, shape, buffers) -> PreparedGemm:
-    from torchao.prototype.blockwise_fp8_training import kernels as bk
-    from torchao.prototype.blockwise_fp8_training.linear import _run_blockwise_mm
-
-    def quantize_pair(i):
-        a_st, b_st = buffers[i]
-        if shape.gemm == "fprop":  # x (m×k) 1×128; W (n×k) 128×128, written transposed (k×n col-major)
-            qa, sa = bk.triton_fp8_blockwise_act_quant_lhs(a_st, 128)
-            qb, sb = bk.triton_fp8_blockwise_weight_quant_transposed_rhs(b_st, block_size=128)
-        elif shape.gemm == "dgrad":  # dy (m×k) 1×128; W (k×n) 128×128
-            qa, sa = bk.triton_fp8_blockwise_act_quant_lhs(a_st, 128)
-            qb, sb = bk.triton_fp8_blockwise_weight_quant_rhs(b_st, block_size=128)
-        else:  # dyᵀ 1×128 along tokens; x 128×1 along tokens (scaling groups never cross K)
-            qa, sa = bk.triton_fp8_blockwise_act_quant_transposed_lhs(a_st, 128)
-            qb, sb = bk.triton_fp8_blockwise_act_quant_rhs(b_st, 128)
-        return qa, sa, qb, sb
-
-    def gemm(qa, sa, qb, sb, use_triton):
-        if shape.gemm == "wgrad":
-            return _run_blockwise_mm(use_triton=use_triton, triton_kernel=bk.triton_fp8_gemm_1x128_128x1,
-                                     mat_a=qa, mat_b=qb, scale_a=sa,
-                                     scale_recipe_a=bk.BLOCKWISE_1X128_SCALING_TYPE,
-                                     scale_b=sb.transpose(-1, -2),
-                                     scale_recipe_b=bk.BLOCKWISE_1X128_SCALING_TYPE,
-                                     triton_scale_b=sb, out_dtype=torch.bfloat16)
-        return _run_blockwise_mm(use_triton=use_triton, triton_kernel=bk.triton_fp8_gemm_1x128_128x128,
-                                 mat_a=qa, mat_b=qb, scale_a=sa,
-                                 scale_recipe_a=bk.BLOCKWISE_1X128_SCALING_TYPE, scale_b=sb,
-                                 scale_recipe_b=bk.BLOCKWISE_128X128_SCALING_TYPE,
-                                 out_dtype=torch.bfloat16)
-
-    # torchao's default GEMM is cuBLAS blockwise (CUDA ≥ 12.9 on SM90); where this torch/cuBLAS lacks it,
-    # torchao's Triton blockwise GEMM is the one training would use, so time that instead.
-    use_triton = False
-    note = "torchao Triton quantizers + cuBLAS blockwise GEMM"
-    try:
-        gemm(*quantize_pair(0), use_triton=False)
-    except Exception as exc:  # noqa: BLE001 - any failure of the cuBLAS path means "not available here"
-        use_triton = True
-        note = f"torchao Triton quantizers + Triton blockwise GEMM (cuBLAS blockwise failed: {exc})"[:300]
-    if mode == "kernel":
-        pre = [quantize_pair(i) for i in range(len(buffers))]
-        return PreparedGemm(lambda i: gemm(*pre[i], use_triton), "real", note)
-    return PreparedGemm(lambda i: gemm(*quantize_pair(i), use_triton), "real", note)
-
-
-def _prepare_mx_real(fmt, mode, views) -> PreparedGemm:
-    from torch.ops import aten
-
-    if fmt == "mxfp8":
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-        from torchao.prototype.mx_formats.mx_tensor import MXTensor, _addmm_mx_dispatch
-        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-        def quantize(x):
-            return MXTensor.to_mx(x.contiguous(), _E4M3, 32, scaling_mode=ScaleCalculationMode.RCEIL,
-                                  kernel_preference=KernelPreference.AUTO)
-        dispatch = _addmm_mx_dispatch
-    else:
-        from torchao.prototype.mx_formats.nvfp4_tensor import (NVFP4Tensor, _addmm_nvfp4_dispatch,
-                                                               per_tensor_amax_to_scale)
-
-        def quantize(x):
-            x = x.contiguous()
-            return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max()))
-        dispatch = _addmm_nvfp4_dispatch
-
-    def quantize_pair(i):
-        a, b = views[i]
-        return quantize(a), quantize(b.t()).t()
-
-    note = "torchao CUTLASS/cuBLAS block-scaled GEMM (scale swizzle inside the timed region)"
-    if mode == "kernel":
-        pre = [quantize_pair(i) for i in range(len(views))]
-        return PreparedGemm(lambda i: dispatch(*pre[i], aten.mm.default), "real", note)
-    return PreparedGemm(lambda i: dispatch(*quantize_pair(i), aten.mm.default), "real", note)
-
-
-def _prepare_emulated(fmt, mode, shape, views) -> PreparedGemm:
-    if fmt == "fp8_blockwise":
-        # Activations/gradients: 1×128 along K; weights: 128×128 (torchao's blockwise recipe).
-        b_is_weight = OPERAND_ROLES[shape.gemm][1] == "weight"
-
-        def qdq_pair(i):
-            a, b = views[i]
-            qb_t = emulation_quantize_dequantize(b.t(), fmt, (128, 128) if b_is_weight else 128)
-            return emulation_quantize_dequantize(a, fmt, 128), qb_t.t()
-        note = EMULATED_LABEL
-        if mode == "kernel":
-            # Stored dequantized: the emulated "kernel" is then exactly the BF16 GEMM it runs.
-            pre = [qdq_pair(i) for i in range(len(views))]
-            return PreparedGemm(lambda i: torch.mm(*pre[i]), "emulated", note)
-        return PreparedGemm(lambda i: torch.mm(*qdq_pair(i)), "emulated", note)
-
-    note = EMULATED_LABEL
-    if mode == "kernel":
-        # The stored form is the quantized tensor; the emulated kernel dequantizes and runs a BF16 GEMM.
-        pre = [(_emulation_quantize(a, fmt), _emulation_quantize(b.t(), fmt)) for a, b in views]
-        return PreparedGemm(
-            lambda i: torch.mm(pre[i][0].dequantize(torch.bfloat16), pre[i][1].dequantize(torch.bfloat16).t()),
-            "emulated", note)
-
-    def run_quant(i):
-        a, b = views[i]
-        return torch.mm(emulation_quantize_dequantize(a, fmt), emulation_quantize_dequantize(b.t(), fmt).t())
-    return PreparedGemm(run_quant, "emulated", note)
+    ops = FormatOps(fmt, device)
+    ops.check_shape(shape)
+    (role_a, layout_a), (role_b, layout_b) = PASS_OPERANDS[shape.gemm]
+    qa, qb = ops.quantizer(role_a), ops.quantizer(role_b)
+    pre = [(qa(a, (layout_a,))[0], qb(b, (layout_b,))[0]) for a, b in buffers]
+    gemm = ops.gemm(shape.gemm)
+    gemm(*pre[0])  # blockwise picks its GEMM backend here, so the note below is final
+    return PreparedGemm(lambda i: gemm(*pre[i]), ops.backend, ops.note)

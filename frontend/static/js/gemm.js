@@ -197,8 +197,10 @@ function predictionFor(result, format) {
   const step = gemmState.experiment ? bf16StepFor(result, gemmState.experiment, gemmState.runs) : { why: "" };
   if (step.run) {
     const totals = result.totals?.[mode] || {};
-    const pred = amdahl(step.stepS, step.gemmsPerStep * (totals.bf16?.total_s || 0),
-      step.gemmsPerStep * (totals[format]?.total_s || 0));
+    // The figures training actually runs (LM head kept in BF16 by every recipe) when the result has them.
+    const stepTotal = (t) => t?.training?.total_s ?? t?.total_s ?? 0;
+    const pred = amdahl(step.stepS, step.gemmsPerStep * stepTotal(totals.bf16),
+      step.gemmsPerStep * stepTotal(totals[format]));
     if (pred) return pred;
   }
   return own ? { ...own, why: step.why } : null;
