@@ -47,7 +47,7 @@ ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared
 BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
              "activation_checkpointing"}
 INT_KEYS = {"loss_chunk_tokens", "metrics_lag"}
-TRAINING_KEYS = {"compile", "activation_checkpointing"}
+TRAINING_KEYS = {"compile", "activation_checkpointing", "param_dtype"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -87,21 +87,70 @@ def run_spec(config: dict, *, steps: int, batch: int, seq: int, model: str = "1b
 from training.sink import MetricSink  # noqa: E402 (needs the repo root on sys.path)
 
 
-class BatchingSink(MetricSink):
-    """Stand-in for the workers' API streamer: `log` only appends under a lock; a background thread
-    drains the buffer every 0.2 s and serialises each batch to JSON (the cost of an HTTP body) and
-    writes it out. Records the time the training thread spends inside `log`."""
+class ApiStub:
+    """A stand-in for the Precision Lab API's metric endpoint in a separate process (the GPU machine has no
+    database): parses each POSTed JSON batch like the real endpoint and answers as it does
+    ({"inserted", "duplicates", "cancel_requested"}). What is measured is the client side: the real
+    workers.client.MetricStreamer behind workers.job.ApiSink, as a training job uses it."""
 
-    def __init__(self, path: Path):
+    def __init__(self):
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_api_stub_main, args=(child,), daemon=True)
+        self.proc.start()
+        self.url = parent.recv()
+
+    def close(self):
+        self.proc.terminate()
+
+
+def _api_stub_main(conn):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _reply(self, body: dict):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            n = len(body.get("points", [])) if isinstance(body, dict) else 0
+            self._reply({"inserted": n, "duplicates": 0, "cancel_requested": False})
+
+        def do_GET(self):
+            self._reply({"id": 1, "status": "running", "cancel_requested": False})
+
+        def do_PATCH(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._reply({"id": 1})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    conn.send(f"http://127.0.0.1:{server.server_address[1]}")
+    server.serve_forever()
+
+
+class TimedApiSink(MetricSink):
+    """The workers' ApiSink (real HTTP client, batching thread) plus a local copy of the points; records
+    the time the training thread spends in `log`."""
+
+    def __init__(self, api_url: str | None):
         from training.sink import ListSink
         self.inner = ListSink()
-        self.path = path
-        self._buf: list = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
         self.log_seconds: list[float] = []
-        self._thread = threading.Thread(target=self._drain_loop, daemon=True)
-        self._thread.start()
+        self.api = None
+        if api_url:
+            from workers.client import MetricStreamer, PlabClient
+            from workers.job import ApiSink
+            client = PlabClient(api_url)
+            self.api = ApiSink(client, 1, MetricStreamer(client, 1))
 
     on_step = None  # called once per logged training step (drives the profiler's schedule)
 
@@ -109,43 +158,58 @@ class BatchingSink(MetricSink):
         if self.on_step is not None and "train/loss" in metrics:
             self.on_step()
         t0 = time.perf_counter()
-        point = {"step": step, "tokens": tokens, "wall_time": wall_time, "metrics": dict(metrics)}
-        with self._lock:
-            self._buf.append(point)
+        if self.api is not None:
+            self.api.log(step, metrics, tokens=tokens, wall_time=wall_time)
         self.log_seconds.append(time.perf_counter() - t0)
         self.inner.log(step, metrics, tokens=tokens, wall_time=wall_time)
 
     def event(self, kind, **fields):
         self.inner.event(kind, **fields)
 
-    def _drain_loop(self):
-        with open(self.path, "a") as f:
-            while not self._stop.wait(0.2):
-                self._flush(f)
-            self._flush(f)
-
-    def _flush(self, f):
-        with self._lock:
-            batch, self._buf = self._buf, []
-        if batch:
-            points = [{"key": k, "step": p["step"], "value": v, "tokens": p["tokens"], "wall_time": p["wall_time"]}
-                      for p in batch for k, v in p["metrics"].items()]
-            f.write(json.dumps({"points": points}) + "\n")
-            f.flush()
+    def flush(self):
+        if self.api is not None:
+            self.api.flush()
 
     def close(self):
-        self._stop.set()
-        self._thread.join(timeout=5)
+        if self.api is not None:
+            self.api.streamer.close()
+            self.api.client.close()
+
+
+class Gate:
+    """Holds a worker at the start of step `at` until the driver lets it time its steps, so that no other
+    config's compile or warm-up runs on the GPU while this one is timed (see the driver)."""
+
+    def __init__(self, gate_dir: str | None, name: str, at: int):
+        self.dir = Path(gate_dir) if gate_dir else None
+        self.name, self.at, self.calls = name, at, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        if self.dir is not None and self.calls == self.at:
+            import torch
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # nothing of this worker left queued on the GPU while it waits
+            (self.dir / f"{self.name}.ready").touch()
+            while not (self.dir / f"{self.name}.go").exists():
+                time.sleep(0.05)
+        return False
 
 
 def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_dir: Path, model: str,
-           device: str, gpus: int, profile: bool = False) -> dict | None:
+           device: str, gpus: int, profile: bool = False, api_url: str | None = None,
+           gate_dir: str | None = None) -> dict | None:
     import torch
     from training.train import train
 
     config = json.loads(config_json)
-    spec = run_spec(config, steps=warmup + steps, batch=batch, seq=seq, model=model, device=device, gpus=gpus)
-    sink = BatchingSink(out_dir / f"metrics_{os.getpid()}.jsonl")
+    # Steps: `warmup` untimed (compile, allocator), then the gate step (the worker may wait before it for
+    # the driver's go, which lands in that step's time), then `steps` timed ones.
+    gate_step = warmup + 1
+    spec = run_spec(config, steps=gate_step + steps, batch=batch, seq=seq, model=model, device=device, gpus=gpus)
+    rank = int(os.environ.get("RANK", "0"))
+    sink = TimedApiSink(api_url if rank == 0 else None)
+    gate = Gate(gate_dir, config["slot"], gate_step) if gate_dir else None
     prof = None
     if profile:
         # Kernel-time table of 3 steps after warm-up; the profiled steps are slower, so a profiled
@@ -153,12 +217,12 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         acts = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
-            wait=warmup, warmup=1, active=3, repeat=1))
+            wait=gate_step, warmup=1, active=3, repeat=1))
         prof.start()
         sink.on_step = prof.step
     t0 = time.perf_counter()
     try:
-        result = train(spec, sink)
+        result = train(spec, sink, should_stop=gate)
     finally:
         sink.close()
         if prof is not None:
@@ -171,11 +235,11 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         return None
     wall = time.perf_counter() - t0
     per_step = {p["step"]: p["metrics"] for p in sink.inner.points if "perf/step_time_s" in p["metrics"]}
-    timed = [per_step[s] for s in sorted(per_step) if s > warmup]
+    timed = [per_step[s] for s in sorted(per_step) if s > gate_step]
     step_s = statistics.median(m["perf/step_time_s"] for m in timed)
     total_step_s = sum(m["perf/step_time_s"] for m in timed)
     tokens_per_step = batch * seq
-    log_s = sink.log_seconds[warmup:] or sink.log_seconds
+    log_s = sink.log_seconds[gate_step:] or sink.log_seconds
     return {
         "label": config["label"], "recipe": config["recipe"], "status": result.status,
         "spec": spec, "steps_timed": len(timed),
@@ -191,6 +255,8 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
                                                                                          result.gemm_backend),
         "params": result.summary.get("params"), "flops_per_token": result.summary.get("flops_per_token"),
         "first_steps_s": [per_step[s]["perf/step_time_s"] for s in sorted(per_step)[:warmup]],
+        "param_dtype": result.summary.get("param_dtype"), "api_logging": api_url is not None,
+        "api_points_sent": sink.api.streamer.sent if sink.api is not None else None,
         "wall_s": wall, "device_name": result.device_name, "profiled": profile,
     }
 
@@ -240,6 +306,83 @@ def _fmt(x, spec=".0f"):
     return f"{'-':>{width}}" if x is None else format(x, spec)
 
 
+def _worker_cmd(config: dict, a, scratch: Path, api_url: str | None, gate_dir: Path | None) -> list[str]:
+    launcher = [sys.executable] if a.gpus == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}"]
+    return [*launcher, str(Path(__file__).resolve()), "--worker", json.dumps(config),
+            "--worker-out", str(scratch), "--steps", str(a.steps), "--warmup", str(a.warmup),
+            "--batch", str(a.batch), "--seq", str(a.seq), "--model", a.model, "--device", a.device,
+            "--gpus", str(a.gpus), *(["--profile"] if a.profile else []),
+            *(["--api-url", api_url] if api_url else []), *(["--gate-dir", str(gate_dir)] if gate_dir else [])]
+
+
+def _finish(proc: subprocess.Popen, config: dict, t0: float, timeout: float) -> dict:
+    try:
+        stdout, stderr = proc.communicate(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        return {"label": config["label"], "recipe": config["recipe"], "error": f"timed out after {timeout:.0f} s",
+                "stderr_tail": (stderr or "")[-1500:], "wall_s": time.perf_counter() - t0}
+    out = _last_json_line(stdout)
+    if proc.returncode != 0 or out is None:
+        return {"label": config["label"], "recipe": config["recipe"], "error": f"exit code {proc.returncode}",
+                "stderr_tail": (stderr or "")[-3000:], "wall_s": time.perf_counter() - t0}
+    out.setdefault("wall_s", time.perf_counter() - t0)
+    return out
+
+
+def run_configs(configs: list[dict], a, scratch: Path, remaining, api_url: str | None) -> list[dict]:
+    """Run the configs `a.concurrency` at a time. Each group's workers build, compile and warm up at once
+    (CPU-bound, the slow part), then wait at their gate; only when every worker of the group is waiting
+    does the driver let them time their steps, one after the other. So while a config's timed steps run,
+    no other process issues GPU work, and the compile time of a group is paid once."""
+    results: list[dict] = []
+    durations: list[float] = []
+    pending = list(configs)
+    group_no = 0
+    while pending:
+        group, pending = pending[:a.concurrency], pending[a.concurrency:]
+        # The quickest group so far is the estimate (one slow compile, e.g. fp8_blockwise's autotuning, must not
+        # make every later group look unaffordable); each group also has a hard deadline below.
+        expected = min(durations) if durations else 60.0
+        if remaining() < expected:
+            for config in group + pending:
+                results.append({"label": config["label"], "recipe": config["recipe"],
+                                "skipped": f"budget: {remaining():.0f} s left, a group takes ~{expected:.0f} s"})
+                print(f"[bench] skip {config['label']}: out of budget", flush=True)
+            break
+        group_no += 1
+        gate_dir = Path(tempfile.mkdtemp(prefix="plab-gate-"))
+        t0 = time.perf_counter()
+        procs = []
+        for i, config in enumerate(group):
+            config = {**config, "slot": f"g{group_no}_{i}"}
+            cmd = _worker_cmd(config, a, scratch, api_url, gate_dir)
+            procs.append((config, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                   text=True, cwd=REPO)))
+        deadline = t0 + min(a.per_run_timeout_s * len(group), max(remaining(), 1))
+        # Wait until every live worker is at its gate (or has exited), then time them one by one.
+        while time.perf_counter() < deadline:
+            waiting = [(c, p) for c, p in procs if p.poll() is None and not (gate_dir / f"{c['slot']}.ready").exists()]
+            if not waiting:
+                break
+            time.sleep(0.2)
+        group_results = []
+        for config, proc in procs:
+            (gate_dir / f"{config['slot']}.go").touch()
+            res = _finish(proc, config, t0, deadline - time.perf_counter())
+            res.setdefault("label", config["label"])
+            res.setdefault("recipe", config["recipe"])
+            res["group"] = group_no
+            group_results.append(res)
+            print(f"[bench] {config['label']}: {json.dumps({k: v for k, v in res.items() if k != 'spec'})[:600]}",
+                  flush=True)
+        durations.append(time.perf_counter() - t0)
+        results.extend(group_results)
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", "--recipes", nargs="*", default=None,
@@ -249,7 +392,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--budget-s", type=float, default=520.0, help="skip configs that cannot finish within this")
-    ap.add_argument("--per-run-timeout-s", type=float, default=240.0)
+    ap.add_argument("--per-run-timeout-s", type=float, default=300.0)
     ap.add_argument("--no-anchor", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="write a kernel-time table per config to $OUT/profile_<config>.txt (slows those runs)")
@@ -257,13 +400,21 @@ def main(argv=None) -> int:
                     help="GPUs per config (torchrun + DDP); --batch stays the global batch")
     ap.add_argument("--model", default="1b", help="model preset (1b is the anchor's shape)")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
+    ap.add_argument("--concurrency", type=int, default=2,
+                    help="configs built and compiled at once (each is then timed alone); mind GPU memory")
+    ap.add_argument("--no-api", action="store_true", help="log metrics to a local list only, not through the "
+                    "API client")
+    ap.add_argument("--api-url", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--gate-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.concurrency < 1:
+        ap.error(f"--concurrency must be >= 1, got {a.concurrency}")
 
     if a.worker is not None:
         res = worker(a.worker, a.steps, a.warmup, a.batch, a.seq, Path(a.worker_out), a.model, a.device, a.gpus,
-                     a.profile)
+                     a.profile, a.api_url, a.gate_dir)
         if res is not None:
             print(json.dumps(res), flush=True)
         return 0
@@ -293,28 +444,10 @@ def main(argv=None) -> int:
                           timeout=min(a.per_run_timeout_s, max(remaining(), 1)))
         print(f"[bench] anchor: {json.dumps(anchor)[:400]}", flush=True)
 
-    results, durations = [], []
-    for config in configs:
-        # A run costs about as long as the slowest so far (compile dominates); skip what cannot finish.
-        expected = max(durations) if durations else 90.0
-        if remaining() < expected:
-            results.append({"label": config["label"], "recipe": config["recipe"],
-                            "skipped": f"budget: {remaining():.0f} s left, a run takes ~{expected:.0f} s"})
-            print(f"[bench] skip {config['label']}: out of budget", flush=True)
-            continue
-        launcher = [sys.executable] if a.gpus == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}"]
-        cmd = [*launcher, str(Path(__file__).resolve()), "--worker", json.dumps(config),
-               "--worker-out", str(scratch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-               "--batch", str(a.batch), "--seq", str(a.seq), "--model", a.model, "--device", a.device, "--gpus", str(a.gpus),
-               *(["--profile"] if a.profile else [])]
-        res = _run(cmd, timeout=min(a.per_run_timeout_s, max(remaining(), 1)))
-        res.setdefault("label", config["label"])
-        res.setdefault("recipe", config["recipe"])
-        durations.append(res.get("wall_s", 0.0))
-        results.append(res)
-        print(f"[bench] {config['label']}: {json.dumps({k: v for k, v in res.items() if k != 'spec'})[:600]}",
-              flush=True)
+    api = ApiStub() if not a.no_api else None
+    results = run_configs(configs, a, scratch, remaining, api.url if api else None)
+    if api is not None:
+        api.close()
 
     device = next((r.get("device_name") for r in results if r.get("device_name")), None)
     if device is None:
@@ -334,8 +467,13 @@ def main(argv=None) -> int:
         "device": device, "git_commit": _git_commit(), "model": "1b (1.14B)",
         "batch": a.batch, "seq": a.seq, "gpus": a.gpus, "timed_steps": a.steps, "warmup_steps": a.warmup,
         "anchor": anchor, "results": results, "total_wall_s": time.perf_counter() - t_begin,
+        "concurrency": a.concurrency, "api_logging": not a.no_api,
         "notes": "tokens/s from the median timed step (CUDA events); MFU against the dense BF16 peak for every "
-                 "recipe; emulated recipes' throughput is not hardware throughput.",
+                 "recipe; emulated recipes' throughput is not hardware throughput. Configs are built and compiled "
+                 f"{a.concurrency} at a time, then each is timed alone (the others wait at a gate with nothing "
+                 "queued on the GPU). Metrics of every step go through the real API client (workers.job.ApiSink, "
+                 "MetricStreamer over HTTP) to a stub endpoint in another process; sink% is the training "
+                 "thread's time in log() per step.",
     }
     text = json.dumps(report, indent=1, default=str)
     if out_env:

@@ -32,8 +32,11 @@ def checkpoints_root(output_dir) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: torch.nn.Module, optimizer=None) -> dict[str, torch.Tensor]:
     """Plain FP32 CPU tensors under the names a fresh `LlamaForCausalLM` expects.
+
+    With an optimizer that keeps FP32 master weights (training.optim.MasterAdamW, BF16 parameters), the
+    masters are written, not the BF16 parameters rounded from them.
 
     Recipe conversions may wrap modules or add buffers (e.g. amax histories); those are kept out of the
     HF weights (they travel in the hook state) so plain transformers loads the file.
@@ -41,11 +44,17 @@ def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from transformers import LlamaForCausalLM
     with torch.device("meta"):
         reference = LlamaForCausalLM(model.config)
+    from training.model import split_fused_qkv
     expected = set(reference.state_dict())
+    masters = {}
+    if optimizer is not None and hasattr(optimizer, "master"):
+        masters = {name: optimizer.master(p) for name, p in model.named_parameters() if p in optimizer.state}
+    masters = split_fused_qkv(masters, model.config)
     out = {}
-    for name, value in model.state_dict().items():
+    for name, value in split_fused_qkv(model.state_dict(), model.config).items():
         if name not in expected:
             continue
+        value = masters.get(name, value)
         if type(value) is not torch.Tensor and hasattr(value, "dequantize"):
             value = value.dequantize()
         out[name] = value.detach().to("cpu", torch.float32).contiguous().clone()
@@ -84,7 +93,7 @@ def save_checkpoint(output_dir, step: int, *, model, optimizer, tokenizer=None, 
         config = model.config
         config.architectures = ["LlamaForCausalLM"]
         config.save_pretrained(tmp)
-        save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(hf_state_dict(model, optimizer), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         state = {
@@ -124,14 +133,15 @@ def load_checkpoint(path, *, model, optimizer, hooks=(), map_location="cpu") -> 
     """Restore weights, optimizer, RNG and hook states in place; returns the state dict (step, ...)."""
     path = Path(path)
     weights = load_file(str(path / "model.safetensors"))
+    from training.model import join_fused_qkv, split_fused_qkv
     params = dict(model.named_parameters())
-    missing = [n for n in params if n not in weights]
+    missing = [n for n in split_fused_qkv(params, model.config) if n not in weights]
     if missing:
         raise RuntimeError(f"checkpoint {path} lacks parameters {missing[:5]}; it was written for a "
                            f"different model")
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(weights[name].to(p.device, p.dtype))
+            p.copy_(join_fused_qkv(weights, name).to(p.device, p.dtype))
     state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(state["rng"])

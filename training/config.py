@@ -187,10 +187,31 @@ class PerfOptions:
     # every add/norm moves twice the bytes of a BF16 stack. Off by default: it changes the baseline's
     # numerics (weights stay FP32 masters either way).
     bf16_residual: bool = False
+    # One GEMM for Q, K and V (training.model.fuse_qkv; recipes then scale the fused weight as one tensor,
+    # like Transformer Engine's linear_qkv). None = on for GPU runs, off on CPU. HF checkpoints keep
+    # separate q/k/v weights either way.
+    fuse_qkv: bool | None = None
+    # GPU runs with BF16 parameters: the optimizer step runs on a side CUDA stream, layer by layer in forward
+    # order, while the next step's forward proceeds behind per-layer events (training.optim.
+    # OverlappedOptimizerStep). Needs the layers compiled one by one (compile_scope "layers").
+    overlap_optimizer: bool = True
+    # torch.compile granularity: "model" (one graph with the loss), "layers" (each decoder layer, plus the
+    # loss's chunk math), "auto" = "layers" when the optimizer step overlaps the forward, else "model".
+    compile_scope: str = "auto"
     # TF32 for any FP32 matmul left (e.g. outside autocast); BF16 autocast GEMMs are unaffected.
     allow_tf32: bool = True
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+    COMPILE_SCOPES = ("auto", "model", "layers")
+
+
+PARAM_DTYPES = ("auto", "bf16", "fp32")
+
+
+def _choice(section: str, key: str, value, choices) -> str:
+    if value not in choices:
+        raise SpecError(f"{section}.{key} must be one of {list(choices)}, got {value!r}")
+    return value
 
 
 @dataclass
@@ -211,6 +232,10 @@ class TrainingSpec:
     checkpoint_every: int = 0
     compile: bool = False
     activation_checkpointing: bool = False
+    # Parameter dtype. "bf16": BF16 parameters for compute, FP32 master weights and FP32 moments in the
+    # optimizer (training.optim.MasterAdamW). "fp32": FP32 parameters, forward/backward under BF16 autocast
+    # on GPU (plain FP32 on CPU). "auto": bf16 on GPU, fp32 on CPU.
+    param_dtype: str = "auto"
     numerics_every: int = 0
     device: str = "auto"
     gpus: int = 1
@@ -332,6 +357,12 @@ class RunSpec:
             prefetch=_bool("training.perf", "prefetch", perf_d.get("prefetch", pbase.prefetch)),
             allow_tf32=_bool("training.perf", "allow_tf32", perf_d.get("allow_tf32", pbase.allow_tf32)),
             fused_clip=_bool("training.perf", "fused_clip", perf_d.get("fused_clip", pbase.fused_clip)),
+            overlap_optimizer=_bool("training.perf", "overlap_optimizer",
+                                    perf_d.get("overlap_optimizer", pbase.overlap_optimizer)),
+            compile_scope=_choice("training.perf", "compile_scope", perf_d.get("compile_scope", pbase.compile_scope),
+                                  PerfOptions.COMPILE_SCOPES),
+            fuse_qkv=(None if perf_d.get("fuse_qkv") is None
+                      else _bool("training.perf", "fuse_qkv", perf_d.get("fuse_qkv"))),
             bf16_residual=_bool("training.perf", "bf16_residual",
                                 perf_d.get("bf16_residual", pbase.bf16_residual)),
         )
@@ -354,6 +385,7 @@ class RunSpec:
             compile=_bool(s, "compile", d.get("compile", base.compile)),
             activation_checkpointing=_bool(s, "activation_checkpointing",
                                            d.get("activation_checkpointing", base.activation_checkpointing)),
+            param_dtype=_choice(s, "param_dtype", d.get("param_dtype", base.param_dtype), PARAM_DTYPES),
             numerics_every=_int(s, "numerics_every", d.get("numerics_every", base.numerics_every), minimum=0),
             device=device,
             gpus=_int(s, "gpus", d.get("gpus", base.gpus), minimum=1),

@@ -78,7 +78,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype):
+    def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype, chunk_fn=None):
+        chunk_fn = chunk_fn or _ce_chunk
         n = hidden.shape[0]
         h = hidden.to(compute_dtype)
         w = weight.to(compute_dtype)
@@ -86,15 +87,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in range(0, n, chunk):
-            hc, tc = h[s:s + chunk], targets[s:s + chunk]
-            logits = (hc @ w.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            loss = loss + (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
-            g = torch.exp(logits - lse[:, None])
-            g.scatter_add_(1, tc[:, None], torch.full_like(lse[:, None], -1.0))
-            g = g.to(compute_dtype)
-            grad_h[s:s + chunk] = g @ w
-            grad_w += (g.t() @ hc).float()
+            part, gh, gw = chunk_fn(h[s:s + chunk], w, targets[s:s + chunk])
+            loss = loss + part
+            grad_h[s:s + chunk] = gh
+            grad_w += gw
         ctx.save_for_backward(grad_h, grad_w)
         ctx.n = n
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -104,7 +100,29 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.n
-        return (grad_h * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None, None
+        return (grad_h * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None, None, None
+
+
+def _ce_chunk(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor):
+    """One chunk of the fused loss: (summed CE, dL/dh, dL/dW in FP32) for logits = hc @ wᵀ (FP32 softmax)."""
+    logits = (hc @ w.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+    g = torch.exp(logits - lse[:, None])
+    g = g.scatter_add(1, tc[:, None], torch.full_like(lse[:, None], -1.0)).to(hc.dtype)
+    return loss, g @ w, (g.t() @ hc).float()
+
+
+_compiled_ce_chunk = None
+
+
+def compiled_ce_chunk():
+    """`_ce_chunk` under torch.compile (the softmax, its upcast and the one-hot fused into few kernels), for
+    models whose layers are compiled one by one rather than as one graph with the loss."""
+    global _compiled_ce_chunk
+    if _compiled_ce_chunk is None:
+        _compiled_ce_chunk = torch.compile(_ce_chunk, dynamic=False)
+    return _compiled_ce_chunk
 
 
 class CausalLMLoss(torch.nn.Module):
@@ -126,6 +144,7 @@ class CausalLMLoss(torch.nn.Module):
         # standard path, since the fused loss reads lm_head.weight directly.
         self.fused = fused_loss and type(model.lm_head) is torch.nn.Linear
         self.chunk_tokens = chunk_tokens
+        self.chunk_fn = None  # None = eager `_ce_chunk` (traced into the graph when the whole model is compiled)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         hidden = self.model.model(input_ids=input_ids).last_hidden_state
@@ -133,9 +152,18 @@ class CausalLMLoss(torch.nn.Module):
         if self.fused and torch.is_grad_enabled():
             dtype = self.compute_dtype or hidden.dtype
             return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, 1), self.model.lm_head.weight,
-                                                    targets.flatten(), self.chunk_tokens, dtype)
+                                                    targets.flatten(), self.chunk_tokens, dtype, self.chunk_fn)
         logits = self.model.lm_head(hidden)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def compile_layers(loss_module: "CausalLMLoss", mode: str | None = None) -> None:
+    """Regional compilation: each decoder layer's forward compiled on its own (the same code for every
+    layer, so it compiles once and is reused), plus the fused loss's chunk math. Module hooks then run
+    between layers (the overlapped optimizer step waits there), and compile time drops several-fold."""
+    for layer in loss_module.model.model.layers:
+        layer.forward = torch.compile(layer.forward, mode=mode)
+    loss_module.chunk_fn = compiled_ce_chunk()
 
 
 def _to_bf16(module, inputs, output):
@@ -146,3 +174,87 @@ def carry_residual_in_bf16(model: LlamaForCausalLM):
     """Cast the embedding output to BF16 so the residual stream that starts there stays BF16 (see
     PerfOptions.bf16_residual). Returns the hook handle (`.remove()` undoes it)."""
     return model.model.embed_tokens.register_forward_hook(_to_bf16)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused QKV projection (Megatron / Transformer Engine's `linear_qkv`)
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+
+
+def _fused_qkv_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args,
+                                 **kwargs):
+    """LlamaAttention.forward with one GEMM for Q, K and V (transformers' own RoPE and attention kernels)."""
+    from transformers.models.llama import modeling_llama as ml
+
+    for cache_key in ("past_key_values", "past_key_value"):
+        if kwargs.pop(cache_key, None) is not None:
+            raise NotImplementedError("a model with a fused QKV projection has no KV cache: generate from its "
+                                      "HF checkpoint (saved with separate q/k/v weights) instead")
+    kwargs.pop("cache_position", None)
+    kwargs.pop("use_cache", None)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q, k, v = self.qkv_proj(hidden_states).split(self.qkv_split, dim=-1)
+    q, k, v = (t.reshape(hidden_shape).transpose(1, 2) for t in (q, k, v))
+    cos, sin = position_embeddings
+    q, k = ml.apply_rotary_pos_emb(q, k, cos, sin)
+    impl = self.config._attn_implementation
+    attention = ml.eager_attention_forward if impl == "eager" else ml.ALL_ATTENTION_FUNCTIONS[impl]
+    out, weights = attention(self, q, k, v, attention_mask, dropout=0.0 if not self.training else
+                             self.attention_dropout, scaling=self.scaling, **kwargs)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def fuse_qkv(model: LlamaForCausalLM) -> int:
+    """Replace each attention block's q_proj, k_proj and v_proj by one `qkv_proj` linear whose weight is
+    their concatenation [Wq; Wk; Wv] (same values, same output). One GEMM of width (heads + 2 kv_heads) x
+    head_dim instead of three, the two narrow K/V ones included, and one Dgrad instead of three plus their
+    sum. Recipes then quantize the fused weight as one tensor, as Transformer Engine does with Megatron's
+    `linear_qkv`. HF checkpoints are still written with separate q/k/v weights (`split_fused_qkv`).
+    Returns the number of blocks fused."""
+    n = 0
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if hasattr(attn, "qkv_proj"):
+            continue
+        parts = [getattr(attn, name) for name in QKV_NAMES]
+        if any(type(p) is not torch.nn.Linear for p in parts):
+            raise ValueError("fuse_qkv must run before a recipe converts the linears")
+        w = torch.cat([p.weight.detach() for p in parts], dim=0)
+        has_bias = parts[0].bias is not None
+        qkv = torch.nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            qkv.weight.copy_(w)
+            if has_bias:
+                qkv.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+        for name in QKV_NAMES:
+            delattr(attn, name)
+        attn.qkv_proj = qkv
+        attn.qkv_split = [p.out_features for p in parts]
+        attn.forward = _fused_qkv_attention_forward.__get__(attn)
+        n += 1
+    return n
+
+
+def split_fused_qkv(state: dict, config: LlamaConfig) -> dict:
+    """State-dict names of a fused model -> HF names: `...self_attn.qkv_proj.X` becomes q/k/v_proj.X."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = [config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim,
+             config.num_key_value_heads * head_dim]
+    out = {}
+    for name, value in state.items():
+        if ".self_attn.qkv_proj." in name:
+            prefix, suffix = name.split(".qkv_proj.")
+            for part, tensor in zip(QKV_NAMES, value.split(sizes, dim=0)):
+                out[f"{prefix}.{part}.{suffix}"] = tensor
+        else:
+            out[name] = value
+    return out
+
+
+def join_fused_qkv(weights: dict, name: str) -> torch.Tensor:
+    """The tensor for parameter `name` of a (possibly fused) model from HF-named `weights`."""
+    if ".self_attn.qkv_proj." in name:
+        prefix, suffix = name.split(".qkv_proj.")
+        return torch.cat([weights[f"{prefix}.{part}.{suffix}"] for part in QKV_NAMES], dim=0)
+    return weights[name]

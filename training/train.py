@@ -1,8 +1,11 @@
 """The training loop: one function, `train(spec, sink)`, readable top to bottom (after nanoGPT's train.py).
 
-Numerics: FP32 master weights always. On GPU the forward/backward run under BF16 autocast (recipes
-replace the GEMMs of converted linears); on CPU everything is plain FP32. AdamW (fused on CUDA), linear
-warm-up then cosine decay to `min_lr_ratio * lr`, global-norm gradient clipping, gradient accumulation.
+Numerics: FP32 master weights always. `training.param_dtype` "bf16" (the GPU default): the model's
+parameters are BF16 and compute in BF16 (recipes replace the GEMMs of converted linears), the optimizer
+(training.optim.MasterAdamW) keeps FP32 masters and moments and writes the rounded weights back after
+each step. "fp32" (the CPU default): FP32 parameters, forward/backward under BF16 autocast on GPU, plain
+FP32 on CPU, torch's fused AdamW. Linear warm-up then cosine decay to `min_lr_ratio * lr`, global-norm
+gradient clipping folded into the optimizer, gradient accumulation (in the parameters' dtype).
 
 No host synchronisation inside a GPU step: the loss and grad norm of step s are copied to pinned host
 memory with `non_blocking=True` behind a CUDA event and read `perf.metrics_lag` steps later; step time is
@@ -26,7 +29,9 @@ from training.config import RunSpec, SpecError, plab_home
 from training.data import BatchLoader, TokenDataset
 from training.distributed import DistContext, init_distributed
 from training.flops import flops_per_token, mfu, peak_tflops
-from training.model import CausalLMLoss, build_model, carry_residual_in_bf16, count_parameters, llama_config
+from training.optim import MasterAdamW, OverlappedOptimizerStep
+from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, compile_layers, count_parameters,
+                            fuse_qkv, llama_config)
 from training.sink import MetricSink, NullSink
 
 
@@ -159,7 +164,10 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     _configure_backends(device, t.perf)
     on_cuda = device.type == "cuda"
     device_name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda else contextlib.nullcontext())
+    param_dtype = t.param_dtype if t.param_dtype != "auto" else ("bf16" if on_cuda else "fp32")
+    bf16_params = param_dtype == "bf16"
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda and not bf16_params
+                else contextlib.nullcontext())
 
     # ---- data, model, recipe ------------------------------------------------------------------
     tokenizer, dataset = _load_data(spec, ctx, cache_dir)
@@ -169,6 +177,9 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
                         f"model.vocab_size or lower data.vocab_size")
     config = llama_config(spec.model, vocab, spec.data.seq_len)
     model = build_model(config, spec.seed).to(device)
+    fused_qkv = t.perf.fuse_qkv if t.perf.fuse_qkv is not None else on_cuda
+    if fused_qkv:
+        fuse_qkv(model)
     from training.precision import apply_recipe
     report = apply_recipe(model, spec.recipe, bf16_first_layers=spec.bf16_first_layers,
                           bf16_last_layers=spec.bf16_last_layers, **spec.recipe_options)
@@ -177,7 +188,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     hooks = list(getattr(report, "hooks", []) or [])
     post_step_hooks = [h for h in hooks if hasattr(h, "post_optimizer_step")]
     can_sample_numerics = hasattr(report, "set_numerics_sampling") and hasattr(report, "collect_numerics")
-    if on_cuda and t.perf.bf16_residual:
+    if on_cuda and t.perf.bf16_residual and not bf16_params:
         carry_residual_in_bf16(model)
     if t.activation_checkpointing:
         # transformers >= 5.x renamed the API; the GPU images may carry an older release.
@@ -191,9 +202,17 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     # nanoGPT's split: decay matrices (linears, embeddings), not norms' gains.
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # Fused AdamW (one multi-tensor kernel; CPU has a fused kernel too, so CPU and GPU runs share the
-    # update rule and the clipping path below).
-    optimizer = torch.optim.AdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2), fused=True)
+    if bf16_params:
+        # Masters are copied from the FP32 initial weights before the parameters are rounded to BF16;
+        # only parameters are cast (buffers such as RoPE's inv_freq and recipe state stay FP32).
+        optimizer = MasterAdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2))
+        with torch.no_grad():
+            for p in params:
+                p.data = p.data.to(torch.bfloat16)
+    else:
+        # Fused AdamW (one multi-tensor kernel; CPU has a fused kernel too, so CPU and GPU runs share the
+        # update rule and the clipping path below).
+        optimizer = torch.optim.AdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2), fused=True)
 
     # ---- resume -------------------------------------------------------------------------------
     start_step, tokens_seen, wall_offset = 0, 0, 0.0
@@ -217,11 +236,23 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     net = loss_module
     if ctx.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        net = DDP(loss_module, device_ids=[device.index] if on_cuda else None)
+        # Gradients live in the all-reduce buckets (no copy into and out of them each step).
+        net = DDP(loss_module, device_ids=[device.index] if on_cuda else None, gradient_as_bucket_view=True)
     eval_net = loss_module
-    if t.compile:
+    overlap = on_cuda and bf16_params and t.perf.overlap_optimizer
+    scope = t.perf.compile_scope if t.perf.compile_scope != "auto" else ("layers" if overlap else "model")
+    if t.compile and scope == "layers":
+        compile_layers(loss_module, t.perf.compile_mode)
+    elif t.compile:
         net = torch.compile(net, mode=t.perf.compile_mode)
         eval_net = torch.compile(loss_module, mode=t.perf.compile_mode)
+    stepper = OverlappedOptimizerStep(optimizer, _forward_buckets(model, params)) if overlap else None
+
+    def optimizer_settled() -> None:
+        """Before anything reads the weights or optimizer state outside the forward (validation,
+        checkpoints, the end): the compute stream waits for the overlapped update to finish."""
+        if stepper is not None:
+            stepper.synchronize()
 
     total_steps = spec.total_steps
     tokens_per_step = spec.tokens_per_step
@@ -229,6 +260,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     micro_batch = t.batch_size // (t.grad_accum * ctx.world)
     val_windows = dataset.val_windows(t.val_batches * t.batch_size)
     sink.event("run_info", params=count_parameters(model), flops_per_token=fpt, device_name=device_name,
+               param_dtype=param_dtype, fused_qkv=fused_qkv, overlap_optimizer=overlap,
                world_size=ctx.world, micro_batch=micro_batch, total_steps=total_steps,
                start_step=start_step, peak_bf16_tflops=peak_tflops(device_name, "bf16"))
 
@@ -237,6 +269,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
         if len(val_windows) == 0:
             return None
         mine = val_windows[ctx.rank::ctx.world]
+        optimizer_settled()
         total = torch.zeros(2, dtype=torch.float64, device=device)
         model.eval()
         with torch.no_grad():
@@ -252,6 +285,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
         return (total[0] / total[1]).item()
 
     def save(step: int) -> Path:
+        optimizer_settled()
         pending_flush()  # metrics up to `step` reach the sink before the checkpoint claims them done
         sink.flush()  # ...and are durable there: a resume from this checkpoint never re-logs or loses a step
         path = None
@@ -327,7 +361,10 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
         if not t.perf.fused_clip:
             return torch.nn.utils.clip_grad_norm_(params, clip)
         grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if not grads:
+            return torch.zeros((), device=device)
+        # Per-tensor norms in FP32 (BF16 gradients would otherwise give BF16-rounded norms).
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
         # The fused AdamW kernel divides every gradient by `grad_scale` as it reads it: the same
         # min(1, clip / (norm + 1e-6)) factor as clip_grad_norm_, without its in-place pass.
         optimizer.grad_scale = (torch.clamp((norm.float() + 1e-6) / clip, min=1.0)
@@ -360,7 +397,10 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
                     (loss / t.grad_accum).backward()
                 loss_sum += loss.detach()
             grad_norm = clip_gradients()
-            optimizer.step()
+            if stepper is not None:
+                stepper.step()
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             for hook in post_step_hooks:
                 hook.post_optimizer_step(model)
@@ -405,6 +445,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
         drain(flush=True)
     finally:
         loader.close()
+        optimizer_settled()
 
     steps_done = diverged_step if status == "diverged" else step
     if status == "diverged":
@@ -422,6 +463,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     summary = _summary(step_times, data_waits, tokens_per_step, fpt, device_name, ctx.world,
                        device if on_cuda else None)
     summary.update(params=count_parameters(model), flops_per_token=fpt, world_size=ctx.world,
+                   param_dtype=param_dtype, fused_qkv=fused_qkv, overlap_optimizer=overlap,
                    wall_time_s=wall_offset + time.perf_counter() - t_start)
     result = TrainResult(
         status=status, steps=steps_done, tokens=tokens_seen, final_loss=last_loss,
@@ -433,11 +475,28 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     return result
 
 
+def _forward_buckets(model, params) -> list:
+    """(module, its parameters) in the order the forward uses them: embeddings, each decoder layer, then the
+    final norm with the LM head (the fused loss reads lm_head.weight right after the final norm). Anything
+    else trainable joins the first bucket, so it is updated before the forward can touch it."""
+    inner = model.model
+    buckets = [(inner.embed_tokens, list(inner.embed_tokens.parameters()))]
+    buckets += [(layer, list(layer.parameters())) for layer in inner.layers]
+    buckets.append((inner.norm, list(inner.norm.parameters()) + list(model.lm_head.parameters())))
+    trainable = {id(p) for p in params}
+    buckets = [(m, [p for p in ps if id(p) in trainable]) for m, ps in buckets]
+    seen = {id(p) for _, ps in buckets for p in ps}
+    buckets[0][1].extend(p for p in params if id(p) not in seen)
+    return buckets
+
+
 def _numerics_identity(spec_dict: dict) -> dict:
     """The parts of a spec that decide the numbers a run produces (not how fast or where it runs)."""
     d = {k: v for k, v in spec_dict.items() if k != "training"}
     d["training"] = {k: v for k, v in spec_dict["training"].items()
                      if k not in ("perf", "device", "gpus", "compile", "checkpoint_every")}
+    # A fused QKV projection changes the parameter list (and a recipe's scaling of it).
+    d["training"]["perf.fuse_qkv"] = (spec_dict["training"].get("perf") or {}).get("fuse_qkv")
     return d
 
 

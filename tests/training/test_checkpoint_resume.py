@@ -17,9 +17,15 @@ def _losses(sink):
     return dict(sink.series("train/loss"))
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])  # fp8_delayed: the amax history must resume too
-def test_interrupted_run_resumes_to_the_same_loss_at_every_later_step(make_spec, cache_dir, tmp_path, recipe):
-    spec = make_spec(training={"steps": 12, "checkpoint_every": 4, "val_every": 6}, recipe=recipe)
+# fp8_delayed: the amax history must resume too. param_dtype bf16: BF16 parameters with FP32 masters in the
+# optimizer (the GPU default): the masters, not the rounded parameters, must come back.
+# fuse_qkv: the fused projection is split into HF's q/k/v weights in the checkpoint and joined again.
+@pytest.mark.parametrize("recipe,param_dtype,fuse", [("bf16", "fp32", False), ("fp8_delayed", "fp32", False),
+                                                      ("bf16", "bf16", True)])
+def test_interrupted_run_resumes_to_the_same_loss_at_every_later_step(make_spec, cache_dir, tmp_path, recipe,
+                                                                       param_dtype, fuse):
+    spec = make_spec(training={"steps": 12, "checkpoint_every": 4, "val_every": 6, "param_dtype": param_dtype,
+                               "perf": {"fuse_qkv": fuse}}, recipe=recipe)
     reference = ListSink()
     train(spec, reference, output_dir=tmp_path / "uninterrupted", cache_dir=cache_dir)
 
@@ -47,15 +53,18 @@ def test_interrupted_run_resumes_to_the_same_loss_at_every_later_step(make_spec,
     assert dict(resumed.series("val/loss"))[12] == pytest.approx(dict(reference.series("val/loss"))[12], abs=1e-6)
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 def test_finished_run_checkpoint_loads_with_plain_transformers_and_gives_the_same_loss(make_spec, cache_dir,
-                                                                                         tmp_path):
+                                                                                         tmp_path, fuse):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from training.config import RunSpec
     from training.data import TokenDataset
     from training.tokenizer import get_tokenizer
 
-    result = train(make_spec(training={"steps": 6}), ListSink(), output_dir=tmp_path, cache_dir=cache_dir)
+    result = train(make_spec(training={"steps": 6, "perf": {"fuse_qkv": fuse}}), ListSink(), output_dir=tmp_path,
+                   cache_dir=cache_dir)
+    assert result.summary["fused_qkv"] is fuse
     path = result.checkpoint_dir
     assert path.endswith("step_00000006")
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -72,6 +81,30 @@ def test_finished_run_checkpoint_loads_with_plain_transformers_and_gives_the_sam
         logits = model(input_ids=windows[:, :-1]).logits
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
     assert loss.item() == pytest.approx(result.final_val_loss, abs=1e-5)
+
+
+def test_bf16_parameter_run_checkpoints_its_fp32_masters(make_spec, cache_dir, tmp_path):
+    """The HF weights of a BF16-parameter run are the optimizer's FP32 masters (not BF16-rounded), and the
+    model's BF16 parameters are exactly those masters rounded to nearest."""
+    from safetensors.torch import load_file
+
+    from training.config import RunSpec
+    from training.model import build_model, llama_config
+
+    result = train(make_spec(training={"steps": 3, "param_dtype": "bf16"}), ListSink(), output_dir=tmp_path,
+                   cache_dir=cache_dir)
+    assert result.summary["param_dtype"] == "bf16"
+    weights = load_file(str(tmp_path / "checkpoints" / "step_00000003" / "model.safetensors"))
+    w = weights["model.layers.0.mlp.down_proj.weight"]
+    assert w.dtype == torch.float32
+    assert not torch.equal(w, w.to(torch.bfloat16).float())  # FP32 detail survived: masters, not params
+    state = torch.load(tmp_path / "checkpoints" / "step_00000003" / ckpt.STATE_FILE, weights_only=False)
+    masters = [s["master"] for s in state["optimizer"]["state"].values()]
+    assert all(m.dtype == torch.float32 for m in masters)
+    # After 3 steps the weights moved away from the FP32 initialisation.
+    spec = RunSpec.from_dict(make_spec())
+    init = build_model(llama_config(spec.model, spec.vocab_size, spec.data.seq_len), spec.seed)
+    assert not torch.equal(init.state_dict()["model.layers.0.mlp.down_proj.weight"], w)
 
 
 def test_a_kill_mid_write_never_leaves_a_broken_latest_checkpoint(make_spec, cache_dir, tmp_path, monkeypatch):

@@ -56,3 +56,27 @@ def test_fused_chunked_loss_equals_standard_cross_entropy_in_value_and_gradients
     logits = model(input_ids=batch[:, :-1]).logits   # the plain HF forward as the reference
     reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
     assert torch.allclose(reference, grads[False][0], atol=1e-6)
+
+
+def test_fused_qkv_gives_the_same_logits_and_gradients_and_splits_back_to_hf_names():
+    import torch
+
+    from training.model import build_model, fuse_qkv, join_fused_qkv, llama_config, split_fused_qkv
+    cfg = llama_config({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}, 97, 16)
+    plain, fused = build_model(cfg, 3), build_model(cfg, 3)
+    assert fuse_qkv(fused) == 2
+    attn = fused.model.layers[0].self_attn
+    assert not hasattr(attn, "q_proj") and attn.qkv_proj.weight.shape == ((4 + 2 * 2) * 32, 64)
+    x = torch.randint(0, 97, (2, 16))
+    a, b = plain(input_ids=x).logits, fused(input_ids=x).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    g = torch.cat([getattr(plain.model.layers[1].self_attn, n).weight.grad for n in ("q_proj", "k_proj", "v_proj")])
+    torch.testing.assert_close(fused.model.layers[1].self_attn.qkv_proj.weight.grad, g, rtol=1e-5, atol=1e-7)
+    hf = split_fused_qkv(fused.state_dict(), cfg)
+    assert set(hf) == set(plain.state_dict())
+    assert all(torch.equal(hf[k], plain.state_dict()[k]) for k in hf)
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    assert torch.equal(join_fused_qkv(plain.state_dict(), name), fused.state_dict()[name])

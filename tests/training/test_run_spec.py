@@ -51,6 +51,7 @@ def test_tokens_budget_becomes_steps_rounded_up():
     ({"bf16_last_layers": 5}, "exceeds the model's 4 layers"),
     ({"training": {"device": "tpu"}}, "training.device must be"),
     ({"training": {"perf": {"sdpa_backend": "fast"}}}, "training.perf.sdpa_backend must be one of"),
+    ({"training": {"param_dtype": "fp16"}}, "training.param_dtype must be one of"),
     ({"data": {"vocab_size": 100}}, "data.vocab_size must be >= 300"),
     ({"training": {"batch_size": 2.5}}, "training.batch_size must be an integer"),
     ({"training": {"compile": "yes"}}, "training.compile must be true or false"),

@@ -1,0 +1,212 @@
+"""AdamW over FP32 master weights for a model whose parameters are BF16 (Megatron / Apex "O2" style).
+
+The model computes in BF16 with BF16 parameters (no autocast casts of FP32 weights in the forward, no
+FP32 copies of BF16 weight gradients in the backward); the optimizer holds, per parameter, an FP32
+master copy and FP32 moments. One step per parameter, as one fused elementwise pass:
+
+    g  = grad (BF16) / grad_scale            (grad_scale folds global-norm clipping in, as fused AdamW)
+    m  = beta1 m + (1 - beta1) g             v = beta2 v + (1 - beta2) g^2
+    w  = w (1 - lr wd) - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)     (FP32 master)
+    p  = bf16(w)                             (round to nearest even)
+
+which is torch.optim.AdamW's update (decoupled weight decay, bias correction) applied to the master.
+Memory traffic per parameter: 2 B grad + 8 B master + 16 B moments + 2 B param = 28 B (torch's fused
+AdamW on FP32 parameters under autocast also moves 28 B, plus the autocast casts: 6 B in the forward,
+6 B to turn each BF16 weight gradient into an FP32 one, and often a recomputed cast in the backward).
+
+On CUDA the per-parameter update is one `torch.compile`d function (dynamic shapes: one kernel for every
+parameter size), so the step is one kernel launch per parameter and never synchronises with the host:
+the learning rate and step count are device tensors. On CPU it runs eagerly (same arithmetic).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+MASTER_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _adamw_master_update(p, g, w, m, v, lr, step, grad_scale, beta1: float, beta2: float, eps: float,
+                         wd: float):
+    g32 = g.float()
+    if grad_scale is not None:
+        g32 = g32 / grad_scale
+    m.lerp_(g32, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g32, g32, value=1.0 - beta2)
+    bias1 = 1.0 - torch.pow(beta1, step)
+    bias2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step))
+    w.mul_(1.0 - lr * wd)
+    denom = v.sqrt() / bias2_sqrt + eps
+    w.sub_((lr / bias1) * m / denom)
+    p.copy_(w)
+
+
+_compiled_update = None
+
+
+def _update_fn(device: torch.device, compiled: bool):
+    global _compiled_update
+    if not compiled:
+        return _adamw_master_update
+    if _compiled_update is None:
+        _compiled_update = torch.compile(_adamw_master_update, fullgraph=True, dynamic=True)
+    return _compiled_update
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """AdamW keeping FP32 master weights and moments for (usually BF16) parameters.
+
+    `grad_scale` (attribute, a device scalar or None): every gradient is divided by it as it is read,
+    like torch's fused AdamW; train.py sets it to max(1, norm / clip) for global-norm clipping.
+    `compiled`: None = compile the update on CUDA, run eagerly elsewhere.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, *, compiled: bool | None = None):
+        if not (isinstance(lr, (int, float)) and lr >= 0):
+            raise ValueError(f"lr must be a number >= 0, got {lr!r}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be in [0, 1), got {betas!r}")
+        if eps <= 0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.grad_scale: torch.Tensor | None = None
+        self.compiled = compiled
+        # State exists from the start (not lazily at the first step), so a checkpoint written before any
+        # step, and load_state_dict into a fresh optimizer, both see the master weights.
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.is_floating_point():
+                    raise ValueError(f"MasterAdamW needs floating-point parameters, got {p.dtype}")
+                self.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                    "master": p.detach().to(torch.float32).clone(memory_format=torch.contiguous_format),
+                    "exp_avg": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
+                    "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
+                }
+        self._lr_tensors: dict[int, torch.Tensor] = {}
+
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """The FP32 master copy of parameter `p` (what checkpoints save)."""
+        return self.state[p]["master"]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader casts floating state to each parameter's dtype (BF16 here): put the FP32 masters
+        and moments back from the saved tensors themselves, bit for bit."""
+        from itertools import chain
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id)
+            if saved is None:
+                continue
+            missing = [k for k in MASTER_KEYS if k not in saved]
+            if missing:
+                raise ValueError(f"optimizer state has no {missing} for a parameter: it was not written by "
+                                 f"MasterAdamW (a checkpoint of an FP32-parameter run cannot resume here)")
+            for key in (*MASTER_KEYS, "step"):
+                self.state[p][key] = saved[key].detach().to(device=p.device, dtype=torch.float32).clone()
+
+    def _lr_tensor(self, i: int, group: dict, device: torch.device) -> torch.Tensor:
+        t = self._lr_tensors.get(i)
+        if t is None or t.device != device:
+            t = self._lr_tensors[i] = torch.zeros((), dtype=torch.float32, device=device)
+        t.fill_(float(group["lr"]))  # a fill kernel with the value as argument: no host sync
+        return t
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_params(None)
+        return loss
+
+    @torch.no_grad()
+    def step_params(self, subset) -> None:
+        """Update the parameters in `subset` (None: all) on the current stream."""
+        wanted = None if subset is None else {id(p) for p in subset}
+        scale = self.grad_scale
+        for i, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            eps, wd = float(group["eps"]), float(group["weight_decay"])
+            lr_t = None
+            for p in group["params"]:
+                if p.grad is None or (wanted is not None and id(p) not in wanted):
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("MasterAdamW does not support sparse gradients")
+                st = self.state[p]
+                if lr_t is None:
+                    lr_t = self._lr_tensor(i, group, p.device)
+                st["step"].add_(1.0)
+                compiled = self.compiled if self.compiled is not None else p.is_cuda
+                fn = _update_fn(p.device, compiled)
+                s = scale.to(p.device) if scale is not None else None
+                fn(p.view(-1), p.grad.view(-1), st["master"].view(-1), st["exp_avg"].view(-1),
+                   st["exp_avg_sq"].view(-1), lr_t, st["step"], s, float(beta1), float(beta2), eps, wd)
+
+
+class OverlappedOptimizerStep:
+    """Runs a MasterAdamW step on a side CUDA stream, bucket by bucket in forward order, so that the next
+    step's forward starts while later buckets are still being updated (the idea of Megatron's
+    overlap of the parameter all-gather with the forward, applied to the update itself).
+
+    `buckets`: (module, parameters) in the order the forward uses them; each module gets a forward
+    pre-hook that makes the compute stream wait for its bucket's update (a CUDA event: no host sync).
+    The side stream first waits for everything the compute stream has issued (backward, gradient norm,
+    clipping factor). Gradients and the clipping factor are marked as used by the side stream, so the
+    caching allocator does not hand their memory out again before the update has read them.
+    `synchronize()` makes the compute stream wait for the whole update (before checkpoints, validation).
+    """
+
+    def __init__(self, optimizer: MasterAdamW, buckets: list[tuple[torch.nn.Module, list[torch.Tensor]]]):
+        if not isinstance(optimizer, MasterAdamW):
+            raise TypeError("OverlappedOptimizerStep needs a MasterAdamW")
+        owned = {p for g in optimizer.param_groups for p in g["params"]}
+        covered = [p for _, ps in buckets for p in ps]
+        if len(covered) != len(set(covered)) or set(covered) != owned:
+            raise ValueError("the buckets must hold every optimizer parameter exactly once")
+        self.optimizer = optimizer
+        self.buckets = buckets
+        self.stream = torch.cuda.Stream(device=covered[0].device)
+        self.events: dict[int, torch.cuda.Event] = {}
+        self.handles = [m.register_forward_pre_hook(self._waiter(i)) for i, (m, _) in enumerate(buckets)]
+
+    def _waiter(self, i: int):
+        def hook(module, args):
+            event = self.events.pop(i, None)
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)
+        return hook
+
+    @torch.no_grad()
+    def step(self) -> None:
+        opt = self.optimizer
+        self.stream.wait_stream(torch.cuda.current_stream())
+        if opt.grad_scale is not None:
+            opt.grad_scale.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            for i, (_, params) in enumerate(self.buckets):
+                opt.step_params(params)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                self.events[i] = event
+        for _, params in self.buckets:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.record_stream(self.stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.events.clear()
+
+    def remove(self) -> None:
+        self.synchronize()
+        for h in self.handles:
+            h.remove()
