@@ -53,7 +53,7 @@ class ExperimentCreate(Strict):
 
 
 class RunCreate(Strict):
-    experiment_id: int
+    experiment_id: Annotated[int, Field(ge=1, le=2**31 - 1, description="id of an existing experiment")]
     recipe: str = "bf16"
     recipe_options: dict[str, Any] = Field(default_factory=dict)
     label: str | None = Field(default=None, max_length=200)
@@ -70,7 +70,7 @@ class StatusUpdate(Strict):
     worker_host: str | None = Field(default=None, max_length=200)
     device_name: str | None = Field(default=None, max_length=200)
     error_message: str | None = Field(default=None, max_length=100_000)
-    diverged_step: int | None = Field(default=None, ge=0)
+    diverged_step: int | None = Field(default=None, ge=0, le=2**62)
     summary: dict[str, Any] | None = None
     progress: dict[str, Any] | None = None
     gemm_backend: Literal["real", "emulated", "bf16"] | None = None
@@ -112,7 +112,7 @@ class MetricBatchResult(BaseModel):
 class ArtifactIn(Strict):
     kind: str = Field(min_length=1, max_length=32)
     path: str = Field(min_length=1, max_length=4096)
-    step: int | None = Field(default=None, ge=0)
+    step: int | None = Field(default=None, ge=0, le=2**62)
     meta: dict[str, Any] = Field(default_factory=dict)
 
 
