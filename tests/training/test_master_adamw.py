@@ -22,15 +22,19 @@ def _grads(params_ref, params_bf, g):
         r.grad, b.grad = grad.float(), grad.clone()
 
 
+def _step_both(ref, bf, opt_ref, opt, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        _grads(ref, bf, g)
+        opt_ref.step()
+        opt.step()
+
+
 def test_masters_follow_torch_adamw_and_parameters_are_the_rounded_masters():
     ref, bf = _pair()
     opt_ref = torch.optim.AdamW(ref, **HYPER)
     opt = MasterAdamW(bf, **HYPER)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(6):
-        _grads(ref, bf, g)
-        opt_ref.step()
-        opt.step()
+    _step_both(ref, bf, opt_ref, opt, steps=6, seed=1)
     for r, b in zip(ref, bf):
         m = opt.master(b)
         assert m.dtype == torch.float32
@@ -46,11 +50,7 @@ def test_grad_scale_divides_every_gradient_like_fused_adamw():
     opt = MasterAdamW(bf, **HYPER)
     opt_ref.grad_scale = torch.tensor(4.0)
     opt.grad_scale = torch.tensor(4.0)
-    g = torch.Generator().manual_seed(2)
-    for _ in range(3):
-        _grads(ref, bf, g)
-        opt_ref.step()
-        opt.step()
+    _step_both(ref, bf, opt_ref, opt, steps=3, seed=2)
     for r, b in zip(ref, bf):
         torch.testing.assert_close(opt.master(b), r.detach(), rtol=0, atol=5e-7)
 
