@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import math
+import os
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 RECIPE_NAMES = ("bf16", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4")
 MAX_POINTS_PER_BATCH = 10_000
@@ -125,6 +126,17 @@ class ArtifactOut(BaseModel):
     step: int | None
     meta: dict[str, Any]
     created_at: datetime
+
+    @computed_field(description="whether the path is present where the API runs (workers and API share PLAB_HOME; "
+                                "a run keeps only its newest checkpoints, so older ones go); null for a URL")
+    @property
+    def exists(self) -> bool | None:
+        if "://" in self.path:
+            return None
+        try:
+            return os.path.exists(self.path)
+        except (OSError, ValueError):
+            return False
 
 
 class RunOut(BaseModel):

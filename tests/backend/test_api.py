@@ -174,3 +174,16 @@ def test_experiment_series_returns_every_run(api):
     assert all(len(r["series"]["train/loss"]["step"]) == 10 for r in body["runs"])
     assert all(r["series"]["val/loss"]["step"] == [] for r in body["runs"])
     assert api.get(f"/api/v1/experiments/{exp['id']}/series?x=furlongs").status_code == 422
+
+
+def test_artifacts_say_whether_their_path_is_still_there(api, tmp_path):
+    run = create(api)["runs"][0]
+    kept, pruned = tmp_path / "checkpoints" / "step_00000020", tmp_path / "checkpoints" / "step_00000010"
+    kept.mkdir(parents=True)
+    pruned.mkdir(parents=True)
+    for path, step in ((pruned, 10), (kept, 20), ("s3://bucket/run/step_20", 20)):
+        r = api.post(f"/api/v1/runs/{run['id']}/artifacts", json={"kind": "checkpoint", "path": str(path), "step": step})
+        assert r.status_code == 201, r.text
+    pruned.rmdir()  # the trainer keeps only the newest checkpoints
+    listed = api.get(f"/api/v1/runs/{run['id']}/artifacts").json()
+    assert [(a["step"], a["exists"]) for a in listed] == [(10, False), (20, True), (20, None)]
