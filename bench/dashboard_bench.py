@@ -52,6 +52,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmeta import git_commit  # noqa: E402  (bench/ is the script's directory)
+
 import httpx  # noqa: E402
 
 KEYS = ("train/loss", "train/lr", "perf/tokens_per_s")
@@ -446,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         "page_without_console_errors": not page["console_errors"],
     }
     result = {
-        "benchmark": "dashboard", "started_utc": started.isoformat(timespec="seconds"),
+        "benchmark": "dashboard", "started_utc": started.isoformat(timespec="seconds"), "git_commit": git_commit(),
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
                     "python": platform.python_version()},
         "database": "postgresql", "runs": len(experiment["runs"]), "steps": args.steps, "keys": list(KEYS),

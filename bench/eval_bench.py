@@ -30,6 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmeta import git_commit  # noqa: E402  (bench/ is the script's directory)
+
 BUDGET_S = 600  # the acceptance: all shipped tasks in under 10 minutes on one H100
 
 
@@ -103,6 +105,7 @@ def main(argv=None) -> int:
         "bench": "eval_bench",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(),
         "device": device_name,
+        "git_commit": git_commit(),
         "build": build_info,
         "checkpoint": str(args.checkpoint) if args.checkpoint else "random-init 125m",
         "per_task_time_s": per_task,

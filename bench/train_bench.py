@@ -43,6 +43,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmeta import git_commit  # noqa: E402  (bench/ is the script's directory)
+
 ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared" / "tools" / "hf_llama_anchor.py"]
 BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
              "activation_checkpointing"}
@@ -291,16 +293,6 @@ def _run(cmd: list[str], timeout: float) -> dict:
     return out
 
 
-def _git_commit() -> str:
-    if os.environ.get("PLAB_GIT_COMMIT"):  # a copy of the tree without .git (the GPU machine)
-        return os.environ["PLAB_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO,
-                              timeout=10).stdout.strip() or os.environ.get("PLAB_GIT_COMMIT", "unknown")
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get("PLAB_GIT_COMMIT", "unknown")
-
-
 def _fmt(x, spec=".0f"):
     width = int("".join(ch for ch in spec.split(".")[0] if ch.isdigit()) or 0)
     return f"{'-':>{width}}" if x is None else format(x, spec)
@@ -464,7 +456,7 @@ def main(argv=None) -> int:
             r["vs_our_bf16"] = r["tokens_per_s"] / ours_bf16["tokens_per_s"] if ours_bf16 else None
     report = {
         "bench": "train_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": device, "git_commit": _git_commit(), "model": "1b (1.14B)",
+        "device": device, "git_commit": git_commit(), "model": "1b (1.14B)",
         "batch": a.batch, "seq": a.seq, "gpus": a.gpus, "timed_steps": a.steps, "warmup_steps": a.warmup,
         "anchor": anchor, "results": results, "total_wall_s": time.perf_counter() - t_begin,
         "concurrency": a.concurrency, "api_logging": not a.no_api,
