@@ -52,7 +52,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmeta import git_commit  # noqa: E402  (bench/ is the script's directory)
+from bench.benchmeta import git_commit  # noqa: E402
 
 import httpx  # noqa: E402
 

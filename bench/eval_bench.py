@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmeta import git_commit  # noqa: E402  (bench/ is the script's directory)
+from bench.benchmeta import git_commit  # noqa: E402
 
 BUDGET_S = 600  # the acceptance: all shipped tasks in under 10 minutes on one H100
 

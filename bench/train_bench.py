@@ -17,6 +17,7 @@ Usage (on the GPU machine, repo root; the anchor is looked up at .devcarry/hf_ll
     python bench/train_bench.py --configs bf16 fp8_tensorwise --budget-s 500 --no-anchor
     python bench/train_bench.py --configs bf16 --gpus 2 --batch 8 --no-anchor   # 2-GPU DDP scaling
     python bench/train_bench.py --configs bf16 --no-anchor --profile            # where the step's time goes
+    python bench/train_bench.py --configs bf16 fp8_tensorwise --rounds 5 --steps 20   # A/B interleaved in rounds
 
 Perf switches (training.perf of the run spec): fused_loss, loss_chunk_tokens, fused_clip, bf16_residual,
 sdpa_backend (auto|cudnn|flash|efficient|math), compile_mode, metrics_lag, prefetch, allow_tf32; plus
@@ -43,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmeta import git_commit  # noqa: E402  (bench/ is the script's directory)
+from bench.benchmeta import git_commit  # noqa: E402
 
 ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared" / "tools" / "hf_llama_anchor.py"]
 BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
@@ -179,39 +180,50 @@ class TimedApiSink(MetricSink):
 
 
 class Gate:
-    """Holds a worker at the start of step `at` until the driver lets it time its steps, so that no other
-    config's compile or warm-up runs on the GPU while this one is timed (see the driver)."""
+    """Holds a worker at the start of each step in `at` (round k at at[k]) until the driver lets it time the
+    next round of steps, so that no other config's compile, warm-up or timed steps run on the GPU while this
+    one is timed (see the driver)."""
 
-    def __init__(self, gate_dir: str | None, name: str, at: int):
+    def __init__(self, gate_dir: str | None, name: str, at: list[int]):
         self.dir = Path(gate_dir) if gate_dir else None
-        self.name, self.at, self.calls = name, at, 0
+        self.name, self.rounds, self.calls = name, {step: k for k, step in enumerate(at)}, 0
 
     def __call__(self) -> bool:
         self.calls += 1
-        if self.dir is not None and self.calls == self.at:
+        k = self.rounds.get(self.calls)
+        if self.dir is not None and k is not None:
             import torch
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # nothing of this worker left queued on the GPU while it waits
-            (self.dir / f"{self.name}.ready").touch()
-            while not (self.dir / f"{self.name}.go").exists():
+            (self.dir / f"{self.name}.ready{k}").touch()
+            while not (self.dir / f"{self.name}.go{k}").exists():
                 time.sleep(0.05)
         return False
 
 
+def gate_steps(warmup: int, steps: int, rounds: int) -> tuple[list[int], int]:
+    """The steps a worker waits at (one per round, untimed: the wait lands in its time) and its step count:
+    `warmup` untimed steps, then per round a gate step and ceil(steps / rounds) timed ones."""
+    chunk = -(-steps // rounds)
+    gates = [warmup + 1 + k * (chunk + 1) for k in range(rounds)]
+    return gates, warmup + rounds * (chunk + 1)
+
+
 def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_dir: Path, model: str,
            device: str, gpus: int, profile: bool = False, api_url: str | None = None,
-           gate_dir: str | None = None) -> dict | None:
+           gate_dir: str | None = None, rounds: int = 1) -> dict | None:
     import torch
     from training.train import train
 
     config = json.loads(config_json)
-    # Steps: `warmup` untimed (compile, allocator), then the gate step (the worker may wait before it for
-    # the driver's go, which lands in that step's time), then `steps` timed ones.
-    gate_step = warmup + 1
-    spec = run_spec(config, steps=gate_step + steps, batch=batch, seq=seq, model=model, device=device, gpus=gpus)
+    # Steps: `warmup` untimed (compile, allocator), then per round a gate step (the worker may wait before
+    # it for the driver's go, which lands in that step's time, so it is not timed) and the round's timed steps.
+    gates, total_steps = gate_steps(warmup, steps, rounds)
+    gate_step = gates[0]
+    spec = run_spec(config, steps=total_steps, batch=batch, seq=seq, model=model, device=device, gpus=gpus)
     rank = int(os.environ.get("RANK", "0"))
     sink = TimedApiSink(api_url if rank == 0 else None)
-    gate = Gate(gate_dir, config["slot"], gate_step) if gate_dir else None
+    gate = Gate(gate_dir, config["slot"], gates) if gate_dir else None
     prof = None
     if profile:
         # Kernel-time table of 3 steps after warm-up; the profiled steps are slower, so a profiled
@@ -237,14 +249,14 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         return None
     wall = time.perf_counter() - t0
     per_step = {p["step"]: p["metrics"] for p in sink.inner.points if "perf/step_time_s" in p["metrics"]}
-    timed = [per_step[s] for s in sorted(per_step) if s > gate_step]
+    timed = [per_step[s] for s in sorted(per_step) if s > gate_step and s not in gates]
     step_s = statistics.median(m["perf/step_time_s"] for m in timed)
     total_step_s = sum(m["perf/step_time_s"] for m in timed)
     tokens_per_step = batch * seq
     log_s = sink.log_seconds[gate_step:] or sink.log_seconds
     return {
         "label": config["label"], "recipe": config["recipe"], "status": result.status,
-        "spec": spec, "steps_timed": len(timed),
+        "spec": spec, "steps_timed": len(timed), "rounds": rounds,
         "tokens_per_s": tokens_per_step / step_s, "step_time_s": step_s,
         "step_time_min_s": min(m["perf/step_time_s"] for m in timed),
         "step_time_max_s": max(m["perf/step_time_s"] for m in timed),
@@ -304,7 +316,7 @@ def _worker_cmd(config: dict, a, scratch: Path, api_url: str | None, gate_dir: P
     return [*launcher, str(Path(__file__).resolve()), "--worker", json.dumps(config),
             "--worker-out", str(scratch), "--steps", str(a.steps), "--warmup", str(a.warmup),
             "--batch", str(a.batch), "--seq", str(a.seq), "--model", a.model, "--device", a.device,
-            "--gpus", str(a.gpus), *(["--profile"] if a.profile else []),
+            "--gpus", str(a.gpus), "--rounds", str(a.rounds), *(["--profile"] if a.profile else []),
             *(["--api-url", api_url] if api_url else []), *(["--gate-dir", str(gate_dir)] if gate_dir else [])]
 
 
@@ -354,16 +366,10 @@ def run_configs(configs: list[dict], a, scratch: Path, remaining, api_url: str |
             procs.append((config, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                    text=True, cwd=REPO)))
         deadline = t0 + min(a.per_run_timeout_s * len(group), max(remaining(), 1))
-        # Wait until every live worker is at its gate (or has exited), then time them one by one.
-        while time.perf_counter() < deadline:
-            waiting = [(c, p) for c, p in procs if p.poll() is None and not (gate_dir / f"{c['slot']}.ready").exists()]
-            if not waiting:
-                break
-            time.sleep(0.2)
+        finished = time_group(procs, gate_dir, a.rounds, t0, deadline)
         group_results = []
-        for config, proc in procs:
-            (gate_dir / f"{config['slot']}.go").touch()
-            res = _finish(proc, config, t0, deadline - time.perf_counter())
+        for config, _ in procs:
+            res = finished[config["slot"]]
             res.setdefault("label", config["label"])
             res.setdefault("recipe", config["recipe"])
             res["group"] = group_no
@@ -373,6 +379,57 @@ def run_configs(configs: list[dict], a, scratch: Path, remaining, api_url: str |
         durations.append(time.perf_counter() - t0)
         results.extend(group_results)
     return results
+
+
+def time_group(procs: list[tuple[dict, subprocess.Popen]], gate_dir: Path, rounds: int, t0: float,
+               deadline: float) -> dict[str, dict]:
+    """Let a group's workers time their steps one at a time, `rounds` times over (the order reversed every
+    other round: A B, B A, ...), so slow drift - clocks, temperature - reaches every config of the group alike.
+    Before each go every other live worker must be waiting at a gate; if one is not by the deadline, the
+    worker goes anyway and its result says `timed_alone: false`."""
+    def at_gate(config: dict, k: int) -> bool:
+        return (gate_dir / f"{config['slot']}.ready{k}").exists()
+
+    def wait(pred) -> bool:
+        while time.perf_counter() < deadline:
+            if pred():
+                return True
+            time.sleep(0.05)
+        return pred()
+
+    gone = [0] * len(procs)  # rounds let go, per worker
+    alone = {c["slot"]: True for c, _ in procs}
+    finished: dict[str, dict] = {}
+
+    def quiet(i: int) -> bool:  # worker i issues no GPU work now: exited, or waiting at its next gate
+        config, proc = procs[i]
+        return proc.poll() is not None or config["slot"] in finished or at_gate(config, gone[i])
+
+    for k in range(rounds):
+        order = list(range(len(procs)))
+        if k % 2:
+            order.reverse()
+        for i in order:
+            config, proc = procs[i]
+            if config["slot"] in finished:
+                continue
+            others_quiet = wait(lambda: all(quiet(j) for j in range(len(procs))))
+            if proc.poll() is not None:  # it failed before this round: collect it
+                finished[config["slot"]] = _finish(proc, config, t0, 1)
+                continue
+            alone[config["slot"]] &= others_quiet
+            (gate_dir / f"{config['slot']}.go{k}").touch()
+            gone[i] += 1
+            if k == rounds - 1:
+                finished[config["slot"]] = _finish(proc, config, t0, deadline - time.perf_counter())
+            else:
+                wait(lambda: at_gate(config, k + 1) or proc.poll() is not None)
+    for config, proc in procs:  # a worker that never reached a gate in time
+        if config["slot"] not in finished:
+            finished[config["slot"]] = _finish(proc, config, t0, deadline - time.perf_counter())
+    for config, _ in procs:
+        finished[config["slot"]]["timed_alone"] = alone[config["slot"]]
+    return finished
 
 
 def main(argv=None) -> int:
@@ -394,6 +451,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--concurrency", type=int, default=2,
                     help="configs built and compiled at once (each is then timed alone); mind GPU memory")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each group's configs in this many interleaved rounds (A B, B A, ...) of "
+                         "ceil(steps / rounds) steps, so drift reaches every config alike")
     ap.add_argument("--no-api", action="store_true", help="log metrics to a local list only, not through the "
                     "API client")
     ap.add_argument("--api-url", default=None, help=argparse.SUPPRESS)
@@ -403,10 +463,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.concurrency < 1:
         ap.error(f"--concurrency must be >= 1, got {a.concurrency}")
+    if not 1 <= a.rounds <= a.steps:
+        ap.error(f"--rounds must be between 1 and --steps ({a.steps}), got {a.rounds}")
 
     if a.worker is not None:
         res = worker(a.worker, a.steps, a.warmup, a.batch, a.seq, Path(a.worker_out), a.model, a.device, a.gpus,
-                     a.profile, a.api_url, a.gate_dir)
+                     a.profile, a.api_url, a.gate_dir, a.rounds)
         if res is not None:
             print(json.dumps(res), flush=True)
         return 0
@@ -459,11 +521,12 @@ def main(argv=None) -> int:
         "device": device, "git_commit": git_commit(), "model": "1b (1.14B)",
         "batch": a.batch, "seq": a.seq, "gpus": a.gpus, "timed_steps": a.steps, "warmup_steps": a.warmup,
         "anchor": anchor, "results": results, "total_wall_s": time.perf_counter() - t_begin,
-        "concurrency": a.concurrency, "api_logging": not a.no_api,
+        "concurrency": a.concurrency, "rounds": a.rounds, "api_logging": not a.no_api,
         "notes": "tokens/s from the median timed step (CUDA events); MFU against the dense BF16 peak for every "
                  "recipe; emulated recipes' throughput is not hardware throughput. Configs are built and compiled "
                  f"{a.concurrency} at a time, then each is timed alone (the others wait at a gate with nothing "
-                 "queued on the GPU). Metrics of every step go through the real API client (workers.job.ApiSink, "
+                 f"queued on the GPU; timed_alone says it held), in {a.rounds} interleaved round(s) per group. "
+                 "Metrics of every step go through the real API client (workers.job.ApiSink, "
                  "MetricStreamer over HTTP) to a stub endpoint in another process; sink% is the training "
                  "thread's time in log() per step.",
     }
@@ -491,7 +554,7 @@ def main(argv=None) -> int:
         print(f"{r['label'][:56]:56s} {r['tokens_per_s']:9,.0f} {_fmt(r['vs_anchor'], '9.3f')} "
               f"{_fmt(r['vs_our_bf16'], '8.3f')} {r['step_time_s'] * 1e3:8.1f} {_fmt(r['mfu'], '6.3f')} "
               f"{_fmt(r['peak_mem_gib'], '6.1f')} {100 * r['data_wait_share']:6.2f} {100 * r['sink_log_share']:6.3f}  "
-              f"{r['label_kind']}")
+              f"{r['label_kind']}{'' if r.get('timed_alone', True) else '  NOT timed alone'}")
     return 0
 
 

@@ -1,0 +1,105 @@
+"""bench/train_bench.py's driver: configs of a group are timed one at a time, in interleaved rounds (A B, B A,
+...), each only while the others wait at a gate. Stand-in workers run the script's own Gate and log which
+steps they ran, so the test sees the order the GPU would have seen."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+WORKER = """
+import json, sys, time
+sys.path.insert(0, {repo!r})
+from bench.train_bench import Gate, gate_steps
+name, log, warmup, steps, rounds, slow_start, fail = sys.argv[1:8]
+time.sleep(float(slow_start))              # a slow compile
+if fail == "1":
+    sys.exit(3)
+gates, total = gate_steps(int(warmup), int(steps), int(rounds))
+gate = Gate({gate_dir!r}, name, gates)
+for step in range(1, total + 1):
+    gate()
+    if step > gates[0] and step not in gates:
+        with open(log, "a") as f:
+            f.write(name + " " + str(step) + "\\n")
+        time.sleep(0.02)
+print(json.dumps({{"label": name, "steps": total}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("train_bench_script", REPO / "bench" / "train_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def start(tmp_path, gate_dir, log, specs, warmup=2, steps=4, rounds=2):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(repo=str(REPO), gate_dir=str(gate_dir)))
+    procs = []
+    for slot, slow_start, fail in specs:
+        cmd = [sys.executable, str(script), slot, str(log), str(warmup), str(steps), str(rounds), str(slow_start),
+               "1" if fail else "0"]
+        procs.append(({"slot": slot, "label": slot, "recipe": "bf16"},
+                      subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    return procs
+
+
+def runs_of(log: Path) -> list[tuple[str, int]]:
+    """The log as runs of consecutive steps of one worker: (worker, steps in the run)."""
+    out: list[tuple[str, int]] = []
+    last: dict[str, int] = {}
+    for line in log.read_text().splitlines():
+        name, step = line.split()
+        if out and out[-1][0] == name and last[name] == int(step) - 1:
+            out[-1] = (name, out[-1][1] + 1)
+        else:
+            out.append((name, 1))
+        last[name] = int(step)
+    return out
+
+
+def test_gate_steps_split_the_timed_steps_into_rounds(bench):
+    assert bench.gate_steps(6, 10, 1) == ([7], 17)
+    assert bench.gate_steps(6, 10, 2) == ([7, 13], 18)
+    assert bench.gate_steps(2, 5, 2) == ([3, 7], 10)  # ceil(5 / 2) = 3 timed steps a round
+
+
+def test_rounds_alternate_and_never_overlap(bench, tmp_path):
+    gate_dir, log = tmp_path / "gate", tmp_path / "log"
+    gate_dir.mkdir()
+    # B compiles slowly: A must not start before B waits at its gate.
+    procs = start(tmp_path, gate_dir, log, [("A", 0.0, False), ("B", 1.5, False)], steps=6, rounds=3)
+    t0 = time.perf_counter()
+    finished = bench.time_group(procs, gate_dir, 3, t0, t0 + 60)
+    # Three rounds of two timed steps each (a gate step between rounds): A B, B A, A B.
+    assert runs_of(log) == [("A", 2), ("B", 2), ("B", 2), ("A", 2), ("A", 2), ("B", 2)]
+    assert all(finished[s]["timed_alone"] for s in "AB")
+    assert finished["A"]["steps"] == 2 + 3 * 3
+
+
+def test_a_worker_that_dies_is_reported_and_the_other_is_still_timed(bench, tmp_path):
+    gate_dir, log = tmp_path / "gate", tmp_path / "log"
+    gate_dir.mkdir()
+    procs = start(tmp_path, gate_dir, log, [("A", 0.0, False), ("B", 0.2, True)], steps=4, rounds=2)
+    t0 = time.perf_counter()
+    finished = bench.time_group(procs, gate_dir, 2, t0, t0 + 60)
+    assert "exit code 3" in finished["B"]["error"]
+    assert runs_of(log) == [("A", 2), ("A", 2)] and "error" not in finished["A"]
+
+
+def test_a_worker_not_at_its_gate_by_the_deadline_marks_the_other_not_timed_alone(bench, tmp_path):
+    gate_dir, log = tmp_path / "gate", tmp_path / "log"
+    gate_dir.mkdir()
+    procs = start(tmp_path, gate_dir, log, [("A", 0.0, False), ("B", 4.0, False)], steps=2, rounds=1)
+    t0 = time.perf_counter()
+    finished = bench.time_group(procs, gate_dir, 1, t0, t0 + 2.0)
+    assert finished["A"]["timed_alone"] is False
