@@ -178,12 +178,15 @@ function lossTraces(key, smoothing) {
   });
 }
 
+let zoomAttached = false;
 function drawLoss() {
   const traces = lossTraces("train/loss", state.smoothing);
   const layout = lossLayout("Training loss", "train/loss");
   layout.annotations = emptyNote(traces.some((t) => t.x.length), state.runs.length
     ? "no train/loss points yet: curves appear as runs report them" : "this experiment has no runs");
   Plotly.react("loss-chart", traces, layout, PLOT_CONFIG);
+  // Zoom re-queries from the moment the chart exists (not after the rest of the page's first load).
+  if (!zoomAttached && document.getElementById("loss-chart").on) { attachZoom(); zoomAttached = true; }
   const hasVal = state.runs.some((run) => pointsOf(run, "val/loss").value.length > 0);
   const valDiv = document.getElementById("val-loss-chart");
   valDiv.hidden = !hasVal;
@@ -661,9 +664,6 @@ document.getElementById("export-html").addEventListener("click", () => {
 });
 
 // ---------------------------------------------------------------- start
-(async () => {
-  await tick();
-  if (document.getElementById("loss-chart").on) attachZoom();
-})();
+tick();
 // Tests and curious users can read the page's state from the console.
 window.plabExperiment = state;
