@@ -24,8 +24,13 @@ sdpa_backend (auto|cudnn|flash|efficient|math), compile_mode, metrics_lag, prefe
 `compile` and `activation_checkpointing` (training keys). An A/B of the BF16 path in one call (~8 min):
 
     python bench/train_bench.py --configs bf16 bf16:sdpa_backend=cudnn \
-        bf16:sdpa_backend=cudnn,bf16_residual=true bf16:fused_loss=false,fused_clip=false Writes `$OUT/train_bench.json` (when $OUT is set) and, on a GPU,
-`bench/results/train_bench_<date>_<gpu>.json`, and prints the ratio table last.
+        bf16:sdpa_backend=cudnn,bf16_residual=true bf16:fused_loss=false,fused_clip=false
+
+Perf switches added since: fuse_qkv, overlap_optimizer, compile_scope (docs/INTERFACES.md), and the training
+key param_dtype (bf16|fp32|auto).
+
+Writes `$OUT/train_bench.json` (when $OUT is set) and, on a GPU, `bench/results/train_bench_<date>_<gpu>.json`,
+and prints the ratio table last.
 """
 from __future__ import annotations
 
