@@ -53,7 +53,7 @@ from bench.benchmeta import git_commit  # noqa: E402
 
 ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared" / "tools" / "hf_llama_anchor.py"]
 BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
-             "activation_checkpointing"}
+             "activation_checkpointing", "fuse_qkv", "overlap_optimizer"}
 INT_KEYS = {"loss_chunk_tokens", "metrics_lag"}
 TRAINING_KEYS = {"compile", "activation_checkpointing", "param_dtype"}
 
