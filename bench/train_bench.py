@@ -15,7 +15,10 @@ Usage (on the GPU machine, repo root; the anchor is looked up at .devcarry/hf_ll
     python bench/train_bench.py                                  # anchor + every recipe, until the budget
     python bench/train_bench.py --configs bf16 bf16:sdpa_backend=cudnn bf16:fused_loss=false
     python bench/train_bench.py --configs bf16 fp8_tensorwise --budget-s 500 --no-anchor
-    python bench/train_bench.py --configs bf16 --gpus 2 --batch 8 --no-anchor   # 2-GPU DDP scaling
+    python bench/train_bench.py --configs bf16 --gpus 2 --batch 8 --no-anchor   # 2-GPU DDP, global batch 8
+    # 2-GPU scaling in one call, same global batch (8 x 2048) and per-GPU micro-batch (4) on both sides:
+    python bench/train_bench.py --configs bf16:grad_accum=2 bf16:gpus=2 --batch 8 --no-anchor \
+        --baseline bf16:grad_accum=2
     python bench/train_bench.py --configs bf16 --no-anchor --profile            # where the step's time goes
     python bench/train_bench.py --configs bf16 fp8_tensorwise --rounds 5 --steps 20   # A/B interleaved in rounds
 
@@ -54,8 +57,8 @@ from bench.benchmeta import git_commit  # noqa: E402
 ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared" / "tools" / "hf_llama_anchor.py"]
 BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
              "activation_checkpointing", "fuse_qkv", "overlap_optimizer"}
-INT_KEYS = {"loss_chunk_tokens", "metrics_lag"}
-TRAINING_KEYS = {"compile", "activation_checkpointing", "param_dtype"}
+INT_KEYS = {"loss_chunk_tokens", "metrics_lag", "gpus", "grad_accum", "batch"}
+TRAINING_KEYS = {"compile", "activation_checkpointing", "param_dtype", "gpus", "grad_accum"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -63,7 +66,7 @@ TRAINING_KEYS = {"compile", "activation_checkpointing", "param_dtype"}
 def parse_config(text: str) -> dict:
     """'bf16:sdpa_backend=cudnn,fused_loss=false' → {"label", "recipe", "perf": {...}, "training": {...}}."""
     recipe, _, opts = text.partition(":")
-    perf, training = {}, {}
+    perf, training, batch = {}, {}, None
     for item in filter(None, opts.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
@@ -73,11 +76,17 @@ def parse_config(text: str) -> dict:
                 raise SystemExit(f"config {text!r}: {key} takes true/false, got {value!r}")
             value = value.lower() in ("true", "1", "on")
         elif key in INT_KEYS:
+            if not value.isdigit() or int(value) < 1 and key != "metrics_lag":
+                raise SystemExit(f"config {text!r}: {key} takes a positive integer, got {value!r}")
             value = int(value)
         elif value in ("none", "null"):
             value = None
+        if key == "batch":
+            batch = value
+            continue
         (training if key in TRAINING_KEYS else perf)[key] = value
-    return {"label": text, "recipe": recipe, "perf": perf, "training": training}
+    return {"label": text, "recipe": recipe, "perf": perf, "training": training,
+            **({"batch": batch} if batch is not None else {})}
 
 
 def run_spec(config: dict, *, steps: int, batch: int, seq: int, model: str = "1b", device: str = "cuda",
@@ -316,12 +325,14 @@ def _fmt(x, spec=".0f"):
 
 
 def _worker_cmd(config: dict, a, scratch: Path, api_url: str | None, gate_dir: Path | None) -> list[str]:
-    launcher = [sys.executable] if a.gpus == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}"]
+    gpus = config["training"].get("gpus", a.gpus)  # per-config overrides: `bf16:gpus=2`, `bf16:batch=8`
+    batch = config.get("batch", a.batch)
+    launcher = [sys.executable] if gpus == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
     return [*launcher, str(Path(__file__).resolve()), "--worker", json.dumps(config),
             "--worker-out", str(scratch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-            "--batch", str(a.batch), "--seq", str(a.seq), "--model", a.model, "--device", a.device,
-            "--gpus", str(a.gpus), "--rounds", str(a.rounds), *(["--profile"] if a.profile else []),
+            "--batch", str(batch), "--seq", str(a.seq), "--model", a.model, "--device", a.device,
+            "--gpus", str(gpus), "--rounds", str(a.rounds), *(["--profile"] if a.profile else []),
             *(["--api-url", api_url] if api_url else []), *(["--gate-dir", str(gate_dir)] if gate_dir else [])]
 
 
@@ -452,6 +463,9 @@ def main(argv=None) -> int:
                     help="write a kernel-time table per config to $OUT/profile_<config>.txt (slows those runs)")
     ap.add_argument("--gpus", type=int, default=1,
                     help="GPUs per config (torchrun + DDP); --batch stays the global batch")
+    ap.add_argument("--baseline", default="bf16",
+                    help="the config label the 'vs bf16' column divides by (e.g. bf16:grad_accum=2 for a scaling run)")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--model", default="1b", help="model preset (1b is the anchor's shape)")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--concurrency", type=int, default=2,
@@ -515,7 +529,7 @@ def main(argv=None) -> int:
             device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         except Exception:  # noqa: BLE001 - only for the report header
             device = "unknown"
-    ours_bf16 = next((r for r in results if r.get("label") == "bf16" and "tokens_per_s" in r), None)
+    ours_bf16 = next((r for r in results if r.get("label") == a.baseline and "tokens_per_s" in r), None)
     anchor_tps = anchor.get("tokens_per_s") if anchor else None
     for r in results:
         if "tokens_per_s" in r:
@@ -524,7 +538,7 @@ def main(argv=None) -> int:
     report = {
         "bench": "train_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device, "git_commit": git_commit(), "model": "1b (1.14B)",
-        "batch": a.batch, "seq": a.seq, "gpus": a.gpus, "timed_steps": a.steps, "warmup_steps": a.warmup,
+        "batch": a.batch, "seq": a.seq, "gpus": a.gpus, "baseline": a.baseline, "timed_steps": a.steps, "warmup_steps": a.warmup,
         "anchor": anchor, "results": results, "total_wall_s": time.perf_counter() - t_begin,
         "concurrency": a.concurrency, "rounds": a.rounds, "api_logging": not a.no_api,
         "notes": "tokens/s from the median timed step (CUDA events); MFU against the dense BF16 peak for every "
@@ -542,7 +556,9 @@ def main(argv=None) -> int:
         results_dir = REPO / "bench" / "results"
         results_dir.mkdir(parents=True, exist_ok=True)
         gpu_tag = "".join(ch if ch.isalnum() else "_" for ch in device)[:40]
-        (results_dir / f"train_bench_{dt.date.today().isoformat()}_{gpu_tag}.json").write_text(text)
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M")
+        tag = f"_{a.tag}" if a.tag else ""
+        (results_dir / f"train_bench_{stamp}_{gpu_tag}{tag}.json").write_text(text)
 
     print(f"\n# train_bench on {a.gpus} x {device}, {a.model}, global batch {a.batch}x{a.seq}, "
           f"median of {a.steps} steps")
@@ -551,7 +567,7 @@ def main(argv=None) -> int:
               f"peak {anchor.get('peak_mem_gib', 0):.1f} GiB")
     elif anchor:
         print(f"anchor: {anchor.get('error')}")
-    print(f"{'config':56s} {'tok/s':>9s} {'vs anchor':>9s} {'vs bf16':>8s} {'step ms':>8s} {'MFU':>6s} "
+    print(f"{'config':56s} {'tok/s':>9s} {'vs anchor':>9s} {'vs base':>8s} {'step ms':>8s} {'MFU':>6s} "
           f"{'GiB':>6s} {'wait%':>6s} {'sink%':>6s}  gemm")
     for r in results:
         if "tokens_per_s" not in r:

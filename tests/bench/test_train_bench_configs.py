@@ -1,0 +1,57 @@
+"""bench/train_bench.py's config strings: per-config GPUs, gradient accumulation and batch (a scaling run
+compares `bf16:grad_accum=2` on one GPU with `bf16:gpus=2` on two, same global batch, in one call)."""
+from __future__ import annotations
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("train_bench_cfg", REPO / "bench" / "train_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _args(**kw):
+    base = dict(gpus=1, batch=8, seq=64, steps=3, warmup=2, model="tiny", device="cpu", rounds=1, profile=False)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_scaling_configs_parse_into_training_keys(bench):
+    one = bench.parse_config("bf16:grad_accum=2")
+    two = bench.parse_config("bf16:gpus=2,overlap_optimizer=false")
+    assert one["training"] == {"grad_accum": 2} and one["perf"] == {}
+    assert two["training"] == {"gpus": 2} and two["perf"] == {"overlap_optimizer": False}
+    spec_one = bench.run_spec(one, steps=5, batch=8, seq=64)
+    spec_two = bench.run_spec(two, steps=5, batch=8, seq=64)
+    assert (spec_one["training"]["gpus"], spec_one["training"]["grad_accum"]) == (1, 2)
+    assert spec_two["training"]["gpus"] == 2 and spec_two["training"]["batch_size"] == 8
+
+
+def test_batch_override_reaches_the_worker_command(bench, tmp_path):
+    config = {**bench.parse_config("bf16:batch=4"), "slot": "g1_0"}
+    assert "batch" not in config["training"] and config["batch"] == 4
+    cmd = bench._worker_cmd(config, _args(), tmp_path, None, None)
+    assert cmd[cmd.index("--batch") + 1] == "4" and cmd[cmd.index("--gpus") + 1] == "1"
+    assert "torch.distributed.run" not in cmd
+
+
+def test_a_multi_gpu_config_is_launched_with_torchrun(bench, tmp_path):
+    config = {**bench.parse_config("bf16:gpus=2"), "slot": "g1_0"}
+    cmd = bench._worker_cmd(config, _args(), tmp_path, None, None)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in cmd
+    assert cmd[cmd.index("--gpus") + 1] == "2" and cmd[cmd.index("--batch") + 1] == "8"
+
+
+@pytest.mark.parametrize("text", ["bf16:gpus=two", "bf16:grad_accum", "bf16:batch=x"])
+def test_bad_values_are_refused_with_the_config_named(bench, text):
+    with pytest.raises(SystemExit, match=text.split(":")[1].split("=")[0]):
+        bench.parse_config(text)
