@@ -56,8 +56,8 @@ from bench.benchmeta import git_commit  # noqa: E402
 
 ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared" / "tools" / "hf_llama_anchor.py"]
 BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
-             "activation_checkpointing", "fuse_qkv", "overlap_optimizer"}
-INT_KEYS = {"loss_chunk_tokens", "metrics_lag", "gpus", "grad_accum", "batch"}
+             "activation_checkpointing", "fuse_qkv", "overlap_optimizer", "ddp_static_graph"}
+INT_KEYS = {"loss_chunk_tokens", "metrics_lag", "gpus", "grad_accum", "batch", "ddp_bucket_mb"}
 TRAINING_KEYS = {"compile", "activation_checkpointing", "param_dtype", "gpus", "grad_accum"}
 
 

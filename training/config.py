@@ -200,6 +200,10 @@ class PerfOptions:
     compile_scope: str = "auto"
     # TF32 for any FP32 matmul left (e.g. outside autocast); BF16 autocast GEMMs are unaffected.
     allow_tf32: bool = True
+    # Multi-GPU (DDP) gradient buckets: size in MiB of each all-reduce (torch's default is 25) and DDP's
+    # static_graph (the same parameters get gradients in the same order every step).
+    ddp_bucket_mb: int = 25
+    ddp_static_graph: bool = False
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
     COMPILE_SCOPES = ("auto", "model", "layers")
@@ -365,6 +369,10 @@ class RunSpec:
                       else _bool("training.perf", "fuse_qkv", perf_d.get("fuse_qkv"))),
             bf16_residual=_bool("training.perf", "bf16_residual",
                                 perf_d.get("bf16_residual", pbase.bf16_residual)),
+            ddp_bucket_mb=_int("training.perf", "ddp_bucket_mb", perf_d.get("ddp_bucket_mb", pbase.ddp_bucket_mb),
+                               minimum=1),
+            ddp_static_graph=_bool("training.perf", "ddp_static_graph",
+                                   perf_d.get("ddp_static_graph", pbase.ddp_static_graph)),
         )
         out = TrainingSpec(
             steps=steps, tokens=tokens,

@@ -237,7 +237,8 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     if ctx.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
         # Gradients live in the all-reduce buckets (no copy into and out of them each step).
-        net = DDP(loss_module, device_ids=[device.index] if on_cuda else None, gradient_as_bucket_view=True)
+        net = DDP(loss_module, device_ids=[device.index] if on_cuda else None, gradient_as_bucket_view=True,
+                  bucket_cap_mb=t.perf.ddp_bucket_mb, static_graph=t.perf.ddp_static_graph)
     eval_net = loss_module
     overlap = on_cuda and bf16_params and t.perf.overlap_optimizer
     scope = t.perf.compile_scope if t.perf.compile_scope != "auto" else ("layers" if overlap else "model")
