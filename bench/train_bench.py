@@ -283,6 +283,7 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
                                                                                          result.gemm_backend),
         "params": result.summary.get("params"), "flops_per_token": result.summary.get("flops_per_token"),
         "first_steps_s": [per_step[s]["perf/step_time_s"] for s in sorted(per_step)[:warmup]],
+        "timed_steps_s": [round(m["perf/step_time_s"], 5) for m in timed],
         "param_dtype": result.summary.get("param_dtype"), "api_logging": api_url is not None,
         "api_points_sent": sink.api.streamer.sent if sink.api is not None else None,
         "wall_s": wall, "device_name": result.device_name, "profiled": profile,
