@@ -52,6 +52,8 @@ def test_tokens_budget_becomes_steps_rounded_up():
     ({"training": {"device": "tpu"}}, "training.device must be"),
     ({"training": {"perf": {"sdpa_backend": "fast"}}}, "training.perf.sdpa_backend must be one of"),
     ({"training": {"param_dtype": "fp16"}}, "training.param_dtype must be one of"),
+    ({"training": {"perf": {"ddp_bucket_mb": 0}}}, "training.perf.ddp_bucket_mb"),
+    ({"training": {"perf": {"ddp_static_graph": "maybe"}}}, "training.perf.ddp_static_graph"),
     ({"data": {"vocab_size": 100}}, "data.vocab_size must be >= 300"),
     ({"training": {"batch_size": 2.5}}, "training.batch_size must be an integer"),
     ({"training": {"compile": "yes"}}, "training.compile must be true or false"),
