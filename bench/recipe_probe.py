@@ -55,7 +55,8 @@ LAYERS_1B = 16
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipes", nargs="+", default=RECIPE_ORDER, help="recipes to probe (bf16 is always run first)")
+    p.add_argument("--recipes", nargs="+", default=RECIPE_ORDER,
+                   help="recipes to probe (bf16 is always run first); recipe options as `nvfp4:rht=false,weight_2d=false`")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny dims, batch 2 x 64 (CPU smoke test)")
     p.add_argument("--layers", type=int, default=2)
@@ -74,9 +75,11 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip recipes not started within this many seconds (default 150 on cuda, none on cpu)")
     p.add_argument("--json", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile 3 steps per recipe and keep the top kernels (GPU ms per step)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    unknown = [r for r in args.recipes if r not in RECIPE_ORDER]
+    unknown = [r for r in args.recipes if r.partition(":")[0] not in RECIPE_ORDER]
     if unknown:
         p.error(f"unknown recipe(s) {', '.join(unknown)}; choose from {', '.join(RECIPE_ORDER)}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -88,8 +91,9 @@ def parse_args(argv=None):
     args.seq = args.seq or (64 if args.tiny else 2048)
     if args.batch < 1 or args.seq < 2:
         p.error("--batch must be >= 1 and --seq >= 2")
-    wanted = set(args.recipes) | {"bf16"}
-    args.recipes = [r for r in RUN_ORDER if r in wanted]
+    wanted = list(dict.fromkeys(["bf16", *args.recipes]))
+    # Run order: by RUN_ORDER of the base recipe, variants (`nvfp4:rht=false`) right after their recipe.
+    args.recipes = sorted(wanted, key=lambda r: (RUN_ORDER.index(r.partition(":")[0]), wanted.index(r)))
     if args.budget_s is None:
         args.budget_s = 150.0 if args.device == "cuda" else float("inf")
     return args
@@ -146,7 +150,8 @@ def probe_recipe(recipe: str, base, dims: dict, args, device: torch.device) -> d
         fused = fuse(model) > 0
     elif args.fuse_qkv == "on":
         raise SystemExit("--fuse-qkv on: this checkout's training.model has no fuse_qkv")
-    report = apply_recipe(model, recipe)
+    name, options = parse_recipe(recipe)
+    report = apply_recipe(model, name, **options)
     if bf16_params:
         with torch.no_grad():
             for p in model.parameters():
@@ -189,6 +194,14 @@ def probe_recipe(recipe: str, base, dims: dict, args, device: torch.device) -> d
         times.append(timer)
     ms = [t.elapsed() for t in times]
     last_loss = float(loss.detach())
+    kernels = None
+    if args.profile and on_cuda:
+        from bench.step_profile import summarize
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        kernels = summarize(prof, 3)
     breaks = {str(k): int(v) for k, v in counters["graph_break"].items()}
     # fp8_delayed: the compiled backward must have recorded dY's amax (custom op with a declared mutation)
     # and the hook must have pushed it into every layer's history.
@@ -217,9 +230,23 @@ def probe_recipe(recipe: str, base, dims: dict, args, device: torch.device) -> d
         "first_loss": first_loss,
         "last_loss": last_loss,
         "peak_mem_gib": (torch.cuda.max_memory_allocated(device) / 2 ** 30) if on_cuda else None,
+        "kernels": kernels,
     }
     del net, loss_module, model
     return result
+
+
+def parse_recipe(text: str) -> tuple[str, dict]:
+    """'nvfp4:rht=false,rht_seed=3' -> ('nvfp4', {'rht': False, 'rht_seed': 3})."""
+    name, _, opts = text.partition(":")
+    options = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"recipe {text!r}: expected key=value, got {item!r}")
+        low = value.lower()
+        options[key] = (low == "true") if low in ("true", "false") else int(value) if value.isdigit() else value
+    return name, options
 
 
 def add_ratios(results: list[dict], args) -> None:
@@ -237,10 +264,10 @@ def add_ratios(results: list[dict], args) -> None:
 
 
 def table(results: list[dict], args) -> str:
-    head = (f"{'recipe':<15}{'gemms':<10}{'conv':>7}{'compile s':>11}{'ms/step':>10}{'x bf16':>8}"
+    head = (f"{'recipe':<35}{'gemms':<10}{'conv':>7}{'compile s':>11}{'ms/step':>10}{'x bf16':>8}"
             f"{'est@1b':>8}{'breaks':>8}{'graphs':>7}{'peak GiB':>10}")
     lines = [head, "-" * len(head)]
-    for r in sorted(results, key=lambda r: RECIPE_ORDER.index(r["recipe"])):
+    for r in sorted(results, key=lambda r: RECIPE_ORDER.index(r["recipe"].partition(":")[0])):
         if "error" in r:
             lines.append(f"{r['recipe']:<15}FAILED: {r['error'][:150]}")
             continue
@@ -251,7 +278,7 @@ def table(results: list[dict], args) -> str:
         peak = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         ratio = f"{r['ratio_vs_bf16']:.3f}" if "ratio_vs_bf16" in r else "-"
         est = f"{r['est_ratio_1b']:.3f}" if "est_ratio_1b" in r else "-"
-        lines.append(f"{r['recipe']:<15}{r['gemm_backend']:<10}{conv:>7}{r['compile_and_first_step_s']:>11.1f}"
+        lines.append(f"{r['recipe'][:34]:<35}{r['gemm_backend']:<10}{conv:>7}{r['compile_and_first_step_s']:>11.1f}"
                      f"{r['ms_median']:>10.2f}{ratio:>8}{est:>8}{r['graph_breaks']:>8}{r['unique_graphs']:>7}"
                      f"{peak:>10}")
     lines.append(f"est@1b: ratio implied for the 16-layer 1.14B model with a {args.bf16_step_ms:g} ms BF16 step "
@@ -315,6 +342,13 @@ def main(argv=None) -> int:
                   flush=True)
         else:
             print(f"[probe] {recipe}: {last.get('error') or last.get('skipped')}", flush=True)
+    if args.profile:
+        for r in results:
+            if r.get("kernels"):
+                print(f"\n## {r['recipe']}: {r['kernels']['total_ms']:.2f} GPU ms/step; by category "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["kernels"]["ms_per_step"].items())))
+                for ms_, kname, cat in r["kernels"]["top"][:12]:
+                    print(f"{ms_:8.3f}  {cat:18s} {kname[:100]}")
     print(table(results, args))
     print(f"[probe] wall {payload['wall_s']} s")
     bad = [r["recipe"] for r in results

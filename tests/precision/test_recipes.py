@@ -259,6 +259,7 @@ def test_delayed_scaling_state_round_trips_through_state_dict_and_a_checkpoint_f
         other = dict(fresh_hook.layers)[name]
         for key in ("amax_history", "scales", "pending_amax", "history_ready"):
             assert torch.equal(getattr(layer, key), getattr(other, key)), (name, key)
+        assert layer.ready_host and other.ready_host  # the host-side flag is restored with the history
     # Same state and weights => the resumed model computes exactly what the original does.
     with torch.no_grad():
         assert torch.equal(loss_of(model, batch(9)), loss_of(fresh, batch(9)))
@@ -284,7 +285,11 @@ def test_delayed_scaling_compiles_without_graph_breaks_and_matches_eager():
     compiled_layer.weight.data.copy_(eager.weight.data)
     compiled = torch.compile(compiled_layer, backend="aot_eager", fullgraph=True)
     x = torch.randn(8, 32)
-    for _ in range(2):
+    from torch._dynamo.utils import counters
+    counters.clear()
+    for step in range(3):
+        # Step 1: just-in-time scales; from step 2 the history's, known on the host (one recompilation).
+        assert compiled_layer.ready_host == (step > 0)
         outs = []
         for mod in (eager, compiled):
             xi = x.clone().requires_grad_()
@@ -296,6 +301,7 @@ def test_delayed_scaling_compiles_without_graph_breaks_and_matches_eager():
         eager.update_scales()
         compiled_layer.update_scales()
     assert bool(compiled_layer.history_ready) and compiled_layer.amax_history[2, 0] > 0
+    assert counters["stats"]["unique_graphs"] == 2  # one graph per value of ready_host, not one per step
 
 
 # ------------------------------------------------------------------------------------------ numerics

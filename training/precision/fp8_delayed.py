@@ -114,7 +114,8 @@ class DelayedFP8Fn(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x2, weight, bias, s_x, s_w, scales, ready, pending, real: bool, record: bool, out_dtype):
+    def forward(ctx, x2, weight, bias, s_x, s_w, scales, ready, pending, real: bool, record: bool, out_dtype,
+                ready_host: bool = False):
         x8 = _to_fp8(x2, s_x, E4M3)
         w8 = _to_fp8(weight, s_w, E4M3)
         inv_x, inv_w = s_x.reciprocal(), s_w.reciprocal()
@@ -122,7 +123,7 @@ class DelayedFP8Fn(torch.autograd.Function):
         # The FP8 copies are what backward needs (1 byte per element instead of the activation's 2-4).
         ctx.save_for_backward(x8, w8, inv_x, inv_w, scales, ready)
         ctx.pending = pending  # mutated in backward through the custom op (not a saved tensor: no version check)
-        ctx.real, ctx.record = real, record
+        ctx.real, ctx.record, ctx.ready_host = real, record, ready_host
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
@@ -135,7 +136,9 @@ class DelayedFP8Fn(torch.autograd.Function):
         amax = dy2.detach().abs().amax().to(torch.float32)
         if ctx.record:
             torch.ops.plab.record_grad_amax_(ctx.pending, amax)
-        s_g = torch.where(ready, scales[GRAD], fp8_scale_from_amax(amax, E5M2))
+        # Once the history exists (known on the host), dY's scale does not depend on dY: the cast need not
+        # wait for the amax reduction, and the compiler may fuse both into one pass over dY.
+        s_g = scales[GRAD] if ctx.ready_host else torch.where(ready, scales[GRAD], fp8_scale_from_amax(amax, E5M2))
         g8 = _to_fp8(dy2, s_g, E5M2)
         inv_g = s_g.reciprocal()
         grad_x = grad_w = grad_b = None
@@ -150,7 +153,7 @@ class DelayedFP8Fn(torch.autograd.Function):
                 grad_w = _fp8_mm(False, g8.t(), inv_g, x8, inv_x, ctx.w_dtype, fast_accum=False)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def _advance_history(history: torch.Tensor, pending: torch.Tensor, scales: torch.Tensor):
@@ -178,6 +181,11 @@ class DelayedScalingLinear(QuantizedLinear):
         self.register_buffer("history_ready", torch.zeros((), dtype=torch.bool, device=device), persistent=False)
         self.quantizer = DelayedQuantizer(self)
         self.real = real
+        # Host-side copy of `history_ready` (set by the hook, by update_scales and on load): once true the
+        # scales come straight from the history, with no data dependence on the current amax, so the FP8
+        # cast of X, W and dY can start without waiting for (or be fused with) their amax reductions.
+        # torch.compile guards on it: one recompilation after the first step.
+        self.ready_host = False
 
     def _apply(self, fn, recurse=True):
         """Keep the scaling state in FP32 through `.to(dtype)` / `.bfloat16()` (a BF16 copy of the model
@@ -206,12 +214,15 @@ class DelayedScalingLinear(QuantizedLinear):
         if record:
             pending = self.pending_amax
             pending.copy_(torch.maximum(pending, torch.stack([amax_x, amax_w, pending[GRAD]])))
-        s_x = self.effective_scale(INPUT, amax_x)
-        s_w = self.effective_scale(WEIGHT, amax_w)
+        if self.ready_host:
+            s_x, s_w = self.scales[INPUT], self.scales[WEIGHT]
+        else:
+            s_x = self.effective_scale(INPUT, amax_x)
+            s_w = self.effective_scale(WEIGHT, amax_w)
         # torch._scaled_mm needs every dim divisible by 16; other token counts take the emulated path.
         real = self.real and x2.shape[0] % 16 == 0
         y = DelayedFP8Fn.apply(x2, self.weight, self.bias, s_x, s_w, self.scales, self.history_ready,
-                               self.pending_amax, real, record, out_dtype)
+                               self.pending_amax, real, record, out_dtype, self.ready_host)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()
@@ -222,6 +233,7 @@ class DelayedScalingLinear(QuantizedLinear):
         self.amax_history.copy_(history)
         self.scales.copy_(scales)
         self.history_ready.fill_(True)
+        self.ready_host = True
         self.pending_amax.zero_()
 
     def extra_repr(self) -> str:
@@ -252,6 +264,8 @@ class DelayedScalingHook:
         ready = torch.ones((), dtype=torch.bool, device=pending.device)
         torch._foreach_copy_([m.history_ready for m in mods], [ready] * len(mods))
         torch._foreach_zero_([m.pending_amax for m in mods])
+        for m in mods:
+            m.ready_host = True
 
     @staticmethod
     def _max_across_ranks(pending: torch.Tensor) -> None:
@@ -289,6 +303,7 @@ class DelayedScalingHook:
             for name, layer in self.layers:
                 for key in STATE_BUFFERS:
                     getattr(layer, key).copy_(saved[name][key].to(getattr(layer, key).device))
+                layer.ready_host = bool(saved[name]["history_ready"])
 
 
 @register
