@@ -197,11 +197,20 @@ def probe_recipe(recipe: str, base, dims: dict, args, device: torch.device) -> d
     kernels = None
     if args.profile and on_cuda:
         from bench.step_profile import summarize
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        t_prof = time.perf_counter()
+        with torch.profiler.profile(activities=acts) as prof:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
         kernels = summarize(prof, 3)
+        kernels["profiled_wall_ms_per_step"] = (time.perf_counter() - t_prof) * 1e3 / 3
+        # Host side: the ops whose own CPU time per step is largest (a step slower than its GPU time is
+        # launch-bound; these say by what).
+        cpu = sorted(((e.self_cpu_time_total / 1e3 / 3, e.count // 3, e.key[:90]) for e in prof.key_averages()
+                      if e.self_cpu_time_total > 0), reverse=True)
+        kernels["cpu_top"] = cpu[:15]
+        kernels["cpu_ms_per_step"] = sum(c[0] for c in cpu)
     breaks = {str(k): int(v) for k, v in counters["graph_break"].items()}
     # fp8_delayed: the compiled backward must have recorded dY's amax (custom op with a declared mutation)
     # and the hook must have pushed it into every layer's history.
@@ -349,6 +358,10 @@ def main(argv=None) -> int:
                       + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["kernels"]["ms_per_step"].items())))
                 for ms_, kname, cat in r["kernels"]["top"][:12]:
                     print(f"{ms_:8.3f}  {cat:18s} {kname[:100]}")
+                print(f"   host: {r['kernels']['cpu_ms_per_step']:.2f} CPU ms/step (profiled wall "
+                      f"{r['kernels']['profiled_wall_ms_per_step']:.2f} ms); top ops by own CPU time (ms/step, calls/step):")
+                for ms_, calls, kname in r["kernels"]["cpu_top"][:10]:
+                    print(f"{ms_:8.3f} {calls:6d}  {kname}")
     print(table(results, args))
     print(f"[probe] wall {payload['wall_s']} s")
     bad = [r["recipe"] for r in results

@@ -162,6 +162,7 @@ class TimedApiSink(MetricSink):
         from training.sink import ListSink
         self.inner = ListSink()
         self.log_seconds: list[float] = []
+        self.log_at: dict[int, float] = {}  # step -> perf_counter when its metrics were logged
         self.api = None
         if api_url:
             from workers.client import MetricStreamer, PlabClient
@@ -175,6 +176,7 @@ class TimedApiSink(MetricSink):
         if self.on_step is not None and "train/loss" in metrics:
             self.on_step()
         t0 = time.perf_counter()
+        self.log_at.setdefault(step, t0)
         if self.api is not None:
             self.api.log(step, metrics, tokens=tokens, wall_time=wall_time)
         self.log_seconds.append(time.perf_counter() - t0)
@@ -191,6 +193,53 @@ class TimedApiSink(MetricSink):
         if self.api is not None:
             self.api.streamer.close()
             self.api.client.close()
+
+
+class GpuSampler:
+    """SM clock, power, temperature and utilisation of this process's GPU every 100 ms (NVML, on a thread),
+    so a slow config can be told apart from a throttled GPU. Inactive without NVML or a GPU."""
+
+    def __init__(self, interval_s: float = 0.1):
+        self.samples: list[tuple[float, int, float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            index = int(os.environ.get("LOCAL_RANK", "0"))
+            if visible and visible.split(",")[index].strip().isdigit():
+                index = int(visible.split(",")[index])
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:  # noqa: BLE001 - no NVML (CPU runs): sample nothing
+            return
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval_s: float):
+        nv, h = self._nvml, self._handle
+        while not self._stop.wait(interval_s):
+            try:
+                self.samples.append((time.perf_counter(), nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                                     nv.nvmlDeviceGetPowerUsage(h) / 1000.0, nv.nvmlDeviceGetTemperature(h, 0),
+                                     nv.nvmlDeviceGetUtilizationRates(h).gpu))
+            except Exception:  # noqa: BLE001
+                return
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def summary(self, t_from: float, t_to: float) -> dict | None:
+        window = [s for s in self.samples if t_from <= s[0] <= t_to]
+        if not window:
+            return None
+        clocks, power = [s[1] for s in window], [s[2] for s in window]
+        return {"samples": len(window), "sm_clock_mhz_median": statistics.median(clocks),
+                "sm_clock_mhz_min": min(clocks), "power_w_median": statistics.median(power),
+                "temp_c_max": max(s[3] for s in window),
+                "util_pct_median": statistics.median(s[4] for s in window)}
 
 
 class Gate:
@@ -248,11 +297,14 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
             wait=gate_step, warmup=1, active=3, repeat=1))
         prof.start()
         sink.on_step = prof.step
+    sampler = GpuSampler() if device != "cpu" else None
     t0 = time.perf_counter()
     try:
         result = train(spec, sink, should_stop=gate)
     finally:
         sink.close()
+        if sampler is not None:
+            sampler.stop()
         if prof is not None:
             prof.stop()
     if prof is not None and int(os.environ.get("RANK", "0")) == 0:
@@ -263,7 +315,8 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         return None
     wall = time.perf_counter() - t0
     per_step = {p["step"]: p["metrics"] for p in sink.inner.points if "perf/step_time_s" in p["metrics"]}
-    timed = [per_step[s] for s in sorted(per_step) if s > gate_step and s not in gates]
+    timed_steps = [s for s in sorted(per_step) if s > gate_step and s not in gates]
+    timed = [per_step[s] for s in timed_steps]
     step_s = statistics.median(m["perf/step_time_s"] for m in timed)
     total_step_s = sum(m["perf/step_time_s"] for m in timed)
     tokens_per_step = batch * seq
@@ -287,6 +340,9 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         "param_dtype": result.summary.get("param_dtype"), "api_logging": api_url is not None,
         "api_points_sent": sink.api.streamer.sent if sink.api is not None else None,
         "wall_s": wall, "device_name": result.device_name, "profiled": profile,
+        # GPU clock/power while the timed steps' metrics arrived (they are logged metrics_lag steps late).
+        "gpu_during_timed_steps": (sampler.summary(sink.log_at.get(timed_steps[0], 0.0), sink.log_at.get(timed_steps[-1], 0.0))
+                                   if sampler is not None and timed_steps else None),
     }
 
 
@@ -577,7 +633,9 @@ def main(argv=None) -> int:
         print(f"{r['label'][:56]:56s} {r['tokens_per_s']:9,.0f} {_fmt(r['vs_anchor'], '9.3f')} "
               f"{_fmt(r['vs_our_bf16'], '8.3f')} {r['step_time_s'] * 1e3:8.1f} {_fmt(r['mfu'], '6.3f')} "
               f"{_fmt(r['peak_mem_gib'], '6.1f')} {100 * r['data_wait_share']:6.2f} {100 * r['sink_log_share']:6.3f}  "
-              f"{r['label_kind']}{'' if r.get('timed_alone', True) else '  NOT timed alone'}")
+              f"{r['label_kind']}{'' if r.get('timed_alone', True) else '  NOT timed alone'}"
+              + (f"  SM {g['sm_clock_mhz_median']:.0f} MHz (min {g['sm_clock_mhz_min']}), {g['power_w_median']:.0f} W"
+                 if (g := r.get("gpu_during_timed_steps")) else ""))
     return 0
 
 
