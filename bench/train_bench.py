@@ -57,7 +57,7 @@ from bench.benchmeta import git_commit  # noqa: E402
 ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared" / "tools" / "hf_llama_anchor.py"]
 BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
              "activation_checkpointing", "fuse_qkv", "overlap_optimizer", "ddp_static_graph"}
-INT_KEYS = {"loss_chunk_tokens", "metrics_lag", "gpus", "grad_accum", "batch", "ddp_bucket_mb"}
+INT_KEYS = {"loss_chunk_tokens", "metrics_lag", "gpus", "grad_accum", "batch", "ddp_bucket_mb", "gc_interval"}
 TRAINING_KEYS = {"compile", "activation_checkpointing", "param_dtype", "gpus", "grad_accum"}
 
 
@@ -76,7 +76,7 @@ def parse_config(text: str) -> dict:
                 raise SystemExit(f"config {text!r}: {key} takes true/false, got {value!r}")
             value = value.lower() in ("true", "1", "on")
         elif key in INT_KEYS:
-            if not value.isdigit() or int(value) < 1 and key != "metrics_lag":
+            if not value.isdigit() or int(value) < 1 and key not in ("metrics_lag", "gc_interval"):
                 raise SystemExit(f"config {text!r}: {key} takes a positive integer, got {value!r}")
             value = int(value)
         elif value in ("none", "null"):
@@ -329,6 +329,7 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         "step_time_max_s": max(m["perf/step_time_s"] for m in timed),
         "data_wait_share": sum(m["perf/data_wait_s"] for m in timed) / total_step_s,
         "sink_log_share": (sum(log_s) / len(log_s)) / step_s,
+        "host_issue_share": statistics.median(m.get("perf/host_issue_s", 0.0) for m in timed) / step_s,
         "mfu": result.summary.get("mfu"), "tflops": tokens_per_step / step_s * result.summary["flops_per_token"] / 1e12,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "gemm_backend": result.gemm_backend,
@@ -625,14 +626,14 @@ def main(argv=None) -> int:
     elif anchor:
         print(f"anchor: {anchor.get('error')}")
     print(f"{'config':56s} {'tok/s':>9s} {'vs anchor':>9s} {'vs base':>8s} {'step ms':>8s} {'MFU':>6s} "
-          f"{'GiB':>6s} {'wait%':>6s} {'sink%':>6s}  gemm")
+          f"{'GiB':>6s} {'wait%':>6s} {'sink%':>6s} {'host%':>6s}  gemm")
     for r in results:
         if "tokens_per_s" not in r:
             print(f"{r['label'][:56]:56s} {r.get('skipped') or r.get('error')}")
             continue
         print(f"{r['label'][:56]:56s} {r['tokens_per_s']:9,.0f} {_fmt(r['vs_anchor'], '9.3f')} "
               f"{_fmt(r['vs_our_bf16'], '8.3f')} {r['step_time_s'] * 1e3:8.1f} {_fmt(r['mfu'], '6.3f')} "
-              f"{_fmt(r['peak_mem_gib'], '6.1f')} {100 * r['data_wait_share']:6.2f} {100 * r['sink_log_share']:6.3f}  "
+              f"{_fmt(r['peak_mem_gib'], '6.1f')} {100 * r['data_wait_share']:6.2f} {100 * r['sink_log_share']:6.3f} {100 * r.get('host_issue_share', 0):6.1f}  "
               f"{r['label_kind']}{'' if r.get('timed_alone', True) else '  NOT timed alone'}"
               + (f"  SM {g['sm_clock_mhz_median']:.0f} MHz (min {g['sm_clock_mhz_min']}), {g['power_w_median']:.0f} W"
                  if (g := r.get("gpu_during_timed_steps")) else ""))

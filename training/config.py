@@ -205,6 +205,9 @@ class PerfOptions:
     # BF16 gradients) 25 MiB buckets gave 1.54-1.76x one GPU, 100 MiB 1.85x (bench/results/*scaling*).
     ddp_bucket_mb: int = 100
     ddp_static_graph: bool = False
+    # GPU runs: Python's cyclic GC frozen after the first step and run every N steps instead of whenever its
+    # allocation counters say (0 = leave it automatic). See train.py.
+    gc_interval: int = 100
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
     COMPILE_SCOPES = ("auto", "model", "layers")
@@ -374,6 +377,8 @@ class RunSpec:
                                minimum=1),
             ddp_static_graph=_bool("training.perf", "ddp_static_graph",
                                    perf_d.get("ddp_static_graph", pbase.ddp_static_graph)),
+            gc_interval=_int("training.perf", "gc_interval", perf_d.get("gc_interval", pbase.gc_interval),
+                             minimum=0),
         )
         out = TrainingSpec(
             steps=steps, tokens=tokens,

@@ -15,6 +15,7 @@ reported `diverged_step` is the step whose loss was non-finite.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import statistics
 import time
@@ -336,7 +337,9 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
             tok_s = tokens_per_step / step_s if step_s > 0 else float("nan")
             metrics = {"train/loss": loss, "train/lr": info["lr"], "train/grad_norm": grad_norm,
                        "perf/tokens_per_s": tok_s, "perf/step_time_s": step_s,
-                       "perf/data_wait_s": info["data_wait"], "perf/tflops": fpt * tok_s / 1e12}
+                       "perf/data_wait_s": info["data_wait"], "perf/tflops": fpt * tok_s / 1e12,
+                       # host time to issue the step (loader wait excluded); near step_time_s = launch-bound
+                       "perf/host_issue_s": info.get("host_issue", 0.0)}
             m = mfu(fpt, tok_s, device_name=device_name, n_gpus=ctx.world)
             if m is not None:
                 metrics["perf/mfu"] = m
@@ -373,8 +376,23 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
         return norm
 
     step = start_step
+    # Python's cyclic GC, left automatic, runs full collections at moments set by allocation counts; over the
+    # many objects a compiled model keeps alive one takes tens of ms, during which no kernel is issued and the
+    # GPU idles. With `gc_interval` N > 0 (GPU runs), what exists after the first step is frozen out of
+    # collections and the collector runs every N steps instead (Megatron's --manual-gc).
+    manual_gc = on_cuda and t.perf.gc_interval > 0
+    gc_was_enabled = gc.isenabled()
+    steps_run = 0
     try:
         for step, micro_batches in loader:
+            host_t0 = time.perf_counter()
+            steps_run += 1
+            if manual_gc and steps_run == 2:
+                gc.collect()
+                gc.freeze()
+                gc.disable()
+            elif manual_gc and steps_run > 2 and steps_run % t.perf.gc_interval == 0:
+                gc.collect()
             if should_stop is not None and ctx.any_true(bool(should_stop())):
                 status = "cancelled"
                 step -= 1
@@ -422,7 +440,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
             loader.wait_s = 0.0
             scalars.push(step, torch.stack([mean_loss.float(), grad_norm.float().reshape(())]),
                          {"lr": lr, "tokens": tokens_seen, "wall": wall_offset + now - t_start,
-                          "data_wait": wait, "host_end": now})
+                          "data_wait": wait, "host_end": now, "host_issue": now - host_t0})
             drain()
             if status == "diverged":
                 break
@@ -445,6 +463,10 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
                 restart_step_clock()
         drain(flush=True)
     finally:
+        if manual_gc:
+            gc.unfreeze()
+            if gc_was_enabled:
+                gc.enable()
         loader.close()
         optimizer_settled()
 
