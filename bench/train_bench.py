@@ -310,7 +310,11 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
     if prof is not None and int(os.environ.get("RANK", "0")) == 0:
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
         safe = "".join(ch if ch.isalnum() else "_" for ch in config["label"])[:60]
-        (out_dir / f"profile_{safe}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+        averages = prof.key_averages()
+        (out_dir / f"profile_{safe}.txt").write_text(
+            averages.table(sort_by=sort, row_limit=40)
+            + "\n\n# by own CPU time (host-side stalls: syncs, launches, Python ops)\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=30))
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return None
     wall = time.perf_counter() - t0
