@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+# The module object itself, imported here (outside compiled code): an import inside a compiled forward goes
+# through transformers' lazy package module, which Dynamo cannot trace ("Bad import result: _LazyModule"),
+# and each layer's graph broke in two there.
+from transformers.models.llama import modeling_llama as _llama
 
 from training.config import MODEL_PRESETS, ModelSpec, SpecError
 
@@ -184,8 +188,7 @@ QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 def _fused_qkv_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args,
                                  **kwargs):
     """LlamaAttention.forward with one GEMM for Q, K and V (transformers' own RoPE and attention kernels)."""
-    from transformers.models.llama import modeling_llama as ml
-
+    ml = _llama
     for cache_key in ("past_key_values", "past_key_value"):
         if kwargs.pop(cache_key, None) is not None:
             raise NotImplementedError("a model with a fused QKV projection has no KV cache: generate from its "

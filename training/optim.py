@@ -14,9 +14,13 @@ Memory traffic per parameter: 2 B grad + 8 B master + 16 B moments + 2 B param =
 AdamW on FP32 parameters under autocast also moves 28 B, plus the autocast casts: 6 B in the forward,
 6 B to turn each BF16 weight gradient into an FP32 one, and often a recomputed cast in the backward).
 
-On CUDA the per-parameter update is one `torch.compile`d function (dynamic shapes: one kernel for every
-parameter size), so the step is one kernel launch per parameter and never synchronises with the host:
-the learning rate and step count are device tensors. On CPU it runs eagerly (same arithmetic).
+On CUDA the update of a list of parameters (an overlap bucket's, or chunks of 8) is one `torch.compile`d
+function (dynamic shapes: the same graph for every list of the same length): one compiled call issues one
+fused kernel per parameter and never synchronises with the host (the learning rate, weight decay and step
+counts are device tensors). A compiled call per parameter instead cost ~0.2-0.3 ms of host time each (Dynamo
+cache lookup, AOTAutograd wrapper, the separate step increment): 115 calls, ~30 ms of host time per 1.14B
+step, enough to make FP8 steps (GPU time < 100 ms on an H100) wait on the host. On CPU it runs eagerly (same
+arithmetic).
 """
 from __future__ import annotations
 
@@ -42,15 +46,24 @@ def _adamw_master_update(p, g, w, m, v, lr, step, grad_scale, beta1: float, beta
     p.copy_(w)
 
 
+def _adamw_master_update_many(ps, gs, ws, ms, vs, lr, steps, grad_scale, beta1: float, beta2: float, eps: float,
+                              wd):
+    """`_adamw_master_update` for lists of tensors (the step counters incremented first, as torch's AdamW)."""
+    torch._foreach_add_(steps, 1.0)
+    for p, g, w, m, v, step in zip(ps, gs, ws, ms, vs, steps):
+        _adamw_master_update(p, g, w, m, v, lr, step, grad_scale, beta1, beta2, eps, wd)
+
+
 _compiled_update = None
+CHUNK = 8  # parameters per compiled call when a whole parameter group is updated at once
 
 
 def _update_fn(device: torch.device, compiled: bool):
     global _compiled_update
     if not compiled:
-        return _adamw_master_update
+        return _adamw_master_update_many
     if _compiled_update is None:
-        _compiled_update = torch.compile(_adamw_master_update, fullgraph=True, dynamic=True)
+        _compiled_update = torch.compile(_adamw_master_update_many, fullgraph=True, dynamic=True)
     return _compiled_update
 
 
@@ -88,6 +101,7 @@ class MasterAdamW(torch.optim.Optimizer):
                     "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
                 }
         self._lr_tensors: dict[int, torch.Tensor] = {}
+        self._wd_tensors: dict[int, torch.Tensor] = {}
 
     def master(self, p: torch.Tensor) -> torch.Tensor:
         """The FP32 master copy of parameter `p` (what checkpoints save)."""
@@ -118,6 +132,14 @@ class MasterAdamW(torch.optim.Optimizer):
         t.fill_(float(group["lr"]))  # a fill kernel with the value as argument: no host sync
         return t
 
+    def _wd_tensor(self, i: int, group: dict, device: torch.device) -> torch.Tensor:
+        """Weight decay as a device scalar: groups that differ only in it share one compiled graph."""
+        t = self._wd_tensors.get(i)
+        if t is None or t.device != device:
+            t = self._wd_tensors[i] = torch.zeros((), dtype=torch.float32, device=device)
+        t.fill_(float(group["weight_decay"]))
+        return t
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -134,22 +156,30 @@ class MasterAdamW(torch.optim.Optimizer):
         scale = self.grad_scale
         for i, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
-            eps, wd = float(group["eps"]), float(group["weight_decay"])
-            lr_t = None
+            eps = float(group["eps"])
+            todo = []
             for p in group["params"]:
                 if p.grad is None or (wanted is not None and id(p) not in wanted):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("MasterAdamW does not support sparse gradients")
-                st = self.state[p]
-                if lr_t is None:
-                    lr_t = self._lr_tensor(i, group, p.device)
-                st["step"].add_(1.0)
-                compiled = self.compiled if self.compiled is not None else p.is_cuda
-                fn = _update_fn(p.device, compiled)
-                s = scale.to(p.device) if scale is not None else None
-                fn(p.view(-1), p.grad.view(-1), st["master"].view(-1), st["exp_avg"].view(-1),
-                   st["exp_avg_sq"].view(-1), lr_t, st["step"], s, float(beta1), float(beta2), eps, wd)
+                todo.append(p)
+            if not todo:
+                continue
+            device = todo[0].device
+            compiled = self.compiled if self.compiled is not None else todo[0].is_cuda
+            fn = _update_fn(device, compiled)
+            lr_t, wd_t = self._lr_tensor(i, group, device), self._wd_tensor(i, group, device)
+            s = scale.to(device) if scale is not None else None
+            # A bucket's parameters in one call; a whole group in chunks (one graph per list length).
+            size = len(todo) if subset is not None else CHUNK
+            for k in range(0, len(todo), size):
+                chunk = todo[k:k + size]
+                states = [self.state[p] for p in chunk]
+                fn([p.view(-1) for p in chunk], [p.grad.view(-1) for p in chunk],
+                   [st["master"].view(-1) for st in states], [st["exp_avg"].view(-1) for st in states],
+                   [st["exp_avg_sq"].view(-1) for st in states], lr_t, [st["step"] for st in states], s,
+                   float(beta1), float(beta2), eps, wd_t)
 
 
 class OverlappedOptimizerStep:

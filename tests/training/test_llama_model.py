@@ -80,3 +80,24 @@ def test_fused_qkv_gives_the_same_logits_and_gradients_and_splits_back_to_hf_nam
     assert all(torch.equal(hf[k], plain.state_dict()[k]) for k in hf)
     name = "model.layers.1.self_attn.qkv_proj.weight"
     assert torch.equal(join_fused_qkv(plain.state_dict(), name), fused.state_dict()[name])
+
+
+def test_a_fused_qkv_decoder_layer_compiles_into_one_graph():
+    """Regional compilation compiles each decoder layer's forward: it must trace without a graph break (an
+    import of transformers' lazy module inside the forward used to split every layer's graph in two)."""
+    import torch
+
+    from training.model import build_model, fuse_qkv, llama_config
+    cfg = llama_config({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2}, 97, 16)
+    model = build_model(cfg, 3)
+    fuse_qkv(model)
+    torch._dynamo.reset()
+    layer = model.model.layers[0]
+    compiled = torch.compile(layer.forward, backend="eager", fullgraph=True)  # raises on any graph break
+    x = torch.randn(2, 16, 64)
+    pos = model.model.rotary_emb(x, torch.arange(16).unsqueeze(0))
+    out = compiled(x, position_embeddings=pos)
+    ref = layer(x, position_embeddings=pos)
+    out, ref = (o[0] if isinstance(o, tuple) else o for o in (out, ref))
+    torch.testing.assert_close(out, ref)
