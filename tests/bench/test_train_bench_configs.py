@@ -2,21 +2,9 @@
 compares `bf16:grad_accum=2` on one GPU with `bf16:gpus=2` on two, same global batch, in one call)."""
 from __future__ import annotations
 
-import importlib.util
 import types
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("train_bench_cfg", REPO / "bench" / "train_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _args(**kw):

@@ -3,7 +3,6 @@
 steps they ran, so the test sees the order the GPU would have seen."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
@@ -32,13 +31,6 @@ for step in range(1, total + 1):
 print(json.dumps({{"label": name, "steps": total}}))
 """
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("train_bench_script", REPO / "bench" / "train_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def start(tmp_path, gate_dir, log, specs, warmup=2, steps=4, rounds=2):
