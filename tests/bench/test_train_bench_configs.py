@@ -43,3 +43,10 @@ def test_a_multi_gpu_config_is_launched_with_torchrun(bench, tmp_path):
 def test_bad_values_are_refused_with_the_config_named(bench, text):
     with pytest.raises(SystemExit, match=text.split(":")[1].split("=")[0]):
         bench.parse_config(text)
+
+
+def test_default_order_runs_the_recipes_with_a_bar_first_and_blockwise_last(bench):
+    from training.precision import RECIPES
+    order = bench.default_configs(list(RECIPES))
+    assert sorted(order) == sorted(RECIPES) and order[0] == "bf16" and order[-1] == "fp8_blockwise"
+    assert order.index("nvfp4") < order.index("fp8_rowwise")
