@@ -68,6 +68,8 @@ def parse_args(argv=None):
                    help="auto: bf16 on cuda (no autocast), fp32 on cpu; fp32 on cuda runs under BF16 autocast")
     p.add_argument("--fuse-qkv", choices=["auto", "on", "off"], default="auto",
                    help="fuse q/k/v into one linear as the trainer does on GPU (auto: on for cuda when available)")
+    p.add_argument("--fuse-gate-up", action="store_true",
+                   help="one linear for the MLP's gate and up projections (training.model.fuse_gate_up)")
     p.add_argument("--no-compile", action="store_true", help="eager (only for quick CPU checks)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: inductor's default)")
     p.add_argument("--bf16-step-ms", type=float, default=130.0,
@@ -150,6 +152,8 @@ def probe_recipe(recipe: str, base, dims: dict, args, device: torch.device) -> d
         fused = fuse(model) > 0
     elif args.fuse_qkv == "on":
         raise SystemExit("--fuse-qkv on: this checkout's training.model has no fuse_qkv")
+    if args.fuse_gate_up:
+        model_mod.fuse_gate_up(model)
     name, options = parse_recipe(recipe)
     report = apply_recipe(model, name, **options)
     if bf16_params:
@@ -226,6 +230,7 @@ def probe_recipe(recipe: str, base, dims: dict, args, device: torch.device) -> d
         "param_dtype": param_dtype,
         "autocast": bool(on_cuda and not bf16_params),
         "fused_qkv": fused,
+        "fused_gate_up": bool(args.fuse_gate_up),
         "compiled": not args.no_compile,
         "compile_and_first_step_s": round(compile_s, 2),
         "ms_median": statistics.median(ms),

@@ -29,7 +29,8 @@ sdpa_backend (auto|cudnn|flash|efficient|math), compile_mode, metrics_lag, prefe
     python bench/train_bench.py --configs bf16 bf16:sdpa_backend=cudnn \
         bf16:sdpa_backend=cudnn,bf16_residual=true bf16:fused_loss=false,fused_clip=false
 
-Perf switches added since: fuse_qkv, overlap_optimizer, compile_scope (docs/INTERFACES.md), and the training
+Perf switches added since: fuse_qkv, fuse_gate_up, overlap_optimizer, compile_scope, ddp_bucket_mb,
+ddp_static_graph, gc_interval (docs/INTERFACES.md); per config also gpus, grad_accum, batch; and the training
 key param_dtype (bf16|fp32|auto).
 
 Writes `$OUT/train_bench.json` (when $OUT is set) and, on a GPU, `bench/results/train_bench_<date>_<gpu>.json`,
@@ -56,7 +57,8 @@ from bench.benchmeta import git_commit  # noqa: E402
 
 ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared" / "tools" / "hf_llama_anchor.py"]
 BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
-             "activation_checkpointing", "fuse_qkv", "overlap_optimizer", "ddp_static_graph"}
+             "activation_checkpointing", "fuse_qkv", "overlap_optimizer", "ddp_static_graph",
+             "fuse_gate_up"}
 INT_KEYS = {"loss_chunk_tokens", "metrics_lag", "gpus", "grad_accum", "batch", "ddp_bucket_mb", "gc_interval"}
 TRAINING_KEYS = {"compile", "activation_checkpointing", "param_dtype", "gpus", "grad_accum"}
 

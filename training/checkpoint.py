@@ -44,14 +44,14 @@ def hf_state_dict(model: torch.nn.Module, optimizer=None) -> dict[str, torch.Ten
     from transformers import LlamaForCausalLM
     with torch.device("meta"):
         reference = LlamaForCausalLM(model.config)
-    from training.model import split_fused_qkv
+    from training.model import split_fused
     expected = set(reference.state_dict())
     masters = {}
     if optimizer is not None and hasattr(optimizer, "master"):
         masters = {name: optimizer.master(p) for name, p in model.named_parameters() if p in optimizer.state}
-    masters = split_fused_qkv(masters, model.config)
+    masters = split_fused(masters, model.config)
     out = {}
-    for name, value in split_fused_qkv(model.state_dict(), model.config).items():
+    for name, value in split_fused(model.state_dict(), model.config).items():
         if name not in expected:
             continue
         value = masters.get(name, value)
@@ -133,15 +133,15 @@ def load_checkpoint(path, *, model, optimizer, hooks=(), map_location="cpu") -> 
     """Restore weights, optimizer, RNG and hook states in place; returns the state dict (step, ...)."""
     path = Path(path)
     weights = load_file(str(path / "model.safetensors"))
-    from training.model import join_fused_qkv, split_fused_qkv
+    from training.model import join_fused, split_fused
     params = dict(model.named_parameters())
-    missing = [n for n in split_fused_qkv(params, model.config) if n not in weights]
+    missing = [n for n in split_fused(params, model.config) if n not in weights]
     if missing:
         raise RuntimeError(f"checkpoint {path} lacks parameters {missing[:5]}; it was written for a "
                            f"different model")
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(join_fused_qkv(weights, name).to(p.device, p.dtype))
+            p.copy_(join_fused(weights, name).to(p.device, p.dtype))
     state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(state["rng"])

@@ -191,6 +191,10 @@ class PerfOptions:
     # like Transformer Engine's linear_qkv). None = on for GPU runs, off on CPU. HF checkpoints keep
     # separate q/k/v weights either way.
     fuse_qkv: bool | None = None
+    # One GEMM for the MLP's gate and up projections (training.model.fuse_gate_up; Megatron's linear_fc1, the
+    # `mlp_up` shape of the GEMM benchmark): the MLP input is quantized once, and recipes scale the fused
+    # weight as one tensor. Off until measured end to end on a GPU. HF checkpoints keep gate/up separate.
+    fuse_gate_up: bool = False
     # GPU runs with BF16 parameters: the optimizer step runs on a side CUDA stream, layer by layer in forward
     # order, while the next step's forward proceeds behind per-layer events (training.optim.
     # OverlappedOptimizerStep). Needs the layers compiled one by one (compile_scope "layers").
@@ -371,6 +375,7 @@ class RunSpec:
                                   PerfOptions.COMPILE_SCOPES),
             fuse_qkv=(None if perf_d.get("fuse_qkv") is None
                       else _bool("training.perf", "fuse_qkv", perf_d.get("fuse_qkv"))),
+            fuse_gate_up=_bool("training.perf", "fuse_gate_up", perf_d.get("fuse_gate_up", pbase.fuse_gate_up)),
             bf16_residual=_bool("training.perf", "bf16_residual",
                                 perf_d.get("bf16_residual", pbase.bf16_residual)),
             ddp_bucket_mb=_int("training.perf", "ddp_bucket_mb", perf_d.get("ddp_bucket_mb", pbase.ddp_bucket_mb),

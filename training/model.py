@@ -239,25 +239,81 @@ def fuse_qkv(model: LlamaForCausalLM) -> int:
     return n
 
 
-def split_fused_qkv(state: dict, config: LlamaConfig) -> dict:
-    """State-dict names of a fused model -> HF names: `...self_attn.qkv_proj.X` becomes q/k/v_proj.X."""
+# ---------------------------------------------------------------------------------------------------
+# Fused gate/up projection (Megatron / Transformer Engine's `linear_fc1`)
+GATE_UP_NAMES = ("gate_proj", "up_proj")
+
+
+def _fused_mlp_forward(self, x):
+    """LlamaMLP.forward with one GEMM for the gate and up projections: down(act(gate) * up)."""
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def fuse_gate_up(model: LlamaForCausalLM) -> int:
+    """Replace each MLP's gate_proj and up_proj by one `gate_up_proj` linear with weight [Wgate; Wup] (same
+    values, same output): one GEMM of width 2 x intermediate for Fprop and Wgrad and one Dgrad instead of two
+    plus their sum, and for a low-precision recipe one quantization of the MLP input instead of two; recipes
+    then scale the fused weight as one tensor, as Transformer Engine does with Megatron's `linear_fc1` (the
+    `mlp_up` shape of training.gemm). HF checkpoints keep separate gate/up weights (`split_fused`).
+    Returns the number of blocks fused."""
+    n = 0
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if hasattr(mlp, "gate_up_proj"):
+            continue
+        parts = [getattr(mlp, name) for name in GATE_UP_NAMES]
+        if any(type(p) is not torch.nn.Linear for p in parts):
+            raise ValueError("fuse_gate_up must run before a recipe converts the linears")
+        w = torch.cat([p.weight.detach() for p in parts], dim=0)
+        has_bias = parts[0].bias is not None
+        fused = torch.nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(w)
+            if has_bias:
+                fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+        for name in GATE_UP_NAMES:
+            delattr(mlp, name)
+        mlp.gate_up_proj = fused
+        mlp.forward = _fused_mlp_forward.__get__(mlp)
+        n += 1
+    return n
+
+
+def _fused_parts(config: LlamaConfig):
+    """(marker in a fused parameter name, HF part names, their sizes along dim 0)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    sizes = [config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim,
-             config.num_key_value_heads * head_dim]
+    qkv = [config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim,
+           config.num_key_value_heads * head_dim]
+    return ((".qkv_proj.", QKV_NAMES, qkv),
+            (".gate_up_proj.", GATE_UP_NAMES, [config.intermediate_size, config.intermediate_size]))
+
+
+def split_fused(state: dict, config: LlamaConfig) -> dict:
+    """State-dict names of a fused model -> HF names: `...self_attn.qkv_proj.X` becomes q/k/v_proj.X and
+    `...mlp.gate_up_proj.X` becomes gate_proj.X and up_proj.X."""
+    fused = _fused_parts(config)
     out = {}
     for name, value in state.items():
-        if ".self_attn.qkv_proj." in name:
-            prefix, suffix = name.split(".qkv_proj.")
-            for part, tensor in zip(QKV_NAMES, value.split(sizes, dim=0)):
-                out[f"{prefix}.{part}.{suffix}"] = tensor
+        for marker, names, sizes in fused:
+            if marker in name:
+                prefix, suffix = name.split(marker)
+                for part, tensor in zip(names, value.split(sizes, dim=0)):
+                    out[f"{prefix}.{part}.{suffix}"] = tensor
+                break
         else:
             out[name] = value
     return out
 
 
-def join_fused_qkv(weights: dict, name: str) -> torch.Tensor:
+def join_fused(weights: dict, name: str) -> torch.Tensor:
     """The tensor for parameter `name` of a (possibly fused) model from HF-named `weights`."""
-    if ".self_attn.qkv_proj." in name:
-        prefix, suffix = name.split(".qkv_proj.")
-        return torch.cat([weights[f"{prefix}.{part}.{suffix}"] for part in QKV_NAMES], dim=0)
+    for marker, names in ((".qkv_proj.", QKV_NAMES), (".gate_up_proj.", GATE_UP_NAMES)):
+        if marker in name:
+            prefix, suffix = name.split(marker)
+            return torch.cat([weights[f"{prefix}.{part}.{suffix}"] for part in names], dim=0)
     return weights[name]
+
+
+# The names from when QKV was the only fused projection.
+split_fused_qkv, join_fused_qkv = split_fused, join_fused

@@ -32,7 +32,7 @@ from training.distributed import DistContext, init_distributed
 from training.flops import flops_per_token, mfu, peak_tflops
 from training.optim import MasterAdamW, OverlappedOptimizerStep
 from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, compile_layers, count_parameters,
-                            fuse_qkv, llama_config)
+                            fuse_gate_up, fuse_qkv, llama_config)
 from training.sink import MetricSink, NullSink
 
 
@@ -181,6 +181,8 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     fused_qkv = t.perf.fuse_qkv if t.perf.fuse_qkv is not None else on_cuda
     if fused_qkv:
         fuse_qkv(model)
+    if t.perf.fuse_gate_up:
+        fuse_gate_up(model)
     from training.precision import apply_recipe
     report = apply_recipe(model, spec.recipe, bf16_first_layers=spec.bf16_first_layers,
                           bf16_last_layers=spec.bf16_last_layers, **spec.recipe_options)
@@ -262,8 +264,8 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     micro_batch = t.batch_size // (t.grad_accum * ctx.world)
     val_windows = dataset.val_windows(t.val_batches * t.batch_size)
     sink.event("run_info", params=count_parameters(model), flops_per_token=fpt, device_name=device_name,
-               param_dtype=param_dtype, fused_qkv=fused_qkv, overlap_optimizer=overlap,
-               world_size=ctx.world, micro_batch=micro_batch, total_steps=total_steps,
+               param_dtype=param_dtype, fused_qkv=fused_qkv, fused_gate_up=t.perf.fuse_gate_up,
+               overlap_optimizer=overlap, world_size=ctx.world, micro_batch=micro_batch, total_steps=total_steps,
                start_step=start_step, peak_bf16_tflops=peak_tflops(device_name, "bf16"))
 
     def evaluate() -> float | None:
@@ -486,8 +488,8 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     summary = _summary(step_times, data_waits, tokens_per_step, fpt, device_name, ctx.world,
                        device if on_cuda else None)
     summary.update(params=count_parameters(model), flops_per_token=fpt, world_size=ctx.world,
-                   param_dtype=param_dtype, fused_qkv=fused_qkv, overlap_optimizer=overlap,
-                   wall_time_s=wall_offset + time.perf_counter() - t_start)
+                   param_dtype=param_dtype, fused_qkv=fused_qkv, fused_gate_up=t.perf.fuse_gate_up,
+                   overlap_optimizer=overlap, wall_time_s=wall_offset + time.perf_counter() - t_start)
     result = TrainResult(
         status=status, steps=steps_done, tokens=tokens_seen, final_loss=last_loss,
         final_val_loss=last_val, diverged_step=diverged_step, device_name=device_name,
@@ -520,6 +522,7 @@ def _numerics_identity(spec_dict: dict) -> dict:
                      if k not in ("perf", "device", "gpus", "compile", "checkpoint_every")}
     # A fused QKV projection changes the parameter list (and a recipe's scaling of it).
     d["training"]["perf.fuse_qkv"] = (spec_dict["training"].get("perf") or {}).get("fuse_qkv")
+    d["training"]["perf.fuse_gate_up"] = bool((spec_dict["training"].get("perf") or {}).get("fuse_gate_up"))
     return d
 
 

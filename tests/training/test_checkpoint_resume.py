@@ -20,12 +20,13 @@ def _losses(sink):
 # fp8_delayed: the amax history must resume too. param_dtype bf16: BF16 parameters with FP32 masters in the
 # optimizer (the GPU default): the masters, not the rounded parameters, must come back.
 # fuse_qkv: the fused projection is split into HF's q/k/v weights in the checkpoint and joined again.
+# fuse_gate_up: likewise for the MLP's gate/up projection.
 @pytest.mark.parametrize("recipe,param_dtype,fuse", [("bf16", "fp32", False), ("fp8_delayed", "fp32", False),
                                                       ("bf16", "bf16", True)])
 def test_interrupted_run_resumes_to_the_same_loss_at_every_later_step(make_spec, cache_dir, tmp_path, recipe,
                                                                        param_dtype, fuse):
     spec = make_spec(training={"steps": 12, "checkpoint_every": 4, "val_every": 6, "param_dtype": param_dtype,
-                               "perf": {"fuse_qkv": fuse}}, recipe=recipe)
+                               "perf": {"fuse_qkv": fuse, "fuse_gate_up": fuse}}, recipe=recipe)
     reference = ListSink()
     train(spec, reference, output_dir=tmp_path / "uninterrupted", cache_dir=cache_dir)
 
@@ -62,9 +63,9 @@ def test_finished_run_checkpoint_loads_with_plain_transformers_and_gives_the_sam
     from training.data import TokenDataset
     from training.tokenizer import get_tokenizer
 
-    result = train(make_spec(training={"steps": 6, "perf": {"fuse_qkv": fuse}}), ListSink(), output_dir=tmp_path,
-                   cache_dir=cache_dir)
-    assert result.summary["fused_qkv"] is fuse
+    result = train(make_spec(training={"steps": 6, "perf": {"fuse_qkv": fuse, "fuse_gate_up": fuse}}), ListSink(),
+                   output_dir=tmp_path, cache_dir=cache_dir)
+    assert result.summary["fused_qkv"] is fuse and result.summary["fused_gate_up"] is fuse
     path = result.checkpoint_dir
     assert path.endswith("step_00000006")
     model = AutoModelForCausalLM.from_pretrained(path)

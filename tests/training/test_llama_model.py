@@ -87,11 +87,12 @@ def test_a_fused_qkv_decoder_layer_compiles_into_one_graph():
     import of transformers' lazy module inside the forward used to split every layer's graph in two)."""
     import torch
 
-    from training.model import build_model, fuse_qkv, llama_config
+    from training.model import build_model, fuse_gate_up, fuse_qkv, llama_config
     cfg = llama_config({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                         "num_attention_heads": 4, "num_key_value_heads": 2}, 97, 16)
     model = build_model(cfg, 3)
     fuse_qkv(model)
+    fuse_gate_up(model)
     torch._dynamo.reset()
     layer = model.model.layers[0]
     compiled = torch.compile(layer.forward, backend="eager", fullgraph=True)  # raises on any graph break
@@ -101,3 +102,34 @@ def test_a_fused_qkv_decoder_layer_compiles_into_one_graph():
     ref = layer(x, position_embeddings=pos)
     out, ref = (o[0] if isinstance(o, tuple) else o for o in (out, ref))
     torch.testing.assert_close(out, ref)
+
+
+def test_fused_gate_up_gives_the_same_logits_and_gradients_and_splits_back_to_hf_names():
+    import torch
+
+    from training.model import build_model, fuse_gate_up, fuse_qkv, join_fused, llama_config, split_fused
+    from training.precision import apply_recipe
+    cfg = llama_config({"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2}, 97, 16)
+    plain, fused = build_model(cfg, 5), build_model(cfg, 5)
+    fuse_qkv(fused)
+    assert fuse_gate_up(fused) == 2 and fuse_gate_up(fused) == 0  # idempotent
+    mlp = fused.model.layers[0].mlp
+    assert not hasattr(mlp, "gate_proj") and mlp.gate_up_proj.weight.shape == (2 * 96, 64)
+    x = torch.randint(0, 97, (2, 16))
+    a, b = plain(input_ids=x).logits, fused(input_ids=x).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    mp = plain.model.layers[1].mlp
+    g = torch.cat([mp.gate_proj.weight.grad, mp.up_proj.weight.grad])
+    torch.testing.assert_close(fused.model.layers[1].mlp.gate_up_proj.weight.grad, g, rtol=1e-5, atol=1e-7)
+    hf = split_fused(fused.state_dict(), cfg)
+    assert set(hf) == set(plain.state_dict())
+    assert all(torch.equal(hf[k], plain.state_dict()[k]) for k in hf)
+    name = "model.layers.1.mlp.gate_up_proj.weight"
+    assert torch.equal(join_fused(plain.state_dict(), name), fused.state_dict()[name])
+    # A recipe converts the fused projection as one linear (one per-tensor scale, as TE's linear_fc1).
+    report = apply_recipe(fused, "fp8_tensorwise", bf16_last_layers=1)
+    converted = {layer["name"] for layer in report.layers if layer["converted"]}
+    assert "layers.0.mlp.gate_up_proj" in converted and not any(n.startswith("layers.1.") for n in converted)
