@@ -220,23 +220,29 @@ def fuse_qkv(model: LlamaForCausalLM) -> int:
         attn = layer.self_attn
         if hasattr(attn, "qkv_proj"):
             continue
-        parts = [getattr(attn, name) for name in QKV_NAMES]
-        if any(type(p) is not torch.nn.Linear for p in parts):
-            raise ValueError("fuse_qkv must run before a recipe converts the linears")
-        w = torch.cat([p.weight.detach() for p in parts], dim=0)
-        has_bias = parts[0].bias is not None
-        qkv = torch.nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            qkv.weight.copy_(w)
-            if has_bias:
-                qkv.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
-        for name in QKV_NAMES:
-            delattr(attn, name)
-        attn.qkv_proj = qkv
-        attn.qkv_split = [p.out_features for p in parts]
+        attn.qkv_split = [getattr(attn, name).out_features for name in QKV_NAMES]
+        _replace_by_concatenation(attn, QKV_NAMES, "qkv_proj", "fuse_qkv")
         attn.forward = _fused_qkv_attention_forward.__get__(attn)
         n += 1
     return n
+
+
+def _replace_by_concatenation(parent: torch.nn.Module, names, fused_name: str, caller: str) -> None:
+    """Replace the linears `parent.<names>` by one linear `parent.<fused_name>` whose weight (and bias) is
+    their concatenation along the output dim, in that order."""
+    parts = [getattr(parent, name) for name in names]
+    if any(type(p) is not torch.nn.Linear for p in parts):
+        raise ValueError(f"{caller} must run before a recipe converts the linears")
+    w = torch.cat([p.weight.detach() for p in parts], dim=0)
+    has_bias = parts[0].bias is not None
+    fused = torch.nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(w)
+        if has_bias:
+            fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+    for name in names:
+        delattr(parent, name)
+    setattr(parent, fused_name, fused)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -262,31 +268,23 @@ def fuse_gate_up(model: LlamaForCausalLM) -> int:
         mlp = layer.mlp
         if hasattr(mlp, "gate_up_proj"):
             continue
-        parts = [getattr(mlp, name) for name in GATE_UP_NAMES]
-        if any(type(p) is not torch.nn.Linear for p in parts):
-            raise ValueError("fuse_gate_up must run before a recipe converts the linears")
-        w = torch.cat([p.weight.detach() for p in parts], dim=0)
-        has_bias = parts[0].bias is not None
-        fused = torch.nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(w)
-            if has_bias:
-                fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
-        for name in GATE_UP_NAMES:
-            delattr(mlp, name)
-        mlp.gate_up_proj = fused
+        _replace_by_concatenation(mlp, GATE_UP_NAMES, "gate_up_proj", "fuse_gate_up")
         mlp.forward = _fused_mlp_forward.__get__(mlp)
         n += 1
     return n
 
 
+# (marker in a fused parameter's name, the HF names of its parts in order)
+FUSED_PROJECTIONS = ((".qkv_proj.", QKV_NAMES), (".gate_up_proj.", GATE_UP_NAMES))
+
+
 def _fused_parts(config: LlamaConfig):
-    """(marker in a fused parameter name, HF part names, their sizes along dim 0)."""
+    """FUSED_PROJECTIONS with each part's size along dim 0."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    qkv = [config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim,
-           config.num_key_value_heads * head_dim]
-    return ((".qkv_proj.", QKV_NAMES, qkv),
-            (".gate_up_proj.", GATE_UP_NAMES, [config.intermediate_size, config.intermediate_size]))
+    sizes = {".qkv_proj.": [config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim,
+                            config.num_key_value_heads * head_dim],
+             ".gate_up_proj.": [config.intermediate_size, config.intermediate_size]}
+    return tuple((marker, names, sizes[marker]) for marker, names in FUSED_PROJECTIONS)
 
 
 def split_fused(state: dict, config: LlamaConfig) -> dict:
@@ -308,7 +306,7 @@ def split_fused(state: dict, config: LlamaConfig) -> dict:
 
 def join_fused(weights: dict, name: str) -> torch.Tensor:
     """The tensor for parameter `name` of a (possibly fused) model from HF-named `weights`."""
-    for marker, names in ((".qkv_proj.", QKV_NAMES), (".gate_up_proj.", GATE_UP_NAMES)):
+    for marker, names in FUSED_PROJECTIONS:
         if marker in name:
             prefix, suffix = name.split(marker)
             return torch.cat([weights[f"{prefix}.{part}.{suffix}"] for part in names], dim=0)
