@@ -190,6 +190,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     sink.event("conversion_report", report=report_dict)
     hooks = list(getattr(report, "hooks", []) or [])
     post_step_hooks = [h for h in hooks if hasattr(h, "post_optimizer_step")]
+    post_backward_hooks = [h for h in hooks if hasattr(h, "post_backward")]
     can_sample_numerics = hasattr(report, "set_numerics_sampling") and hasattr(report, "collect_numerics")
     if on_cuda and t.perf.bf16_residual and not bf16_params:
         carry_residual_in_bf16(model)
@@ -416,6 +417,9 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
                     with autocast:
                         loss = net(inputs, targets)
                     (loss / t.grad_accum).backward()
+                if i < len(micro_batches) - 1:  # the last micro-batch's is folded by post_optimizer_step
+                    for hook in post_backward_hooks:
+                        hook.post_backward(model)
                 loss_sum += loss.detach()
             grad_norm = clip_gradients()
             if stepper is not None:

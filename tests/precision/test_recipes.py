@@ -77,7 +77,7 @@ def test_bf16_first_layers_and_baseline_convert_nothing_they_should_not():
 
 @pytest.mark.parametrize("call,match", [
     (dict(name="fp6"), "unknown recipe 'fp6'; choose one of bf16, fp8_delayed"),
-    (dict(name="nvfp4", hadamard=True), r"unknown option\(s\) hadamard for recipe 'nvfp4'; valid options: rht, rht_seed"),
+    (dict(name="nvfp4", hadamard=True), r"unknown option\(s\) hadamard for recipe 'nvfp4'; valid options: fused_quantize, rht, rht_seed"),
     (dict(name="fp8_tensorwise", amax_history_len=16), "valid options: none"),
     (dict(name="nvfp4", rht="yes"), "must be true or false"),
     (dict(name="mxfp8", scale_rounding="even"), "scale_rounding of mxfp8 must be one of floor, rceil"),
@@ -212,6 +212,25 @@ def _train_steps(model, report, steps, seed=0, lr=1e-3):
     return losses
 
 
+def test_delayed_grad_amax_is_the_max_over_micro_batches_not_the_sum():
+    from training.precision.fp8_delayed import GRAD, DelayedScalingHook
+    layer = DelayedScalingLinear(nn.Linear(32, 16, bias=False), history_len=4, real=False)
+    hook = DelayedScalingHook([("l", layer)], 4)
+    assert all(p is not layer.grad_amax_token for p in layer.parameters())
+    assert "grad_amax_token" not in layer.state_dict()
+    x = torch.randn(8, 32)
+    dys = [torch.randn(8, 16) * 3.0, torch.randn(8, 16) * 0.5]  # micro-batch 1 has the larger dY
+    for i, dy in enumerate(dys):
+        layer(x).backward(dy)
+        assert float(layer.grad_amax_token.grad) == float(dy.abs().amax())
+        if i < len(dys) - 1:
+            hook.post_backward()  # what the train loop does between micro-batches
+            assert layer.grad_amax_token.grad is None
+    hook.post_optimizer_step()
+    assert float(layer.amax_history[GRAD, 0]) == float(max(dy.abs().amax() for dy in dys))
+    assert float(layer.pending_amax.abs().sum()) == 0.0 and layer.grad_amax_token.grad is None
+
+
 def test_delayed_scale_at_step_t_comes_from_the_history_up_to_t_minus_1():
     layer = DelayedScalingLinear(nn.Linear(32, 32, bias=False), history_len=2, real=False)
     hook_model = nn.Module()
@@ -297,6 +316,8 @@ def test_delayed_scaling_compiles_without_graph_breaks_and_matches_eager():
             y.square().sum().backward()
             outs.append((y.detach(), xi.grad))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        eager.fold_grad_amax()
+        compiled_layer.fold_grad_amax()
         assert torch.equal(eager.pending_amax, compiled_layer.pending_amax)
         eager.update_scales()
         compiled_layer.update_scales()
@@ -423,6 +444,8 @@ def test_delayed_real_path_compiles_into_one_graph_and_matches_eager():
             outs.append((y.detach(), xi.grad, weight.grad))
         for what, a, b in zip(("Y", "dX", "dW"), *outs):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (step, what)
+        layer.fold_grad_amax()
+        twin.fold_grad_amax()
         assert torch.equal(layer.pending_amax, twin.pending_amax) and layer.pending_amax[2] > 0
         layer.update_scales()
         twin.update_scales()

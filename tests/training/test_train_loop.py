@@ -55,8 +55,13 @@ def test_huge_learning_rate_diverges_with_the_step(make_spec, cache_dir):
     result = train(make_spec(training={"lr": 1e6, "warmup_steps": 0, "grad_clip": 0.0}), sink,
                    cache_dir=cache_dir)
     assert result.status == "diverged"
-    assert result.diverged_step == 3 and result.steps == 3
-    assert math.isnan(sink.series("train/loss")[-1][1]) and sink.series("train/loss")[-1][0] == 3
+    # Which step first goes non-finite depends on the numerics of the installed torch (2-4 at lr=1e6); what
+    # must hold: the run stops at that step, reports it, and every earlier loss was finite.
+    losses = sink.series("train/loss")
+    step = result.diverged_step
+    assert 1 < step <= 6 and result.steps == step
+    assert losses[-1][0] == step and not math.isfinite(losses[-1][1])
+    assert all(math.isfinite(v) for _, v in losses[:-1]) and [s for s, _ in losses] == list(range(1, step + 1))
 
 
 def test_should_stop_cancels_at_the_next_step_boundary(make_spec, cache_dir):

@@ -5,7 +5,8 @@ converts the nn.Linear layers inside `model.model.layers[i]` (q/k/v/o_proj, gate
 transformers LlamaForCausalLM; embeddings, norms and the LM head stay high precision. Blocks
 `i < bf16_first_layers` and `i >= n - bf16_last_layers` stay BF16 (the NVFP4 paper keeps the last 4).
 It returns a `RecipeReport`: `.layers` (every block linear, converted or skipped and why), `.gemm_backend`
-("real", "emulated" or "bf16"), `.hooks` (call `post_optimizer_step(model)` after each optimizer step;
+("real", "emulated" or "bf16"), `.hooks` (call `post_optimizer_step(model)` after each optimizer step and, where a hook has it,
+`post_backward(model)` after each micro-batch's backward when accumulating gradients;
 `state_dict()` / `load_state_dict()` go into checkpoints), `.to_dict()` (JSON-able),
 `.set_numerics_sampling(on)` / `.collect_numerics()` (see numerics.py).
 

@@ -13,10 +13,13 @@ Each operand's amax is computed once per step: X's and W's in the layer's forwar
 pending amaxes and, before the history exists, turned into the just-in-time scale), dY's once in the
 backward. Everything on the step path is tensor ops with no host synchronisation, so torch.compile
 traces the layer into the model's graph without breaks: the forward's record is a module-level in-place
-update of a buffer (functionalized by AOTAutograd), the backward's is the custom op
-`plab::record_grad_amax_`, which declares the buffer it mutates (mutates_args) so AOTAutograd keeps the
-mutation in the compiled backward. History, scales and pending amaxes are non-persistent buffers; they
-travel in checkpoints through the hook's state_dict, not through the HF weights.
+update of a buffer (functionalized by AOTAutograd); the backward hands dY's amax out as the gradient of
+a per-layer scalar leaf, `grad_amax_token` (plain autograd, so the compiled backward just returns it;
+an in-place record from inside the backward needed a Python custom op, ~0.17 ms of host time per layer
+and step). `DelayedScalingHook.post_backward` folds those gradients into the pending amaxes (max over
+micro-batches) after each backward; `post_optimizer_step` and `update_scales` fold whatever is left.
+History, scales and pending amaxes are non-persistent buffers; they travel in checkpoints through the
+hook's state_dict, not through the HF weights.
 
 Real kernels: `torch._scaled_mm` on sm_89+ (row-major first operand, column-major second, as torchao's
 float8 path): Fprop with fast accumulation, Dgrad and Wgrad without, each writing its output dtype
@@ -42,18 +45,6 @@ INPUT, WEIGHT, GRAD = 0, 1, 2
 OPERAND_DTYPES = (E4M3, E4M3, E5M2)
 OPERAND_MAX = tuple(float(torch.finfo(d).max) for d in OPERAND_DTYPES)
 STATE_BUFFERS = ("amax_history", "pending_amax", "scales", "history_ready")
-
-
-@torch.library.custom_op("plab::record_grad_amax_", mutates_args=("pending",))
-def record_grad_amax_(pending: torch.Tensor, amax: torch.Tensor) -> None:
-    """pending[GRAD] = max(pending[GRAD], amax), in place (called from the backward)."""
-    row = pending[GRAD:GRAD + 1]
-    row.copy_(torch.maximum(row, amax.reshape(1).to(pending.dtype)))
-
-
-@record_grad_amax_.register_fake
-def _(pending, amax):
-    return None
 
 
 class DelayedQuantizer(GemmQuantizer):
@@ -109,12 +100,13 @@ def _fp8_mm(real: bool, a8, inv_a, b8, inv_b, out_dtype, *, fast_accum: bool, bi
 
 class DelayedFP8Fn(torch.autograd.Function):
     """The three FP8 GEMMs of a linear with delayed scales. Forward gets the X and W scales (from the
-    history, or just in time on the first step); backward computes dY's amax once, records it with
-    `plab::record_grad_amax_` and takes dY's scale from the same `scales`/`ready` buffers."""
+    history, or just in time on the first step); backward computes dY's amax once, returns it as the
+    gradient of `token` (the layer's grad_amax_token; None when not recording) and takes dY's scale from
+    the same `scales`/`ready` buffers."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x2, weight, bias, s_x, s_w, scales, ready, pending, real: bool, record: bool, out_dtype,
+    def forward(ctx, x2, weight, bias, s_x, s_w, scales, ready, token, real: bool, out_dtype,
                 ready_host: bool = False):
         x8 = _to_fp8(x2, s_x, E4M3)
         w8 = _to_fp8(weight, s_w, E4M3)
@@ -122,8 +114,7 @@ class DelayedFP8Fn(torch.autograd.Function):
         y = _fp8_mm(real, x8, inv_x, w8.t(), inv_w, out_dtype, fast_accum=True, bias=bias)
         # The FP8 copies are what backward needs (1 byte per element instead of the activation's 2-4).
         ctx.save_for_backward(x8, w8, inv_x, inv_w, scales, ready)
-        ctx.pending = pending  # mutated in backward through the custom op (not a saved tensor: no version check)
-        ctx.real, ctx.record, ctx.ready_host = real, record, ready_host
+        ctx.real, ctx.ready_host = real, ready_host
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
@@ -134,8 +125,6 @@ class DelayedFP8Fn(torch.autograd.Function):
         x8, w8, inv_x, inv_w, scales, ready = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         amax = dy2.detach().abs().amax().to(torch.float32)
-        if ctx.record:
-            torch.ops.plab.record_grad_amax_(ctx.pending, amax)
         # Once the history exists (known on the host), dY's scale does not depend on dY: the cast need not
         # wait for the amax reduction, and the compiler may fuse both into one pass over dY.
         s_g = scales[GRAD] if ctx.ready_host else torch.where(ready, scales[GRAD], fp8_scale_from_amax(amax, E5M2))
@@ -153,7 +142,12 @@ class DelayedFP8Fn(torch.autograd.Function):
                 grad_w = _fp8_mm(False, g8.t(), inv_g, x8, inv_x, ctx.w_dtype, fast_accum=False)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        grad_token = amax if ctx.needs_input_grad[7] else None
+        return grad_x, grad_w, grad_b, None, None, None, None, grad_token, None, None, None
+
+
+def _new_token(device) -> torch.Tensor:
+    return torch.zeros((), device=device, requires_grad=True)
 
 
 def _advance_history(history: torch.Tensor, pending: torch.Tensor, scales: torch.Tensor):
@@ -181,6 +175,9 @@ class DelayedScalingLinear(QuantizedLinear):
         self.register_buffer("history_ready", torch.zeros((), dtype=torch.bool, device=device), persistent=False)
         self.quantizer = DelayedQuantizer(self)
         self.real = real
+        # dY's amax leaves the backward as this leaf's gradient (not a parameter or buffer: optimizers,
+        # DDP and state dicts never see it); fold_grad_amax() moves it into pending_amax.
+        self.grad_amax_token = _new_token(device)
         # Host-side copy of `history_ready` (set by the hook, by update_scales and on load): once true the
         # scales come straight from the history, with no data dependence on the current amax, so the FP8
         # cast of X, W and dY can start without waiting for (or be fused with) their amax reductions.
@@ -196,7 +193,20 @@ class DelayedScalingLinear(QuantizedLinear):
             new = self._buffers[key]
             if new is not old and new.dtype != old.dtype:
                 self._buffers[key] = old.to(device=new.device)
+        device = self.pending_amax.device
+        if self.grad_amax_token.device != device:
+            self.fold_grad_amax()
+            self.grad_amax_token = _new_token(device)
         return self
+
+    @torch.no_grad()
+    def fold_grad_amax(self) -> None:
+        """pending_amax[GRAD] = max(pending, dY amax of the backwards since the last fold)."""
+        grad = self.grad_amax_token.grad
+        if grad is not None:
+            row = self.pending_amax[GRAD:GRAD + 1]
+            row.copy_(torch.maximum(row, grad.reshape(1).to(device=row.device, dtype=row.dtype)))
+            self.grad_amax_token.grad = None
 
     def effective_scale(self, which: int, current_amax: torch.Tensor) -> torch.Tensor:
         """The scale used now: from the history once it exists, else just in time from `current_amax`."""
@@ -222,13 +232,14 @@ class DelayedScalingLinear(QuantizedLinear):
         # torch._scaled_mm needs every dim divisible by 16; other token counts take the emulated path.
         real = self.real and x2.shape[0] % 16 == 0
         y = DelayedFP8Fn.apply(x2, self.weight, self.bias, s_x, s_w, self.scales, self.history_ready,
-                               self.pending_amax, real, record, out_dtype, self.ready_host)
+                               self.grad_amax_token if record else None, real, out_dtype, self.ready_host)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()
     def update_scales(self) -> None:
         """Push the pending amaxes into the history and derive the next scales (this layer only; the hook
         does all layers at once)."""
+        self.fold_grad_amax()
         history, scales = _advance_history(self.amax_history, self.pending_amax, self.scales)
         self.amax_history.copy_(history)
         self.scales.copy_(scales)
@@ -250,10 +261,27 @@ class DelayedScalingHook:
         self.history_len = history_len
 
     @torch.no_grad()
+    def post_backward(self, model=None) -> None:
+        """After each micro-batch's backward: fold every layer's dY amax (its token's gradient) into its
+        pending amaxes, so that gradient accumulation takes the max over micro-batches, not the sum."""
+        mods = [layer for _, layer in self.layers]
+        grads = [m.grad_amax_token.grad for m in mods]
+        if not any(g is not None for g in grads):
+            return
+        pending = torch.stack([m.pending_amax for m in mods])
+        zero = pending.new_zeros(())
+        seen = torch.stack([zero if g is None else g.to(pending.dtype) for g in grads])
+        pending[:, GRAD] = torch.maximum(pending[:, GRAD], seen)
+        torch._foreach_copy_([m.pending_amax for m in mods], list(pending.unbind(0)))
+        for m in mods:
+            m.grad_amax_token.grad = None
+
+    @torch.no_grad()
     def post_optimizer_step(self, model=None) -> None:
         """All layers in one batch: a handful of kernels per step, not a dozen per layer."""
         if not self.layers:
             return
+        self.post_backward()
         mods = [layer for _, layer in self.layers]
         pending = torch.stack([m.pending_amax for m in mods])
         self._max_across_ranks(pending)
@@ -277,6 +305,7 @@ class DelayedScalingHook:
             dist.all_reduce(pending, op=dist.ReduceOp.MAX)
 
     def state_dict(self) -> dict:
+        self.post_backward()
         return {
             "recipe": "fp8_delayed",
             "amax_history_len": self.history_len,
