@@ -14,34 +14,52 @@ which is exact in BF16; on GPU that BF16 tensor feeds a plain BF16 GEMM (FP32 ac
 result) and the FP32 per-tensor scales of both operands are then multiplied onto the BF16 result and
 rounded again: accumulator -> BF16 -> x global scales -> BF16. This double rounding (one extra BF16
 rounding, 2^-9 relative) is the one place where the emulation is not bit-exact with a block-scaled
-kernel that applies the global scale to its FP32 accumulator; it is far below FP4's own error. The
-other one is the RHT on GPU: a BF16 GEMM (exact products, FP32 accumulation) whose result is rounded to
-BF16 before the FP4 quantization reads it (2^-9 relative, against FP4 steps of 17-33%), where a fused
-hardware kernel would quantize the FP32 sums; an FP32 result would double the memory traffic of the
-Wgrad quantizers. On CPU every GEMM, the RHT included, is FP32 with a single rounding. The Wgrad
-operands are blocked along tokens in place (no transposed copies), and stochastic rounding draws with
-`torch.rand_like` (in-kernel Philox under torch.compile; eager and compiled runs therefore draw
-different, equally distributed, roundings).
+kernel that applies the global scale to its FP32 accumulator; it is far below FP4's own error.
+
+On CUDA with BF16 activations (token count a multiple of 16) the layer takes the fused path
+(`NVFP4FusedFn`, kernels in nvfp4_triton.py, option `fused_quantize`, on by default): X and dY are each
+read twice and written once per layout, both quantizations (1x16 along features for Fprop/Dgrad; RHT
+then 1x16 along tokens for Wgrad) coming out of one Triton pass; the RHT's FP32 sums are quantized
+directly, as in a fused hardware kernel. Forward saves X's Wgrad operand instead of X, and with 16x16
+weight tiles the quantized weight, which Dgrad reuses. Elsewhere (CPU, FP32 activations, other token
+counts, `fused_quantize=false`) the torch quantizers of formats.py run through EmulatedLinearFn: there
+the RHT is a GEMM in the GEMM dtype (FP32 on CPU; on GPU a BF16 GEMM whose result is rounded to BF16,
+2^-9 relative, before the FP4 quantization reads it). The Wgrad operands are blocked along tokens in place
+(no transposed copies). Stochastic rounding draws with `torch.rand_like` on the torch path (in-kernel
+Philox under torch.compile; eager and compiled runs draw different, equally distributed, roundings) and
+with Triton's Philox, seeded from torch's CUDA generator, on the fused path.
 """
 from __future__ import annotations
 
 import torch
 
-from training.precision.emulation import GemmQuantizer, QuantizedLinear
-from training.precision.formats import quantize_nvfp4, random_hadamard_transform, random_sign_vector, rht_matrix
+from training.precision.emulation import EmulatedLinearFn, GemmQuantizer, QuantizedLinear, compute_dtype, emulated_mm
+from training.precision.formats import (Quantized, quantize_nvfp4, random_hadamard_transform, random_sign_vector,
+                                        rht_matrix)
 from training.precision.registry import Recipe, capability_reason, register
 
 BLOCK = 16
 
 
 class NVFP4Quantizer(GemmQuantizer):
-    def __init__(self, *, rht: bool, stochastic_rounding: bool, weight_2d: bool, rht_seed: int, device=None):
+    def __init__(self, *, rht: bool, stochastic_rounding: bool, weight_2d: bool, rht_seed: int, device=None,
+                 fused: bool = True):
         self.rht = rht
+        self.fused = fused  # the Triton fast path on CUDA (nvfp4_triton.py); False: torch quantizers only
+        self._rht_operands: dict = {}
         self.stochastic_rounding = stochastic_rounding
         self.weight_2d = weight_2d
         self.signs = random_sign_vector(rht_seed)
         # Built once on the layer's device: no per-step host work, nothing for torch.compile to trace.
         self.rht_matrix = rht_matrix(self.signs).to(device) if device is not None else rht_matrix(self.signs)
+
+    def rht_operand(self, device) -> torch.Tensor:
+        """rht^T in BF16 on `device`, for the fused kernels (built once per device)."""
+        key = str(device)
+        if key not in self._rht_operands:
+            from training.precision.nvfp4_triton import rht_operand
+            self._rht_operands[key] = rht_operand(self.rht_matrix, device)
+        return self._rht_operands[key]
 
     def input(self, x2d, *, dtype=torch.float32, track=False):
         return quantize_nvfp4(x2d, dtype=dtype, track=track)
@@ -76,13 +94,80 @@ class NVFP4Quantizer(GemmQuantizer):
         return "NVFP4 E2M1 + E4M3/16 + FP32 tensor scale, " + ", ".join(parts)
 
 
+class NVFP4FusedFn(torch.autograd.Function):
+    """The emulated NVFP4 linear on the GPU fast path (nvfp4_triton.py): X and dY are each quantized once
+    into both layouts they are needed in (Fprop/Dgrad: 1x16 along features; Wgrad: RHT then 1x16 along
+    tokens). Forward saves X's Wgrad operand (BF16, X's size) instead of X, and with 16x16 weight tiles
+    the quantized weight for Dgrad (transpose-invariant: the very tensor Fprop used). Same GEMMs and
+    numerics as EmulatedLinearFn, except that the RHT's FP32 sums are quantized directly."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, weight, bias, quantizer: "NVFP4Quantizer"):
+        from training.precision.nvfp4_triton import nvfp4_dual_quantize
+
+        out_dtype = compute_dtype(x)
+        x2 = x.reshape(-1, x.shape[-1]).to(out_dtype)
+        h = quantizer.rht_operand(x2.device)
+        xa, xb, pts = nvfp4_dual_quantize(x2, h, rht=quantizer.rht, stochastic=False)
+        wq = quantizer.weight_fprop(weight, dtype=torch.bfloat16)
+        y = emulated_mm(Quantized(xa, pts[0]), wq, out_dtype, bias)
+        if quantizer.weight_2d:
+            ctx.save_for_backward(xb, pts, weight, wq.values, wq.outer)
+        else:
+            ctx.save_for_backward(xb, pts, weight)
+        ctx.quantizer = quantizer
+        ctx.has_bias = bias is not None
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy):
+        from training.precision.nvfp4_triton import nvfp4_dual_quantize
+
+        q: NVFP4Quantizer = ctx.quantizer
+        xb, pts_x, weight, *wq = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        dya, dyb, pts_dy = nvfp4_dual_quantize(dy2, q.rht_operand(dy2.device), rht=q.rht,
+                                               stochastic=q.stochastic_rounding)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            w_dgrad = (Quantized(wq[0], wq[1]).t() if wq
+                       else q.weight_dgrad(weight, dtype=torch.bfloat16))
+            grad_x = emulated_mm(Quantized(dya, pts_dy[0]), w_dgrad, ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = emulated_mm(Quantized(dyb, pts_dy[1]).t(), Quantized(xb, pts_x[1]).t(), weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class NVFP4EmulatedLinear(QuantizedLinear):
+    """Emulated NVFP4 linear: the fused Triton quantizers where they apply (CUDA, BF16 activations, token
+    count a multiple of 16), the torch quantizers of EmulatedLinearFn elsewhere (CPU, FP32, odd shapes)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and compute_dtype(x) == torch.bfloat16 and (x.numel() // x.shape[-1]) % BLOCK == 0:
+            from training.precision import nvfp4_triton
+
+            if nvfp4_triton.HAVE_TRITON and self.quantizer.fused:
+                return NVFP4FusedFn.apply(x, self.weight, self.bias, self.quantizer)
+        return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer)
+
+
 @register
 class NVFP4Recipe(Recipe):
     name = "nvfp4"
     summary = ("E2M1 + E4M3 scale per 16 + FP32 tensor scale; 16x16 weight tiles, 16-point RHT on Wgrad "
                "inputs, stochastic rounding of gradients")
     gpu_requirement = "real NVFP4 GEMMs on sm_100+ (Blackwell) via torchao NVFP4Linear; exact emulation on Hopper/CPU"
-    options = {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_seed": 0}
+    # fused_quantize: on CUDA, emulate with the fused Triton quantizers (nvfp4_triton.py); false keeps the
+    # torch quantizers everywhere (for an A/B; numerics differ only in the RHT's rounding, see the module doc).
+    options = {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_seed": 0, "fused_quantize": True}
 
     def validate_options(self, options):
         seed = options["rht_seed"]
@@ -109,11 +194,13 @@ class NVFP4Recipe(Recipe):
     def convert(self, linear, name, options, real):
         quantizer = NVFP4Quantizer(rht=options["rht"], stochastic_rounding=options["stochastic_rounding"],
                                    weight_2d=options["weight_2d"], rht_seed=options["rht_seed"],
-                                   device=linear.weight.device)
+                                   device=linear.weight.device, fused=options["fused_quantize"])
         if real:
             from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
 
             signs = tuple(int(s) for s in quantizer.signs.tolist())
             return (NVFP4Linear.from_linear(linear, rht_sign_vector=signs), quantizer,
                     "torchao NVFP4Linear (RHT, SR, 2D weights)")
-        return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"
+        fused = " (fused Triton quantizers on CUDA)" if quantizer.fused else ""
+        return (NVFP4EmulatedLinear(linear, quantizer, self.name), quantizer,
+                f"emulated: {quantizer.describe()}{fused}")

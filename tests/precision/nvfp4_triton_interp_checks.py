@@ -1,0 +1,92 @@
+"""The fused NVFP4 Triton quantizers (training/precision/nvfp4_triton.py) against the torch quantizers of
+formats.py (themselves bit-exact with torchao), on CPU under Triton's interpreter. The interpreter must be
+on before triton is first imported, so test_nvfp4_triton_interpreted.py runs this file in a subprocess
+with TRITON_INTERPRET=1; collected directly without it, it skips. The GPU run of the same comparison is
+bench/recipe_probe.py --check-fused."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from training.precision.formats import (quantize_nvfp4, random_hadamard_transform, random_sign_vector,  # noqa: E402
+                                        rht_matrix)
+
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs under TRITON_INTERPRET=1, in a subprocess started by test_nvfp4_triton_interpreted.py",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def nt():
+    from training.precision import nvfp4_triton
+    return nvfp4_triton
+
+
+def _operand(rows, cols, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        x = torch.randn(rows, cols, generator=g)
+    elif kind == "heavy":  # Student-t-like tails plus a few x1e4 outliers, per-row magnitudes
+        x = torch.randn(rows, cols, generator=g) / torch.rand(rows, cols, generator=g).clamp_min(0.02).sqrt()
+        x.view(-1)[torch.randint(0, x.numel(), (5,), generator=g)] *= 1e4
+    elif kind == "tiny":
+        x = torch.randn(rows, cols, generator=g) * 1e-30
+    x = x * torch.exp(torch.randn(rows, 1, generator=g))
+    x[1, :16] = 0  # an all-zero block along the features
+    x[16:32, 5] = 0  # an all-zero block along the tokens
+    return x.bfloat16()
+
+
+def _same_bits(a, b):
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy", "tiny"])
+@pytest.mark.parametrize("cols", [96, 160])  # 160: a partial BLOCK_N tile (masked columns)
+def test_both_outputs_are_bit_exact_with_the_torch_quantizers(nt, kind, cols):
+    x = _operand(48, cols, kind)
+    m = rht_matrix(random_sign_vector(0))
+    seed = torch.zeros(1, dtype=torch.int64)
+    a, b, pts = nt.dual_quantize_launch(x, nt.rht_operand(m, "cpu"), seed, True, False)
+    ref_a = quantize_nvfp4(x, dtype=torch.bfloat16)
+    assert _same_bits(a, ref_a.values) and torch.equal(pts[0], ref_a.outer)
+    # Wgrad operand: RHT along the tokens in FP32 (the CPU path's arithmetic), 1x16 blocks along the tokens.
+    ref_b = quantize_nvfp4(random_hadamard_transform(x, m, axis=0), axis=0, dtype=torch.bfloat16)
+    assert _same_bits(b, ref_b.values) and torch.equal(pts[1], ref_b.outer)
+    # Without the transform: the plain token-blocked quantization.
+    _, b_plain, _ = nt.dual_quantize_launch(x, nt.rht_operand(m, "cpu"), seed, False, False)
+    assert _same_bits(b_plain, quantize_nvfp4(x, axis=0, dtype=torch.bfloat16).values)
+
+
+def test_an_all_zero_operand_gives_zeros_not_nan(nt):
+    x = torch.zeros(32, 32, dtype=torch.bfloat16)
+    a, b, pts = nt.dual_quantize_launch(x, nt.rht_operand(rht_matrix(random_sign_vector(0)), "cpu"),
+                                        torch.zeros(1, dtype=torch.int64), True, True)
+    assert not a.any() and not b.any() and not pts.any()
+
+
+def test_stochastic_rounding_lands_on_the_two_neighbours_and_is_unbiased(nt):
+    x = _operand(16, 32, "normal", seed=3)
+    h = nt.rht_operand(rht_matrix(random_sign_vector(0)), "cpu")
+    rne, _, pts = nt.dual_quantize_launch(x, h, torch.zeros(1, dtype=torch.int64), False, False)
+    draws = torch.stack([nt.dual_quantize_launch(x, h, torch.tensor([s]), False, True)[0].float()
+                         for s in range(160)])
+    assert not torch.equal(draws[0], draws[1]), "different seeds must draw different roundings"
+    target = x.float() / pts[0]  # the value before rounding, in units of the per-tensor scale
+    lo, hi = draws.min(0).values, draws.max(0).values
+    # at most two values per element, each within one grid step of the unrounded value (the E2M1 grid
+    # times the block scale, ~ block amax / 6, up to E4M3's 2^-4 rounding), one of them the RNE result
+    assert bool(((draws == lo) | (draws == hi)).all())
+    block_scale = (x.float().abs().reshape(16, 2, 16).amax(-1, keepdim=True) / pts[0] / 6).expand(16, 2, 16)
+    a = 1.07 * target.abs() / block_scale.reshape(16, 32)  # near a step change, the coarser step
+    grid_step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)) * block_scale.reshape(16, 32)
+    assert bool(((draws - target).abs() <= 1.07 * grid_step + 1e-6).all())
+    assert bool(((rne.float() == lo) | (rne.float() == hi)).all())
+    bias_sr = (draws.mean(0) - target).abs().mean()
+    err_rne = (rne.float() - target).abs().mean()
+    assert bias_sr < 0.35 * err_rne, (float(bias_sr), float(err_rne))

@@ -1,0 +1,187 @@
+"""Fused NVFP4 quantization of one GEMM operand into both layouts it is needed in (GPU fast path).
+
+A linear layer's activation X and output gradient dY are each quantized twice by the NVFP4 recipe: for
+Fprop/Dgrad in 1x16 blocks along the features, and for Wgrad after a 16-point random Hadamard transform
+along the tokens, in 1x16 blocks along the tokens. Done with torch ops that is an RHT GEMM writing an
+intermediate, two global-amax passes and two quantization passes (about 16 bytes of traffic per BF16
+element). Here it is two passes over the operand in Triton (8 bytes per element):
+
+  1. amax: each 16-token x BLOCK_N tile is read once; the max |x| and the max |RHT(x)| (the transform
+     done in registers: a 16x16 @ 16xBLOCK_N dot with FP32 accumulation) go to two global maxima.
+  2. quantize: each tile is read once more and written twice, as BF16 values (E2M1 element x E4M3 block
+     scale, exact in BF16): output `a` with 1x16 blocks along the features, output `b` = RHT(x) with 1x16
+     blocks along the tokens (each column of the tile is one block), both in x's [tokens, features]
+     layout, so the Wgrad GEMM reads `b` transposed, in place.
+
+The per-block arithmetic is that of formats.py `_nvfp4_blocked` (torchao `nvfp4_quantize`) operation for
+operation, with IEEE divisions (`div_rn`; Triton's `/` is an approximate division) and the E4M3 rounding
+of block scales done on the bits (round to nearest even, the scales being clamped to E4M3's normal
+range), so output `a` is bit-identical to `quantize_nvfp4(x, dtype=torch.bfloat16)`. Output `b` differs
+from the torch path only in the transform's arithmetic: its FP32 sums are quantized directly (as a fused
+hardware kernel does), where the torch path on GPU rounds them to BF16 first. Stochastic rounding
+(gradients) draws with Triton's Philox from a seed tensor drawn from torch's CUDA generator, so runs are
+reproducible under torch.manual_seed.
+
+`nvfp4_dual_quantize` is a `torch.library.triton_op`: torch.compile calls the two kernels from the
+compiled graph (no graph break). It needs a CUDA tensor in BF16, 2D, with both dims multiples of 16;
+callers check `supported()` and use the torch path otherwise. On CPU the kernels run under Triton's
+interpreter (TRITON_INTERPRET=1), which is how the unit tests check them without a GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except Exception:  # noqa: BLE001 - any import problem means: no fast path
+    HAVE_TRITON = False
+
+E4M3_MAX = 448.0
+E4M3_TINY = 2.0 ** -6
+E2M1_MAX = 6.0
+BLOCK_N = 128
+NUM_WARPS = 4
+
+if HAVE_TRITON:
+    @triton.jit
+    def _rht_tile(h_ptr, x, DOT_BF16: tl.constexpr):
+        """RHT(x) of a (16, BLOCK_N) tile: rht^T @ x with FP32 accumulation (h holds rht^T, BF16). On the
+        GPU a BF16 dot (exact products: x is BF16, h is +-1/4); the interpreter's BF16 dot is not reliable,
+        so there it is an FP32 (IEEE) dot of the same values."""
+        r16 = tl.arange(0, 16)
+        h = tl.load(h_ptr + r16[:, None] * 16 + r16[None, :])
+        if DOT_BF16:
+            return tl.dot(h, x.to(tl.bfloat16), out_dtype=tl.float32)
+        return tl.dot(h.to(tl.float32), x.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+
+    @triton.jit
+    def _nvfp4_dual_amax_kernel(x_ptr, h_ptr, amax_ptr, N, stride_m, BLOCK: tl.constexpr, HAS_RHT: tl.constexpr,
+                                DOT_BF16: tl.constexpr):
+        rows = tl.program_id(0) * 16 + tl.arange(0, 16)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = (rows[:, None] >= 0) & (cols[None, :] < N)
+        x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))
+        if HAS_RHT:
+            y = _rht_tile(h_ptr, x, DOT_BF16)
+            tl.atomic_max(amax_ptr + 1, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+        else:
+            tl.atomic_max(amax_ptr + 1, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))
+
+    @triton.jit
+    def _round_e4m3(v):
+        """Round positive FP32 values in E4M3's normal range to E4M3 (nearest, ties to even), on the bits."""
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits (mask 0xFFF00000)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _nvfp4_values(data, max_abs, pts, offsets, seed, STOCH: tl.constexpr):
+        """E2M1 element x E4M3 block scale for FP32 `data` with block maxima `max_abs` (broadcastable)
+        and the FP32 per-tensor scale `pts` > 0: formats._nvfp4_blocked, op for op."""
+        block_scale = tl.math.div_rn(max_abs, 6.0)
+        scaled_block = tl.math.div_rn(block_scale, pts)
+        e4m3 = _round_e4m3(tl.minimum(tl.maximum(scaled_block, 0.015625), 448.0))
+        reciprocal = tl.math.div_rn(tl.math.div_rn(1.0, pts), e4m3)
+        scaled = tl.where(data == 0, 0.0, data * reciprocal)
+        scaled = tl.minimum(tl.maximum(scaled, -6.0), 6.0)
+        a = tl.abs(scaled)
+        step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+        t = a / step  # exact: a power-of-two divisor
+        lo = tl.floor(t)
+        frac = t - lo
+        if STOCH:
+            u = tl.rand(seed, offsets)
+            up = u < frac
+        else:  # round half to even, as torch.round
+            up = (frac > 0.5) | ((frac == 0.5) & ((lo.to(tl.int32) & 1) == 1))
+        mag = (lo + up.to(tl.float32)) * step
+        # copysign on the bits (a negated +0.0 may compile to 0 - 0 = +0.0; torch.copysign gives -0.0)
+        sign = scaled.to(tl.int32, bitcast=True) & -2147483648
+        element = (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        return element * e4m3
+
+    @triton.jit
+    def _nvfp4_dual_quant_kernel(x_ptr, h_ptr, amax_ptr, seed_ptr, a_ptr, b_ptr, pts_ptr, M, N, stride_m,
+                                 BLOCK: tl.constexpr, HAS_RHT: tl.constexpr, STOCH: tl.constexpr,
+                                 DOT_BF16: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * 16 + tl.arange(0, 16)
+        cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+        mask = (rows[:, None] >= 0) & (cols[None, :] < N)
+        offs = rows[:, None] * stride_m + cols[None, :]
+        x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        x = x_raw.to(tl.float32)
+        amax_a = tl.load(amax_ptr)
+        amax_b = tl.load(amax_ptr + 1)
+        pts_a = tl.math.div_rn(amax_a, 2688.0)  # per_tensor_amax_to_scale: amax / (448 * 6)
+        pts_b = tl.math.div_rn(amax_b, 2688.0)
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(pts_ptr, pts_a)
+            tl.store(pts_ptr + 1, pts_b)
+        seed = tl.load(seed_ptr)
+        elem_ids = rows[:, None] * N + cols[None, :]
+        # a: 1x16 blocks along the features (BLOCK is a multiple of 16; masked columns are zeros).
+        blocks = tl.reshape(x, (16, BLOCK // 16, 16))
+        bmax = tl.max(tl.abs(blocks), axis=2)
+        va = _nvfp4_values(blocks, bmax[:, :, None], pts_a, tl.reshape(elem_ids, (16, BLOCK // 16, 16)), seed, STOCH)
+        va = tl.where(amax_a > 0, tl.reshape(va, (16, BLOCK)), 0.0)
+        tl.store(a_ptr + rows[:, None] * N + cols[None, :], va.to(tl.bfloat16), mask=mask)
+        # b: RHT along the tokens, then 1x16 blocks along the tokens (one block per column of the tile).
+        if HAS_RHT:
+            y = _rht_tile(h_ptr, x_raw, DOT_BF16)
+        else:
+            y = x
+        cmax = tl.max(tl.abs(y), axis=0)
+        vb = _nvfp4_values(y, cmax[None, :], pts_b, elem_ids + M * N, seed, STOCH)
+        vb = tl.where(amax_b > 0, vb, 0.0)
+        tl.store(b_ptr + rows[:, None] * N + cols[None, :], vb.to(tl.bfloat16), mask=mask)
+
+
+def supported(x: torch.Tensor) -> bool:
+    """The fused kernels apply: Triton present, a 2D BF16 CUDA tensor with both dims multiples of 16 and
+    unit stride along the features."""
+    return (HAVE_TRITON and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
+            and x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0 and x.stride(1) == 1)
+
+
+def rht_operand(rht: torch.Tensor, device) -> torch.Tensor:
+    """The kernels' form of the transform: rht^T in BF16 (entries +-1/4, exact)."""
+    return rht.t().contiguous().to(device=device, dtype=torch.bfloat16)
+
+
+def dual_quantize_launch(x: torch.Tensor, h: torch.Tensor, seed: torch.Tensor, rht: bool, stochastic: bool,
+                         wrap=lambda kernel: kernel):
+    """Launch both kernels (under the interpreter too): returns (a, b, pts) with pts = [pts_a, pts_b]."""
+    m, n = x.shape
+    amax = torch.zeros(2, device=x.device, dtype=torch.float32)
+    pts = torch.empty(2, device=x.device, dtype=torch.float32)
+    a = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
+    b = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
+    grid = (m // 16, triton.cdiv(n, BLOCK_N))
+    dot_bf16 = x.is_cuda
+    wrap(_nvfp4_dual_amax_kernel)[grid](x, h, amax, n, x.stride(0), BLOCK=BLOCK_N, HAS_RHT=rht,
+                                        DOT_BF16=dot_bf16, num_warps=NUM_WARPS)
+    wrap(_nvfp4_dual_quant_kernel)[grid](x, h, amax, seed, a, b, pts, m, n, x.stride(0), BLOCK=BLOCK_N,
+                                         HAS_RHT=rht, STOCH=stochastic, DOT_BF16=dot_bf16, num_warps=NUM_WARPS)
+    return a, b, pts
+
+
+if HAVE_TRITON:
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op("plab::nvfp4_dual_quantize", mutates_args=())
+    def _dual_quantize_op(x: torch.Tensor, h: torch.Tensor, seed: torch.Tensor, rht: bool,
+                          stochastic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return dual_quantize_launch(x, h, seed, rht, stochastic, wrap=wrap_triton)
+
+
+def nvfp4_dual_quantize(x: torch.Tensor, h: torch.Tensor, *, rht: bool, stochastic: bool):
+    """(a, b, pts): `a` NVFP4 values of x in 1x16 blocks along dim 1, `b` of RHT(x) (if `rht`) in 1x16
+    blocks along dim 0, both BF16 [M, N]; pts = their FP32 per-tensor scales, shape (2,). x must pass
+    `supported()`; `h` is `rht_operand(...)`."""
+    seed = torch.randint(0, 2 ** 31 - 1, (1,), device=x.device, dtype=torch.int64) if stochastic else \
+        torch.zeros(1, device=x.device, dtype=torch.int64)
+    return torch.ops.plab.nvfp4_dual_quantize(x, h, seed, rht, stochastic)
