@@ -47,12 +47,14 @@ def _same_bits(a, b):
 
 
 @pytest.mark.parametrize("kind", ["normal", "heavy", "tiny"])
-@pytest.mark.parametrize("cols", [96, 160])  # 160: a partial BLOCK_N tile (masked columns)
-def test_both_outputs_are_bit_exact_with_the_torch_quantizers(nt, kind, cols):
-    x = _operand(48, cols, kind)
+@pytest.mark.parametrize("cols,config", [(96, {}), (160, {}),  # 160: a partial BLOCK_N tile (masked columns)
+                                         (160, dict(block_n=64, groups=1, num_warps=2)),
+                                         (96, dict(block_n=32, groups=2, num_warps=8))])
+def test_both_outputs_are_bit_exact_with_the_torch_quantizers(nt, kind, cols, config):
+    x = _operand(48, cols, kind)  # 48 tokens: with 4 groups of 16 per program, a partial row block
     m = rht_matrix(random_sign_vector(0))
     seed = torch.zeros(1, dtype=torch.int64)
-    a, b, pts = nt.dual_quantize_launch(x, nt.rht_operand(m, "cpu"), seed, True, False)
+    a, b, pts = nt.dual_quantize_launch(x, nt.rht_operand(m, "cpu"), seed, True, False, **config)
     ref_a = quantize_nvfp4(x, dtype=torch.bfloat16)
     assert _same_bits(a, ref_a.values) and torch.equal(pts[0], ref_a.outer)
     # Wgrad operand: RHT along the tokens in FP32 (the CPU path's arithmetic), 1x16 blocks along the tokens.

@@ -41,7 +41,8 @@ except Exception:  # noqa: BLE001 - any import problem means: no fast path
 E4M3_MAX = 448.0
 E4M3_TINY = 2.0 ** -6
 E2M1_MAX = 6.0
-BLOCK_N = 128
+BLOCK_N = 128  # features per program
+GROUPS = 4  # runs of 16 tokens per program
 NUM_WARPS = 4
 
 if HAVE_TRITON:
@@ -57,18 +58,33 @@ if HAVE_TRITON:
         return tl.dot(h.to(tl.float32), x.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
 
     @triton.jit
-    def _nvfp4_dual_amax_kernel(x_ptr, h_ptr, amax_ptr, N, stride_m, BLOCK: tl.constexpr, HAS_RHT: tl.constexpr,
-                                DOT_BF16: tl.constexpr):
-        rows = tl.program_id(0) * 16 + tl.arange(0, 16)
+    def _scalar_div(x, d: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
+        """x / d for a Python-float d as torch computes it: on CUDA torch multiplies by the FP32 reciprocal
+        (its division kernel's CPU-scalar path); on CPU it divides (IEEE)."""
+        if CUDA_SEMANTICS:
+            return x * (1.0 / d)
+        return tl.math.div_rn(x, d)
+
+    @triton.jit
+    def _nvfp4_dual_amax_kernel(x_ptr, h_ptr, partial_ptr, M, N, stride_m, BLOCK: tl.constexpr,
+                                GROUPS: tl.constexpr, HAS_RHT: tl.constexpr, DOT_BF16: tl.constexpr):
+        """Per program (GROUPS x 16 tokens, BLOCK features): max |x| and max |RHT(x)| into partial[pid]."""
+        pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = (rows[:, None] >= 0) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))
-        if HAS_RHT:
-            y = _rht_tile(h_ptr, x, DOT_BF16)
-            tl.atomic_max(amax_ptr + 1, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
-        else:
-            tl.atomic_max(amax_ptr + 1, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))
+        amax_a = 0.0
+        amax_b = 0.0
+        for g in tl.static_range(GROUPS):
+            rows = (tl.program_id(0) * GROUPS + g) * 16 + tl.arange(0, 16)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
+            amax_a = tl.maximum(amax_a, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))
+            if HAS_RHT:
+                y = _rht_tile(h_ptr, x, DOT_BF16)
+                amax_b = tl.maximum(amax_b, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+        if not HAS_RHT:
+            amax_b = amax_a
+        tl.store(partial_ptr + 2 * pid, amax_a)
+        tl.store(partial_ptr + 2 * pid + 1, amax_b)
 
     @triton.jit
     def _round_e4m3(v):
@@ -78,10 +94,11 @@ if HAVE_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _nvfp4_values(data, max_abs, pts, offsets, seed, STOCH: tl.constexpr):
+    def _nvfp4_values(data, max_abs, pts, u, STOCH: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
         """E2M1 element x E4M3 block scale for FP32 `data` with block maxima `max_abs` (broadcastable)
-        and the FP32 per-tensor scale `pts` > 0: formats._nvfp4_blocked, op for op."""
-        block_scale = tl.math.div_rn(max_abs, 6.0)
+        and the FP32 per-tensor scale `pts` > 0: formats._nvfp4_blocked, op for op. `u`: uniforms in
+        [0, 1) for stochastic rounding (ignored without STOCH)."""
+        block_scale = _scalar_div(max_abs, 6.0, CUDA_SEMANTICS)
         scaled_block = tl.math.div_rn(block_scale, pts)
         e4m3 = _round_e4m3(tl.minimum(tl.maximum(scaled_block, 0.015625), 448.0))
         reciprocal = tl.math.div_rn(tl.math.div_rn(1.0, pts), e4m3)
@@ -89,11 +106,10 @@ if HAVE_TRITON:
         scaled = tl.minimum(tl.maximum(scaled, -6.0), 6.0)
         a = tl.abs(scaled)
         step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-        t = a / step  # exact: a power-of-two divisor
+        t = a * tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # a / step, exactly
         lo = tl.floor(t)
         frac = t - lo
         if STOCH:
-            u = tl.rand(seed, offsets)
             up = u < frac
         else:  # round half to even, as torch.round
             up = (frac > 0.5) | ((frac == 0.5) & ((lo.to(tl.int32) & 1) == 1))
@@ -104,40 +120,58 @@ if HAVE_TRITON:
         return element * e4m3
 
     @triton.jit
+    def _uniforms16(seed, rows, cols, N, BLOCK: tl.constexpr):
+        """Two (16, BLOCK) tensors of uniforms in [0, 1) with 16 bits each, from one Philox call per 4
+        elements (its four 32-bit outputs split in halves): one per element for each output."""
+        quarter = cols // 4
+        q_ids = tl.reshape(rows[:, None] * (N // 4 + 1) + quarter[None, :], (16, BLOCK // 4, 4))
+        q_ids = tl.max(q_ids, axis=2)  # one counter per run of 4 columns
+        r0, r1, r2, r3 = tl.randint4x(seed, q_ids)
+        r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (16, BLOCK))
+        r = r.to(tl.uint32, bitcast=True)
+        scale = 1.0 / 65536.0
+        return (r & 0xFFFF).to(tl.float32) * scale, (r >> 16).to(tl.float32) * scale
+
+    @triton.jit
     def _nvfp4_dual_quant_kernel(x_ptr, h_ptr, amax_ptr, seed_ptr, a_ptr, b_ptr, pts_ptr, M, N, stride_m,
-                                 BLOCK: tl.constexpr, HAS_RHT: tl.constexpr, STOCH: tl.constexpr,
-                                 DOT_BF16: tl.constexpr):
+                                 BLOCK: tl.constexpr, GROUPS: tl.constexpr, HAS_RHT: tl.constexpr,
+                                 STOCH: tl.constexpr, DOT_BF16: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rows = pid_m * 16 + tl.arange(0, 16)
         cols = pid_n * BLOCK + tl.arange(0, BLOCK)
-        mask = (rows[:, None] >= 0) & (cols[None, :] < N)
-        offs = rows[:, None] * stride_m + cols[None, :]
-        x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        x = x_raw.to(tl.float32)
         amax_a = tl.load(amax_ptr)
         amax_b = tl.load(amax_ptr + 1)
-        pts_a = tl.math.div_rn(amax_a, 2688.0)  # per_tensor_amax_to_scale: amax / (448 * 6)
-        pts_b = tl.math.div_rn(amax_b, 2688.0)
+        pts_a = _scalar_div(amax_a, 2688.0, CUDA_SEMANTICS)  # per_tensor_amax_to_scale: amax / (448 * 6)
+        pts_b = _scalar_div(amax_b, 2688.0, CUDA_SEMANTICS)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(pts_ptr, pts_a)
             tl.store(pts_ptr + 1, pts_b)
         seed = tl.load(seed_ptr)
-        elem_ids = rows[:, None] * N + cols[None, :]
-        # a: 1x16 blocks along the features (BLOCK is a multiple of 16; masked columns are zeros).
-        blocks = tl.reshape(x, (16, BLOCK // 16, 16))
-        bmax = tl.max(tl.abs(blocks), axis=2)
-        va = _nvfp4_values(blocks, bmax[:, :, None], pts_a, tl.reshape(elem_ids, (16, BLOCK // 16, 16)), seed, STOCH)
-        va = tl.where(amax_a > 0, tl.reshape(va, (16, BLOCK)), 0.0)
-        tl.store(a_ptr + rows[:, None] * N + cols[None, :], va.to(tl.bfloat16), mask=mask)
-        # b: RHT along the tokens, then 1x16 blocks along the tokens (one block per column of the tile).
-        if HAS_RHT:
-            y = _rht_tile(h_ptr, x_raw, DOT_BF16)
-        else:
-            y = x
-        cmax = tl.max(tl.abs(y), axis=0)
-        vb = _nvfp4_values(y, cmax[None, :], pts_b, elem_ids + M * N, seed, STOCH)
-        vb = tl.where(amax_b > 0, vb, 0.0)
-        tl.store(b_ptr + rows[:, None] * N + cols[None, :], vb.to(tl.bfloat16), mask=mask)
+        for g in tl.static_range(GROUPS):
+            rows = (pid_m * GROUPS + g) * 16 + tl.arange(0, 16)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            x_raw = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
+            x = x_raw.to(tl.float32)
+            if STOCH:
+                u_a, u_b = _uniforms16(seed, rows, cols, N, BLOCK)
+            else:
+                u_a = x
+                u_b = x
+            # a: 1x16 blocks along the features (BLOCK is a multiple of 16; masked columns are zeros).
+            blocks = tl.reshape(x, (16, BLOCK // 16, 16))
+            bmax = tl.max(tl.abs(blocks), axis=2)
+            va = _nvfp4_values(blocks, bmax[:, :, None], pts_a, tl.reshape(u_a, (16, BLOCK // 16, 16)),
+                               STOCH, CUDA_SEMANTICS)
+            va = tl.where(amax_a > 0, tl.reshape(va, (16, BLOCK)), 0.0)
+            tl.store(a_ptr + rows[:, None] * N + cols[None, :], va.to(tl.bfloat16), mask=mask)
+            # b: RHT along the tokens, then 1x16 blocks along the tokens (one block per column of the tile).
+            if HAS_RHT:
+                y = _rht_tile(h_ptr, x_raw, DOT_BF16)
+            else:
+                y = x
+            cmax = tl.max(tl.abs(y), axis=0)
+            vb = _nvfp4_values(y, cmax[None, :], pts_b, u_b, STOCH, CUDA_SEMANTICS)
+            vb = tl.where(amax_b > 0, vb, 0.0)
+            tl.store(b_ptr + rows[:, None] * N + cols[None, :], vb.to(tl.bfloat16), mask=mask)
 
 
 def supported(x: torch.Tensor) -> bool:
@@ -153,19 +187,23 @@ def rht_operand(rht: torch.Tensor, device) -> torch.Tensor:
 
 
 def dual_quantize_launch(x: torch.Tensor, h: torch.Tensor, seed: torch.Tensor, rht: bool, stochastic: bool,
-                         wrap=lambda kernel: kernel):
-    """Launch both kernels (under the interpreter too): returns (a, b, pts) with pts = [pts_a, pts_b]."""
+                         wrap=lambda kernel: kernel, *, block_n: int = BLOCK_N, groups: int = GROUPS,
+                         num_warps: int = NUM_WARPS):
+    """Launch both kernels (under the interpreter too): returns (a, b, pts) with pts = [pts_a, pts_b].
+    The global maxima are reduced from per-program partials (no atomics on one address)."""
     m, n = x.shape
-    amax = torch.zeros(2, device=x.device, dtype=torch.float32)
     pts = torch.empty(2, device=x.device, dtype=torch.float32)
     a = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     b = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
-    grid = (m // 16, triton.cdiv(n, BLOCK_N))
-    dot_bf16 = x.is_cuda
-    wrap(_nvfp4_dual_amax_kernel)[grid](x, h, amax, n, x.stride(0), BLOCK=BLOCK_N, HAS_RHT=rht,
-                                        DOT_BF16=dot_bf16, num_warps=NUM_WARPS)
-    wrap(_nvfp4_dual_quant_kernel)[grid](x, h, amax, seed, a, b, pts, m, n, x.stride(0), BLOCK=BLOCK_N,
-                                         HAS_RHT=rht, STOCH=stochastic, DOT_BF16=dot_bf16, num_warps=NUM_WARPS)
+    grid = (triton.cdiv(m, 16 * groups), triton.cdiv(n, block_n))
+    partial = torch.empty((grid[0] * grid[1], 2), device=x.device, dtype=torch.float32)
+    on_gpu = x.is_cuda
+    wrap(_nvfp4_dual_amax_kernel)[grid](x, h, partial, m, n, x.stride(0), BLOCK=block_n, GROUPS=groups,
+                                        HAS_RHT=rht, DOT_BF16=on_gpu, num_warps=num_warps)
+    amax = partial.amax(dim=0)
+    wrap(_nvfp4_dual_quant_kernel)[grid](x, h, amax, seed, a, b, pts, m, n, x.stride(0), BLOCK=block_n,
+                                         GROUPS=groups, HAS_RHT=rht, STOCH=stochastic, DOT_BF16=on_gpu,
+                                         CUDA_SEMANTICS=on_gpu, num_warps=num_warps)
     return a, b, pts
 
 

@@ -1,0 +1,106 @@
+"""The fused NVFP4 quantizers (training/precision/nvfp4_triton.py) on a GPU: launch configurations swept on
+the 1b model's operand shapes, each checked against the torch quantizers and timed against the compiled
+torch path that produces the same two operands (what the emulation ran before). Prints a table, writes
+`$OUT/nvfp4_kernel_bench.json`.
+
+    python bench/nvfp4_kernel_bench.py
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.benchmeta import git_commit  # noqa: E402
+from training.precision import nvfp4_triton as nt  # noqa: E402
+from training.precision.formats import (quantize_nvfp4, random_hadamard_transform, random_sign_vector,  # noqa: E402
+                                        rht_matrix)
+
+SHAPES = ((8192, 2048), (8192, 4096), (8192, 8192))  # tokens x features of X and dY in the 1b model
+CONFIGS = [dict(block_n=bn, groups=g, num_warps=w) for bn, g, w in itertools.product((64, 128, 256), (1, 4), (4, 8))]
+
+
+def timed(fn, reps=30):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> int:
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    m = rht_matrix(random_sign_vector(0)).to(dev)
+    h = nt.rht_operand(m, dev)
+
+    def torch_path(x, stochastic: bool):
+        a = quantize_nvfp4(x, stochastic=stochastic, dtype=torch.bfloat16)
+        b = quantize_nvfp4(random_hadamard_transform(x, m, axis=0, dtype=torch.bfloat16), axis=0,
+                           stochastic=stochastic, dtype=torch.bfloat16)
+        return a.values, b.values, a.outer, b.outer
+
+    compiled = torch.compile(torch_path)
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for shape in SHAPES:
+        x = (torch.randn(shape, device=dev, generator=g)
+             / torch.rand(shape, device=dev, generator=g).clamp_min(0.02).sqrt()).bfloat16()
+        ref_a = quantize_nvfp4(x, dtype=torch.bfloat16)
+        ref_b = quantize_nvfp4(random_hadamard_transform(x, m, axis=0, dtype=torch.float32), axis=0,
+                               dtype=torch.bfloat16)
+        base = {sr: timed(lambda: compiled(x, sr)) for sr in (False, True)}
+        for cfg in CONFIGS:
+            seed0 = torch.zeros(1, device=dev, dtype=torch.int64)
+            a, b, pts = nt.dual_quantize_launch(x, h, seed0, True, False, **cfg)
+            row = {"shape": list(shape), **cfg,
+                   "a_bit_mismatch_frac": float((a.view(torch.int16) != ref_a.values.view(torch.int16)).float().mean()),
+                   "a_scale_equal": bool(torch.equal(pts[0], ref_a.outer)),
+                   "b_bit_mismatch_frac": float((b.view(torch.int16) != ref_b.values.view(torch.int16)).float().mean()),
+                   "b_scale_equal": bool(torch.equal(pts[1], ref_b.outer))}
+            for sr in (False, True):
+                seed = torch.randint(0, 2 ** 31 - 1, (1,), device=dev)
+                ms = timed(lambda: nt.dual_quantize_launch(x, h, seed, True, sr, **cfg))
+                row[f"ms_{'sr' if sr else 'rne'}"] = ms
+                row[f"torch_compiled_ms_{'sr' if sr else 'rne'}"] = base[sr]
+                row[f"gbps_{'sr' if sr else 'rne'}"] = x.numel() * 2 * 4 / ms / 1e6  # read x twice, write a and b
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    best = {}
+    for shape in SHAPES:
+        cand = [r for r in rows if r["shape"] == list(shape)]
+        for key in ("ms_rne", "ms_sr"):
+            r = min(cand, key=lambda r: r[key])
+            best[f"{shape[0]}x{shape[1]}_{key}"] = {k: r[k] for k in ("block_n", "groups", "num_warps", key)}
+    overall = min(CONFIGS, key=lambda c: sum(r["ms_rne"] + r["ms_sr"] for r in rows
+                                            if all(r[k] == v for k, v in c.items())))
+    payload = {"bench": "nvfp4_kernel_bench", "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_commit": git_commit(),
+               "rows": rows, "best": best, "best_overall": overall, "wall_s": round(time.perf_counter() - t0, 1)}
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "nvfp4_kernel_bench.json").write_text(json.dumps(payload, indent=1))
+    print(f"\n{'shape':>11} {'BN':>4} {'G':>2} {'W':>2} {'rne ms':>7} {'GB/s':>6} {'sr ms':>7} {'GB/s':>6} "
+          f"{'torch rne':>9} {'torch sr':>8} {'a mis':>7} {'b mis':>7}")
+    for r in rows:
+        print(f"{r['shape'][0]}x{r['shape'][1]:<6} {r['block_n']:>4} {r['groups']:>2} {r['num_warps']:>2} "
+              f"{r['ms_rne']:7.3f} {r['gbps_rne']:6.0f} {r['ms_sr']:7.3f} {r['gbps_sr']:6.0f} "
+              f"{r['torch_compiled_ms_rne']:9.3f} {r['torch_compiled_ms_sr']:8.3f} "
+              f"{r['a_bit_mismatch_frac']:7.1e} {r['b_bit_mismatch_frac']:7.1e}")
+    print(f"best overall: {overall}; wall {payload['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
