@@ -546,6 +546,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each group's configs in this many interleaved rounds (A B, B A, ...) of "
                          "ceil(steps / rounds) steps, so drift reaches every config alike")
+    ap.add_argument("--blockwise-autotune", choices=["quick", "full"], default="quick",
+                    help="fp8_blockwise: autotune torchao's quantizers over 8 of their 45 configs (quick, fits the "
+                         "one-call budget) or all (full: ~3 min more compile); PLAB_BLOCKWISE_AUTOTUNE")
     ap.add_argument("--no-api", action="store_true", help="log metrics to a local list only, not through the "
                     "API client")
     ap.add_argument("--api-url", default=None, help=argparse.SUPPRESS)
@@ -566,6 +569,7 @@ def main(argv=None) -> int:
         return 0
 
     t_begin = time.perf_counter()
+    os.environ["PLAB_BLOCKWISE_AUTOTUNE"] = a.blockwise_autotune  # inherited by the config workers
     out_env = os.environ.get("OUT")
     # Per-config metric streams and profiles: next to the JSON under $OUT, else in a temp dir (they are
     # scratch, not results to commit).
@@ -614,13 +618,16 @@ def main(argv=None) -> int:
         "batch": a.batch, "seq": a.seq, "gpus": a.gpus, "baseline": a.baseline, "timed_steps": a.steps, "warmup_steps": a.warmup,
         "anchor": anchor, "results": results, "total_wall_s": time.perf_counter() - t_begin,
         "concurrency": a.concurrency, "rounds": a.rounds, "api_logging": not a.no_api,
+        "blockwise_autotune": a.blockwise_autotune,
         "notes": "tokens/s from the median timed step (CUDA events); MFU against the dense BF16 peak for every "
                  "recipe; emulated recipes' throughput is not hardware throughput. Configs are built and compiled "
                  f"{a.concurrency} at a time, then each is timed alone (the others wait at a gate with nothing "
                  f"queued on the GPU; timed_alone says it held), in {a.rounds} interleaved round(s) per group. "
                  "Metrics of every step go through the real API client (workers.job.ApiSink, "
                  "MetricStreamer over HTTP) to a stub endpoint in another process; sink% is the training "
-                 "thread's time in log() per step.",
+                 "thread's time in log() per step. fp8_blockwise autotuning: "
+                 + ("torchao's quantizer kernels over 8 of their 45 launch configs (--blockwise-autotune quick)"
+                    if a.blockwise_autotune == "quick" else "all configs") + ".",
     }
     text = json.dumps(report, indent=1, default=str)
     if out_env:

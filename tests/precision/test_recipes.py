@@ -533,3 +533,22 @@ def _delayed_ddp_worker(rank, world, init_file):
         torch.save(layer.scales.clone(), f"{init_file.rsplit('/', 1)[0]}/scales{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def test_blockwise_quick_autotune_keeps_8_of_torchaos_45_quantizer_configs(monkeypatch):
+    pytest.importorskip("triton")
+    from torchao.prototype.blockwise_fp8_training import kernels
+    from training.precision.fp8_blockwise import apply_autotune_policy
+
+    tuner = kernels.triton_fp8_blockwise_act_quant_lhs_kernel
+    gemm = kernels.triton_fp8_gemm_1x128_128x128_kernel
+    saved, saved_gemm = list(tuner.configs), list(gemm.configs)
+    try:
+        monkeypatch.delenv("PLAB_BLOCKWISE_AUTOTUNE", raising=False)
+        assert apply_autotune_policy() is None and len(tuner.configs) == 45
+        monkeypatch.setenv("PLAB_BLOCKWISE_AUTOTUNE", "quick")
+        assert apply_autotune_policy() == 8
+        assert {c.kwargs["NUM_GROUPS"] for c in tuner.configs} == {16, 64}
+        assert gemm.configs == saved_gemm  # the GEMMs keep every config
+    finally:
+        tuner.configs = saved

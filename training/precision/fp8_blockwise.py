@@ -13,6 +13,33 @@ from training.precision.registry import Recipe, capability_reason, register
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
+# PLAB_BLOCKWISE_AUTOTUNE=quick: torchao's blockwise activation quantizers autotune over 45 launch configs
+# each (NUM_GROUPS x warps x stages), minutes of compiling at a model's first step; "quick" keeps the 8 with
+# NUM_GROUPS in (16, 64), 4 or 8 warps, 2 or 4 stages. The GEMM kernels keep all their configs. For
+# benchmarks that must fit a time budget (bench/train_bench.py sets it and says so in its results).
+QUICK_GROUPS, QUICK_WARPS, QUICK_STAGES = (16, 64), (4, 8), (2, 4)
+
+
+def apply_autotune_policy() -> int | None:
+    """Prune torchao's quantizer autotuning per PLAB_BLOCKWISE_AUTOTUNE; returns the configs kept per kernel."""
+    import os
+
+    if os.environ.get("PLAB_BLOCKWISE_AUTOTUNE", "full") != "quick":
+        return None
+    from torchao.prototype.blockwise_fp8_training import kernels
+    from triton.runtime.autotuner import Autotuner
+
+    kept = None
+    for name in dir(kernels):
+        tuner = getattr(kernels, name)
+        if not isinstance(tuner, Autotuner) or not any("NUM_GROUPS" in c.kwargs for c in tuner.configs):
+            continue
+        quick = [c for c in tuner.configs if c.kwargs.get("NUM_GROUPS") in QUICK_GROUPS
+                 and c.num_warps in QUICK_WARPS and c.num_stages in QUICK_STAGES]
+        if quick:
+            tuner.configs = quick
+            kept = len(quick)
+    return kept
 
 
 def _runs(t, *, axis=-1, track=False):
@@ -94,6 +121,7 @@ class FP8BlockwiseRecipe(Recipe):
     def convert(self, linear, name, options, real):
         quantizer = BlockwiseQuantizer()
         if real:
+            apply_autotune_policy()
             return BlockwiseFP8Linear(linear, quantizer), quantizer, "torchao fp8_blockwise_mm (1x128 / 128x128)"
         from training.precision.emulation import QuantizedLinear
 
