@@ -542,7 +542,9 @@ def test_blockwise_quick_autotune_keeps_8_of_torchaos_45_quantizer_configs(monke
 
     tuner = kernels.triton_fp8_blockwise_act_quant_lhs_kernel
     gemm = kernels.triton_fp8_gemm_1x128_128x128_kernel
-    saved, saved_gemm = list(tuner.configs), list(gemm.configs)
+    saved_gemm = list(gemm.configs)
+    saved = {name: list(getattr(kernels, name).configs) for name in dir(kernels)
+             if hasattr(getattr(kernels, name), "configs")}
     try:
         monkeypatch.delenv("PLAB_BLOCKWISE_AUTOTUNE", raising=False)
         assert apply_autotune_policy() is None and len(tuner.configs) == 45
@@ -551,4 +553,5 @@ def test_blockwise_quick_autotune_keeps_8_of_torchaos_45_quantizer_configs(monke
         assert {c.kwargs["NUM_GROUPS"] for c in tuner.configs} == {16, 64}
         assert gemm.configs == saved_gemm  # the GEMMs keep every config
     finally:
-        tuner.configs = saved
+        for name, configs in saved.items():
+            getattr(kernels, name).configs = configs
