@@ -92,3 +92,28 @@ def test_stochastic_rounding_lands_on_the_two_neighbours_and_is_unbiased(nt):
     bias_sr = (draws.mean(0) - target).abs().mean()
     err_rne = (rne.float() - target).abs().mean()
     assert bias_sr < 0.35 * err_rne, (float(bias_sr), float(err_rne))
+
+
+@pytest.mark.parametrize("weight_2d", [True, False])
+def test_fused_autograd_function_matches_the_torch_path(nt, weight_2d):
+    """NVFP4FusedFn (the CUDA fast path's autograd wiring: which operand, which layout, the saved Wgrad operand
+    and tile-quantized weight) against EmulatedLinearFn with the same quantizer, RNE so both are deterministic.
+    The fused path's GEMMs take BF16 values (as on the GPU), the torch path's FP32 ones: equal up to BF16
+    rounding of the products' sums."""
+    from training.precision.emulation import EmulatedLinearFn
+    from training.precision.nvfp4 import NVFP4FusedFn, NVFP4Quantizer
+
+    q = NVFP4Quantizer(rht=True, stochastic_rounding=False, weight_2d=weight_2d, rht_seed=0)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 32, 64, generator=g).bfloat16()
+    w = (torch.randn(48, 64, generator=g) * 0.1).bfloat16()
+    dy = torch.randn(2, 32, 48, generator=g).bfloat16()
+    outs = []
+    for fn in (NVFP4FusedFn, EmulatedLinearFn):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn.apply(xi, wi, None, q)
+        y.backward(dy)
+        outs.append((y.float(), xi.grad.float(), wi.grad.float()))
+    for what, a, b in zip(("Y", "dX", "dW"), *outs):
+        rel = float((a - b).norm() / b.norm())
+        assert rel < 1e-2, (what, rel)
