@@ -80,9 +80,6 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 3 steps per recipe and keep the top kernels (GPU ms per step)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--check-fused", action="store_true",
-                   help="first compare the fused NVFP4 Triton quantizers with the torch quantizers on this GPU "
-                        "(bit-exactness, and time against the compiled torch path)")
     args = p.parse_args(argv)
     unknown = [r for r in args.recipes if r.partition(":")[0] not in RECIPE_ORDER]
     if unknown:
@@ -253,62 +250,6 @@ def probe_recipe(recipe: str, base, dims: dict, args, device: torch.device) -> d
     return result
 
 
-def check_fused_nvfp4(device: torch.device) -> list[dict]:
-    """The fused NVFP4 quantizers (training/precision/nvfp4_triton.py) on this GPU, per operand shape of the 1b
-    model: bit-mismatch fractions against the torch quantizers (formats.py; `a` must be exact, `b` differs only
-    where the FP32 sums of the RHT are ordered differently), and the time of one call against the torch path
-    (compiled: what the emulation did before) that produces the same two operands."""
-    from training.precision import nvfp4_triton as nt
-    from training.precision.formats import (quantize_nvfp4, random_hadamard_transform, random_sign_vector,
-                                            rht_matrix)
-
-    m = rht_matrix(random_sign_vector(0)).to(device)
-    h = nt.rht_operand(m, device)
-
-    def torch_path(x, stochastic: bool):
-        a = quantize_nvfp4(x, stochastic=stochastic, dtype=torch.bfloat16)
-        b = quantize_nvfp4(random_hadamard_transform(x, m, axis=0, dtype=torch.bfloat16), axis=0,
-                           stochastic=stochastic, dtype=torch.bfloat16)
-        return a.values, b.values, a.outer, b.outer
-
-    compiled = torch.compile(torch_path)
-
-    def timed(fn, reps=20):
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-
-    rows = []
-    g = torch.Generator(device=device).manual_seed(0)
-    for shape in ((8192, 2048), (8192, 4096), (8192, 8192)):
-        x = torch.randn(shape, device=device, generator=g) / torch.rand(shape, device=device, generator=g).clamp_min(0.02).sqrt()
-        x = x.bfloat16()
-        a, b, pts = nt.nvfp4_dual_quantize(x, h, rht=True, stochastic=False)
-        ref_a = quantize_nvfp4(x, dtype=torch.bfloat16)
-        # the torch path's own FP32 transform (the fused kernel keeps FP32 sums; the BF16 GEMM path rounds them)
-        ref_b = quantize_nvfp4(random_hadamard_transform(x, m, axis=0, dtype=torch.float32), axis=0,
-                               dtype=torch.bfloat16)
-        rows.append({
-            "shape": list(shape),
-            "a_bit_mismatch_frac": float((a.view(torch.int16) != ref_a.values.view(torch.int16)).float().mean()),
-            "a_scale_equal": bool(torch.equal(pts[0], ref_a.outer)),
-            "b_bit_mismatch_frac": float((b.view(torch.int16) != ref_b.values.view(torch.int16)).float().mean()),
-            "b_scale_rel_diff": float((pts[1] - ref_b.outer).abs() / ref_b.outer),
-            "fused_ms": timed(lambda: nt.nvfp4_dual_quantize(x, h, rht=True, stochastic=True)),
-            "torch_compiled_ms": timed(lambda: compiled(x, True)),
-            "bytes_min_mb": x.numel() * 2 * 4 / 1e6,  # read x twice, write a and b
-        })
-        rows[-1]["fused_gbps"] = rows[-1]["bytes_min_mb"] / rows[-1]["fused_ms"]
-        print(f"[probe] fused nvfp4 {shape}: {json.dumps(rows[-1])}", flush=True)
-    return rows
-
-
 def parse_recipe(text: str) -> tuple[str, dict]:
     """'nvfp4:rht=false,rht_seed=3' -> ('nvfp4', {'rht': False, 'rht_seed': 3})."""
     name, _, opts = text.partition(":")
@@ -388,16 +329,6 @@ def main(argv=None) -> int:
     except Exception as exc:  # the probe still runs the emulated and bf16 recipes without torchao
         payload["torchao"] = f"unavailable: {exc}"
     results = payload["results"]
-    if args.check_fused and device.type == "cuda":
-        try:
-            payload["fused_nvfp4_check"] = check_fused_nvfp4(device)
-        except Exception as exc:  # noqa: BLE001 - report it, go on with the recipes
-            import traceback
-            payload["fused_nvfp4_check"] = {"error": f"{type(exc).__name__}: {exc}",
-                                            "trace": traceback.format_exc()[-3000:]}
-            print(f"[probe] fused nvfp4 check failed: {exc}", flush=True)
-        write_json(payload, args)
-        torch._dynamo.reset()
     for recipe in args.recipes:
         elapsed = time.perf_counter() - t_start
         if elapsed > args.budget_s:

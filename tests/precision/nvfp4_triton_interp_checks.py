@@ -2,7 +2,7 @@
 formats.py (themselves bit-exact with torchao), on CPU under Triton's interpreter. The interpreter must be
 on before triton is first imported, so test_nvfp4_triton_interpreted.py runs this file in a subprocess
 with TRITON_INTERPRET=1; collected directly without it, it skips. The GPU run of the same comparison is
-bench/recipe_probe.py --check-fused."""
+bench/nvfp4_kernel_bench.py."""
 from __future__ import annotations
 
 import os
