@@ -1,6 +1,6 @@
 """bench/gemm_bench.py, the issue-6 acceptance run, checked on CPU with --smoke: the JSON it writes, the
 interleaved tool-vs-raw comparison of part (a), and the prediction-vs-training comparison of part (b)."""
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -12,10 +12,7 @@ TRAIN_BENCH_H200 = REPO / "bench" / "results" / "train_bench_2026-11-22T0240_NVI
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("gemm_bench_script", REPO / "bench" / "gemm_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.gemm_bench")
 
 
 @pytest.fixture(scope="module")

@@ -130,8 +130,6 @@ class NVFP4FusedFn(torch.autograd.Function):
         q: NVFP4Quantizer = ctx.quantizer
         xb, pts_x, weight, *wq = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
         dya, dyb, pts_dy = nvfp4_dual_quantize(dy2, q.rht_operand(dy2.device), rht=q.rht,
                                                stochastic=q.stochastic_rounding)
         grad_x = grad_w = grad_b = None

@@ -24,7 +24,7 @@ reproducible under torch.manual_seed.
 
 `nvfp4_dual_quantize` is a `torch.library.triton_op`: torch.compile calls the two kernels from the
 compiled graph (no graph break). It needs a CUDA tensor in BF16, 2D, with both dims multiples of 16;
-callers check `supported()` and use the torch path otherwise. On CPU the kernels run under Triton's
+nvfp4.NVFP4EmulatedLinear routes other inputs to the torch path. On CPU the kernels run under Triton's
 interpreter (TRITON_INTERPRET=1), which is how the unit tests check them without a GPU.
 """
 from __future__ import annotations
@@ -183,13 +183,6 @@ if HAVE_TRITON:
             tl.store(b_ptr + rows[:, None] * N + cols[None, :], vb.to(tl.bfloat16), mask=mask)
 
 
-def supported(x: torch.Tensor) -> bool:
-    """The fused kernels apply: Triton present, a 2D BF16 CUDA tensor with both dims multiples of 16 and
-    unit stride along the features."""
-    return (HAVE_TRITON and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
-            and x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0 and x.stride(1) == 1)
-
-
 def rht_operand(rht: torch.Tensor, device) -> torch.Tensor:
     """The kernels' form of the transform: rht^T in BF16 (entries +-1/4, exact)."""
     return rht.t().contiguous().to(device=device, dtype=torch.bfloat16)
@@ -228,8 +221,10 @@ if HAVE_TRITON:
 
 def nvfp4_dual_quantize(x: torch.Tensor, h: torch.Tensor, *, rht: bool, stochastic: bool):
     """(a, b, pts): `a` NVFP4 values of x in 1x16 blocks along dim 1, `b` of RHT(x) (if `rht`) in 1x16
-    blocks along dim 0, both BF16 [M, N]; pts = their FP32 per-tensor scales, shape (2,). x must pass
-    `supported()`; `h` is `rht_operand(...)`."""
+    blocks along dim 0, both BF16 [M, N]; pts = their FP32 per-tensor scales, shape (2,). x: a 2D BF16 CUDA
+    tensor with both dims multiples of 16 (any strides); `h` is `rht_operand(...)`."""
+    if x.stride(1) != 1:  # the kernels read rows with unit stride along the features
+        x = x.contiguous()
     seed = torch.randint(0, 2 ** 31 - 1, (1,), device=x.device, dtype=torch.int64) if stochastic else \
         torch.zeros(1, device=x.device, dtype=torch.int64)
     return torch.ops.plab.nvfp4_dual_quantize(x, h, seed, rht, stochastic)
