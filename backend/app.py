@@ -1,72 +1,11 @@
 """The FastAPI application: REST API under /api/v1, the dashboard pages from frontend/."""
 from __future__ import annotations
 
-import logging
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
-from sqlalchemy.exc import IntegrityError, OperationalError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 
 from backend.db import session_factory
-from backend.services.runs import Conflict, InvalidInput, NotFound
+from backend.errors import install_error_handlers
 from backend.settings import Settings, get_settings
-
-log = logging.getLogger("plab.api")
-
-
-def _describe(errors: list[dict]) -> str:
-    parts = []
-    for e in errors:
-        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
-        msg = e.get("msg", "invalid")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts) or "invalid request"
-
-
-def _error(status: int, message: str, **extra) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"detail": message, **extra})
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def _request_invalid(_req: Request, exc: RequestValidationError):
-        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
-        return _error(422, _describe(errors), errors=errors)
-
-    @app.exception_handler(ValidationError)
-    async def _invalid(_req: Request, exc: ValidationError):
-        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
-        return _error(422, _describe(errors), errors=errors)
-
-    @app.exception_handler(InvalidInput)
-    async def _domain_invalid(_req: Request, exc: InvalidInput):
-        return _error(422, str(exc))
-
-    @app.exception_handler(NotFound)
-    async def _not_found(_req: Request, exc: NotFound):
-        return _error(404, str(exc))
-
-    @app.exception_handler(Conflict)
-    async def _conflict(_req: Request, exc: Conflict):
-        return _error(409, str(exc))
-
-    @app.exception_handler(IntegrityError)
-    async def _integrity(_req: Request, exc: IntegrityError):
-        log.warning("integrity error: %s", exc)
-        return _error(409, "the request conflicts with stored data (a referenced object is missing or a unique "
-                           "key is taken)")
-
-    @app.exception_handler(OperationalError)
-    async def _db_down(_req: Request, exc: OperationalError):
-        log.error("database error: %s", exc)
-        return _error(503, "the database is unavailable; try again shortly")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_req: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), **({} if exc.status_code != 404 else {}))
 
 
 def create_app(settings: Settings | None = None, *, migrate: bool | None = None) -> FastAPI:

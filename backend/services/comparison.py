@@ -19,9 +19,10 @@ import numpy as np
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from backend.errors import Conflict, InvalidInput
 from backend.models import Run
 from backend.services import metrics
-from backend.services.runs import Conflict, InvalidInput, get_experiment
+from backend.services.runs import get_experiment
 
 COMPARISON_X = ("tokens", "step")
 

@@ -6,7 +6,8 @@ from sqlalchemy.orm import Session
 
 from backend.models import Artifact, EvalResult, Evaluation, Run, utcnow
 from backend.schemas import EvalResultOut, EvaluationOut, EvaluationStatusUpdate, EvalTaskResultIn
-from backend.services.runs import Conflict, NotFound, get_experiment, get_run
+from backend.errors import Conflict, NotFound
+from backend.services.runs import get_experiment, get_run
 
 EVAL_TRANSITIONS = {"queued": {"running", "failed"}, "running": {"running", "succeeded", "failed"}}
 

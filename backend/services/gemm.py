@@ -12,8 +12,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from backend.errors import Conflict, InvalidInput, NotFound
 from backend.models import Experiment, GemmBenchmark
-from backend.services.runs import Conflict, InvalidInput, NotFound
 
 RESULT_SCHEMA = "plab.gemm_bench/1"
 STATUSES = ("queued", "running", "succeeded", "failed")

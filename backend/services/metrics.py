@@ -21,9 +21,9 @@ from sqlalchemy import and_, bindparam, case, delete, func, or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from backend.errors import InvalidInput
 from backend.models import MetricPoint, MetricRollup
 from backend.schemas import MetricPointIn, Series
-from backend.services.runs import InvalidInput
 
 log = logging.getLogger(__name__)
 _X_COLUMNS = {"step": "step", "tokens": "tokens", "wall_time": "wall_time"}

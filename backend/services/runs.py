@@ -4,21 +4,9 @@ from __future__ import annotations
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
+from backend.errors import Conflict, InvalidInput, NotFound
 from backend.models import FINAL_STATUSES, Artifact, Experiment, Run, utcnow
 from backend.schemas import ArtifactIn, ExperimentCreate, RecipeRequest, RunCreate, RunInfoUpdate, StatusUpdate
-
-
-class InvalidInput(ValueError):
-    """Input that passed the schema but not the domain rules (answered with 422)."""
-
-
-class NotFound(LookupError):
-    pass
-
-
-class Conflict(RuntimeError):
-    """A request that contradicts the stored state (answered with 409)."""
-
 
 # Which status a run may move to from which: a worker retried after a crash re-announces `running`.
 TRANSITIONS = {
