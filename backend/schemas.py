@@ -259,3 +259,42 @@ class EvaluationOut(BaseModel):
     created_at: datetime
     finished_at: datetime | None
     results: list[EvalResultOut] = Field(default_factory=list)
+
+
+# -- GEMM benchmarks --------------------------------------------------------------------------------------------------
+class GemmBenchmarkCreate(Strict):
+    """Exactly one of `request` (queued for a worker) or `result` (a finished benchmark, as the CLI posts it)."""
+
+    request: dict[str, Any] | None = Field(
+        None, description="keyword arguments of training.gemm.run_gemm_benchmark, e.g. "
+                          '{"model": "1b", "micro_batch": 4, "seq_len": 2048, "formats": ["bf16", "fp8_tensorwise"]}')
+    result: dict[str, Any] | None = Field(None, description="the dict run_gemm_benchmark returned")
+    experiment_id: int | None = Field(None, ge=1, le=2**31 - 1)
+    name: str = Field("", max_length=200)
+    enqueue: bool = Field(True, description="with `request`: send it to a worker now")
+    queue: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$",
+                       description="the worker queue (e.g. h100, cpu) the job goes to")
+
+
+class GemmStatusUpdate(Strict):
+    status: Literal["running", "succeeded", "failed"]
+    device_name: str | None = Field(None, max_length=200)
+    error_message: str | None = Field(None, max_length=100_000)
+    result: dict[str, Any] | None = None
+
+
+class GemmBenchmarkOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    id: int
+    experiment_id: int | None
+    name: str
+    request: dict[str, Any]
+    status: str
+    device_name: str | None
+    error_message: str | None
+    created_at: datetime | None
+    summary: dict[str, Any] = {}
+
+
+class GemmBenchmarkDetail(GemmBenchmarkOut):
+    result: dict[str, Any]

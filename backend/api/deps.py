@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterator
-
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request
@@ -27,6 +26,9 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+
+
 def require_write_token(request: Request, settings: Settings = Depends(get_settings)) -> None:
     """With PLAB_API_TOKEN set, every write needs `Authorization: Bearer <token>`."""
     if not settings.api_token:
@@ -37,3 +39,7 @@ def require_write_token(request: Request, settings: Settings = Depends(get_setti
         raise HTTPException(status_code=401, detail="this server requires an API token for writes: send the header "
                             "'Authorization: Bearer <PLAB_API_TOKEN>'",
                             headers={"WWW-Authenticate": "Bearer"})
+
+
+# The `dependencies` of every route that writes.
+WRITE = [Depends(require_write_token)]

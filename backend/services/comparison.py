@@ -1,9 +1,11 @@
-"""Every recipe of an experiment against its BF16 run: relative loss difference over training and a summary.
+"""Every recipe of an experiment against its baseline run (`Experiment.baseline`, BF16): relative loss difference
+over training and a summary.
 
 The relative difference of run R to the baseline B at a baseline point (x_i, b_i) is
 `100 * (r(x_i) - b_i) / b_i` percent, where r(x_i) is R's loss linearly interpolated at x_i (tokens by default):
-the curves are aligned on BF16's points, as issue 7 asks, and only where R has points on both sides of x_i
-(no extrapolation). Runs logged on different token grids are therefore compared at equal tokens.
+the curves are aligned on the baseline's points (a recipe is judged where the baseline was measured), and only
+where R has points on both sides of x_i (no extrapolation). Runs logged on different token grids are therefore
+compared at equal tokens.
 
 Long series are compared through the rollup's bucket means (mean loss at mean tokens of each bucket, at most
 max_points buckets per run) rather than raw points: reading every raw row of every run costs seconds on long

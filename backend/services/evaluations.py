@@ -31,11 +31,28 @@ def create_evaluation(session: Session, run_id: int, tasks: list[str], limit: in
     return ev
 
 
+def automatic_evaluation(session: Session, run: Run) -> Evaluation | None:
+    """The experiment's `eval_tasks` on a run of ours that has just succeeded, as a queued evaluation; None when
+    the experiment asks for none or the run left no checkpoint (an external run is its owner's to evaluate)."""
+    tasks = run.experiment.eval_tasks if run.status == "succeeded" and not run.external else []
+    if not tasks or checkpoint_of(session, run.id) is None:
+        return None
+    return create_evaluation(session, run.id, list(tasks), None)
+
+
 def get_evaluation(session: Session, evaluation_id: int) -> Evaluation:
     ev = session.get(Evaluation, evaluation_id)
     if ev is None:
         raise NotFound(f"evaluation {evaluation_id} does not exist")
     return ev
+
+
+def job_of(session: Session, evaluation_id: int) -> dict:
+    """What a worker needs to run an evaluation: the checkpoint, the tasks, the run's spec."""
+    ev = get_evaluation(session, evaluation_id)
+    run = get_run(session, ev.run_id)
+    return {"evaluation_id": ev.id, "run_id": run.id, "tasks": ev.tasks, "limit": ev.limit, "status": ev.status,
+            "checkpoint": checkpoint_of(session, run.id), "spec": run.spec}
 
 
 def evaluation_out(session: Session, ev: Evaluation) -> EvaluationOut:

@@ -1,4 +1,4 @@
-"""GEMM benchmarks (issue 6): requests validated against `training.gemm.run_gemm_benchmark`, results stored as
+"""GEMM benchmarks: requests validated against `training.gemm.run_gemm_benchmark`, results stored as
 the JSON that function returns, and the status machine a worker moves a queued benchmark through.
 
 A benchmark row holds the `request` (the keyword arguments of `run_gemm_benchmark`, so a worker or a user can
@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from backend.errors import Conflict, InvalidInput, NotFound
 from backend.models import Experiment, GemmBenchmark
+from backend.schemas import GemmBenchmarkDetail, GemmBenchmarkOut
 
 RESULT_SCHEMA = "plab.gemm_bench/1"
 STATUSES = ("queued", "running", "succeeded", "failed")
@@ -251,3 +252,9 @@ def summarize(result: dict) -> dict:
                          for mode, per in result.get("totals", {}).items()},
     }
 
+
+def benchmark_out(bench: GemmBenchmark, *, detail: bool = False) -> GemmBenchmarkOut:
+    """A benchmark as the API answers it: with its `summary`, and the full `result` when `detail`."""
+    out = (GemmBenchmarkDetail if detail else GemmBenchmarkOut).model_validate(bench)
+    out.summary = summarize(bench.result or {})
+    return out

@@ -1,12 +1,16 @@
-"""Experiments and runs: creation (one run per recipe), the status machine, cancellation."""
+"""Experiments and runs: creation (one run per recipe), the status machine, cancellation, a run's metrics."""
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from backend.errors import Conflict, InvalidInput, NotFound
 from backend.models import FINAL_STATUSES, Artifact, Experiment, Run, utcnow
-from backend.schemas import ArtifactIn, ExperimentCreate, RecipeRequest, RunCreate, RunInfoUpdate, StatusUpdate
+from backend.schemas import (ArtifactIn, ExperimentCreate, MetricBatchResult, MetricPointIn, RecipeRequest, RunCreate,
+                             RunInfoUpdate, Series, SeriesQuery, StatusUpdate)
+from backend.services import metrics
 
 # Which status a run may move to from which: a worker retried after a crash re-announces `running`.
 TRANSITIONS = {
@@ -174,3 +178,44 @@ def add_artifact(session: Session, run_id: int, body: ArtifactIn) -> Artifact:
 def list_artifacts(session: Session, run_id: int) -> list[Artifact]:
     get_run(session, run_id)
     return list(session.scalars(select(Artifact).where(Artifact.run_id == run_id).order_by(Artifact.id)))
+
+
+def ingest_metrics(session: Session, run_id: int, points: Sequence[MetricPointIn]) -> MetricBatchResult:
+    """A batch of points (idempotent on run, key, step); the highest `train/loss` step seen is the run's progress.
+    The answer carries the run's status and `cancel_requested`, which is how a worker learns of a cancel."""
+    run = get_run(session, run_id)
+    inserted, duplicates = metrics.ingest(session, run_id, points)
+    loss_steps = [p.step for p in points if p.key == "train/loss"]
+    if loss_steps:
+        total = (run.spec.get("training") or {}).get("steps")
+        step = max(max(loss_steps), (run.progress or {}).get("step", -1))
+        run.progress = {"step": step, "total": total}
+    return MetricBatchResult(inserted=inserted, duplicates=duplicates, run_status=run.status,
+                             cancel_requested=run.cancel_requested)
+
+
+def metric_keys(session: Session, run_id: int) -> dict:
+    get_run(session, run_id)
+    return {"run_id": run_id, "keys": metrics.metric_keys(session, run_id)}
+
+
+def run_series(session: Session, run_id: int, key: str, q: SeriesQuery) -> Series:
+    get_run(session, run_id)
+    return metrics.read_series(session, run_id, key, max_points=q.max_points, x=q.x, x_min=q.x_min, x_max=q.x_max)
+
+
+def experiment_series(session: Session, experiment_id: int, keys: list[str], q: SeriesQuery) -> dict:
+    """Every run's series for the given keys (an unknown key is an empty series), downsampled by `read_many`."""
+    exp = get_experiment(session, experiment_id)
+    answers = metrics.read_many(session, [run.id for run in exp.runs], keys, max_points=q.max_points, x=q.x,
+                                x_min=q.x_min, x_max=q.x_max)
+    out = []
+    for run in exp.runs:
+        series = {}
+        for k in keys:
+            s = answers[(run.id, k)]
+            series[k] = {"step": s.step, "tokens": s.tokens, "wall_time": s.wall_time, "value": s.value,
+                         "total_points": s.total_points, "downsampled": s.downsampled}
+        out.append({"run_id": run.id, "recipe": run.recipe, "label": run.label, "status": run.status,
+                    "gemm_backend": run.gemm_backend, "series": series})
+    return {"experiment_id": exp.id, "x": q.x, "keys": keys, "runs": out}

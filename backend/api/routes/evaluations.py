@@ -1,60 +1,50 @@
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Query
-from sqlalchemy.orm import Session
+from fastapi import APIRouter, Query
 
-from backend import queue
-from backend.api.deps import ObjectId, get_session, require_write_token
+from backend.api.deps import WRITE, ObjectId, SessionDep
 from backend.schemas import EvalTaskResultIn, EvaluationCreate, EvaluationOut, EvaluationStatusUpdate
-from backend.services import evaluations
+from backend.services import dispatch, evaluations
 
 router = APIRouter(tags=["evaluations"])
-write = [Depends(require_write_token)]
-Db = Depends(get_session, scope="function")
 
 
-@router.post("/runs/{run_id}/evaluations", status_code=201, response_model=EvaluationOut, dependencies=write)
-def start_evaluation(run_id: ObjectId, body: EvaluationCreate, session: Session = Db):
+@router.post("/runs/{run_id}/evaluations", status_code=201, response_model=EvaluationOut, dependencies=WRITE)
+def start_evaluation(run_id: ObjectId, body: EvaluationCreate, session: SessionDep):
     """Evaluate the run's final checkpoint with lm-evaluation-harness on the given tasks (a Celery job)."""
-    ev = evaluations.create_evaluation(session, run_id, body.tasks, body.limit)
-    session.commit()
-    queue.enqueue_eval(ev.id)
-    return evaluations.evaluation_out(session, ev)
+    return evaluations.evaluation_out(session, dispatch.start_evaluation(session, run_id, body))
 
 
 @router.get("/runs/{run_id}/evaluations", response_model=list[EvaluationOut])
-def list_evaluations(run_id: ObjectId, session: Session = Db):
+def list_evaluations(run_id: ObjectId, session: SessionDep):
     return [evaluations.evaluation_out(session, e) for e in evaluations.list_evaluations(session, run_id)]
 
 
 @router.get("/evaluations/{evaluation_id}", response_model=EvaluationOut)
-def get_evaluation(evaluation_id: ObjectId, session: Session = Db):
+def get_evaluation(evaluation_id: ObjectId, session: SessionDep):
     return evaluations.evaluation_out(session, evaluations.get_evaluation(session, evaluation_id))
 
 
 @router.get("/evaluations/{evaluation_id}/job")
-def evaluation_job(evaluation_id: ObjectId, session: Session = Db):
+def evaluation_job(evaluation_id: ObjectId, session: SessionDep):
     """What a worker needs to run the job: the checkpoint, the tasks, the run's spec (worker-facing)."""
-    ev = evaluations.get_evaluation(session, evaluation_id)
-    run = evaluations.get_run(session, ev.run_id)
-    return {"evaluation_id": ev.id, "run_id": run.id, "tasks": ev.tasks, "limit": ev.limit, "status": ev.status,
-            "checkpoint": evaluations.checkpoint_of(session, run.id), "spec": run.spec}
+    return evaluations.job_of(session, evaluation_id)
 
 
-@router.post("/evaluations/{evaluation_id}/status", response_model=EvaluationOut, dependencies=write)
-def update_evaluation_status(evaluation_id: ObjectId, body: EvaluationStatusUpdate, session: Session = Db):
+@router.post("/evaluations/{evaluation_id}/status", response_model=EvaluationOut, dependencies=WRITE)
+def update_evaluation_status(evaluation_id: ObjectId, body: EvaluationStatusUpdate, session: SessionDep):
     return evaluations.evaluation_out(session, evaluations.update_status(session, evaluation_id, body))
 
 
-@router.post("/evaluations/{evaluation_id}/results", status_code=201, dependencies=write)
-def store_task_result(evaluation_id: ObjectId, body: EvalTaskResultIn, session: Session = Db):
+@router.post("/evaluations/{evaluation_id}/results", status_code=201, dependencies=WRITE)
+def store_task_result(evaluation_id: ObjectId, body: EvalTaskResultIn, session: SessionDep):
     row = evaluations.store_result(session, evaluation_id, body)
     return {"evaluation_id": evaluation_id, "task": row.task}
 
 
 @router.get("/experiments/{experiment_id}/accuracy")
-def accuracy(experiment_id: ObjectId, method: str = Query("bootstrap", pattern="^(bootstrap|mcnemar)$"),
-             session: Session = Db):
+def accuracy(experiment_id: ObjectId, session: SessionDep,
+             method: str = Query("bootstrap", pattern="^(bootstrap|mcnemar)$")):
     """Tasks x recipes with stderr, and each recipe's paired difference to BF16 with a 95% interval
     (paired bootstrap over documents, or exact McNemar for 0/1 metrics)."""
     return evaluations.accuracy_table(session, experiment_id, method=method)

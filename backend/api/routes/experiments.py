@@ -3,78 +3,57 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from fastapi.responses import Response
-from sqlalchemy.orm import Session
 
-from backend import queue
-from backend.api.deps import ObjectId, get_session, require_write_token
+from backend.api.deps import WRITE, ObjectId, SessionDep
 from backend.schemas import ExperimentCreate, ExperimentOut, Page, SeriesQuery
-from backend.services import comparison, metrics, runs
+from backend.services import comparison, dispatch, runs
 
 router = APIRouter(prefix="/experiments", tags=["experiments"])
 
 
-@router.post("", status_code=201, response_model=ExperimentOut, dependencies=[Depends(require_write_token)])
-def create_experiment(body: ExperimentCreate, session: Session = Depends(get_session, scope="function")):
-    exp = runs.create_experiment(session, body)
-    session.commit()
-    if body.enqueue:
-        for run in exp.runs:
-            queue.enqueue_train(run.id, run.spec)
-    return ExperimentOut.model_validate(exp)
+@router.post("", status_code=201, response_model=ExperimentOut, dependencies=WRITE)
+def create_experiment(body: ExperimentCreate, session: SessionDep):
+    return ExperimentOut.model_validate(dispatch.submit_experiment(session, body))
 
 
 @router.get("", response_model=Page)
-def list_experiments(limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0, le=2**31),
-                     session: Session = Depends(get_session, scope="function")):
+def list_experiments(session: SessionDep, limit: int = Query(50, ge=1, le=500),
+                     offset: int = Query(0, ge=0, le=2**31)):
     total, items = runs.list_experiments(session, limit, offset)
     return Page(total=total, items=[ExperimentOut.model_validate(e) for e in items])
 
 
 @router.get("/{experiment_id}", response_model=ExperimentOut)
-def get_experiment(experiment_id: ObjectId, session: Session = Depends(get_session, scope="function")):
+def get_experiment(experiment_id: ObjectId, session: SessionDep):
     return ExperimentOut.model_validate(runs.get_experiment(session, experiment_id))
 
 
 @router.get("/{experiment_id}/series")
-def experiment_series(experiment_id: ObjectId,
+def experiment_series(experiment_id: ObjectId, session: SessionDep,
                       keys: str = Query("train/loss", max_length=2000,
                                         description="comma-separated metric keys"),
                       max_points: int = Query(2000, ge=4, le=100_000), x: str = Query("step"),
-                      x_min: float | None = None, x_max: float | None = None,
-                      session: Session = Depends(get_session, scope="function")):
+                      x_min: float | None = None, x_max: float | None = None):
     """Every run's series for the given keys, downsampled on the server from pre-computed min/max buckets
     (a one-step spike survives any zoom). An unknown key is an empty series."""
     q = SeriesQuery(max_points=max_points, x=x, x_min=x_min, x_max=x_max)
-    exp = runs.get_experiment(session, experiment_id)
     key_list = [k for k in (s.strip() for s in keys.split(",")) if k]
-    answers = metrics.read_many(session, [run.id for run in exp.runs], key_list, max_points=q.max_points, x=q.x,
-                                x_min=q.x_min, x_max=q.x_max)
-    out = []
-    for run in exp.runs:
-        series = {}
-        for k in key_list:
-            s = answers[(run.id, k)]
-            series[k] = {"step": s.step, "tokens": s.tokens, "wall_time": s.wall_time, "value": s.value,
-                         "total_points": s.total_points, "downsampled": s.downsampled}
-        out.append({"run_id": run.id, "recipe": run.recipe, "label": run.label, "status": run.status,
-                    "gemm_backend": run.gemm_backend, "series": series})
+    answer = runs.experiment_series(session, experiment_id, key_list, q)
     # Serialised here: FastAPI's generic encoder walks every one of the ~10^5 numbers and costs more than
     # the database's work on long experiments. Values are finite or None by construction (ingest stores NULL).
-    body = json.dumps({"experiment_id": exp.id, "x": q.x, "keys": key_list, "runs": out}, separators=(",", ":"),
-                      allow_nan=False)
-    return Response(content=body, media_type="application/json")
+    return Response(content=json.dumps(answer, separators=(",", ":"), allow_nan=False),
+                    media_type="application/json")
 
 
 @router.get("/{experiment_id}/comparison")
-def experiment_comparison(experiment_id: ObjectId,
+def experiment_comparison(experiment_id: ObjectId, session: SessionDep,
                           key: str = Query("train/loss", min_length=1, max_length=200),
                           x: Literal["tokens", "step"] = Query("tokens"),
                           max_points: int = Query(2000, ge=2, le=100_000),
                           final_n: int = Query(20, ge=1, le=10_000,
-                                               description="final loss = mean of the last final_n points"),
-                          session: Session = Depends(get_session, scope="function")):
+                                               description="final loss = mean of the last final_n points")):
     """Relative difference of `key` to the BF16 run in percent, `100 * (run - bf16) / bf16`, at BF16's points
     (the other run interpolated linearly on tokens or steps), plus per run: final loss, final difference,
     tokens/s, speedup over BF16, MFU, peak memory and GEMM backend (emulated runs flagged).
