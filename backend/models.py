@@ -9,6 +9,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 RUN_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "diverged")
 FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "diverged"})
+# The recipe a new experiment always trains and compares every other recipe with; code that compares reads the
+# experiment's own `baseline`.
+BASELINE_RECIPE = "bf16"
 
 
 def utcnow() -> datetime:
@@ -30,7 +33,7 @@ class Experiment(Base):
     training_config: Mapped[dict] = mapped_column(JSON)
     seed: Mapped[int] = mapped_column(Integer, default=0)
     recipes: Mapped[list] = mapped_column(JSON)
-    baseline: Mapped[str] = mapped_column(String(32), default="bf16")
+    baseline: Mapped[str] = mapped_column(String(32), default=BASELINE_RECIPE)
     eval_tasks: Mapped[list] = mapped_column(JSON, default=list)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 

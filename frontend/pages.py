@@ -25,6 +25,8 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from backend.models import BASELINE_RECIPE
+
 FRONTEND_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = FRONTEND_DIR / "templates"
 STATIC_DIR = FRONTEND_DIR / "static"
@@ -33,7 +35,6 @@ PLOTLY_URL = "/static/vendor/plotly.min.js"
 # The form offers the presets of training.model.PRESETS (docs/INTERFACES.md); the server validates the spec,
 # so a preset missing here only costs the user a custom-dimensions entry, never a wrong run.
 MODEL_PRESETS = ("tiny", "125m", "350m", "1b")
-BASELINE_RECIPE = "bf16"
 
 
 def plotly_js_path() -> Path:
@@ -89,8 +90,8 @@ def mount(app: FastAPI) -> None:
     def experiment_page(request: Request, experiment_id: str) -> HTMLResponse:
         if not experiment_id.isdigit() and not _looks_like_uuid(experiment_id):
             raise HTTPException(status_code=404, detail=f"no experiment page for id {experiment_id!r}")
-        return render(request, "experiment.html", page="experiment", experiment_id=experiment_id,
-                      baseline=BASELINE_RECIPE)
+        # The baseline comes with the experiment's JSON (`baseline`), which the page loads.
+        return render(request, "experiment.html", page="experiment", experiment_id=experiment_id)
 
     @app.get("/runs", response_class=HTMLResponse, include_in_schema=False)
     def runs_page(request: Request) -> HTMLResponse:

@@ -29,7 +29,7 @@ from backend.services.runs import get_experiment
 COMPARISON_X = ("tokens", "step")
 
 
-def baseline_run(runs: list[Run], baseline: str = "bf16") -> Run | None:
+def baseline_run(runs: list[Run], baseline: str) -> Run | None:
     """The experiment's baseline run: its recipe is the baseline and no layer is kept apart (an ablation of the
     baseline recipe is not the baseline); a succeeded one is preferred, then the earliest."""
     candidates = [r for r in runs if r.recipe == baseline and not r.bf16_first_layers and not r.bf16_last_layers]

@@ -111,13 +111,14 @@ def latest_results(session: Session, run_id: int) -> dict[str, dict]:
 
 
 def accuracy_table(session: Session, experiment_id: int, *, method: str = "bootstrap", n_boot: int = 2000) -> dict:
-    """Tasks x recipes: value ± stderr, and per non-BF16 run the paired delta to BF16 with its 95% interval."""
+    """Tasks x recipes: value ± stderr, and per run the paired delta to the experiment's baseline run (BF16) with
+    its 95% interval, under the key `vs_bf16` that the dashboard reads."""
     from training.evaluation.stats import compare_results
 
     exp = get_experiment(session, experiment_id)
     runs: list[Run] = list(exp.runs)
     per_run = {r.id: latest_results(session, r.id) for r in runs}
-    base = next((r for r in runs if r.recipe == "bf16" and r.status == "succeeded" and per_run[r.id]), None)
+    base = next((r for r in runs if r.recipe == exp.baseline and r.status == "succeeded" and per_run[r.id]), None)
     table = []
     for r in runs:
         res = per_run[r.id]

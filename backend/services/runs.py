@@ -7,7 +7,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from backend.errors import Conflict, InvalidInput, NotFound
-from backend.models import FINAL_STATUSES, Artifact, Experiment, Run, utcnow
+from backend.models import BASELINE_RECIPE, FINAL_STATUSES, Artifact, Experiment, Run, utcnow
 from backend.schemas import (ArtifactIn, ExperimentCreate, MetricBatchResult, MetricPointIn, RecipeRequest, RunCreate,
                              RunInfoUpdate, Series, SeriesQuery, StatusUpdate)
 from backend.services import metrics
@@ -46,9 +46,9 @@ def build_spec(body: ExperimentCreate, recipe: RecipeRequest) -> dict:
 
 def create_experiment(session: Session, body: ExperimentCreate) -> Experiment:
     recipes = list(body.recipes)
-    if not any(r.name == "bf16" for r in recipes):
-        # BF16 is the baseline every comparison is made against: always run it.
-        recipes.insert(0, RecipeRequest(name="bf16"))
+    if not any(r.name == BASELINE_RECIPE for r in recipes):
+        # The baseline is what every comparison is made against: always run it.
+        recipes.insert(0, RecipeRequest(name=BASELINE_RECIPE))
     labels = [run_label(r) for r in recipes]
     dupes = sorted({lab for lab in labels if labels.count(lab) > 1})
     if dupes:
@@ -57,7 +57,7 @@ def create_experiment(session: Session, body: ExperimentCreate) -> Experiment:
     specs = [build_spec(body, r) for r in recipes]
     exp = Experiment(name=body.name, description=body.description, model_config_=body.model, data_config=body.data,
                      training_config=body.training, seed=body.seed,
-                     recipes=[r.model_dump() for r in recipes], baseline="bf16", eval_tasks=body.eval_tasks)
+                     recipes=[r.model_dump() for r in recipes], baseline=BASELINE_RECIPE, eval_tasks=body.eval_tasks)
     for r, label, spec in zip(recipes, labels, specs):
         exp.runs.append(Run(recipe=r.name, recipe_options=r.options, bf16_first_layers=r.bf16_first_layers,
                             bf16_last_layers=r.bf16_last_layers, label=label, spec=spec, status="queued"))

@@ -1,4 +1,4 @@
-"""Issue 7's API test: the relative loss difference to BF16, computed on the server, on synthetic series with a
+"""The relative loss difference to BF16, computed on the server, on synthetic series with a
 known offset (a recipe whose loss is 1.02 x BF16's differs by +2.00 % everywhere), against real databases."""
 from __future__ import annotations
 
@@ -115,6 +115,34 @@ def test_unknown_key_gives_empty_curves_and_an_experiment_without_bf16_run_is_a_
         session.execute(text("DELETE FROM runs WHERE id = :r"), {"r": bf16})
     r = api.get(f"/api/v1/experiments/{exp['id']}/comparison")
     assert r.status_code == 409 and "has no bf16 run" in r.json()["detail"]
+
+
+def test_comparison_and_accuracy_measure_against_the_experiments_own_baseline(api, database_url):
+    from backend.db import session_scope
+    from backend.schemas import EvalTaskResultIn, EvaluationStatusUpdate
+    from backend.services import evaluations
+
+    exp = create(api)
+    bf16, fp8, _ = (r["id"] for r in exp["runs"])
+    send(api, bf16, curve(50, 1000))
+    send(api, fp8, curve(50, 1000, factor=1.25))
+    for run in (bf16, fp8):
+        finish(api, run)
+        art = api.post(f"/api/v1/runs/{run}/artifacts", json={"kind": "checkpoint", "path": f"/ckpt/{run}"})
+        assert art.status_code == 201
+    with session_scope(database_url) as session:
+        session.execute(text("UPDATE experiments SET baseline = 'fp8_tensorwise' WHERE id = :e"), {"e": exp["id"]})
+        for run in (bf16, fp8):  # a finished evaluation per run, as a worker would report it
+            ev = evaluations.create_evaluation(session, run, ["plab_blimp"], None)
+            for status in ("running", "succeeded"):
+                evaluations.update_status(session, ev.id, EvaluationStatusUpdate(status=status))
+            evaluations.store_result(session, ev.id, EvalTaskResultIn(task="plab_blimp", result={"metrics": {}}))
+    body = comparison(api, exp["id"])
+    assert body["baseline_run_id"] == fp8
+    b = next(r for r in body["runs"] if r["run_id"] == bf16)
+    assert all(round(d, 6) == -20.0 for d in b["delta_pct"])  # 1 / 1.25 of the baseline's loss
+    table = api.get(f"/api/v1/experiments/{exp['id']}/accuracy").json()
+    assert table["baseline_run_id"] == fp8
 
 
 def test_relative_difference_validates_and_skips_zero_baseline_losses():
