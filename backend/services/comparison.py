@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from backend.errors import Conflict, InvalidInput
 from backend.models import Run
-from backend.services import metrics
+from backend.services import metrics, rollup
 from backend.services.runs import get_experiment
 
 COMPARISON_X = ("tokens", "step")
@@ -55,7 +55,7 @@ def comparison_points(session: Session, run_id: int, key: str, x: str, max_point
             f"AND {x} IS NOT NULL ORDER BY step"), {"r": run_id, "k": key}).all()
         xs, ys = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
     else:
-        shift = metrics._shift_for(first, last, max_points)
+        shift = rollup.shift_for(first, last, max_points)
         buckets = metrics.read_buckets(session, run_id, key, first, last, shift)
         xs, ys = [], []
         for b in sorted(buckets):
@@ -114,7 +114,7 @@ def _peak_memory(session: Session, run: Run) -> float | None:
         return float(mem)
     row = session.execute(text(
         "SELECT MAX(max_value) FROM metric_rollups WHERE run_id = :r AND key = 'perf/peak_mem_gib' AND level = :lv"),
-        {"r": run.id, "lv": metrics.MAX_LEVEL}).one()
+        {"r": run.id, "lv": rollup.MAX_LEVEL}).one()
     return None if row[0] is None else float(row[0])
 
 

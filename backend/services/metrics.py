@@ -6,16 +6,14 @@ is written (bench/dashboard_bench.py measured it), so the dashboard reads pre-co
 Ingest merges each newly inserted point into its bucket at every level, in the same transaction as the raw
 insert; only rows the raw insert really stored are merged, so a re-sent batch changes nothing.
 
-A bucket keeps its minimum point, its maximum point (ties: the earliest step), its first point whose value is
-non-finite (stored as NULL) and sums for bucket means. A one-step spike is the maximum of every bucket that
-holds it, so it survives every level; a NULL point likewise.
+What a bucket keeps, and how buckets merge, is `backend.services.rollup` (pure arithmetic); this module is the
+database side: the upsert that merges buckets in SQL by the same rules, and the reads.
 """
 from __future__ import annotations
 
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
 from sqlalchemy import and_, bindparam, case, delete, func, or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
@@ -24,129 +22,12 @@ from sqlalchemy.orm import Session
 from backend.errors import InvalidInput
 from backend.models import MetricPoint, MetricRollup
 from backend.schemas import MetricPointIn, Series
+from backend.services.rollup import (MAX_LEVEL, MIN_LEVEL, ROLLUP_COLUMNS, Agg, Point, bucketize, coarsen, downsample,
+                                     rollup_levels, shift_for)
 
 log = logging.getLogger(__name__)
 _X_COLUMNS = {"step": "step", "tokens": "tokens", "wall_time": "wall_time"}
-# Level 4 (16 steps) is the finest: ranges narrower than 16 * max_points / 2 steps are read raw (at most
-# 8 * max_points rows). Level 24 (16.7 M steps) is the coarsest: coarser answers merge its rows in Python.
-MIN_LEVEL = 4
-MAX_LEVEL = 24
-LEVELS = tuple(range(MIN_LEVEL, MAX_LEVEL + 1))
-
-
-class Point(NamedTuple):
-    step: int
-    tokens: int | None
-    wall_time: float | None
-    value: float | None
-
-
-class Agg:
-    """One bucket's summary; the same arithmetic merges raw points (ingest, edges) and stored rollup rows."""
-    __slots__ = ("n_points", "n_value", "sum_value", "sum_step", "n_tokens", "sum_tokens", "first_step",
-                 "last_step", "min", "max", "null")
-
-    def __init__(self, p: Point):
-        self.n_points = 1
-        self.first_step = self.last_step = p.step
-        if p.value is None:
-            self.n_value, self.sum_value, self.sum_step, self.n_tokens, self.sum_tokens = 0, 0.0, 0.0, 0, 0.0
-            self.min = self.max = None
-            self.null = p
-        else:
-            self.n_value, self.sum_value, self.sum_step = 1, p.value, float(p.step)
-            self.n_tokens, self.sum_tokens = (0, 0.0) if p.tokens is None else (1, float(p.tokens))
-            self.min = self.max = p
-            self.null = None
-
-    def add(self, o: Agg) -> None:
-        self.n_points += o.n_points
-        self.n_value += o.n_value
-        self.sum_value += o.sum_value
-        self.sum_step += o.sum_step
-        self.n_tokens += o.n_tokens
-        self.sum_tokens += o.sum_tokens
-        self.first_step = min(self.first_step, o.first_step)
-        self.last_step = max(self.last_step, o.last_step)
-        if o.min is not None and (self.min is None or (o.min.value, o.min.step) < (self.min.value, self.min.step)):
-            self.min = o.min
-        if o.max is not None and (self.max is None or (-o.max.value, o.max.step) < (-self.max.value, self.max.step)):
-            self.max = o.max
-        if o.null is not None and (self.null is None or o.null.step < self.null.step):
-            self.null = o.null
-
-    def points(self) -> list[Point]:
-        """What a downsampled answer shows for this bucket: min, max and first NULL point, by step."""
-        pts = {p.step: p for p in (self.min, self.max, self.null) if p is not None}
-        return [pts[s] for s in sorted(pts)]
-
-    def row(self, run_id: int, key: str, level: int, bucket: int) -> dict:
-        mn, mx, nl = self.min, self.max, self.null
-        return dict(run_id=run_id, key=key, level=level, bucket=bucket, n_points=self.n_points,
-                    n_value=self.n_value, sum_value=self.sum_value, sum_step=self.sum_step, n_tokens=self.n_tokens,
-                    sum_tokens=self.sum_tokens, first_step=self.first_step, last_step=self.last_step,
-                    min_value=mn and mn.value, min_step=mn and mn.step, min_tokens=mn and mn.tokens,
-                    min_wall_time=mn and mn.wall_time,
-                    max_value=mx and mx.value, max_step=mx and mx.step, max_tokens=mx and mx.tokens,
-                    max_wall_time=mx and mx.wall_time,
-                    null_step=nl and nl.step, null_tokens=nl and nl.tokens, null_wall_time=nl and nl.wall_time)
-
-    @classmethod
-    def from_row(cls, r) -> Agg:
-        a = cls.__new__(cls)
-        (a.n_points, a.n_value, a.sum_value, a.sum_step, a.n_tokens, a.sum_tokens, a.first_step,
-         a.last_step) = r[1:9]
-        a.min = None if r[9] is None else Point(r[10], r[11], r[12], r[9])
-        a.max = None if r[13] is None else Point(r[14], r[15], r[16], r[13])
-        a.null = None if r[17] is None else Point(r[17], r[18], r[19], None)
-        return a
-
-
-# The columns `Agg.from_row` reads, after the bucket number.
-_ROLLUP_COLUMNS = ("bucket", "n_points", "n_value", "sum_value", "sum_step", "n_tokens", "sum_tokens", "first_step",
-                   "last_step", "min_value", "min_step", "min_tokens", "min_wall_time", "max_value", "max_step",
-                   "max_tokens", "max_wall_time", "null_step", "null_tokens", "null_wall_time")
-_ROLLUP_SELECT = ", ".join(_ROLLUP_COLUMNS)
-
-
-def bucketize(points: Iterable[Point], shift: int) -> dict[int, Agg]:
-    """Raw points into buckets of 2**shift steps."""
-    out: dict[int, Agg] = {}
-    for p in points:
-        b = p.step >> shift
-        a = out.get(b)
-        if a is None:
-            out[b] = Agg(p)
-        else:
-            a.add(Agg(p))
-    return out
-
-
-def coarsen(buckets: dict[int, Agg], by: int) -> dict[int, Agg]:
-    """Buckets of 2**l steps into buckets of 2**(l+by) steps (fixed buckets nest exactly)."""
-    if by == 0:
-        return buckets
-    out: dict[int, Agg] = {}
-    for b in sorted(buckets):
-        nb = b >> by
-        a = out.get(nb)
-        if a is None:
-            # A copy: merging must not mutate the finer level's bucket.
-            a = out[nb] = Agg.__new__(Agg)
-            src = buckets[b]
-            for f in Agg.__slots__:
-                setattr(a, f, getattr(src, f))
-        else:
-            a.add(buckets[b])
-    return out
-
-
-def rollup_levels(points: Iterable[Point]) -> dict[int, dict[int, Agg]]:
-    """Every level's buckets for a set of points: level 4 from the points, each next level from the previous."""
-    levels = {MIN_LEVEL: bucketize(points, MIN_LEVEL)}
-    for lv in LEVELS[1:]:
-        levels[lv] = coarsen(levels[lv - 1], 1)
-    return levels
+_ROLLUP_SELECT = ", ".join(ROLLUP_COLUMNS)
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -307,14 +188,6 @@ def read_buckets(session: Session, run_id: int, key: str, lo: int, hi: int, shif
     return coarsen(buckets, shift - lv)
 
 
-def _shift_for(lo: int, hi: int, n_buckets: int) -> int:
-    """The finest power-of-two bucket width giving at most n_buckets buckets over lo..hi."""
-    k = 0
-    while (hi >> k) - (lo >> k) + 1 > n_buckets:
-        k += 1
-    return k
-
-
 def step_range(session: Session, run_id: int, key: str, x: str, x_min: float | None, x_max: float | None,
                extent: tuple[int, int, int]) -> tuple[int, int] | None:
     """The steps lo..hi of the series' points inside the x range, or None when none is there."""
@@ -363,7 +236,7 @@ def read_series(session: Session, run_id: int, key: str, *, max_points: int = 20
     lo, hi = rng
     if hi - lo + 1 <= max_points:  # steps are unique, so the range holds at most this many points
         return _as_series(key, _raw(session, run_id, key, lo, hi), downsampled=False)
-    shift = _shift_for(lo, hi, max_points // 2)
+    shift = shift_for(lo, hi, max_points // 2)
     whole = (lo, hi) == extent[:2]
     if whole and extent[2] <= max_points:
         return _as_series(key, _raw(session, run_id, key, lo, hi), downsampled=False)
@@ -376,12 +249,7 @@ def read_series(session: Session, run_id: int, key: str, *, max_points: int = 20
     total = sum(a.n_points for a in buckets.values())
     if total <= max_points:
         return _as_series(key, _raw(session, run_id, key, lo, hi), downsampled=False)
-    while True:
-        pts = [p for b in sorted(buckets) for p in buckets[b].points()]
-        # NULL points can make a bucket show three points; one width coarser halves the buckets.
-        if len(pts) <= max_points:
-            return _as_series(key, pts, downsampled=True, total=total)
-        buckets = coarsen(buckets, 1)
+    return _as_series(key, downsample(buckets, max_points), downsampled=True, total=total)
 
 
 _POINT_COLUMNS = ("min_step, min_tokens, min_wall_time, min_value, max_step, max_tokens, max_wall_time, max_value, "
@@ -437,7 +305,7 @@ def read_many(session: Session, run_ids: Sequence[int], keys: Sequence[str], *, 
             .bindparams(bindparam("runs", expanding=True), bindparam("keys", expanding=True)),
             {"runs": list(set(run_ids)), "keys": list(set(keys)), "lv": MAX_LEVEL}).all()
         for r, k, first, last, total in ext:
-            shift = _shift_for(int(first), int(last), max_points // 2)
+            shift = shift_for(int(first), int(last), max_points // 2)
             if int(last) - int(first) + 1 > max_points and int(total) > max_points and MIN_LEVEL <= shift <= MAX_LEVEL:
                 batch[(r, k)] = (shift, int(total))
     items = list(batch.items())
@@ -474,12 +342,8 @@ def _read_without_rollup(session: Session, run_id: int, key: str, max_points: in
            and (x_max is None or (p[xi] is not None and p[xi] <= x_max))]
     if len(pts) <= max_points:
         return _as_series(key, pts, downsampled=False)
-    buckets = bucketize(pts, _shift_for(pts[0].step, pts[-1].step, max_points // 2))
-    while True:
-        out = [p for b in sorted(buckets) for p in buckets[b].points()]
-        if len(out) <= max_points:
-            return _as_series(key, out, downsampled=True, total=len(pts))
-        buckets = coarsen(buckets, 1)
+    buckets = bucketize(pts, shift_for(pts[0].step, pts[-1].step, max_points // 2))
+    return _as_series(key, downsample(buckets, max_points), downsampled=True, total=len(pts))
 
 
 def _as_series(key: str, pts: list[Point], *, downsampled: bool, total: int | None = None) -> Series:

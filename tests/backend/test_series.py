@@ -1,8 +1,8 @@
 """The metric rollup and the downsampled series read from it, against real SQLite and PostgreSQL.
 
-The reference ("brute force") below is computed straight from the list of points, with the rules the rollup
-promises: fixed buckets of 2**level steps; per bucket the minimum point, the maximum point (ties: earliest
-step), the first point with a non-finite (NULL) value, counts and sums.
+The reference ("brute force", tests/backend/test_rollup.py) is computed straight from the list of points, with
+the rules the rollup promises: fixed buckets of 2**level steps; per bucket the minimum point, the maximum point
+(ties: earliest step), the first point with a non-finite (NULL) value, counts and sums.
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from backend.db import session_factory
 from backend.migrate import upgrade
 from backend.schemas import MetricPointIn
 from backend.services import metrics
+from backend.services.rollup import LEVELS
 from tests.backend.test_api import create, make_client
+from tests.backend.test_rollup import brute_buckets, random_series
 
 KEY = "train/loss"
 
@@ -31,21 +33,6 @@ def env(database_url, tmp_path):
     session.close()
 
 
-def random_series(n: int, seed: int, *, first_step: int = 0, stride: int = 1) -> list[tuple]:
-    """(step, tokens, wall_time, value) with noise, repeated values (ties), spikes and NULL runs."""
-    rng = random.Random(seed)
-    pts = []
-    for i in range(n):
-        step = first_step + i * stride
-        v = round(3 + math.sin(i / 40) + rng.gauss(0, 0.1), 2)  # rounded: equal values happen
-        if rng.random() < 0.01:
-            v = rng.choice([50.0, -20.0])
-        if rng.random() < 0.01:
-            v = None
-        pts.append((step, step * 1024, 1000.0 + 0.5 * step, v))
-    return pts
-
-
 def as_in(pts, key=KEY) -> list[MetricPointIn]:
     return [MetricPointIn(key=key, step=s, tokens=t, wall_time=w, value=v) for s, t, w, v in pts]
 
@@ -54,25 +41,6 @@ def ingest(session, run_id, pts, key=KEY, batch=1000):
     for i in range(0, len(pts), batch):
         metrics.ingest(session, run_id, as_in(pts[i:i + batch], key))
     session.commit()
-
-
-def brute_buckets(pts, level) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for s, t, w, v in sorted(pts):
-        b = out.setdefault(s >> level, {"n_points": 0, "n_value": 0, "sum_value": 0.0, "first_step": s,
-                                        "last_step": s, "min": None, "max": None, "null": None})
-        b["n_points"] += 1
-        b["last_step"] = s
-        if v is None:
-            b["null"] = b["null"] or (s, t, w)
-            continue
-        b["n_value"] += 1
-        b["sum_value"] += v
-        if b["min"] is None or v < b["min"][3]:
-            b["min"] = (s, t, w, v)
-        if b["max"] is None or v > b["max"][3]:
-            b["max"] = (s, t, w, v)
-    return out
 
 
 def stored_buckets(session, run_id, level, key=KEY) -> dict[int, dict]:
@@ -87,7 +55,7 @@ def stored_buckets(session, run_id, level, key=KEY) -> dict[int, dict]:
 
 
 def assert_rollup_matches(session, run_id, pts, key=KEY):
-    for level in metrics.LEVELS:
+    for level in LEVELS:
         want, got = brute_buckets(pts, level), stored_buckets(session, run_id, level, key)
         assert got.keys() == want.keys(), f"level {level}"
         for b, w in want.items():
