@@ -1,4 +1,4 @@
-"""metric rollups: pre-computed min/max buckets per series (issue 7)
+"""metric rollups: pre-computed min/max buckets per series
 
 Revision ID: 0002
 Revises: 0001
