@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.db import session_factory
 from backend.services.runs import Conflict, InvalidInput, NotFound
-from backend.settings import Settings, get_settings
+from plab.settings import Settings, get_settings
 
 log = logging.getLogger("plab.api")
 
@@ -66,7 +66,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), **({} if exc.status_code != 404 else {}))
+        return _error(exc.status_code, str(exc.detail))
 
 
 def create_app(settings: Settings | None = None, *, migrate: bool | None = None) -> FastAPI:

@@ -8,7 +8,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from backend.cli import build_parser
+from plab.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 
