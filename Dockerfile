@@ -6,6 +6,7 @@ WORKDIR /app
 # PyPI's Linux torch wheel is the CUDA build; the NVIDIA container runtime provides the driver.
 RUN pip install "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
+COPY plab plab
 COPY backend backend
 COPY workers workers
 COPY training training

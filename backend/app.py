@@ -5,7 +5,7 @@ from fastapi import FastAPI
 
 from backend.db import session_factory
 from backend.errors import install_error_handlers
-from backend.settings import Settings, get_settings
+from plab.settings import Settings, get_settings
 
 
 def create_app(settings: Settings | None = None, *, migrate: bool | None = None) -> FastAPI:

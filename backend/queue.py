@@ -1,9 +1,8 @@
-"""Enqueueing jobs for the workers (the API never imports the training code)."""
+"""Enqueueing jobs for the workers: messages by task name through `plab.broker`, so the API imports neither
+workers/ nor the training code."""
 from __future__ import annotations
 
-import logging
-
-log = logging.getLogger(__name__)
+from plab.broker import EVALUATE_TASK, GEMM_TASK, TRAIN_TASK, send_task, train_gpus
 
 
 def queue_for(spec: dict) -> str:
@@ -12,18 +11,13 @@ def queue_for(spec: dict) -> str:
 
 
 def enqueue_train(run_id: int, spec: dict) -> None:
-    from workers.celery_app import app
-
-    app.send_task("workers.tasks.train_run", args=[run_id], queue=queue_for(spec))
+    # The GPU count travels with the message: the worker picks torchrun or a single process without asking the API.
+    send_task(TRAIN_TASK, [run_id], kwargs={"gpus": train_gpus(spec)}, queue=queue_for(spec))
 
 
 def enqueue_eval(evaluation_id: int) -> None:
-    from workers.celery_app import app
-
-    app.send_task("workers.tasks.evaluate_run", args=[evaluation_id], queue="default")
+    send_task(EVALUATE_TASK, [evaluation_id], queue="default")
 
 
 def enqueue_gemm(benchmark_id: int, queue: str = "default") -> None:
-    from workers.celery_app import app
-
-    app.send_task("workers.tasks.gemm_bench", args=[benchmark_id], queue=queue)
+    send_task(GEMM_TASK, [benchmark_id], queue=queue)

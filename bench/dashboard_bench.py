@@ -200,7 +200,7 @@ def ingest(base: str, database_url: str, experiment: dict, steps: int, method: s
     for i, run in enumerate(runs):
         series = synthetic_series(i, steps, spike_step if i == SPIKE_RUN_INDEX else None)
         jobs.extend(batches_for(run["id"], series))
-        # What a worker sends with `succeeded` (workers/job.py): the page's bars read these.
+        # What a worker sends with `succeeded` (workers/jobs/train.py): the page's bars read these.
         summaries[run["id"]] = {"tokens_per_s": statistics.median(series["perf/tokens_per_s"]),
                                 "final_loss": series["train/loss"][-1], "peak_mem_gib": 20.0 - i, "mfu": 0.3 + 0.01 * i,
                                 "steps": steps, "tokens": steps * TOKENS_PER_STEP}

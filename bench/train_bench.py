@@ -119,7 +119,7 @@ class ApiStub:
     """A stand-in for the Precision Lab API's metric endpoint in a separate process (the GPU machine has no
     database): parses each POSTed JSON batch like the real endpoint and answers as it does
     ({"inserted", "duplicates", "cancel_requested"}). What is measured is the client side: the real
-    workers.client.MetricStreamer behind workers.job.ApiSink, as a training job uses it."""
+    workers.client.MetricStreamer behind workers.jobs.train.ApiSink, as a training job uses it."""
 
     def __init__(self):
         import multiprocessing as mp
@@ -177,7 +177,7 @@ class TimedApiSink(MetricSink):
         self.api = None
         if api_url:
             from workers.client import MetricStreamer, PlabClient
-            from workers.job import ApiSink
+            from workers.jobs.train import ApiSink
             client = PlabClient(api_url)
             self.api = ApiSink(client, 1, MetricStreamer(client, 1))
 
@@ -623,7 +623,7 @@ def main(argv=None) -> int:
                  "recipe; emulated recipes' throughput is not hardware throughput. Configs are built and compiled "
                  f"{a.concurrency} at a time, then each is timed alone (the others wait at a gate with nothing "
                  f"queued on the GPU; timed_alone says it held), in {a.rounds} interleaved round(s) per group. "
-                 "Metrics of every step go through the real API client (workers.job.ApiSink, "
+                 "Metrics of every step go through the real API client (workers.jobs.train.ApiSink, "
                  "MetricStreamer over HTTP) to a stub endpoint in another process; sink% is the training "
                  "thread's time in log() per step. fp8_blockwise autotuning: "
                  + ("torchao's quantizer kernels over 8 of their 45 launch configs (--blockwise-autotune quick)"

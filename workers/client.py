@@ -35,6 +35,14 @@ class PlabClient:
         self._http = httpx.Client(base_url=self.base_url + "/api/v1", headers=headers, timeout=timeout)
         self.retries = retries
 
+    @classmethod
+    def from_env(cls, api_url: str | None = None, **kw) -> PlabClient:
+        """A client of the API named by PLAB_API_URL (or `api_url`), with PLAB_API_TOKEN for writes."""
+        from plab.settings import get_settings
+
+        settings = get_settings()
+        return cls(api_url or settings.api_url, settings.api_token, **kw)
+
     def close(self) -> None:
         self._http.close()
 
@@ -118,10 +126,33 @@ class PlabClient:
     def stream(self, run_id: int, **kw) -> MetricStreamer:
         return MetricStreamer(self, run_id, **kw)
 
-    # GEMM benchmarks (issue 6)
     def health(self) -> dict:
         return self._request("GET", "/health")
 
+    # evaluations (lm-evaluation-harness jobs on a run's final checkpoint)
+    def create_evaluation(self, run_id: int, tasks: list[str], limit: int | None = None) -> dict:
+        body: dict = {"tasks": tasks}
+        if limit:
+            body["limit"] = limit
+        return self._request("POST", f"/runs/{run_id}/evaluations", json=body)
+
+    def get_evaluation(self, evaluation_id: int) -> dict:
+        return self._request("GET", f"/evaluations/{evaluation_id}")
+
+    def get_evaluation_job(self, evaluation_id: int) -> dict:
+        """What a worker needs to run the job: checkpoint, tasks, limit, status and the run's spec."""
+        return self._request("GET", f"/evaluations/{evaluation_id}/job")
+
+    def set_evaluation_status(self, evaluation_id: int, status: str, *, error_message: str | None = None,
+                              lm_eval_version: str | None = None) -> dict:
+        body = {"status": status, "error_message": error_message, "lm_eval_version": lm_eval_version}
+        return self._request("POST", f"/evaluations/{evaluation_id}/status",
+                             json={k: v for k, v in body.items() if v is not None})
+
+    def post_evaluation_result(self, evaluation_id: int, task: str, result: dict) -> dict:
+        return self._request("POST", f"/evaluations/{evaluation_id}/results", json={"task": task, "result": result})
+
+    # GEMM benchmarks
     def create_gemm_benchmark(self, *, request: dict | None = None, result: dict | None = None,
                               experiment_id: int | None = None, name: str = "", enqueue: bool = True,
                               queue: str = "default") -> dict:
@@ -138,12 +169,6 @@ class PlabClient:
 
     def get_gemm_benchmark(self, benchmark_id: int) -> dict:
         return self._request("GET", f"/gemm-benchmarks/{benchmark_id}")
-
-    def list_gemm_benchmarks(self, experiment_id: int | None = None, limit: int = 50) -> dict:
-        params: dict = {"limit": limit}
-        if experiment_id is not None:
-            params["experiment_id"] = experiment_id
-        return self._request("GET", "/gemm-benchmarks", params=params)
 
     def set_gemm_status(self, benchmark_id: int, status: str, *, result: dict | None = None,
                         device_name: str | None = None, error_message: str | None = None) -> dict:

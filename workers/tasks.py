@@ -1,31 +1,41 @@
-"""Celery tasks. Each job runs in a child process pinned to this pool slot's GPU(s)."""
+"""Celery tasks, one per job kind, all registered by `register_job`: each runs its job in a child process pinned
+to this pool slot's device(s), retries a job killed by a signal, and marks the job's row failed when the child
+ended without reporting an outcome."""
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
 import subprocess
-import sys
 
+from celery import Task
 from celery.signals import worker_process_init
 from celery.utils.log import get_task_logger
 
+from plab.broker import EVALUATE_TASK, GEMM_TASK, TRAIN_TASK
 from workers.celery_app import app
+from workers.client import PlabClient
+from workers.jobs import EXIT_OK, EXIT_SKIPPED, UNREPORTED, Job, evaluate, gemm, train
 
 log = get_task_logger(__name__)
 SLOT_ENV = "PLAB_SLOT_DEVICES"  # set per pool process: the CUDA_VISIBLE_DEVICES value of that slot
 
 
+def slot_devices(slots: str, index: int) -> str | None:
+    """The devices of pool process `index` under `PLAB_WORKER_SLOTS` ("0;1", "0,1" for one multi-GPU slot,
+    "cpu;cpu"): slot i of `plab worker --gpus 0,1,...` gets GPU i. None when the worker set no slots."""
+    listed = [s for s in slots.split(";") if s]
+    return listed[index % len(listed)] if listed else None
+
+
 @worker_process_init.connect
 def _pin_slot(**_kw) -> None:
-    """Give each pool process its own device(s): slot i of `plab worker --gpus 0,1,...` gets GPU i."""
+    """Give each pool process its own device(s)."""
     from billiard.process import current_process
 
-    slots = [s for s in os.environ.get("PLAB_WORKER_SLOTS", "").split(";") if s]
-    if not slots:
-        return
-    index = getattr(current_process(), "index", 0) or 0
-    os.environ[SLOT_ENV] = slots[index % len(slots)]
+    devices = slot_devices(os.environ.get("PLAB_WORKER_SLOTS", ""), getattr(current_process(), "index", 0) or 0)
+    if devices is not None:
+        os.environ[SLOT_ENV] = devices
 
 
 def _die_with_parent() -> None:
@@ -36,49 +46,57 @@ def _die_with_parent() -> None:
         pass
 
 
-def job_command(run_id: int, gpus: int) -> list[str]:
-    if gpus > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-                "-m", "workers.job", str(run_id)]
-    return [sys.executable, "-m", "workers.job", str(run_id)]
-
-
 def job_env() -> dict[str, str]:
+    """The child's environment: this slot's devices as CUDA_VISIBLE_DEVICES ("" for a CPU slot), and the slot's
+    share of the CPU cores as OMP_NUM_THREADS unless that is set."""
     env = dict(os.environ)
     devices = os.environ.get(SLOT_ENV)
     if devices is not None:
-        if devices == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = devices
+        env["CUDA_VISIBLE_DEVICES"] = "" if devices == "cpu" else devices
     threads = os.environ.get("PLAB_JOB_THREADS")
     if threads:
         env.setdefault("OMP_NUM_THREADS", threads)
     return env
 
 
-@app.task(name="workers.tasks.train_run", bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=3)
-def train_run(self, run_id: int) -> int:
-    """Train one run. A job killed by a signal (worker death, OOM) is retried and resumes from its checkpoint."""
-    from workers.client import PlabClient
-    from backend.settings import get_settings
+def _how_it_ended(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by signal {-returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
 
-    settings = get_settings()
-    run = PlabClient(settings.api_url, settings.api_token).get_run(run_id)
-    gpus = int((run.get("spec", {}).get("training") or {}).get("gpus") or 1)
-    log.info("run %s: starting job (%s GPU(s)), attempt %s", run_id, gpus, self.request.retries + 1)
-    proc = subprocess.run(job_command(run_id, gpus), env=job_env(), preexec_fn=_die_with_parent)
-    if proc.returncode < 0:
-        log.warning("run %s: job killed by signal %s; retrying", run_id, -proc.returncode)
-        raise self.retry(countdown=1)
+
+def run_job(task: Task, job: Job, job_id: int, **options) -> int:
+    """Run `job` in a child process and make sure its row ends with an outcome. Returns the child's exit code."""
+    log.info("%s %s: starting job, attempt %s", job.KIND, job_id, task.request.retries + 1)
+    proc = subprocess.run(job.command(job_id, **options), env=job_env(), preexec_fn=_die_with_parent)
+    if proc.returncode in (EXIT_OK, EXIT_SKIPPED):
+        return proc.returncode
+    if proc.returncode < 0 and task.request.retries < task.max_retries:
+        # A kill (OOM killer, a preempted host) is not the job's fault: run it again; training resumes from
+        # its last checkpoint.
+        log.warning("%s %s: job %s; retrying", job.KIND, job_id, _how_it_ended(proc.returncode))
+        raise task.retry(countdown=1)
+    # The child reports its own exceptions; this covers an end it could not report (segfault, OOM kill).
+    with PlabClient.from_env() as client:
+        if job.status(client, job_id) in UNREPORTED:
+            job.mark_failed(client, job_id, f"the {job.KIND} process ended without reporting a result "
+                                            f"({_how_it_ended(proc.returncode)}); the worker's log has its output")
     return proc.returncode
 
 
-@app.task(name="workers.tasks.evaluate_run", bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=2)
-def evaluate_run(self, evaluation_id: int) -> int:
-    """lm-eval on a run's checkpoint, in a child process on this slot's device."""
-    proc = subprocess.run([sys.executable, "-m", "workers.job", "eval", str(evaluation_id)], env=job_env(),
-                          preexec_fn=_die_with_parent)
-    if proc.returncode < 0:
-        raise self.retry(countdown=1)
-    return proc.returncode
+def register_job(job: Job, name: str, max_retries: int) -> Task:
+    """The Celery task `name` that runs `job` with `run_job`; the message's keyword arguments go to its command."""
+
+    @app.task(name=name, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=max_retries)
+    def job_task(self: Task, job_id: int, **options) -> int:
+        return run_job(self, job, job_id, **options)
+
+    return job_task
+
+
+train_run = register_job(train, TRAIN_TASK, max_retries=3)
+evaluate_run = register_job(evaluate, EVALUATE_TASK, max_retries=2)
+gemm_bench = register_job(gemm, GEMM_TASK, max_retries=1)

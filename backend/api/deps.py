@@ -9,7 +9,7 @@ from fastapi import Depends, HTTPException, Path, Request
 from sqlalchemy.orm import Session
 
 from backend.db import transaction
-from backend.settings import Settings
+from plab.settings import Settings
 
 # Ids are 32-bit in the database; larger numbers are refused before they reach it.
 ObjectId = Annotated[int, Path(ge=1, le=2**31 - 1)]

@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from backend.app import create_app
 from backend.migrate import upgrade
-from backend.settings import Settings
+from plab.settings import Settings
 
 
 def make_client(database_url, tmp_path, token=None) -> TestClient:

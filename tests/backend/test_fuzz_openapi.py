@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 
 from backend.app import create_app
 from backend.migrate import upgrade
-from backend.settings import Settings
+from plab.settings import Settings
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from backend.cli import build_parser
+from plab.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,3 +87,14 @@ def test_the_api_waits_for_migrations(compose):
     assert api["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert compose["services"]["migrate"]["command"] == ["plab", "db", "upgrade"]
     assert "--no-migrate" in api["command"]
+
+
+def test_the_image_holds_every_package_the_plab_command_is_built_from():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["plab"] == "plab.cli:main"
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = {line.split()[1] for line in (REPO / "Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ") and len(line.split()) == 3}
+    assert packages <= copied, f"the Dockerfile does not copy {sorted(packages - copied)}"

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from backend.app import create_app
 from backend.migrate import upgrade
 from backend.services.gemm import REQUEST_KEYS
-from backend.settings import Settings
+from plab.settings import Settings
 from training.gemm import run_gemm_benchmark
 from workers.client import json_safe
 
@@ -217,7 +217,7 @@ def served(home: Path, *, worker: bool = False):
                 stderr=subprocess.STDOUT))
         if worker:
             with open(home / "worker.log", "wb") as log:
-                procs.append(subprocess.Popen([sys.executable, "-m", "backend.cli", "worker", "--slots", "1"],
+                procs.append(subprocess.Popen([sys.executable, "-m", "plab.cli", "worker", "--slots", "1"],
                                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1",
                             headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
@@ -244,7 +244,7 @@ def served(home: Path, *, worker: bool = False):
 
 
 def plab_gemm_bench(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "backend.cli", "gemm-bench", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "plab.cli", "gemm-bench", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

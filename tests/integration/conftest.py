@@ -32,7 +32,7 @@ def compose_command(service: str) -> list[str]:
     cmd = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", c) for c in compose["services"][service]["command"]]
     assert cmd[0] == "plab"
     # `plab` is this venv's console script; run it through the interpreter so the subprocess uses the same venv.
-    return [sys.executable, "-m", "backend.cli", *cmd[1:]]
+    return [sys.executable, "-m", "plab.cli", *cmd[1:]]
 
 
 class Stack:

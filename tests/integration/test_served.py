@@ -75,7 +75,7 @@ def test_a_killed_worker_process_is_retried_and_the_run_finishes_without_gaps_or
     run_id = exp["runs"][0]["id"]
     stack.wait(lambda: (stack.run(run_id).get("progress") or {}).get("step", 0) >= 12, 180, "a checkpoint or two")
     worker = psutil.Process(stack.procs["worker"].pid)
-    jobs = [p for p in worker.children(recursive=True) if "workers.job" in " ".join(p.cmdline())]
+    jobs = [p for p in worker.children(recursive=True) if "workers.jobs.train" in " ".join(p.cmdline())]
     assert len(jobs) == 1
     pool_process = jobs[0].parent()
     os.kill(pool_process.pid, signal.SIGKILL)  # the Celery pool process running the job dies with its job

@@ -1,4 +1,4 @@
-"""All configuration comes from the environment (PLAB_*), read in one place."""
+"""All configuration comes from the environment (PLAB_*), read in one place, by the API, the workers and the CLI."""
 from __future__ import annotations
 
 import os

@@ -1,0 +1,70 @@
+"""The Celery app on PLAB_BROKER_URL and the task names that the API (sending) and the workers (consuming) share.
+
+Broker: PLAB_BROKER_URL (e.g. redis://host:6379/0 in served mode). The default, "filesystem://", is kombu's
+filesystem transport over a folder under PLAB_HOME: an embedded broker that needs no server, so `plab demo`
+runs on a bare machine with the API and the worker in separate processes. Both sides must build the app from the
+same settings (the filesystem transport's folders are part of them), hence one builder here.
+"""
+from __future__ import annotations
+
+from celery import Celery
+
+from plab.settings import get_settings
+
+# Task names are the contract between the two sides: messages already queued carry them.
+TRAIN_TASK = "workers.tasks.train_run"
+EVALUATE_TASK = "workers.tasks.evaluate_run"
+GEMM_TASK = "workers.tasks.gemm_bench"
+
+# Sending apps by (broker URL, broker folder): one per process in practice, a new one when the environment names
+# another broker (tests, a CLI that changed PLAB_HOME), so a message never lands in a stale broker.
+_senders: dict[tuple[str, str], Celery] = {}
+
+
+def make_app(include: list[str] | None = None) -> Celery:
+    """A Celery app on this environment's broker; `include` names the modules that define tasks (workers only)."""
+    settings = get_settings()
+    app = Celery("plab", include=include or [])
+    conf = dict(
+        broker_url=settings.broker_url,
+        task_default_queue="default",
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        # acks_late + prefetch 1: a job whose worker dies is redelivered and resumes from its last checkpoint.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+    )
+    if settings.broker_url.startswith("filesystem://"):
+        folder = settings.broker_folder
+        for sub in ("queue", "processed", "control"):
+            (folder / sub).mkdir(parents=True, exist_ok=True)
+        conf["broker_transport_options"] = {
+            "data_folder_in": str(folder / "queue"), "data_folder_out": str(folder / "queue"),
+            "processed_folder": str(folder / "processed"), "store_processed": False,
+            "control_folder": str(folder / "control")}
+        # The filesystem transport has no broadcast exchange: no remote control, mingle or gossip.
+        conf["worker_enable_remote_control"] = False
+    elif settings.broker_url.startswith("redis"):
+        # Longer than the longest gap between checkpoints of a training job, so a slow job is not redelivered
+        # to a second worker while the first is still alive.
+        conf["broker_transport_options"] = {"visibility_timeout": 6 * 3600}
+    app.conf.update(conf)
+    return app
+
+
+def send_task(name: str, args: list, *, kwargs: dict | None = None, queue: str = "default") -> None:
+    """Send a job message by task name to this environment's broker."""
+    settings = get_settings()
+    key = (settings.broker_url, str(settings.broker_folder))
+    if key not in _senders:
+        _senders[key] = make_app()
+    _senders[key].send_task(name, args=args, kwargs=kwargs or {}, queue=queue)
+
+
+def train_gpus(spec: dict) -> int:
+    """GPUs a training job runs on (`training.gpus` of its run spec; more than one means torchrun)."""
+    return int((spec.get("training") or {}).get("gpus") or 1)

@@ -1,0 +1,5 @@
+import sys
+
+from plab.cli import main
+
+sys.exit(main())

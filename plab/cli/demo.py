@@ -1,0 +1,184 @@
+"""`plab demo`: the embedded one-shot comparison. It starts `plab serve` and `plab worker` as child processes on
+SQLite with the embedded filesystem broker, submits a small BF16-vs-formats experiment, follows it to the end and
+prints a summary table (then keeps serving the dashboard unless --no-serve)."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from plab.cli.common import UsageError
+
+DEMO_RECIPES = ["bf16", "fp8_tensorwise", "mxfp8", "nvfp4"]
+FINAL = {"succeeded", "failed", "cancelled", "diverged"}
+
+
+def demo_experiment(steps: int, recipes: list[str]) -> dict:
+    return {
+        "name": "demo: BF16 vs low-precision recipes (tiny Llama, tinyshakespeare)",
+        "description": "Created by `plab demo`. On a CPU every low-precision recipe runs as exact emulation.",
+        "model": "tiny",
+        "data": {"corpus": "tinyshakespeare", "vocab_size": 1024, "seq_len": 128},
+        "training": {"steps": steps, "batch_size": 8, "lr": 3e-3, "warmup_steps": max(1, steps // 10),
+                     "val_every": max(10, steps // 4)},
+        "seed": 0,
+        "recipes": recipes,
+    }
+
+
+def _free_port(preferred: int) -> int:
+    for port in [preferred] + list(range(preferred + 1, preferred + 50)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(argv: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "ab")
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 15) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _summary_table(exp: dict) -> str:
+    runs = exp["runs"]
+    base = next((r for r in runs if r["recipe"] == "bf16" and r["status"] == "succeeded"), None)
+    base_loss = (base or {}).get("summary", {}).get("final_loss")
+    base_tps = (base or {}).get("summary", {}).get("tokens_per_s")
+    lines = [f"{'run':<28} {'status':<10} {'GEMMs':<9} {'final loss':>10} {'vs BF16':>8} {'tok/s':>9} {'speed':>6}"]
+    for r in runs:
+        s = r.get("summary") or {}
+        loss, tps = s.get("final_loss"), s.get("tokens_per_s")
+        d = f"{100 * (loss - base_loss) / base_loss:+.2f}%" if loss is not None and base_loss else "-"
+        sp = f"{tps / base_tps:.2f}x" if tps and base_tps else "-"
+        lines.append(f"{r['label'][:28]:<28} {r['status']:<10} {(r.get('gemm_backend') or '-'):<9} "
+                     f"{(f'{loss:.4f}' if loss is not None else '-'):>10} {d:>8} "
+                     f"{(f'{tps:,.0f}' if tps else '-'):>9} {sp:>6}")
+    lines.append("Throughput of emulated recipes is not a speed claim: emulation runs BF16/FP32 GEMMs on "
+                 "dequantized values.")
+    return "\n".join(lines)
+
+
+def _demo_env(args, port: int) -> tuple[Path, dict]:
+    """The demo's home folder and the environment of its server and worker (this process's PLAB_* follow it)."""
+    from plab.settings import get_settings
+
+    home = Path(args.home).resolve() if args.home else get_settings().home
+    home.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PLAB_HOME=str(home), PLAB_API_URL=f"http://127.0.0.1:{port}")
+    if not args.keep_env:
+        # The demo is the embedded deployment: SQLite and the filesystem broker under its home.
+        for var in ("PLAB_DATABASE_URL", "PLAB_BROKER_URL"):
+            env.pop(var, None)
+    os.environ.update({k: env[k] for k in ("PLAB_HOME", "PLAB_API_URL")})
+    data_dir = get_settings().data_dir
+    corpus = data_dir / "tinyshakespeare"
+    if not corpus.is_dir():
+        raise UsageError(f"the demo trains on {corpus}, which does not exist: set PLAB_DATA_DIR to the folder "
+                         "that holds 'tinyshakespeare/'")
+    env["PLAB_DATA_DIR"] = str(data_dir)
+    (home / "logs").mkdir(exist_ok=True)
+    print(f"[plab] home {home}; database SQLite; broker embedded (filesystem); data {data_dir}", flush=True)
+    return home, env
+
+
+def _wait_for_server(url: str, server: subprocess.Popen, log_path: Path) -> None:
+    from workers.client import PlabClient
+
+    # No retries inside the client: this loop retries, and notices a server that died meanwhile.
+    with PlabClient(url, retries=0) as probe:
+        deadline = time.time() + 120
+        while True:
+            try:
+                probe.health()
+                return
+            except Exception:  # noqa: BLE001 - the server is still starting
+                if server.poll() is not None or time.time() > deadline:
+                    raise UsageError(f"the server did not start; see {log_path}")
+                time.sleep(0.5)
+
+
+def _follow(client, experiment_id: int, worker: subprocess.Popen, log_path: Path) -> dict:
+    """Print each change of the runs' statuses until every run has ended; returns the experiment."""
+    last = ""
+    while True:
+        exp = client.get_experiment(experiment_id)
+        line = "  ".join(f"{r['label']}: {r['status']}"
+                         + (f" {r['progress'].get('step', 0)}/{r['progress'].get('total')}"
+                            if r["status"] == "running" and r.get("progress") else "") for r in exp["runs"])
+        if line != last:
+            print(f"[plab] {line}", flush=True)
+            last = line
+        if all(r["status"] in FINAL for r in exp["runs"]):
+            return exp
+        if worker.poll() is not None:
+            raise UsageError(f"the worker stopped; see {log_path}")
+        time.sleep(2)
+
+
+def cmd_demo(args) -> int:
+    from workers.client import PlabClient
+
+    port = _free_port(args.port)
+    home, env = _demo_env(args, port)
+    py, logs = sys.executable, home / "logs"
+    server = _spawn([py, "-m", "plab.cli", "serve", "--port", str(port), "--log-level", "warning"], env,
+                    logs / "server.log")
+    worker = _spawn([py, "-m", "plab.cli", "worker", "--slots", str(args.slots), "--log-level", "warning"], env,
+                    logs / "worker.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_for_server(url, server, logs / "server.log")
+        client = PlabClient.from_env(url)
+        recipes = args.recipes.split(",") if args.recipes else DEMO_RECIPES
+        exp = client.create_experiment(demo_experiment(args.steps, recipes))
+        page = f"{url}/experiments/{exp['id']}"
+        print(f"[plab] experiment {exp['id']} with {len(exp['runs'])} runs; dashboard: {page}", flush=True)
+        exp = _follow(client, exp["id"], worker, logs / "worker.log")
+        print(_summary_table(exp), flush=True)
+        ok = all(r["status"] == "succeeded" for r in exp["runs"])
+        if args.no_serve:
+            return 0 if ok else 1
+        print(f"[plab] dashboard: {page}   (Ctrl-C to stop)", flush=True)
+        while server.poll() is None:
+            time.sleep(1)
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for p in (server, worker):
+            _stop(p)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    dm = sub.add_parser("demo", help="embedded one-shot comparison on SQLite with an embedded broker")
+    dm.add_argument("--no-serve", action="store_true", help="exit when the runs finish, with a summary table")
+    dm.add_argument("--steps", type=int, default=100)
+    dm.add_argument("--recipes", help=f"comma-separated (default {','.join(DEMO_RECIPES)})")
+    dm.add_argument("--slots", type=int, default=2, help="runs trained at the same time")
+    dm.add_argument("--port", type=int, default=8000)
+    dm.add_argument("--home", help="state folder (default $PLAB_HOME or ./plab-data)")
+    dm.add_argument("--keep-env", action="store_true", help="use PLAB_DATABASE_URL/PLAB_BROKER_URL if set")
+    dm.set_defaults(func=cmd_demo)

@@ -1,0 +1,83 @@
+"""`plab submit FILE` (an experiment through the API) and `plab train FILE` (one run here, no server)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from plab.cli.common import UsageError, load_file
+from training.sink import MetricSink
+
+
+def cmd_submit(args) -> int:
+    from workers.client import ApiError, PlabClient
+
+    body = load_file(args.file)
+    client = PlabClient.from_env(args.api_url)
+    try:
+        exp = client.create_experiment(body)
+    except ApiError as e:
+        raise UsageError(f"the server refused the experiment: {e.message}") from e
+    print(f"experiment {exp['id']} '{exp['name']}': {len(exp['runs'])} run(s) queued "
+          f"({', '.join(r['label'] for r in exp['runs'])})")
+    print(f"{client.base_url}/experiments/{exp['id']}")
+    return 0
+
+
+class ProgressPrinter(MetricSink):
+    """Prints the loss every `every` steps and passes everything on to `inner` (a JSONL file, or nothing)."""
+
+    def __init__(self, inner: MetricSink | None, every: int):
+        self.inner, self.every = inner, every
+
+    def log(self, step, metrics, *, tokens, wall_time):
+        if self.inner:
+            self.inner.log(step, metrics, tokens=tokens, wall_time=wall_time)
+        if "train/loss" in metrics and (step % self.every == 0):
+            print(f"step {step:>6}  loss {metrics['train/loss']:.4f}  "
+                  f"tok/s {metrics.get('perf/tokens_per_s', float('nan')):,.0f}", flush=True)
+
+    def event(self, kind, **fields):
+        if self.inner:
+            self.inner.event(kind, **fields)
+
+    def close(self):
+        if self.inner:
+            self.inner.close()
+
+
+def cmd_train(args) -> int:
+    from training.config import RunSpec, SpecError
+    from training.sink import JsonlSink
+    from training.train import train
+
+    data = load_file(args.file)
+    if args.recipe:
+        data["recipe"] = args.recipe
+    try:
+        spec = RunSpec.from_dict(data)
+    except SpecError as e:
+        raise UsageError(f"{args.file}: {e}") from e
+    sink = ProgressPrinter(JsonlSink(args.metrics) if args.metrics else None, args.print_every)
+    result = train(spec, sink, output_dir=Path(args.output), resume=not args.no_resume)
+    sink.close()
+    print(json.dumps({"status": result.status, "steps": result.steps, "final_loss": result.final_loss,
+                      "final_val_loss": result.final_val_loss, "diverged_step": result.diverged_step,
+                      "gemm_backend": result.gemm_backend, "checkpoint": str(result.checkpoint_dir)}, indent=2))
+    return 0 if result.status == "succeeded" else 1
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    sm = sub.add_parser("submit", help="create an experiment from a YAML/JSON file")
+    sm.add_argument("file")
+    sm.add_argument("--api-url", help="default: $PLAB_API_URL or http://127.0.0.1:8000")
+    sm.set_defaults(func=cmd_submit)
+
+    t = sub.add_parser("train", help="train one run from a run-spec file, no server")
+    t.add_argument("file")
+    t.add_argument("--recipe", help="override the file's recipe")
+    t.add_argument("--output", default="plab-data/train", help="checkpoint folder")
+    t.add_argument("--metrics", help="also write metrics to this JSONL file")
+    t.add_argument("--no-resume", action="store_true")
+    t.add_argument("--print-every", type=int, default=10)
+    t.set_defaults(func=cmd_train)

@@ -1,0 +1,109 @@
+"""`plab serve`, `plab worker`, `plab flower`, `plab db`: the long-running services and database maintenance."""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+from plab.cli.common import UsageError
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from backend.app import create_app
+
+    app = create_app(migrate=False if args.no_migrate else None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def parse_gpus(spec: str | None) -> list[str]:
+    if not spec:
+        return []
+    if spec == "all":
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    gpus = [g.strip() for g in spec.split(",") if g.strip()]
+    for g in gpus:
+        if not g.isdigit():
+            raise UsageError(f"--gpus: {g!r} is not a GPU index; write e.g. --gpus 0,1 or --gpus all")
+    if len(set(gpus)) != len(gpus):
+        raise UsageError(f"--gpus: {spec!r} lists a GPU twice")
+    return gpus
+
+
+def worker_plan(gpus: list[str], slots: int | None, multi_gpu: bool, queues: str | None,
+                device_kind: str | None) -> dict:
+    """How a worker maps its devices to pool slots and which queues it reads."""
+    if gpus and multi_gpu:
+        slot_devices, kind = [",".join(gpus)], (device_kind or "gpu") + f"-x{len(gpus)}"
+    elif gpus:
+        slot_devices, kind = gpus, device_kind or "gpu"
+    else:
+        slot_devices, kind = ["cpu"] * (slots or 1), device_kind or "cpu"
+    qs = queues.split(",") if queues else ["default", kind]
+    threads = max(1, (os.cpu_count() or 1) // len(slot_devices))
+    return {"slots": slot_devices, "queues": qs, "threads": threads}
+
+
+def cmd_worker(args) -> int:
+    plan = worker_plan(parse_gpus(args.gpus), args.slots, args.multi_gpu, args.queues, args.device_kind)
+    # Read by each pool process as it starts (workers.tasks pins slot i to the i-th entry).
+    os.environ["PLAB_WORKER_SLOTS"] = ";".join(plan["slots"])
+    os.environ.setdefault("PLAB_JOB_THREADS", str(plan["threads"]))
+    from workers.celery_app import app
+
+    argv = ["worker", "--loglevel", args.log_level, "--pool", "prefork", "--concurrency", str(len(plan["slots"])),
+            "--queues", ",".join(plan["queues"]), "--hostname", args.hostname or f"plab@{socket.gethostname()}",
+            "--without-mingle", "--without-gossip"]
+    print(f"[plab] worker: {len(plan['slots'])} slot(s) {plan['slots']}, queues {plan['queues']}", flush=True)
+    app.worker_main(argv)
+    return 0
+
+
+def cmd_flower(args) -> int:
+    """Flower, Celery's monitoring UI, on this deployment's broker."""
+    from workers.celery_app import app
+
+    app.start(["flower", f"--port={args.port}", f"--address={args.host}"])
+    return 0
+
+
+def cmd_db(args) -> int:
+    from backend.migrate import upgrade
+    from plab.settings import get_settings
+
+    url = get_settings().database_url
+    upgrade(url)
+    print(f"[plab] database at {url.split('@')[-1]} is at the latest schema")
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="run the API and dashboard")
+    s.add_argument("--host", default=os.environ.get("PLAB_HOST", "127.0.0.1"))
+    s.add_argument("--port", type=int, default=int(os.environ.get("PLAB_PORT", "8000")))
+    s.add_argument("--no-migrate", action="store_true", help="do not apply migrations on start")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_serve)
+
+    w = sub.add_parser("worker", help="run a Celery worker")
+    w.add_argument("--gpus", help="GPU indices, e.g. 0,1 (one single-GPU job per device) or 'all'")
+    w.add_argument("--multi-gpu", action="store_true", help="run one multi-GPU job at a time over all --gpus")
+    w.add_argument("--slots", type=int, help="concurrent CPU jobs when no GPU is given (default 1)")
+    w.add_argument("--queues", help="comma-separated queues (default: 'default' and the device kind)")
+    w.add_argument("--device-kind", help="queue name for this hardware, e.g. h100, b200 (default gpu/cpu)")
+    w.add_argument("--hostname")
+    w.add_argument("--log-level", default="info")
+    w.set_defaults(func=cmd_worker)
+
+    f = sub.add_parser("flower", help="Celery's monitoring UI for the workers")
+    f.add_argument("--host", default="0.0.0.0")
+    f.add_argument("--port", type=int, default=5555)
+    f.set_defaults(func=cmd_flower)
+
+    d = sub.add_parser("db", help="database maintenance")
+    d.add_argument("action", choices=["upgrade"])
+    d.set_defaults(func=cmd_db)

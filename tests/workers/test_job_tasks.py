@@ -1,0 +1,144 @@
+"""The one task helper (`workers.tasks.register_job` / `run_job`) with real child processes and a real API: a child
+killed by a signal is retried, a child that ends without reporting leaves its row failed with a message that says
+so (every job kind), and the child runs with its slot's devices. Tasks run through Celery's own eager `apply`,
+which executes retries in place."""
+from __future__ import annotations
+
+import sys
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from backend.queue import enqueue_eval, enqueue_gemm, enqueue_train
+from plab.broker import EVALUATE_TASK, GEMM_TASK, TRAIN_TASK, make_app
+from tests.workers.conftest import new_run
+from workers import tasks
+from workers.jobs import evaluate, gemm, train
+
+
+def counting_child(counter, script: str) -> list[str]:
+    """A short real process: adds a line to `counter` (one per start), then runs `script` (`n` = starts so far)."""
+    return [sys.executable, "-c", f"import os, signal, sys\n"
+                                  f"with open({str(counter)!r}, 'a') as f: f.write('x')\n"
+                                  f"n = len(open({str(counter)!r}).read())\n{script}"]
+
+
+def job_task(kind, command, max_retries: int = 2):
+    """The real job kind with its child replaced by `command(job_id)`, registered by the helper under a fresh
+    name."""
+    job = SimpleNamespace(KIND=kind.KIND, command=lambda job_id, **_: command(job_id), status=kind.status,
+                          mark_failed=kind.mark_failed)
+    return tasks.register_job(job, f"tests.workers.job_{uuid.uuid4().hex[:8]}", max_retries=max_retries)
+
+
+def starts(counter) -> int:
+    return len(counter.read_text()) if counter.exists() else 0
+
+
+def test_a_child_killed_by_a_signal_is_retried_until_it_finishes(client, tmp_path):
+    run = new_run(client)
+    counter = tmp_path / "starts"
+    kill_twice = "if n <= 2: os.kill(os.getpid(), signal.SIGKILL)"
+    task = job_task(train, lambda _id: counting_child(counter, kill_twice), max_retries=3)
+    assert task.apply(args=[run["id"]]).get() == 0
+    assert starts(counter) == 3
+    assert client.get_run(run["id"])["status"] == "queued"  # a child that exits 0 has reported for itself
+
+
+def test_a_child_killed_every_time_is_marked_failed_after_its_retries(client, tmp_path):
+    run = new_run(client)
+    counter = tmp_path / "starts"
+    task = job_task(train, lambda _id: counting_child(counter, "os.kill(os.getpid(), signal.SIGKILL)"),
+                    max_retries=2)
+    assert task.apply(args=[run["id"]]).get() == -9
+    assert starts(counter) == 3
+    stored = client.get_run(run["id"])
+    assert stored["status"] == "failed"
+    assert stored["error_message"] == ("the training process ended without reporting a result (killed by signal 9 "
+                                       "(SIGKILL)); the worker's log has its output")
+
+
+def new_evaluation(client) -> int:
+    run = new_run(client)
+    client.set_status(run["id"], "running")
+    client.add_artifact(run["id"], "checkpoint", "/checkpoints/final", step=50)
+    client.set_status(run["id"], "succeeded")
+    return client.create_evaluation(run["id"], ["plab_arc_easy"])["id"]
+
+
+def new_benchmark(client) -> int:
+    return client.create_gemm_benchmark(request={"shapes": "64x128x96", "device": "cpu"}, enqueue=False)["id"]
+
+
+@pytest.mark.parametrize("kind, make_row", [(train, lambda c: new_run(c)["id"]), (evaluate, new_evaluation),
+                                            (gemm, new_benchmark)], ids=["train", "evaluate", "gemm"])
+def test_a_child_that_crashes_without_reporting_leaves_its_row_failed(client, tmp_path, kind, make_row):
+    job_id = make_row(client)
+    counter = tmp_path / "starts"
+    task = job_task(kind, lambda _id: counting_child(counter, "sys.exit(1)"))
+    assert task.apply(args=[job_id]).get() == 1
+    assert starts(counter) == 1  # an exit code is the job's own failure: not retried
+    assert kind.status(client, job_id) == "failed"
+
+
+def test_a_segfaulting_child_is_retried_then_marked_failed_with_the_signal(client, tmp_path):
+    bench_id = new_benchmark(client)
+    counter = tmp_path / "starts"
+    task = job_task(gemm, lambda _id: counting_child(counter, "import ctypes; ctypes.string_at(0)"), max_retries=1)
+    assert task.apply(args=[bench_id]).get() == -11
+    assert starts(counter) == 2
+    stored = client.get_gemm_benchmark(bench_id)
+    assert stored["status"] == "failed" and "killed by signal 11 (SIGSEGV)" in stored["error_message"]
+
+
+def test_a_failure_the_child_reported_itself_keeps_its_message(client, tmp_path):
+    bench_id = new_benchmark(client)
+    client.set_gemm_status(bench_id, "failed", error_message="CUDA out of memory")  # what the child posted
+    task = job_task(gemm, lambda _id: counting_child(tmp_path / "starts", "sys.exit(1)"))
+    assert task.apply(args=[bench_id]).get() == 1
+    assert client.get_gemm_benchmark(bench_id)["error_message"] == "CUDA out of memory"
+
+
+@pytest.mark.parametrize("slot, visible", [("3", "3"), ("0,1", "0,1"), ("cpu", "")])
+def test_the_child_runs_on_its_slots_devices(client, tmp_path, monkeypatch, slot, visible):
+    monkeypatch.setenv(tasks.SLOT_ENV, slot)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # the worker's own value must not leak into the job
+    seen = tmp_path / "seen"
+    task = job_task(train, lambda _id: [sys.executable, "-c", f"import os; open({str(seen)!r}, 'w').write("
+                                                              f"os.environ['CUDA_VISIBLE_DEVICES'])"])
+    assert task.apply(args=[new_run(client)["id"]]).get() == 0
+    assert seen.read_text() == visible
+
+
+def test_the_registered_tasks_are_the_three_job_kinds_under_the_names_the_api_sends():
+    assert (tasks.train_run.name, tasks.evaluate_run.name, tasks.gemm_bench.name) == (TRAIN_TASK, EVALUATE_TASK,
+                                                                                      GEMM_TASK)
+    assert {tasks.train_run.max_retries, tasks.evaluate_run.max_retries, tasks.gemm_bench.max_retries} == {3, 2, 1}
+
+
+def sent_messages(queue: str) -> list[tuple[str, list, dict]]:
+    """The messages waiting on `queue` of this environment's (filesystem) broker: task name, args, kwargs."""
+    out = []
+    with make_app().connection_for_read() as conn:
+        while (msg := conn.default_channel.basic_get(queue, no_ack=True)) is not None:
+            args, kwargs, _embed = msg.decode()
+            out.append((msg.headers["task"], args, kwargs))
+    return out
+
+
+def test_the_api_sends_the_gpu_count_with_a_training_job(api_env):
+    enqueue_train(7, {"training": {"gpus": 2, "queue": "h100"}})
+    enqueue_eval(8)
+    enqueue_gemm(9, "h100")
+    assert sent_messages("h100") == [(TRAIN_TASK, [7], {"gpus": 2}), (GEMM_TASK, [9], {})]
+    assert sent_messages("default") == [(EVALUATE_TASK, [8], {})]
+
+
+def test_the_training_command_uses_torchrun_for_several_gpus_and_asks_the_api_when_the_message_has_no_count(client):
+    run = new_run(client)
+    assert train.command(run["id"], gpus=1)[1:] == ["-m", "workers.jobs.train", str(run["id"])]
+    assert train.command(run["id"], gpus=2)[1:5] == ["-m", "torch.distributed.run", "--standalone",
+                                                     "--nproc_per_node=2"]
+    # A message queued before the count was sent: the run's spec (gpus 1 here) decides.
+    assert train.command(run["id"]) == train.command(run["id"], gpus=1)

@@ -1,0 +1,54 @@
+"""Worker jobs, one module per kind (`train`, `evaluate`, `gemm`), each with the same small interface (`Job`).
+
+The Celery task (`workers.tasks`) runs `command(job_id)` in a child process on its pool slot's devices; the child
+(`python -m workers.jobs.<kind> ID`) calls `run(job_id)`, which reports `running`, then the outcome, through the
+API and returns the exit code. A child that dies without reporting (segfault, OOM kill) leaves its row queued or
+running: the task then asks `status` and calls `mark_failed`. A child process per job gives each job a clean CUDA
+context and memory, lets torchrun own multi-GPU jobs, and keeps a crash from taking the worker down.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Protocol
+
+from workers.client import PlabClient
+
+EXIT_OK, EXIT_SKIPPED = 0, 3
+# The row of a job in one of these has not been told the outcome yet.
+UNREPORTED = ("queued", "running")
+
+
+class Job(Protocol):
+    KIND: str  # names the job in log lines and in the message of a row marked failed
+
+    def command(self, job_id: int, **options) -> list[str]:
+        """The child's command line; `options` are the task message's keyword arguments."""
+
+    def run(self, job_id: int) -> int:
+        """The child's work. Returns the exit code: EXIT_OK, or EXIT_SKIPPED for a job already ended."""
+
+    def status(self, client: PlabClient, job_id: int) -> str:
+        """The job row's status as the API has it."""
+
+    def mark_failed(self, client: PlabClient, job_id: int, message: str) -> None:
+        """Record the job as failed with `message`."""
+
+
+def child_command(module: str, job_id: int) -> list[str]:
+    return [sys.executable, "-m", module, str(job_id)]
+
+
+def error_message(exc: BaseException) -> str:
+    """What a failed row shows: the exception and the end of its traceback, within the API's 100,000 characters."""
+    tb = "".join(traceback.format_exception(exc)[-6:])
+    return f"{type(exc).__name__}: {exc}\n\n{tb}"[:100_000]
+
+
+def child_main(run: Callable[[int], int], module: str, argv: list[str] | None = None) -> int:
+    """`python -m workers.jobs.<kind> ID`: run one job, return its exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or not argv[0].isdigit():
+        sys.exit(f"usage: python -m {module} ID")
+    return run(int(argv[0]))

@@ -1,0 +1,130 @@
+"""The training job: one run, in its own process (or torchrun's processes for a multi-GPU run).
+
+    python -m workers.jobs.train RUN_ID
+
+It fetches the run through the API, trains with `training.train`, streams metrics through the API client from
+a background thread, and reports the final status (rank 0 reports; every rank trains).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+
+from plab.broker import train_gpus
+from plab.settings import get_settings
+from training.sink import MetricSink
+from workers.client import ApiError, MetricStreamer, PlabClient
+from workers.jobs import EXIT_OK, EXIT_SKIPPED, UNREPORTED, child_command, child_main, error_message
+
+KIND = "training"
+MODULE = "workers.jobs.train"
+
+
+class ApiSink(MetricSink):
+    """training.sink.MetricSink that forwards to the API (non-blocking: the streamer's thread does the I/O)."""
+
+    def __init__(self, client: PlabClient, run_id: int, streamer: MetricStreamer | None):
+        self.client, self.run_id, self.streamer = client, run_id, streamer
+
+    def log(self, step: int, metrics: dict, *, tokens: int, wall_time: float) -> None:
+        if self.streamer is not None:
+            self.streamer.log(step, metrics, tokens=tokens, wall_time=wall_time)
+
+    def event(self, kind: str, **fields) -> None:
+        if self.streamer is None:
+            return
+        try:
+            if kind == "conversion_report":
+                report = fields.get("report") or {}
+                self.client.update_run(self.run_id, conversion_report=report,
+                                       gemm_backend=report.get("gemm_backend"))
+            elif kind == "checkpoint":
+                self.client.add_artifact(self.run_id, "checkpoint", str(fields.get("path")), step=fields.get("step"),
+                                         meta={k: v for k, v in fields.items() if k not in ("path", "step")})
+        except (ApiError, OSError) as e:  # reporting must never kill a training job
+            print(f"[plab] could not report {kind}: {e}", file=sys.stderr)
+
+    def flush(self) -> None:
+        if self.streamer is not None:
+            self.streamer.flush()
+
+    def close(self) -> None:
+        pass
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def command(run_id: int, gpus: int | None = None) -> list[str]:
+    """One process, or torchrun with one process per GPU. A message queued before the API sent `gpus` has none:
+    the run's spec says."""
+    if gpus is None:
+        with PlabClient.from_env() as client:
+            gpus = train_gpus(client.get_run(run_id).get("spec") or {})
+    if gpus > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+                "-m", MODULE, str(run_id)]
+    return child_command(MODULE, run_id)
+
+
+def status(client: PlabClient, run_id: int) -> str:
+    return client.get_run(run_id)["status"]
+
+
+def mark_failed(client: PlabClient, run_id: int, message: str) -> None:
+    client.set_status(run_id, "failed", error_message=message)
+
+
+def run(run_id: int) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    client = PlabClient.from_env()
+    record = client.get_run(run_id)
+    if record["status"] not in UNREPORTED or record["cancel_requested"]:
+        print(f"[plab] run {run_id} is '{record['status']}'; nothing to do")
+        return EXIT_SKIPPED
+
+    from training.config import RunSpec
+    from training.train import train
+
+    stop = threading.Event()
+    streamer = client.stream(run_id, on_cancel=stop.set) if rank == 0 else None
+    if rank == 0:
+        client.set_status(run_id, "running", worker_host=socket.gethostname(), device_name=device_name())
+    sink = ApiSink(client, run_id, streamer)
+    output_dir = get_settings().home / "runs" / str(run_id)
+    try:
+        spec = RunSpec.from_dict(record["spec"])
+        result = train(spec, sink, should_stop=stop.is_set, output_dir=output_dir, resume=True)
+    except BaseException as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit code
+        if streamer is not None:
+            streamer.close()
+        if rank == 0:
+            client.set_status(run_id, "failed", error_message=error_message(e))
+        raise
+    if streamer is not None:
+        streamer.close()
+    if rank == 0:
+        _report(client, run_id, result)
+    return EXIT_OK
+
+
+def _report(client: PlabClient, run_id: int, result) -> None:
+    summary = dict(result.summary or {})
+    summary.update({"final_loss": result.final_loss, "final_val_loss": result.final_val_loss,
+                    "steps": result.steps, "tokens": result.tokens})
+    if result.checkpoint_dir:  # before the final status: a succeeded run may be evaluated at once
+        client.add_artifact(run_id, "checkpoint", str(result.checkpoint_dir), step=result.steps,
+                            meta={"format": "hf", "final": True})
+    client.set_status(run_id, result.status, diverged_step=result.diverged_step, summary=summary,
+                      gemm_backend=result.gemm_backend, device_name=result.device_name)
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(run, MODULE))
