@@ -85,3 +85,14 @@ def test_without_an_output_dir_nothing_is_resumed_or_saved(make_spec, tmp_path):
     with pytest.raises(RuntimeError, match="no output_dir"):
         saver.save(1, state)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_every_rank_knows_the_checkpoint_rank_0_wrote(make_spec, tmp_path):
+    """Whether a final save is due is decided on every rank alike (the save is collective): a rank that
+    does not write still records the checkpoint's path."""
+    model, optimizer = model_and_optimizer(0)
+    other_rank = Checkpointer(tmp_path, spec=RunSpec.from_dict(make_spec()), ctx=DistContext(rank=1), sink=ListSink(),
+                              model=model, optimizer=optimizer)
+    path = other_rank.save(4, TrainState(step=4))
+    assert path == tmp_path / "checkpoints" / "step_00000004" and not path.exists()
+    assert other_rank.is_saved(4)
