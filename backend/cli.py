@@ -160,7 +160,7 @@ def cmd_submit(args) -> int:
 def cmd_train(args) -> int:
     from training.config import RunSpec, SpecError
     from training.sink import JsonlSink, MetricSink
-    from training.train import train
+    from training import launch
 
     data = _load_file(args.file)
     if args.recipe:
@@ -190,7 +190,7 @@ def cmd_train(args) -> int:
                 self.inner.close()
 
     sink = Printer(JsonlSink(args.metrics) if args.metrics else None)
-    result = train(spec, sink, output_dir=Path(args.output), resume=not args.no_resume)
+    result = launch.run(spec, sink, output_dir=Path(args.output), resume=not args.no_resume)
     sink.close()
     print(json.dumps({"status": result.status, "steps": result.steps, "final_loss": result.final_loss,
                       "final_val_loss": result.final_val_loss, "diverged_step": result.diverged_step,

@@ -85,7 +85,7 @@ def join_processes(spec: RunSpec) -> DistContext:
                         f"launch with torchrun --nproc-per-node {gpus}")
     if ctx.world == 1 and gpus > 1:
         raise SpecError(f"training.gpus={gpus} needs one process per GPU: launch with "
-                        f"`torchrun --nproc-per-node {gpus} -m training.distributed SPEC.json --output-dir DIR`")
+                        f"`torchrun --nproc-per-node {gpus} -m training SPEC.json --output-dir DIR`")
     return ctx
 
 

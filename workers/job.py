@@ -2,7 +2,7 @@
 
     python -m workers.job RUN_ID
 
-It fetches the run through the API, trains with `training.train`, streams metrics through the API client from
+It fetches the run through the API, trains with `training.launch.run`, streams metrics through the API client from
 a background thread, and reports the final status. A separate process per job gives each job a clean CUDA
 context and memory, lets torchrun own multi-GPU jobs, and keeps a crash from taking the worker down.
 """
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_SKIPPED
 
     from training.config import RunSpec
-    from training.train import train
+    from training import launch
 
     stop = threading.Event()
     streamer = client.stream(run_id, on_cancel=stop.set) if rank == 0 else None
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = settings.home / "runs" / str(run_id)
     try:
         spec = RunSpec.from_dict(run["spec"])
-        result = train(spec, sink, should_stop=stop.is_set, output_dir=output_dir, resume=True)
+        result = launch.run(spec, sink, should_stop=stop.is_set, output_dir=output_dir, resume=True)
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit code
         if streamer is not None:
             streamer.close()
