@@ -34,7 +34,8 @@ class StepRecord:
 
 class MetricsDrain:
     """Owns the pending device scalars of issued steps, the step clock and divergence detection; logs
-    each step's `train/*` and `perf/*` metrics to the sink and keeps the step times for `summary()`."""
+    each step's `train/*` and `perf/*` metrics to the sink, keeps `state.loss` at the last finite loss
+    logged (what a checkpoint stores) and the step times for `summary()`."""
 
     def __init__(self, sink: MetricSink, state: TrainState, *, device: torch.device, device_name: str,
                  lag: int, tokens_per_step: int, flops_per_token: float, world: int = 1):

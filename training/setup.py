@@ -71,7 +71,7 @@ class Run:
 
 
 def device_kind(spec: RunSpec) -> str:
-    """"cuda" or "cpu": what the spec's `training.device` asks for on this machine."""
+    """The kind of device ("cuda" or "cpu") the spec's `training.device` asks for on this machine."""
     requested = spec.training.device
     return "cuda" if requested.startswith("cuda") or (requested == "auto" and torch.cuda.is_available()) else "cpu"
 
