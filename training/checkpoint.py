@@ -10,6 +10,9 @@ Layout (`<output_dir>/checkpoints/step_00000100/`):
 Weights are saved in FP32: they are the master weights, and resume must be bit-exact.
 A checkpoint is written into a temporary sibling directory and renamed into place, so a process
 killed mid-write leaves at most a stray `.tmp-*` directory, never a half-written "latest" checkpoint.
+
+`Checkpointer` is what the train loop uses: it saves at a step boundary (with the metrics up to that step
+durable in the sink first) and resumes a run from its newest checkpoint.
 """
 from __future__ import annotations
 
@@ -18,11 +21,16 @@ import random
 import re
 import shutil
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from training.config import RunSpec, SpecError
 
 STATE_FILE = "training_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -150,3 +158,91 @@ def load_checkpoint(path, *, model, optimizer, hooks=(), map_location="cpu") -> 
         if hs is not None and hasattr(hook, "load_state_dict"):
             hook.load_state_dict(hs)
     return state
+
+
+@dataclass
+class TrainState:
+    """Where a run stands besides its weights and optimizer: what a checkpoint stores with them."""
+    step: int = 0                    # optimizer steps completed
+    tokens: int = 0                  # training tokens consumed (global)
+    wall_offset: float = 0.0         # seconds trained before this process started (by earlier attempts)
+    loss: float | None = None        # the last finite training loss logged
+    val_loss: float | None = None
+    started: float = field(default_factory=time.perf_counter, compare=False)  # perf_counter() at the loop start
+
+    def wall_time(self, now: float | None = None) -> float:
+        """Seconds trained so far, over every attempt of the run."""
+        return self.wall_offset + (time.perf_counter() if now is None else now) - self.started
+
+
+def numerics_identity(spec_dict: dict) -> dict:
+    """The parts of a spec that decide the numbers a run produces (not how fast or where it runs)."""
+    d = {k: v for k, v in spec_dict.items() if k != "training"}
+    d["training"] = {k: v for k, v in spec_dict["training"].items()
+                     if k not in ("perf", "device", "gpus", "compile", "checkpoint_every")}
+    # A fused QKV projection changes the parameter list (and a recipe's scaling of it).
+    d["training"]["perf.fuse_qkv"] = (spec_dict["training"].get("perf") or {}).get("fuse_qkv")
+    d["training"]["perf.fuse_gate_up"] = bool((spec_dict["training"].get("perf") or {}).get("fuse_gate_up"))
+    return d
+
+
+class Checkpointer:
+    """Saves a run at step boundaries and resumes it from its newest checkpoint under `output_dir`
+    (None: never saves, always starts fresh).
+
+    `settle()` makes pending optimizer work land in the weights (the overlapped update); `flush_metrics()`
+    hands the sink every step logged so far. Both run before a save, then the sink's own `flush`, so a
+    resume from the checkpoint never loses or re-logs a step. Rank 0 writes; every rank waits for it.
+    """
+
+    def __init__(self, output_dir, *, spec: RunSpec, ctx, sink, model, optimizer, tokenizer=None, hooks=(),
+                 settle: Callable[[], None] = lambda: None, flush_metrics: Callable[[], None] = lambda: None):
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.spec, self.ctx, self.sink = spec, ctx, sink
+        self.model, self.optimizer, self.tokenizer, self.hooks = model, optimizer, tokenizer, list(hooks)
+        self.settle, self.flush_metrics = settle, flush_metrics
+        self.last_path: Path | None = latest_checkpoint(output_dir) if output_dir is not None else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.output_dir is not None
+
+    def resume(self, state: TrainState) -> Path | None:
+        """Restore the newest checkpoint in place - weights, optimizer, RNG, recipe hooks, and `state` -
+        and return its path; None (nothing changed) when there is none. Refuses a checkpoint written by a
+        different run spec."""
+        latest = latest_checkpoint(self.output_dir) if self.enabled else None
+        if latest is None:
+            return None
+        saved = load_checkpoint(latest, model=self.model, optimizer=self.optimizer, hooks=self.hooks)
+        if saved.get("spec") is not None and numerics_identity(saved["spec"]) != numerics_identity(self.spec.to_dict()):
+            raise SpecError(f"checkpoint {latest} was written by a different run spec; use another "
+                            f"output_dir or resume=False")
+        state.step, state.tokens = saved["step"], saved["tokens"]
+        state.wall_offset = saved.get("wall_time", 0.0)
+        state.loss, state.val_loss = saved.get("loss"), saved.get("val_loss")
+        self.sink.event("resumed", step=state.step, path=str(latest))
+        return latest
+
+    def is_saved(self, step: int) -> bool:
+        """Whether the newest checkpoint this run knows of is the one of `step`."""
+        return self.last_path is not None and self.last_path.name == f"step_{step:08d}"
+
+    def save(self, step: int, state: TrainState) -> Path:
+        """Checkpoint `step` (collective: every rank calls it). Returns its path on every rank."""
+        if not self.enabled:
+            raise RuntimeError("this run has no output_dir to save checkpoints in")
+        self.settle()
+        self.flush_metrics()  # metrics up to `step` reach the sink before the checkpoint claims them done
+        self.sink.flush()     # ...and are durable there
+        path = checkpoints_root(self.output_dir) / f"step_{step:08d}"
+        if self.ctx.is_main:
+            path = save_checkpoint(
+                self.output_dir, step, model=self.model, optimizer=self.optimizer, tokenizer=self.tokenizer,
+                hooks=self.hooks, extra={"tokens": state.tokens, "wall_time": state.wall_time(),
+                                         "loss": state.loss, "val_loss": state.val_loss,
+                                         "spec": self.spec.to_dict()})
+            self.sink.event("checkpoint", step=step, path=str(path))
+        self.ctx.barrier()
+        self.last_path = path
+        return path

@@ -26,8 +26,8 @@ from typing import Any
 
 RANDOM_CORPUS = "random"
 # Model presets (re-exported as training.model.PRESETS). Defined here so that validating a spec does not
-# import transformers. `1b` is the 1.14B shape of ANCHORS.md when data.vocab_size is the anchor's 32000
-# (a preset takes its vocabulary from data.vocab_size, docs/INTERFACES.md); `tiny`
+# import transformers. `1b` is 1.14B parameters with data.vocab_size 32000, the vocabulary of the reference
+# stack bench/train_bench.py times it against (a preset takes its vocabulary from data.vocab_size); `tiny`
 # (CPU tests) has 4 blocks so bf16_last_layers=1 leaves 3 converted, and every linear dim a multiple of 32
 # so the FP8/MX/NVFP4 blocks tile it.
 MODEL_PRESETS: dict[str, dict] = {

@@ -1,4 +1,4 @@
-"""Multi-process data parallelism (torchrun) and its launcher entry point.
+"""Multi-process data parallelism: the process group torchrun sets up, seen as a `DistContext`.
 
 Why DDP and not FSDP2: for models up to ~1B parameters the FP32 master weights, gradients and AdamW
 state (16 bytes/param ≈ 18 GiB for the 1b preset) fit on every GPU, so sharding them buys nothing but
@@ -7,17 +7,11 @@ after the backward. DDP overlaps one bucketed all-reduce with the backward and k
 an ordinary module, which the precision recipes (module swaps, per-layer hooks) convert as on one GPU.
 Revisit for models whose training state does not fit one device.
 
-Launch (what workers run for `training.gpus = N`):
-
-    torchrun --standalone --nproc-per-node N -m training.distributed SPEC.json \
-        --output-dir DIR [--metrics-jsonl FILE] [--result-json FILE]
-
-Rank 0 reports to the sink; every rank trains. On CPU the gloo backend is used (tests).
+Processes are launched by `python -m training` under torchrun (`training.launch`); every rank trains,
+rank 0 alone reports to the sink. On CPU the gloo backend is used (tests).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from dataclasses import dataclass
 
@@ -54,8 +48,15 @@ class DistContext:
         return bool(t.item())
 
 
+# The context of the process group this process has joined, keyed by that group: the launcher joins before
+# `train` does, and creating the gloo side group is itself a collective that must not run twice.
+_joined: tuple[object, DistContext] | None = None
+
+
 def init_distributed(device_kind: str) -> DistContext:
-    """Join the torchrun process group when WORLD_SIZE > 1 (NCCL on CUDA, gloo on CPU)."""
+    """Join the torchrun process group when WORLD_SIZE > 1 (NCCL on CUDA, gloo on CPU); a second call
+    returns the same context while that group lives."""
+    global _joined
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistContext()
@@ -66,38 +67,9 @@ def init_distributed(device_kind: str) -> DistContext:
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend=backend)
+    if _joined is not None and _joined[0] is dist.group.WORLD:
+        return _joined[1]
     stop_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-    return DistContext(rank=rank, world=world, local_rank=local_rank, stop_group=stop_group)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Train one run spec (under torchrun for several GPUs/processes).")
-    ap.add_argument("spec", help="path of a run-spec JSON file")
-    ap.add_argument("--output-dir", required=True)
-    ap.add_argument("--metrics-jsonl", default=None, help="rank 0 appends metrics/events here")
-    ap.add_argument("--result-json", default=None, help="rank 0 writes the TrainResult here")
-    ap.add_argument("--no-resume", action="store_true")
-    a = ap.parse_args(argv)
-
-    from training.config import RunSpec
-    from training.sink import JsonlSink, NullSink
-    from training.train import train
-
-    with open(a.spec) as f:
-        spec = RunSpec.from_dict(json.load(f))
-    rank = int(os.environ.get("RANK", "0"))
-    sink = JsonlSink(a.metrics_jsonl) if (a.metrics_jsonl and rank == 0) else NullSink()
-    try:
-        result = train(spec, sink, output_dir=a.output_dir, resume=not a.no_resume)
-    finally:
-        sink.close()
-    if rank == 0 and a.result_json:
-        with open(a.result_json, "w") as f:
-            json.dump(result.to_dict(), f, indent=1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    ctx = DistContext(rank=rank, world=world, local_rank=local_rank, stop_group=stop_group)
+    _joined = (dist.group.WORLD, ctx)
+    return ctx

@@ -1,7 +1,8 @@
 """Llama-style decoder models through transformers `LlamaForCausalLM` (SDPA attention, untied LM head).
 
-Presets (`PRESETS`, dims in training.config.MODEL_PRESETS) follow ANCHORS.md: `1b` is the 1.14B shape
-the reference throughput was measured on; `tiny` is for CPU tests.
+Presets (`PRESETS`, dims in training.config.MODEL_PRESETS): `1b` is the 1.14B shape (hidden 2048, 16 blocks,
+16 heads / 8 KV heads, FFN 8192) that bench/train_bench.py times against the reference HF Llama stack; `tiny`
+is for CPU tests.
 """
 from __future__ import annotations
 

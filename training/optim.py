@@ -240,3 +240,35 @@ class OverlappedOptimizerStep:
         self.synchronize()
         for h in self.handles:
             h.remove()
+
+
+def lr_at(step: int, spec) -> float:
+    """Learning rate of optimizer step `step` (1-based) of a `RunSpec`: linear warm-up, then cosine decay
+    to min_lr_ratio·lr."""
+    t = spec.training
+    total = spec.total_steps
+    if t.warmup_steps > 0 and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    decay_steps = max(total - t.warmup_steps, 1)
+    progress = min(max(step - t.warmup_steps, 0) / decay_steps, 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine)
+
+
+def clip_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, clip: float, *, fused: bool,
+                   device: torch.device) -> torch.Tensor:
+    """Global gradient norm of `params` (a device tensor: no host sync); clips to `clip` (inf: never).
+
+    `fused`: the norm from per-tensor norms, and the clipping left to the optimizer, which divides every
+    gradient by `optimizer.grad_scale` as it reads it (torch's fused AdamW and MasterAdamW both do): the same
+    min(1, clip / (norm + 1e-6)) factor as `clip_grad_norm_`, without its in-place pass over the gradients."""
+    if not fused:
+        return torch.nn.utils.clip_grad_norm_(params, clip)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=device)
+    # Per-tensor norms in FP32 (BF16 gradients would otherwise give BF16-rounded norms).
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+    optimizer.grad_scale = (torch.clamp((norm.float() + 1e-6) / clip, min=1.0)
+                            if math.isfinite(clip) else None)
+    return norm

@@ -1,8 +1,13 @@
 """Where the train loop reports: metrics per step and events (docs/INTERFACES.md).
 
-The loop only ever calls `log`, `event` and `close`, so the same loop logs to the API (workers'
-MetricStreamer), to a file, to memory in tests, or to nothing. `log` is called on the training thread
-every step: implementations must return quickly (batch and send in the background).
+The loop calls `log` (metrics of a step), `event` (e.g. "conversion_report", "run_info", "checkpoint",
+"resumed", "result") and `flush`; whoever made the sink closes it. The same loop thus logs to the API
+(workers' MetricStreamer), to a file, to memory in tests, or to nothing. Only rank 0's sink is called.
+
+`log` is called on the training thread every step: implementations must return quickly (batch and send in
+the background). `flush` is called before each checkpoint is written and must block until everything
+logged so far is durable: a run resumed from that checkpoint continues at the step after it and never logs
+the earlier steps again, so a point still in flight when the process died would be lost for good.
 """
 from __future__ import annotations
 
@@ -66,7 +71,8 @@ def _jsonable(value):
 
 class JsonlSink(MetricSink):
     """Appends one JSON object per line: {"type": "metrics", "step", "tokens", "wall_time", "metrics"}
-    or {"type": "event", "kind", ...}. Thread-safe; flushed on every event and on close."""
+    or {"type": "event", "kind", ...}. Thread-safe. Written to the OS on every event and on close;
+    `flush` also fsyncs, so the lines survive a crash of the machine."""
 
     def __init__(self, path):
         self.path = Path(path)

@@ -49,7 +49,7 @@ class ProgressPrinter(MetricSink):
 def cmd_train(args) -> int:
     from training.config import RunSpec, SpecError
     from training.sink import JsonlSink
-    from training.train import train
+    from training import launch
 
     data = load_file(args.file)
     if args.recipe:
@@ -59,7 +59,7 @@ def cmd_train(args) -> int:
     except SpecError as e:
         raise UsageError(f"{args.file}: {e}") from e
     sink = ProgressPrinter(JsonlSink(args.metrics) if args.metrics else None, args.print_every)
-    result = train(spec, sink, output_dir=Path(args.output), resume=not args.no_resume)
+    result = launch.run(spec, sink, output_dir=Path(args.output), resume=not args.no_resume)
     sink.close()
     print(json.dumps({"status": result.status, "steps": result.steps, "final_loss": result.final_loss,
                       "final_val_loss": result.final_val_loss, "diverged_step": result.diverged_step,

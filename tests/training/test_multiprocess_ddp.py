@@ -20,7 +20,7 @@ def test_two_process_gloo_run_matches_the_single_process_run(make_spec, cache_di
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, PLAB_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "training.distributed", str(tmp_path / "spec.json"), "--output-dir", str(tmp_path / "out"),
+           "-m", "training", str(tmp_path / "spec.json"), "--output-dir", str(tmp_path / "out"),
            "--metrics-jsonl", str(tmp_path / "m.jsonl"), "--result-json", str(tmp_path / "result.json")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,7 +4,8 @@ import math
 import pytest
 
 from training.sink import JsonlSink, ListSink
-from training.train import TrainResult, lr_at, train
+from training.optim import lr_at
+from training.train import TrainResult, train
 from training.config import RunSpec
 
 STEP_KEYS = {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s",

@@ -154,84 +154,94 @@ def evaluate_checkpoint(
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="plab-eval-tasks-") as tmp, _lm_eval_environment(offline):
-        try:
-            rendered = render_task_dirs(
-                Path(tmp) / "tasks", data_dir=data_dir, heldout_text=heldout_text, tasks_dir=tasks_dir
-            )
-        except TaskConfigError as err:
-            raise EvaluationError(str(err)) from err
+        manager, needs_builtin = _task_manager(requested, Path(tmp) / "tasks", data_dir=data_dir,
+                                               heldout_text=heldout_text, tasks_dir=tasks_dir)
         import lm_eval
-        from lm_eval.api.registry import get_model
-        from lm_eval.tasks import TaskManager
-
-        ours = TaskManager(include_path=[str(p) for p in rendered.include_paths], include_defaults=False)
-        needs_builtin = [name for name in requested if name not in ours.all_tasks]
-        ours_missing = [name for name in needs_builtin if name.startswith("plab_")]
-        if ours_missing:
-            # The plab_ prefix is ours alone: no need to index lm-eval's ~15k tasks (15 s) to
-            # know these do not exist.
-            raise EvaluationError(_unknown_tasks_message(ours_missing, ours.all_tasks))
-        manager = ours
-        if needs_builtin:
-            manager = TaskManager(include_path=[str(p) for p in rendered.include_paths], include_defaults=True)
-            unknown = [name for name in needs_builtin if name not in manager.all_tasks]
-            if unknown:
-                raise EvaluationError(_unknown_tasks_message(unknown, manager.all_tasks))
-        _check_placeholders(requested, manager, rendered)
 
         model_args = f"pretrained={checkpoint},tokenizer={checkpoint},dtype={resolved_dtype}"
         t_load = time.perf_counter()
-        # Built once, the way simple_evaluate builds it from the same model_args string, and
-        # reused for every task so only the first task pays for loading the model.
-        lm = get_model("hf").create_from_arg_string(
-            model_args, {"batch_size": batch_size, "max_batch_size": None, "device": resolved_device}
-        )
+        lm = _load_model(model_args, batch_size=batch_size, device=resolved_device)
         load_time = time.perf_counter() - t_load
 
         out_tasks: dict[str, dict] = {}
         for name in requested:
-            t_task = time.perf_counter()
-            try:
-                raw = lm_eval.simple_evaluate(
-                    model=lm,
-                    tasks=[name],
-                    task_manager=manager,
-                    limit=limit,
-                    log_samples=True,
-                    bootstrap_iters=bootstrap_iters,
-                )
-            except ConnectionError as err:
-                if name not in needs_builtin:
-                    raise
-                raise EvaluationError(
-                    f"lm-eval task {name!r} needs its dataset from the Hugging Face Hub ({err}); "
-                    + ("it is not in the local cache and evaluation runs offline: pass offline=False "
-                       "(plab eval --online) on a machine that can reach the Hub, or use a plab_* task"
-                       if offline else "the Hub could not be reached")
-                ) from err
-            elapsed = time.perf_counter() - t_task
-            converted = _convert_results(raw)
-            for task_name, task_result in converted.items():
-                task_result["time_s"] = elapsed if task_name == name else None
-                out_tasks[task_name] = task_result
+            out_tasks.update(_evaluate_task(lm, name, manager, builtin=name in needs_builtin, limit=limit,
+                                            bootstrap_iters=bootstrap_iters, offline=offline))
             if on_task_done is not None:
                 on_task_done(name, out_tasks[name])
 
-    return {
-        "lm_eval_version": lm_eval.__version__,
-        "checkpoint_dir": str(checkpoint),
-        "model_args": model_args,
-        "device": resolved_device,
-        "dtype": resolved_dtype,
-        "batch_size": batch_size,
-        "limit": limit,
-        "bootstrap_iters": bootstrap_iters,
-        "started_at": started_at,
-        "load_time_s": load_time,
-        "total_time_s": time.perf_counter() - t_start,
-        "requested": requested,
-        "tasks": out_tasks,
-    }
+    return {"lm_eval_version": lm_eval.__version__, "checkpoint_dir": str(checkpoint), "model_args": model_args,
+            "device": resolved_device, "dtype": resolved_dtype, "batch_size": batch_size, "limit": limit,
+            "bootstrap_iters": bootstrap_iters, "started_at": started_at, "load_time_s": load_time,
+            "total_time_s": time.perf_counter() - t_start, "requested": requested, "tasks": out_tasks}
+
+
+def _task_manager(requested: list[str], render_dir: Path, *, data_dir, heldout_text, tasks_dir):
+    """Renders our task YAMLs into `render_dir`; returns (an lm-eval TaskManager that knows every requested
+    task, the requested names only lm-eval itself has). Raises EvaluationError naming unknown tasks."""
+    from lm_eval.tasks import TaskManager
+
+    try:
+        rendered = render_task_dirs(render_dir, data_dir=data_dir, heldout_text=heldout_text, tasks_dir=tasks_dir)
+    except TaskConfigError as err:
+        raise EvaluationError(str(err)) from err
+    ours = TaskManager(include_path=[str(p) for p in rendered.include_paths], include_defaults=False)
+    needs_builtin = [name for name in requested if name not in ours.all_tasks]
+    ours_missing = [name for name in needs_builtin if name.startswith("plab_")]
+    if ours_missing:
+        # The plab_ prefix is ours alone: no need to index lm-eval's ~15k tasks (15 s) to
+        # know these do not exist.
+        raise EvaluationError(_unknown_tasks_message(ours_missing, ours.all_tasks))
+    manager = ours
+    if needs_builtin:
+        manager = TaskManager(include_path=[str(p) for p in rendered.include_paths], include_defaults=True)
+        unknown = [name for name in needs_builtin if name not in manager.all_tasks]
+        if unknown:
+            raise EvaluationError(_unknown_tasks_message(unknown, manager.all_tasks))
+    _check_placeholders(requested, manager, rendered)
+    return manager, needs_builtin
+
+
+def _load_model(model_args: str, *, batch_size, device: str):
+    """lm-eval's HF model, built once the way simple_evaluate builds it from the same model_args string, and
+    reused for every task so only the first task pays for loading the model."""
+    from lm_eval.api.registry import get_model
+
+    return get_model("hf").create_from_arg_string(
+        model_args, {"batch_size": batch_size, "max_batch_size": None, "device": device}
+    )
+
+
+def _evaluate_task(lm, name: str, manager, *, builtin: bool, limit, bootstrap_iters: int,
+                   offline: bool) -> dict[str, dict]:
+    """One requested task (with its subtasks, for a group) on the loaded model: {task name: task_result},
+    the requested one timed."""
+    import lm_eval
+
+    t_task = time.perf_counter()
+    try:
+        raw = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[name],
+            task_manager=manager,
+            limit=limit,
+            log_samples=True,
+            bootstrap_iters=bootstrap_iters,
+        )
+    except ConnectionError as err:
+        if not builtin:
+            raise
+        raise EvaluationError(
+            f"lm-eval task {name!r} needs its dataset from the Hugging Face Hub ({err}); "
+            + ("it is not in the local cache and evaluation runs offline: pass offline=False "
+               "(plab eval --online) on a machine that can reach the Hub, or use a plab_* task"
+               if offline else "the Hub could not be reached")
+        ) from err
+    elapsed = time.perf_counter() - t_task
+    converted = _convert_results(raw)
+    for task_name, task_result in converted.items():
+        task_result["time_s"] = elapsed if task_name == name else None
+    return converted
 
 
 def task_hash(samples: Iterable[dict]) -> str:

@@ -2,7 +2,7 @@
 
     python -m workers.jobs.train RUN_ID
 
-It fetches the run through the API, trains with `training.train`, streams metrics through the API client from
+It fetches the run through the API, trains with `training.launch.run`, streams metrics through the API client from
 a background thread, and reports the final status (rank 0 reports; every rank trains).
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def run(run_id: int) -> int:
         return EXIT_SKIPPED
 
     from training.config import RunSpec
-    from training.train import train
+    from training import launch
 
     stop = threading.Event()
     streamer = client.stream(run_id, on_cancel=stop.set) if rank == 0 else None
@@ -101,7 +101,7 @@ def run(run_id: int) -> int:
     output_dir = get_settings().home / "runs" / str(run_id)
     try:
         spec = RunSpec.from_dict(record["spec"])
-        result = train(spec, sink, should_stop=stop.is_set, output_dir=output_dir, resume=True)
+        result = launch.run(spec, sink, should_stop=stop.is_set, output_dir=output_dir, resume=True)
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit code
         if streamer is not None:
             streamer.close()

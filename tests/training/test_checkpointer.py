@@ -1,0 +1,98 @@
+"""Checkpointer alone: what a save does first, what a resume restores, and which checkpoints it refuses."""
+import pytest
+import torch
+
+from training.checkpoint import Checkpointer, TrainState
+from training.config import RunSpec, SpecError
+from training.distributed import DistContext
+from training.model import build_model, llama_config
+from training.sink import ListSink
+
+
+class RecordingSink(ListSink):
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def flush(self):
+        self.calls.append("sink.flush")
+
+
+def model_and_optimizer(seed: int):
+    model = build_model(llama_config("tiny", 512, 32), seed)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def checkpointer(output_dir, spec, model, optimizer, sink=None, calls=None):
+    calls = calls if calls is not None else []
+    return Checkpointer(output_dir, spec=spec, ctx=DistContext(), sink=sink if sink is not None else ListSink(),
+                        model=model, optimizer=optimizer, settle=lambda: calls.append("settle"),
+                        flush_metrics=lambda: calls.append("flush_metrics"))
+
+
+def test_save_settles_the_optimizer_and_makes_the_metrics_durable_before_writing(make_spec, tmp_path):
+    spec = RunSpec.from_dict(make_spec())
+    model, optimizer = model_and_optimizer(0)
+    calls = []
+    sink = RecordingSink(calls)
+    saver = checkpointer(tmp_path, spec, model, optimizer, sink=sink, calls=calls)
+    assert saver.enabled and saver.last_path is None and not saver.is_saved(3)
+    path = saver.save(3, TrainState(step=3, tokens=384, loss=5.5, val_loss=5.25))
+    assert calls == ["settle", "flush_metrics", "sink.flush"]
+    assert path == tmp_path / "checkpoints" / "step_00000003" and (path / "model.safetensors").is_file()
+    assert sink.events_of("checkpoint") == [{"kind": "checkpoint", "step": 3, "path": str(path)}]
+    assert saver.is_saved(3) and not saver.is_saved(4)
+    # A checkpointer made later knows the newest checkpoint already there.
+    assert checkpointer(tmp_path, spec, model, optimizer).last_path == path
+
+
+def test_resume_restores_weights_optimizer_and_the_train_state(make_spec, tmp_path):
+    spec = RunSpec.from_dict(make_spec())
+    model, optimizer = model_and_optimizer(0)
+    model(torch.zeros(1, 4, dtype=torch.long)).logits.sum().backward()
+    optimizer.step()
+    checkpointer(tmp_path, spec, model, optimizer).save(7, TrainState(step=7, tokens=896, wall_offset=1.0,
+                                                                      loss=5.5, val_loss=5.25))
+
+    fresh, fresh_optimizer = model_and_optimizer(1)
+    sink, state = ListSink(), TrainState()
+    path = checkpointer(tmp_path, spec, fresh, fresh_optimizer, sink=sink).resume(state)
+    assert path.name == "step_00000007"
+    assert (state.step, state.tokens, state.loss, state.val_loss) == (7, 896, 5.5, 5.25)
+    assert state.wall_offset >= 1.0
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
+    assert sink.events_of("resumed") == [{"kind": "resumed", "step": 7, "path": str(path)}]
+
+
+def test_resume_refuses_another_specs_checkpoint_but_not_a_change_of_speed_settings(make_spec, tmp_path):
+    model, optimizer = model_and_optimizer(0)
+    checkpointer(tmp_path, RunSpec.from_dict(make_spec()), model, optimizer).save(2, TrainState(step=2))
+
+    faster = RunSpec.from_dict(make_spec(training={"checkpoint_every": 5, "perf": {"prefetch": False}}))
+    assert checkpointer(tmp_path, faster, model, optimizer).resume(TrainState()) is not None
+    other = RunSpec.from_dict(make_spec(training={"lr": 1e-4}))
+    with pytest.raises(SpecError, match="written by a different run spec; use another output_dir or resume=False"):
+        checkpointer(tmp_path, other, model, optimizer).resume(TrainState())
+
+
+def test_without_an_output_dir_nothing_is_resumed_or_saved(make_spec, tmp_path):
+    model, optimizer = model_and_optimizer(0)
+    saver = checkpointer(None, RunSpec.from_dict(make_spec()), model, optimizer)
+    state = TrainState()
+    assert not saver.enabled and saver.resume(state) is None and state == TrainState()
+    with pytest.raises(RuntimeError, match="no output_dir"):
+        saver.save(1, state)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_every_rank_knows_the_checkpoint_rank_0_wrote(make_spec, tmp_path):
+    """Whether a final save is due is decided on every rank alike (the save is collective): a rank that
+    does not write still records the checkpoint's path."""
+    model, optimizer = model_and_optimizer(0)
+    other_rank = Checkpointer(tmp_path, spec=RunSpec.from_dict(make_spec()), ctx=DistContext(rank=1), sink=ListSink(),
+                              model=model, optimizer=optimizer)
+    path = other_rank.save(4, TrainState(step=4))
+    assert path == tmp_path / "checkpoints" / "step_00000004" and not path.exists()
+    assert other_rank.is_saved(4)

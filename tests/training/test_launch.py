@@ -1,0 +1,48 @@
+"""`python -m training` as one process (torchrun: test_multiprocess_ddp.py), and what it says about a bad spec."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from training import launch
+
+
+def test_python_dash_m_training_trains_a_spec_file_and_writes_metrics_and_result(make_spec, tmp_path):
+    (tmp_path / "spec.json").write_text(json.dumps(make_spec(training={"steps": 3})))
+    env = dict(os.environ, PLAB_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "training", str(tmp_path / "spec.json"), "--output-dir", str(tmp_path / "out"),
+           "--metrics-jsonl", str(tmp_path / "m.jsonl"), "--result-json", str(tmp_path / "result.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["status"], result["steps"], result["summary"]["world_size"]) == ("succeeded", 3, 1)
+    assert result["checkpoint_dir"] == str(tmp_path / "out" / "checkpoints" / "step_00000003")
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["type"] == "metrics" and "train/loss" in x["metrics"]] == [1, 2, 3]
+    assert lines[-1]["kind"] == "result"
+
+    # Run again: resumes from the final checkpoint, trains nothing, and reports the same run.
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads((tmp_path / "result.json").read_text())
+    assert (again["steps"], again["final_loss"]) == (3, result["final_loss"])
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read the run spec"),
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "must hold a JSON object"),
+    ('{"model": "tiny", "data": {"corpus": "tinyshakespeare"}, "training": {"steps": -1}}',
+     "training.steps"),
+])
+def test_a_bad_spec_file_is_a_usage_error_that_says_what_is_wrong(tmp_path, capsys, content, message):
+    path = tmp_path / "spec.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main([str(path), "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err

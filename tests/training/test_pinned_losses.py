@@ -1,0 +1,46 @@
+"""The loop's numbers, pinned to the bit: a change to the loop's structure must not move them.
+
+Recorded with float.hex from the single-function loop this loop was split from (torch 2.13.0+cpu, AVX2, one
+intra-op thread as in every training test). A change that moves them changed the numerics - the order of RNG
+draws, of ops, of reductions - or the platform did: a torch upgrade may legitimately change CPU kernels, and
+then the values are re-recorded from the commit before the change under test, never from the change itself.
+"""
+import pytest
+import torch
+
+from training.sink import ListSink
+from training.train import train
+
+PINNED = {
+    "bf16": (
+        {},
+        {"train/loss": ["0x1.926b320000000p+2", "0x1.8c60680000000p+2", "0x1.83c8900000000p+2",
+                        "0x1.7ddc1c0000000p+2", "0x1.73c15c0000000p+2", "0x1.7275e00000000p+2"],
+         "train/grad_norm": ["0x1.9868320000000p+1", "0x1.7165640000000p+1", "0x1.490ba00000000p+1",
+                             "0x1.48592c0000000p+2", "0x1.80eb620000000p+0", "0x1.65c9720000000p+0"],
+         "val/loss": ["0x1.78a84f0000000p+2", "0x1.71490c0000000p+2"]}),
+    # Emulated NVFP4 draws its stochastic rounding from the global generator: this pins the order of draws.
+    "nvfp4, grad_accum 2": (
+        {"recipe": "nvfp4", "training": {"grad_accum": 2}},
+        {"train/loss": ["0x1.9198e40000000p+2", "0x1.8c4d740000000p+2", "0x1.83e2880000000p+2",
+                        "0x1.7f77bc0000000p+2", "0x1.7440f80000000p+2", "0x1.7301fa0000000p+2"],
+         "train/grad_norm": ["0x1.9542b20000000p+1", "0x1.76ab9a0000000p+1", "0x1.2d39d20000000p+1",
+                             "0x1.b1119e0000000p+2", "0x1.831a820000000p+0", "0x1.68d9840000000p+0"],
+         "val/loss": ["0x1.79aa6e8000000p+2", "0x1.71d4a38000000p+2"]}),
+}
+
+
+@pytest.mark.parametrize("case", list(PINNED))
+def test_six_steps_of_a_tiny_run_reproduce_the_recorded_losses_bit_for_bit(make_spec, cache_dir, case):
+    override, want = PINNED[case]
+    override = {**override, "training": {"steps": 6, "val_every": 3, "val_batches": 2,
+                                         **override.get("training", {})}}
+    sink = ListSink()
+    result = train(make_spec(**override), sink, cache_dir=cache_dir)
+    assert result.status == "succeeded"
+    for key, values in want.items():
+        got = [float(v).hex() for _, v in sink.series(key)]
+        assert got == values, f"{key} moved (torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})"
+    assert [s for s, _ in sink.series("val/loss")] == [3, 6]
+    assert float(result.final_loss).hex() == want["train/loss"][-1]
+    assert float(result.final_val_loss).hex() == want["val/loss"][-1]

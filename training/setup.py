@@ -1,0 +1,251 @@
+"""Building a run before its first step: processes and device, data, model and recipe, optimizer, and the
+step function (the loss module under DDP and torch.compile as asked). `setup_run` returns one `Run`.
+
+Numerics: FP32 master weights always. `training.param_dtype` "bf16" (the GPU default): the model's
+parameters are BF16 and compute in BF16 (recipes replace the GEMMs of converted linears), the optimizer
+(training.optim.MasterAdamW) keeps FP32 masters and moments and writes the rounded weights back after
+each step. "fp32" (the CPU default): FP32 parameters, forward/backward under BF16 autocast on GPU, plain
+FP32 on CPU, torch's fused AdamW.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from training.config import RunSpec, SpecError
+from training.data import TokenDataset
+from training.distributed import DistContext, init_distributed
+from training.flops import flops_per_token
+from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, compile_layers, count_parameters,
+                            fuse_gate_up, fuse_qkv, llama_config)
+from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
+from training.sink import MetricSink
+
+
+@dataclass
+class Run:
+    """A run ready for its first step (before any resume)."""
+    spec: RunSpec
+    ctx: DistContext
+    device: torch.device
+    device_name: str
+    param_dtype: str                   # "bf16" | "fp32", resolved
+    autocast: contextlib.AbstractContextManager
+    tokenizer: object | None           # None for the synthetic "random" corpus
+    dataset: TokenDataset
+    model: torch.nn.Module             # the LlamaForCausalLM, converted by the recipe
+    report: object                     # the recipe's RecipeReport
+    hooks: list                        # the recipe's hooks (post_optimizer_step, post_backward, state)
+    params: list[torch.Tensor]         # trainable parameters, in model order
+    optimizer: torch.optim.Optimizer
+    net: torch.nn.Module               # what a step calls: the loss module, under DDP / torch.compile
+    eval_net: torch.nn.Module          # what validation calls: the loss module, compiled when `net` is
+    stepper: OverlappedOptimizerStep | None
+    fused_qkv: bool
+    flops_per_token: float
+    micro_batch: int
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def overlap_optimizer(self) -> bool:
+        return self.stepper is not None
+
+    def settle(self) -> None:
+        """Before anything reads the weights or optimizer state outside the forward (validation,
+        checkpoints, the end): the compute stream waits for the overlapped update to finish."""
+        if self.stepper is not None:
+            self.stepper.synchronize()
+
+    def info(self) -> dict:
+        """What the run is, for the `run_info` event and the result's summary."""
+        t = self.spec.training
+        return {"params": count_parameters(self.model), "flops_per_token": self.flops_per_token,
+                "world_size": self.ctx.world, "param_dtype": self.param_dtype, "fused_qkv": self.fused_qkv,
+                "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer}
+
+
+def device_kind(spec: RunSpec) -> str:
+    """The kind of device ("cuda" or "cpu") the spec's `training.device` asks for on this machine."""
+    requested = spec.training.device
+    return "cuda" if requested.startswith("cuda") or (requested == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def join_processes(spec: RunSpec) -> DistContext:
+    """This process's place among the ranks torchrun started; checks their number against `training.gpus`."""
+    gpus = spec.training.gpus
+    ctx = init_distributed(device_kind(spec))
+    if ctx.world != 1 and ctx.world != gpus:
+        raise SpecError(f"the spec asks for training.gpus={gpus} but {ctx.world} processes were launched; "
+                        f"launch with torchrun --nproc-per-node {gpus}")
+    if ctx.world == 1 and gpus > 1:
+        raise SpecError(f"training.gpus={gpus} needs one process per GPU: launch with "
+                        f"`torchrun --nproc-per-node {gpus} -m training SPEC.json --output-dir DIR`")
+    return ctx
+
+
+def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: Path) -> Run:
+    """Build everything the loop needs, in an order that fixes the run's numbers: the model is initialised
+    from the seed before the recipe converts it; the global generators are seeded once model and optimizer
+    exist (nothing after that draws from them before the first step)."""
+    t = spec.training
+    device = _resolve_device(t.device, ctx)
+    _configure_backends(device, t.perf)
+    on_cuda = device.type == "cuda"
+    device_name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
+    param_dtype = t.param_dtype if t.param_dtype != "auto" else ("bf16" if on_cuda else "fp32")
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda and param_dtype != "bf16"
+                else contextlib.nullcontext())
+
+    tokenizer, dataset = load_data(spec, ctx, cache_dir)
+    if tokenizer is not None and len(tokenizer) > spec.vocab_size:
+        raise SpecError(f"the tokenizer has {len(tokenizer)} tokens but the model only {spec.vocab_size}; raise "
+                        f"model.vocab_size or lower data.vocab_size")
+    model, report, fused_qkv = _model_with_recipe(spec, device, param_dtype, sink)
+    params, optimizer = _optimizer(model, spec, param_dtype)
+    # Randomness inside the step (NVFP4's stochastic rounding of gradients) draws from the global generators:
+    # seed them from the run's seed and rank so the same spec reproduces the same run; a resume restores
+    # their exact state from the checkpoint instead.
+    torch.manual_seed(spec.seed * 1_000_003 + ctx.rank)
+
+    overlap = on_cuda and param_dtype == "bf16" and t.perf.overlap_optimizer
+    net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=overlap)
+    stepper = OverlappedOptimizerStep(optimizer, _forward_buckets(model, params)) if overlap else None
+    return Run(spec=spec, ctx=ctx, device=device, device_name=device_name, param_dtype=param_dtype,
+               autocast=autocast, tokenizer=tokenizer, dataset=dataset, model=model, report=report,
+               hooks=list(getattr(report, "hooks", []) or []), params=params,
+               optimizer=optimizer, net=net, eval_net=eval_net, stepper=stepper, fused_qkv=fused_qkv,
+               flops_per_token=flops_per_token(model.config, spec.data.seq_len),
+               micro_batch=t.batch_size // (t.grad_accum * ctx.world))
+
+
+def _resolve_device(requested: str, ctx: DistContext) -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SpecError(f"training.device is {requested!r} but no CUDA GPU is visible; use 'auto' or 'cpu'")
+        if requested == "cuda":
+            return torch.device("cuda", ctx.local_rank if ctx.enabled else torch.cuda.current_device())
+    return torch.device(requested)
+
+
+def _configure_backends(device: torch.device, perf) -> None:
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = perf.allow_tf32
+    torch.backends.cudnn.allow_tf32 = perf.allow_tf32
+    if perf.sdpa_backend != "auto":
+        # Pinning one backend (and turning the others off, math included) makes an A/B of e.g. cuDNN vs
+        # FlashAttention on Hopper unambiguous; it raises if the pinned kernel cannot run the shape.
+        b = perf.sdpa_backend
+        torch.backends.cuda.enable_flash_sdp(b == "flash")
+        torch.backends.cuda.enable_mem_efficient_sdp(b == "efficient")
+        torch.backends.cuda.enable_cudnn_sdp(b == "cudnn")
+        torch.backends.cuda.enable_math_sdp(b == "math")
+
+
+def load_data(spec: RunSpec, ctx: DistContext, cache_dir: Path):
+    """(tokenizer or None, TokenDataset). Rank 0 builds the caches first so ranks never race."""
+    from training.tokenizer import get_tokenizer
+    d = spec.data
+    corpus = d.corpus_dir()
+    if corpus is None:  # synthetic "random" corpus: throughput benchmarks
+        return None, TokenDataset.random(spec.vocab_size, d.seq_len, seed=0)
+    for turn in ("main", "others"):
+        if (turn == "main") == ctx.is_main:
+            tokenizer = get_tokenizer(corpus, d.vocab_size, cache_dir)
+            dataset = TokenDataset.from_corpus(corpus, tokenizer, seq_len=d.seq_len,
+                                               val_fraction=d.val_fraction, cache_dir=cache_dir)
+        ctx.barrier()
+    return tokenizer, dataset
+
+
+def _model_with_recipe(spec: RunSpec, device: torch.device, param_dtype: str, sink: MetricSink):
+    """(model, recipe report, fused_qkv): the seeded model on `device`, fused and converted as the spec asks;
+    reports the conversion to the sink."""
+    t = spec.training
+    on_cuda = device.type == "cuda"
+    model = build_model(llama_config(spec.model, spec.vocab_size, spec.data.seq_len), spec.seed).to(device)
+    fused_qkv = t.perf.fuse_qkv if t.perf.fuse_qkv is not None else on_cuda
+    if fused_qkv:
+        fuse_qkv(model)
+    if t.perf.fuse_gate_up:
+        fuse_gate_up(model)
+    from training.precision import apply_recipe
+    report = apply_recipe(model, spec.recipe, bf16_first_layers=spec.bf16_first_layers,
+                          bf16_last_layers=spec.bf16_last_layers, **spec.recipe_options)
+    sink.event("conversion_report", report=report.to_dict())
+    if on_cuda and t.perf.bf16_residual and param_dtype != "bf16":
+        carry_residual_in_bf16(model)
+    if t.activation_checkpointing:
+        # transformers >= 5.x renamed the API; the GPU images may carry an older release.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model, report, fused_qkv
+
+
+def _optimizer(model: torch.nn.Module, spec: RunSpec, param_dtype: str):
+    """(trainable parameters, optimizer) with the learning rate of step 1; BF16 parameters get FP32 masters."""
+    t = spec.training
+    params = [p for p in model.parameters() if p.requires_grad]
+    # nanoGPT's split: decay matrices (linears, embeddings), not norms' gains.
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if param_dtype == "bf16":
+        # Masters are copied from the FP32 initial weights before the parameters are rounded to BF16;
+        # only parameters are cast (buffers such as RoPE's inv_freq and recipe state stay FP32).
+        optimizer = MasterAdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2))
+        with torch.no_grad():
+            for p in params:
+                p.data = p.data.to(torch.bfloat16)
+    else:
+        # Fused AdamW (one multi-tensor kernel; CPU has a fused kernel too, so CPU and GPU runs share the
+        # update rule and the clipping path of the loop).
+        optimizer = torch.optim.AdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2), fused=True)
+    return params, optimizer
+
+
+def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device, *, compile_per_layer: bool):
+    """(net, eval_net): the loss module for training steps (under DDP when several ranks train) and for
+    validation, compiled as `training.compile` and `perf.compile_scope` ask."""
+    t = spec.training
+    on_cuda = device.type == "cuda"
+    loss_module = CausalLMLoss(model, fused_loss=t.perf.fused_loss, chunk_tokens=t.perf.loss_chunk_tokens,
+                               compute_dtype=torch.bfloat16 if on_cuda else None)
+    net = eval_net = loss_module
+    if ctx.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        # Gradients live in the all-reduce buckets (no copy into and out of them each step).
+        net = DDP(loss_module, device_ids=[device.index] if on_cuda else None, gradient_as_bucket_view=True,
+                  bucket_cap_mb=t.perf.ddp_bucket_mb, static_graph=t.perf.ddp_static_graph)
+    scope = t.perf.compile_scope if t.perf.compile_scope != "auto" else ("layers" if compile_per_layer else "model")
+    if t.compile and scope == "layers":
+        compile_layers(loss_module, t.perf.compile_mode)
+    elif t.compile:
+        net = torch.compile(net, mode=t.perf.compile_mode)
+        eval_net = torch.compile(loss_module, mode=t.perf.compile_mode)
+    return net, eval_net
+
+
+def _forward_buckets(model, params) -> list:
+    """(module, its parameters) in the order the forward uses them: embeddings, each decoder layer, then the
+    final norm with the LM head (the fused loss reads lm_head.weight right after the final norm). Anything
+    else trainable joins the first bucket, so it is updated before the forward can touch it."""
+    inner = model.model
+    buckets = [(inner.embed_tokens, list(inner.embed_tokens.parameters()))]
+    buckets += [(layer, list(layer.parameters())) for layer in inner.layers]
+    buckets.append((inner.norm, list(inner.norm.parameters()) + list(model.lm_head.parameters())))
+    trainable = {id(p) for p in params}
+    buckets = [(m, [p for p in ps if id(p) in trainable]) for m, ps in buckets]
+    seen = {id(p) for _, ps in buckets for p in ps}
+    buckets[0][1].extend(p for p in params if id(p) not in seen)
+    return buckets
