@@ -97,12 +97,9 @@ class BlockwiseFP8Linear(nn.Linear):
 @register
 class FP8BlockwiseRecipe(Recipe):
     name = "fp8_blockwise"
-    summary = "E4M3; FP32 scales per 1x128 (activations, gradients) and 128x128 (weights) blocks"
-    gpu_requirement = "real FP8 block-scaled GEMMs on sm_90+ via torchao prototype blockwise_fp8_training; emulated elsewhere"
-    options = {}
 
     def real_unavailable(self, device, options):
-        reason = capability_reason(device, (9, 0), "torchao blockwise FP8 kernels")
+        reason = capability_reason(device, self.min_capability, "torchao blockwise FP8 kernels")
         if reason is None:
             try:
                 import torchao.prototype.blockwise_fp8_training.linear  # noqa: F401

@@ -42,7 +42,5 @@ class RowwiseQuantizer(GemmQuantizer):
 @register
 class FP8RowwiseRecipe(TorchaoFloat8Recipe):
     name = "fp8_rowwise"
-    summary = "E4M3 everywhere; power-of-two scale per row/column along each GEMM's reduction dim"
-    gpu_requirement = "real FP8 GEMMs on sm_89+ via torchao Float8Linear (rowwise); emulated elsewhere"
     torchao_recipe = "rowwise"
     quantizer_cls = RowwiseQuantizer

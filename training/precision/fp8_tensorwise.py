@@ -56,10 +56,9 @@ class TorchaoFloat8Recipe(Recipe):
     emulation with `quantizer_cls` elsewhere."""
     torchao_recipe = ""
     quantizer_cls: type[GemmQuantizer] = GemmQuantizer
-    options = {}
 
     def real_unavailable(self, device, options):
-        return capability_reason(device, (8, 9), "FP8 tensor cores")
+        return capability_reason(device, self.min_capability, "FP8 tensor cores")
 
     def skip_reason(self, linear, real):
         return scaled_mm_shape_reason(linear, self.name) if real else None
@@ -75,7 +74,5 @@ class TorchaoFloat8Recipe(Recipe):
 @register
 class FP8TensorwiseRecipe(TorchaoFloat8Recipe):
     name = "fp8_tensorwise"
-    summary = "E4M3 X/W, E5M2 dY; one scale per tensor from its current amax"
-    gpu_requirement = "real FP8 GEMMs on sm_89+ (Ada, Hopper, Blackwell) via torchao Float8Linear; emulated elsewhere"
     torchao_recipe = "tensorwise"
     quantizer_cls = TensorwiseQuantizer

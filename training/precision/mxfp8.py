@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from training.precision.emulation import GemmQuantizer, QuantizedLinear
-from training.precision.formats import SCALE_ROUNDINGS, quantize_mxfp8
+from training.precision.formats import quantize_mxfp8
 from training.precision.registry import Recipe, capability_reason, register
 
 BLOCK = 32
@@ -48,17 +48,9 @@ class MXFP8Quantizer(GemmQuantizer):
 @register
 class MXFP8Recipe(Recipe):
     name = "mxfp8"
-    summary = "E4M3 + E8M0 power-of-two scale per 32 elements along the reduction dim"
-    gpu_requirement = "real MXFP8 GEMMs on sm_100+ (Blackwell) via torchao MXFP8Linear; exact emulation on Hopper/CPU"
-    options = {"scale_rounding": "rceil"}
-
-    def validate_options(self, options):
-        if options["scale_rounding"] not in SCALE_ROUNDINGS:
-            raise ValueError(f"option scale_rounding of mxfp8 must be one of {', '.join(SCALE_ROUNDINGS)}, "
-                             f"got {options['scale_rounding']!r}")
 
     def real_unavailable(self, device, options):
-        reason = capability_reason(device, (10, 0), "MXFP8 tensor cores")
+        reason = capability_reason(device, self.min_capability, "MXFP8 tensor cores")
         if reason is None:
             try:
                 from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear  # noqa: F401

@@ -160,20 +160,9 @@ class NVFP4EmulatedLinear(QuantizedLinear):
 @register
 class NVFP4Recipe(Recipe):
     name = "nvfp4"
-    summary = ("E2M1 + E4M3 scale per 16 + FP32 tensor scale; 16x16 weight tiles, 16-point RHT on Wgrad "
-               "inputs, stochastic rounding of gradients")
-    gpu_requirement = "real NVFP4 GEMMs on sm_100+ (Blackwell) via torchao NVFP4Linear; exact emulation on Hopper/CPU"
-    # fused_quantize: on CUDA, emulate with the fused Triton quantizers (nvfp4_triton.py); false keeps the
-    # torch quantizers everywhere (for an A/B; numerics differ only in the RHT's rounding, see the module doc).
-    options = {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_seed": 0, "fused_quantize": True}
-
-    def validate_options(self, options):
-        seed = options["rht_seed"]
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"option rht_seed of nvfp4 must be a non-negative integer, got {seed!r}")
 
     def real_unavailable(self, device, options):
-        reason = capability_reason(device, (10, 0), "NVFP4 tensor cores")
+        reason = capability_reason(device, self.min_capability, "NVFP4 tensor cores")
         if reason is None and not (options["rht"] and options["stochastic_rounding"] and options["weight_2d"]):
             return "torchao's NVFP4 kernels always apply RHT, stochastic rounding and 2D weights; ablations are emulated"
         if reason is None:
