@@ -70,8 +70,11 @@ class DelayedQuantizer(GemmQuantizer):
     def grad(self, dy2d, *, dtype=torch.float32, track=False):
         return self._q(dy2d, GRAD, dtype, track)
 
-    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
-        return self._q(dy2d, GRAD, dtype).t(), self._q(x2d, INPUT, dtype).t()
+    def grad_wgrad(self, dy2d, *, dtype=torch.float32):
+        return self._q(dy2d, GRAD, dtype).t()
+
+    def input_wgrad(self, x2d, *, dtype=torch.float32):
+        return self._q(x2d, INPUT, dtype).t()
 
     def describe(self):
         return f"E4M3 X/W, E5M2 dY, per-tensor delayed scaling (history {self.layer.amax_history.shape[1]})"

@@ -112,6 +112,17 @@ class Recipe:
     def make_hooks(self, converted: list[tuple[str, nn.Module]], options: dict) -> list:
         return []
 
+    # The GEMM benchmark's relative-error bound ‖C − C_bf16‖ / ‖C_bf16‖ for a GEMM of Gaussian operands in this
+    # recipe's format: about twice the expected error (two quantized operands, errors adding in quadrature), so
+    # shape effects pass and a broken quantizer (error ≈ 1) fails. Recipes that own a GEMM format set it.
+    gemm_error_bound: Optional[float] = None
+
+    def gemm_ops(self, device: torch.device):
+        """The recipe's GEMMs for the GEMM benchmark, a `training.precision.gemm_ops.GemmOps` (implemented by the
+        recipes that own a GEMM format: catalog gemm_format == name; the others are timed as that format)."""
+        raise NotImplementedError(f"recipe {self.name!r} has no GEMM operands of its own; the GEMM benchmark times "
+                                  f"it as {self.entry.gemm_format!r}")
+
 
 @dataclass
 class RecipeReport:
