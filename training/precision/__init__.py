@@ -1,5 +1,14 @@
 """Precision recipes: the seam where number formats plug into training.
 
+What each recipe is - its name, summary, elements and scaling, typed options with their defaults, the GEMM
+format the GEMM benchmark times it as, the compute capability of its real kernels - is written once, in the
+recipe catalog (catalog.py, importable without torch; `RECIPES` is its names in the documented order). Each
+recipe module (bf16.py, fp8_*.py, mxfp8.py, nvfp4.py) holds the code only: its `Recipe` (conversion, hooks)
+registered under its catalog name, its `GemmQuantizer` (the three GEMMs' operands) and, for a recipe that owns a
+GEMM format, `gemm_ops(device)` (gemm_ops.py: the GEMM benchmark's quantizers and GEMMs, the training quantizers
+in its "with quantization" mode). A recipe module is imported the first time the recipe is asked for; adding a
+recipe is a catalog entry plus one module (docs/EXTENDING.md).
+
 `apply_recipe(model, name, *, bf16_first_layers=0, bf16_last_layers=0, backend="auto", **options)`
 converts the nn.Linear layers inside `model.model.layers[i]` (q/k/v/o_proj, gate/up/down_proj) of a
 transformers LlamaForCausalLM; embeddings, norms and the LM head stay high precision. Blocks
@@ -70,7 +79,7 @@ def __getattr__(name: str):
     if name not in _TORCH_SIDE:
         raise AttributeError(f"module 'training.precision' has no attribute {name!r}")
     module = importlib.import_module(f"training.precision.{_TORCH_SIDE[name]}")
-    if module.__name__.endswith("registry"):
+    if _TORCH_SIDE[name] == "registry":
         module.load_recipes()
     value = getattr(module, name)
     globals()[name] = value

@@ -168,6 +168,8 @@ class BlockwiseEmulatedGemmOps(EmulatedGemmOps):
     dequantized to BF16 (`quantize_dequantize`); with quantization, training's emulation (FP32 values and GEMM,
     as FP32 block scales are not exact in BF16)."""
 
+    separate_quant_gemm = True
+
     def check_shape(self, shape):
         check_divisible(shape, self.fmt, BLOCK)
 

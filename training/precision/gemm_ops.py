@@ -135,13 +135,12 @@ def training_operands(quantizer: GemmQuantizer, role: str, x: torch.Tensor, layo
 
 
 class EmulatedGemmOps(GemmOps):
-    """A format without hardware support on this device. With quantization it times what training's exact
-    emulation runs: the recipe's training quantizer (compiled on CUDA, as the compiled training step) and a
-    GEMM on the dequantized values (`emulated_mm`). Kernel-only mode (`kernel_quantizer`, `gemm`) is the
-    subclass's: torchao's emulated path, timed as before."""
+    """A format without hardware support on this device: what training's exact emulation runs, the recipe's
+    training quantizer (compiled on CUDA, as the compiled training step) and a GEMM on the dequantized values
+    (`emulated_mm`), in both modes. Subclasses whose kernel-only mode times another emulation (torchao's) override
+    `kernel_quantizer` and `gemm` and set `separate_quant_gemm`."""
 
     compiles = True
-    separate_quant_gemm = True
 
     def __init__(self, fmt: str, device: torch.device, error_bound: float, training: GemmQuantizer):
         super().__init__(fmt, device, error_bound)
@@ -156,6 +155,9 @@ class EmulatedGemmOps(GemmOps):
     def quant_gemm(self, gemm: str) -> Callable:
         check_pass(gemm)
         return lambda qa, qbt: emulated_mm(qa, qbt, torch.bfloat16)
+
+    def gemm(self, gemm: str) -> Callable:
+        return self.quant_gemm(gemm)
 
     def quantizer_note(self, compiled: bool) -> str:
         how = "torch.compile" if compiled else "eager"
@@ -220,6 +222,8 @@ class TorchaoBlockScaledOps(GemmOps):
 class EmulatedTorchaoOps(EmulatedGemmOps):
     """mxfp8 / nvfp4 without block-scaled tensor cores: kernel-only mode times torchao's emulated path
     (its operands dequantized to BF16, then a BF16 GEMM); with quantization, training's emulation."""
+
+    separate_quant_gemm = True
 
     def __init__(self, fmt: str, device: torch.device, error_bound: float, training: GemmQuantizer,
                  torchao: TorchaoBlockScaled, *, role_independent: bool = False):
