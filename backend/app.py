@@ -22,9 +22,9 @@ def create_app(settings: Settings | None = None, *, migrate: bool | None = None)
     app.state.sessionmaker = session_factory(settings.database_url)
     install_error_handlers(app)
 
-    from backend.api.routes import evaluations, experiments, gemm, runs
+    from backend.api.routes import evaluations, experiments, gemm, recipes, runs
 
-    for module in (experiments, runs, gemm):
+    for module in (experiments, runs, gemm, recipes):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(evaluations.router, prefix="/api/v1")
 

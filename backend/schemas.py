@@ -8,7 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
-RECIPE_NAMES = ("bf16", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4")
+from training.precision import catalog
+
 MAX_POINTS_PER_BATCH = 10_000
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled", "diverged"]
 
@@ -17,19 +18,30 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _recipe_field_doc() -> str:
+    return "one of " + ", ".join(catalog.recipe_names()) + " (GET /api/v1/recipes describes each)"
+
+
+OPTIONS_DOC = "the recipe's options (GET /api/v1/recipes lists each with its type, default and allowed values)"
+
+
+def check_recipe(name: str, options: dict[str, Any]) -> None:
+    """ValueError (a 422 at the API) unless the catalog knows the recipe and accepts its options; the stored
+    options stay as given."""
+    catalog.get(name).resolve_options(options)
+
+
 class RecipeRequest(Strict):
-    name: str = Field(description="one of " + ", ".join(RECIPE_NAMES))
-    options: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(description=_recipe_field_doc())
+    options: dict[str, Any] = Field(default_factory=dict, description=OPTIONS_DOC)
     bf16_first_layers: Annotated[int, Field(ge=0, le=1000)] = 0
     bf16_last_layers: Annotated[int, Field(ge=0, le=1000)] = 0
     label: str | None = Field(default=None, max_length=200)
 
-    @field_validator("name")
-    @classmethod
-    def known_recipe(cls, v: str) -> str:
-        if v not in RECIPE_NAMES:
-            raise ValueError(f"unknown recipe {v!r}; choose from {', '.join(RECIPE_NAMES)}")
-        return v
+    @model_validator(mode="after")
+    def known_recipe_and_options(self) -> "RecipeRequest":
+        check_recipe(self.name, self.options)
+        return self
 
 
 class ExperimentCreate(Strict):
@@ -39,8 +51,8 @@ class ExperimentCreate(Strict):
     data: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
-    recipes: list[str | RecipeRequest] = Field(default_factory=lambda: [RecipeRequest(name="bf16")], min_length=1,
-                                               max_length=64,
+    recipes: list[str | RecipeRequest] = Field(default_factory=lambda: [RecipeRequest(name=catalog.BASELINE)],
+                                               min_length=1, max_length=64,
                                                description="recipe names or objects with options")
     eval_tasks: list[str] = Field(default_factory=list, max_length=200)
     enqueue: bool = True
@@ -55,15 +67,46 @@ class ExperimentCreate(Strict):
 
 class RunCreate(Strict):
     experiment_id: Annotated[int, Field(ge=1, le=2**31 - 1, description="id of an existing experiment")]
-    recipe: str = "bf16"
-    recipe_options: dict[str, Any] = Field(default_factory=dict)
+    recipe: str = Field(default=catalog.BASELINE, description=_recipe_field_doc())
+    recipe_options: dict[str, Any] = Field(default_factory=dict, description=OPTIONS_DOC)
     label: str | None = Field(default=None, max_length=200)
     external: Literal[True] = True
 
-    @field_validator("recipe")
-    @classmethod
-    def known_recipe(cls, v: str) -> str:
-        return RecipeRequest.known_recipe(v)
+    @model_validator(mode="after")
+    def known_recipe_and_options(self) -> "RunCreate":
+        check_recipe(self.recipe, self.recipe_options)
+        return self
+
+
+class RecipeOptionOut(BaseModel):
+    name: str
+    type: Literal["boolean", "integer", "string"]
+    default: Any
+    choices: list[str] | None = Field(description="the allowed values of a string option")
+    minimum: int | None
+    maximum: int | None
+    help: str
+
+
+class RecipeOut(BaseModel):
+    name: str
+    summary: str
+    elements: str
+    scaling: str
+    gemm_format: str = Field(description="the GEMM benchmark format its GEMMs are timed as")
+    options: list[RecipeOptionOut]
+    real_min_capability: tuple[int, int] | None = Field(
+        description="minimum CUDA compute capability (major, minor) of its real low-precision kernels; null for "
+                    "the baseline, which has none")
+    real_kernels: str = Field(description="what runs where the GPU has the capability")
+    emulated_elsewhere: bool = Field(description="runs as exact emulation (quantize, dequantize, BF16 GEMM) on "
+                                                 "other GPUs and CPUs; its throughput is then not the format's")
+
+
+class RecipeCatalogOut(BaseModel):
+    baseline: str
+    recipes: list[RecipeOut] = Field(description="in the documented recipe order")
+    gemm_formats: list[str] = Field(description="the formats the GEMM benchmark offers, in order")
 
 
 class StatusUpdate(Strict):

@@ -53,12 +53,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.benchmeta import git_commit  # noqa: E402
+from training.precision.catalog import recipe_names  # noqa: E402
 
 import httpx  # noqa: E402
 
 KEYS = ("train/loss", "train/lr", "perf/tokens_per_s")
-RECIPES = ["bf16", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4",
-           {"name": "nvfp4", "bf16_last_layers": 2}]
+RECIPES = [*recipe_names(), {"name": "nvfp4", "bf16_last_layers": 2}]
 SPIKE_RUN_INDEX = 4
 SPIKE_VALUE = 50.0
 BATCH = 10_000

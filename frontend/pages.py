@@ -51,11 +51,11 @@ def plotly_js_path() -> Path:
 
 
 def recipe_names() -> tuple[str, ...]:
-    # The form offers exactly what the API accepts. Read from the API's schemas rather than from
-    # training.precision, whose import pulls in torch and would stall the first page view for seconds.
-    from backend.schemas import RECIPE_NAMES
+    # The form offers exactly what the API accepts: the recipe catalog, which loads without torch (importing
+    # torch would stall the first page view for seconds).
+    from training.precision import catalog
 
-    return tuple(RECIPE_NAMES)
+    return catalog.recipe_names()
 
 
 def mount(app: FastAPI) -> None:

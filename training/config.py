@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from training.precision import catalog
+
 RANDOM_CORPUS = "random"
 # Model presets (re-exported as training.model.PRESETS). Defined here so that validating a spec does not
 # import transformers. `1b` is 1.14B parameters with data.vocab_size 32000, the vocabulary of the reference
@@ -292,13 +294,19 @@ class RunSpec:
         data = cls._parse_data(d.get("data", {}), check_paths=check_paths)
         training = cls._parse_training(d.get("training", {}))
         seed = _int("spec", "seed", d.get("seed", 0), minimum=0)
-        recipe = d.get("recipe", "bf16")
-        from training.precision import RECIPES
-        if recipe not in RECIPES:
-            raise SpecError(f"unknown recipe {recipe!r}; choose one of {list(RECIPES)}")
+        recipe = d.get("recipe", catalog.BASELINE)
         recipe_options = d.get("recipe_options", {}) or {}
         if not isinstance(recipe_options, dict):
             raise SpecError(f"recipe_options must be an object, got {recipe_options!r}")
+        try:
+            entry = catalog.get(recipe)
+        except catalog.RecipeError as exc:
+            raise SpecError(str(exc)) from None
+        try:
+            # Validated only: the spec keeps the options as given (the recipe fills in its defaults at run time).
+            entry.resolve_options(recipe_options)
+        except catalog.RecipeError as exc:
+            raise SpecError(f"recipe_options: {exc}") from None
         first = _int("spec", "bf16_first_layers", d.get("bf16_first_layers", 0), minimum=0)
         last = _int("spec", "bf16_last_layers", d.get("bf16_last_layers", 0), minimum=0)
         spec = cls(model=model, data=data, training=training, seed=seed, recipe=recipe,

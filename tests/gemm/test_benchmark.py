@@ -5,13 +5,15 @@ import json
 import pytest
 import torch
 
-import training.gemm.formats as formats
+import training.precision.fp8_tensorwise as fp8_ops
+import training.precision.nvfp4 as nvfp4
 from training.gemm import (ERROR_BOUNDS, FORMATS, GemmShape, gemm_shapes, main, parse_shapes, predict_speedup,
                            run_gemm_benchmark)
 from training.gemm.formats import EMULATED_LABEL
 from training.gemm.predict import aggregate, predictions
 from training.gemm.quantization import attributed_quant_s, readers, step_tensors
 from training.gemm.timing import time_gemm
+from training.precision.formats import Quantized
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +77,11 @@ def test_gemm_only_prediction_when_no_step_time_is_given(cli_run):
 
 
 def test_a_quantizer_that_misapplies_its_scale_fails_the_check(monkeypatch):
-    good = formats.fp8_quantize_layouts
+    good = fp8_ops.fp8_quantize_layouts
 
     def scale_not_inverted(x, dtype, rowwise, layouts):  # hands the GEMM the scale instead of its inverse
         return tuple((q, inv_scale.reciprocal()) for q, inv_scale in good(x, dtype, rowwise, layouts))
-    monkeypatch.setattr(formats, "fp8_quantize_layouts", scale_not_inverted)
+    monkeypatch.setattr(fp8_ops, "fp8_quantize_layouts", scale_not_inverted)
     result = run_gemm_benchmark(shapes="64x128x96", formats="bf16,fp8_tensorwise", device="cpu",
                                 repeats=1, warmup=0)
     recs = [r for r in result["results"] if r["format"] == "fp8_tensorwise"]
@@ -89,32 +91,26 @@ def test_a_quantizer_that_misapplies_its_scale_fails_the_check(monkeypatch):
 
 def test_the_transposed_layout_feeds_exactly_dgrad_and_wgrad(monkeypatch):
     # Break only the transposed cast: fprop (X, W as stored) must pass, dgrad (Wᵀ) and wgrad (dYᵀ, Xᵀ) fail.
-    good = formats.fp8_quantize_layouts
+    good = fp8_ops.fp8_quantize_layouts
 
     def broken_transpose(x, dtype, rowwise, layouts):
         out = good(x, dtype, rowwise, layouts)
         return tuple((q.flip(0) if lay == "t" else q, s) for (q, s), lay in zip(out, layouts))
-    monkeypatch.setattr(formats, "fp8_quantize_layouts", broken_transpose)
+    monkeypatch.setattr(fp8_ops, "fp8_quantize_layouts", broken_transpose)
     result = run_gemm_benchmark("tiny", micro_batch=1, seq_len=64, vocab_size=128, formats="fp8_tensorwise",
                                 device="cpu", repeats=1, warmup=0)
     checks = {(r["layer"], r["gemm"], r["mode"]): r["check"] for r in result["results"] if r["format"] != "bf16"}
     assert checks and all(c == ("pass" if g == "fprop" else "fail") for (_, g, _), c in checks.items())
 
 
-class _Coarse:
-    """One bit per element (sign × block max) instead of E2M1: relative error ≈ 0.6 > 0.25."""
-
-    def __init__(self, x):
-        self.x = x
-
-    def dequantize(self, dtype):
-        x = self.x
-        amax = x.abs().reshape(x.shape[0], -1, 16).amax(-1, keepdim=True).expand(-1, -1, 16).reshape(x.shape)
-        return (torch.sign(x) * amax).to(dtype)
+def _coarse_nvfp4(x, *, dtype=torch.float32, **_):
+    """One bit per element (sign × tensor max) instead of E2M1: relative error ≈ 1 > 0.25."""
+    return Quantized((torch.sign(x) * x.abs().amax()).to(dtype))
 
 
-def test_a_too_coarse_emulation_quantizer_fails_the_nvfp4_bound(monkeypatch):
-    monkeypatch.setattr(formats, "mx_quantize", lambda x, fmt, real: _Coarse(x.contiguous()))
+def test_a_too_coarse_training_quantizer_fails_the_nvfp4_bound(monkeypatch):
+    # Quant mode checks the GEMM on the operands of the quantizers a training step runs.
+    monkeypatch.setattr(nvfp4, "quantize_nvfp4", _coarse_nvfp4)
     posted = []
     rc = main(["--shapes", "64x128x96", "--formats", "nvfp4", "--mode", "quant", "--device", "cpu",
                "--repeats", "1"], post_result=posted.append)
@@ -283,10 +279,11 @@ def test_cuda_protocol_is_do_bench_s_flush_events_and_counts(monkeypatch):
 def test_compiled_training_cast_equals_the_eager_one():
     # On CUDA, quant mode times fp8_quantize_layouts under torch.compile(dynamic=False): it must trace
     # (both layouts, E5M2 gradients, rowwise scales) and give the eager bits.
-    compiled = torch.compile(formats.fp8_quantize_layouts, dynamic=False)
+    compiled = torch.compile(fp8_ops.fp8_quantize_layouts, dynamic=False)
     x = torch.randn(96, 64, dtype=torch.bfloat16)
     for dtype, rowwise in ((torch.float8_e5m2, False), (torch.float8_e4m3fn, True)):
-        got, want = compiled(x, dtype, rowwise, ("row", "t")), formats.fp8_quantize_layouts(x, dtype, rowwise, ("row", "t"))
+        got, want = (compiled(x, dtype, rowwise, ("row", "t")),
+                     fp8_ops.fp8_quantize_layouts(x, dtype, rowwise, ("row", "t")))
         for (q, s), (q_ref, s_ref), shape in zip(got, want, ((96, 64), (64, 96))):
             assert q.shape == shape and q.is_contiguous() and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
             assert torch.equal(s, s_ref)

@@ -117,3 +117,27 @@ def test_fused_autograd_function_matches_the_torch_path(nt, weight_2d):
     for what, a, b in zip(("Y", "dX", "dW"), *outs):
         rel = float((a - b).norm() / b.norm())
         assert rel < 1e-2, (what, rel)
+
+
+def test_the_gemm_benchmarks_fused_quantizers_are_the_training_steps(nt, monkeypatch):
+    """The GEMM benchmark's "with quantization" mode on CUDA (forced on here, the kernels interpreted on CPU):
+    X and dY through the fused kernel exactly as NVFP4FusedFn calls it (dY with stochastic rounding), both
+    layouts from one pass, and one weight tile quantization serving Fprop and Dgrad."""
+    from training.precision.nvfp4 import NVFP4EmulatedGemmOps
+    from training.precision.registry import get_recipe
+
+    monkeypatch.setattr(NVFP4EmulatedGemmOps, "_fused", lambda self: True)
+    ops = get_recipe("nvfp4").gemm_ops(torch.device("cpu"))
+    q = ops.training
+    x = _operand(48, 96, "normal")
+    for role, stochastic in (("input", False), ("grad_output", True)):
+        torch.manual_seed(0)  # the kernel's Philox seed is drawn from torch's generator
+        row, t = ops.quantizer(role)(x, ("row", "t"))
+        torch.manual_seed(0)
+        a, b, pts = nt.nvfp4_dual_quantize(x, q.rht_operand("cpu"), rht=q.rht, stochastic=stochastic)
+        assert _same_bits(row.values, a) and torch.equal(row.outer, pts[0])
+        assert _same_bits(t.values, b.t()) and torch.equal(t.outer, pts[1])
+    w = _operand(64, 96, "normal")
+    w_row, w_t = ops.quantizer("weight")(w, ("row", "t"))
+    assert w_t.values.data_ptr() == w_row.values.data_ptr()
+    assert torch.equal(w_row.dequantize(), q.weight_fprop(w, dtype=torch.bfloat16).dequantize())

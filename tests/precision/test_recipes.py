@@ -10,7 +10,7 @@ from torch import nn
 
 from training import checkpoint as ckpt
 from training.model import build_model, llama_config
-from training.precision import RECIPES, apply_recipe, recipe_info
+from training.precision import RECIPES, apply_recipe
 from training.precision.emulation import QuantizedLinear
 from training.precision.fp8_delayed import DelayedScalingLinear
 
@@ -106,10 +106,16 @@ def test_converting_twice_is_refused():
         apply_recipe(model, "nvfp4")
 
 
-def test_every_recipe_documents_its_meaning_and_gpu_requirement():
-    for name in RECIPES:
-        info = recipe_info(name)
-        assert info["summary"] and info["gpu_requirement"]
+def test_every_registered_recipe_takes_its_summary_options_and_capability_from_the_catalog():
+    from training.precision import catalog
+    from training.precision.registry import REGISTRY
+
+    assert tuple(REGISTRY) == RECIPES == catalog.recipe_names()
+    for name, recipe in REGISTRY.items():
+        entry = catalog.get(name)
+        assert recipe.summary == entry.summary and recipe.options == entry.defaults()
+        assert recipe.min_capability == entry.real_min_capability
+        assert entry.real_kernels and (entry.real_min_capability is None) == (name == catalog.BASELINE)
 
 
 # ------------------------------------------------------------------------------ one linear vs FP32

@@ -1,5 +1,6 @@
-"""GEMM benchmark per layer shape (issue 6): derive a model's training-step GEMMs, time them per format
-and mode, check them against BF16, and predict the end-to-end speedup."""
+"""GEMM benchmark per layer shape: derive a model's training-step GEMMs, time them per format (the recipe
+catalog's GEMM formats, each recipe's own GEMM operand code) and mode, check them against BF16, and predict the
+end-to-end speedup."""
 from .benchmark import run_gemm_benchmark
 from .cli import main
 from .formats import ERROR_BOUNDS, FORMATS, MODES

@@ -1,4 +1,9 @@
-"""`run_gemm_benchmark`: time every GEMM of a model's training step in every format and mode."""
+"""`run_gemm_benchmark`: time every GEMM of a model's training step in every format and mode.
+
+Formats are the catalog's (`training.precision.catalog.gemm_formats()`); each format's quantizers and GEMMs come
+from its recipe (`GemmOps`, training/precision/gemm_ops.py), so nothing here knows a format beyond BF16, the
+baseline every speedup and error check is relative to.
+"""
 from __future__ import annotations
 
 import datetime as _dt
@@ -6,13 +11,16 @@ import os
 import platform
 import subprocess
 import time
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
-from .formats import (EMULATED_LABEL, ERROR_BOUNDS, FORMATS, MODES, FormatOps, UnsupportedShape, logical_operands,
+from training.precision.catalog import BASELINE
+
+from .formats import (ERROR_BOUNDS, FORMATS, MODES, GemmOps, UnsupportedShape, format_ops, logical_operands,
                       make_operands, prepare, sm_version)
 from .predict import BF16_LAYERS, aggregate, predictions
 from .quantization import attributed_quant_s, readers, step_tensors, timing_key
@@ -101,6 +109,18 @@ def _validate_list(name: str, values: Iterable[str] | str | None, allowed: tuple
     return list(dict.fromkeys(values))
 
 
+def _check_counts(repeats, warmup, bf16_step_time_s, compile_quant) -> None:
+    for name, value, low in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ValueError(f"{name} must be an integer >= {low} (or None for do_bench's time-based count), "
+                             f"got {value!r}")
+    if bf16_step_time_s is not None and (isinstance(bf16_step_time_s, bool)
+                                         or not isinstance(bf16_step_time_s, (int, float)) or bf16_step_time_s <= 0):
+        raise ValueError(f"bf16_step_time_s must be positive seconds, got {bf16_step_time_s!r}")
+    if not isinstance(compile_quant, bool):
+        raise ValueError(f"compile_quant must be True or False, got {compile_quant!r}")
+
+
 def relative_error(c: torch.Tensor, c_ref: torch.Tensor) -> float:
     """‖C − C_ref‖ / ‖C_ref‖ in FP32 (NaN/Inf in C give inf)."""
     c32, r32 = c.float(), c_ref.float()
@@ -115,26 +135,14 @@ def _sync(device: torch.device) -> None:
 
 
 class _Quantizers:
-    """A format's training quantizers, compiled where training compiles them (FP8 tensorwise/rowwise on
-    CUDA); if torch.compile fails they fall back to eager and the note says so."""
+    """A format's training quantizers, compiled where training compiles them (on CUDA, `GemmOps.compiles`); if
+    torch.compile fails they fall back to eager and the note says so."""
 
-    def __init__(self, ops: FormatOps, compile_quant: bool):
+    def __init__(self, ops: GemmOps, compile_quant: bool):
         self.ops = ops
-        self.compiled = (compile_quant and ops.device.type == "cuda"
-                         and ops.fmt in ("fp8_tensorwise", "fp8_rowwise"))
-        self.note = self._describe()
+        self.compiled = compile_quant and ops.device.type == "cuda" and ops.compiles
+        self.note = ops.quantizer_note(self.compiled)
         self._fns: dict = {}
-
-    def _describe(self) -> str:
-        fmt, ops = self.ops.fmt, self.ops
-        if fmt in ("fp8_tensorwise", "fp8_rowwise"):
-            return ("torch.compile (static shapes): amax, scale, cast and transposed write fused as in "
-                    "compiled training" if self.compiled else "eager quantizers")
-        if fmt == "fp8_blockwise":
-            return ("torchao Triton quantization kernels (those of fp8_blockwise_mm)" if ops.backend == "real"
-                    else f"{EMULATED_LABEL}: quantize-dequantize (training.precision), eager")
-        what = "MXTensor.to_mx" if fmt == "mxfp8" else "NVFP4Tensor.to_nvfp4"
-        return f"torchao {what}, eager" + ("" if ops.backend == "real" else f" ({EMULATED_LABEL})")
 
     def __call__(self, role: str, x: torch.Tensor, layouts: tuple):
         if role not in self._fns:
@@ -165,6 +173,204 @@ def _time_tensor_quantization(quant: _Quantizers, tensor, device, generator, war
             "bytes_read": 2 * tensor.elements}
 
 
+def _shape_plan(model, shapes, *, micro_batch, seq_len, gated_mlp, no_gqa, vocab_size):
+    """(shape list, config, the request's model or dims, the request's shapes string)."""
+    config: dict = {"micro_batch": micro_batch, "seq_len": seq_len, "gated_mlp": gated_mlp}
+    if shapes is not None:
+        if model is not None:
+            raise ValueError("give either a model or explicit shapes, not both")
+        shape_list = parse_shapes(shapes) if isinstance(shapes, str) else list(shapes)
+        if not shape_list or not all(isinstance(s, GemmShape) for s in shape_list):
+            raise ValueError("shapes must be 'MxKxN,...' or a non-empty list of GemmShape")
+        return shape_list, {"shapes": "custom"}, None, ",".join(f"{s.m}x{s.k}x{s.n}" for s in shape_list)
+    if model is None:
+        raise ValueError("give a model (preset name, dims dict or LlamaConfig) or shapes='MxKxN,...'")
+    dims = resolve_model(model, seq_len=seq_len, vocab_size=vocab_size, no_gqa=no_gqa)
+    shape_list = gemm_shapes(dims, micro_batch, seq_len, gated_mlp=gated_mlp)
+    config.update(model=model if isinstance(model, str) else "custom", dims=dims,
+                  tokens_per_micro_batch=micro_batch * seq_len)
+    return shape_list, config, model if isinstance(model, str) else dims, None
+
+
+def _empty_record(shape, fmt: str) -> dict:
+    return {**shape.to_dict(), "flops": shape.flops, "format": fmt, "mode": "both" if fmt == BASELINE else "kernel",
+            "backend": None, "time_s": None, "gemm_s": None, "quant_s": None, "tflops": None,
+            "speedup_vs_bf16": None, "rel_error": None, "error_bound": ERROR_BOUNDS.get(fmt), "check": None,
+            "note": ""}
+
+
+def _check(rec: dict, fmt: str, c: torch.Tensor, ref: torch.Tensor) -> None:
+    err = relative_error(c, ref)
+    rec.update(rel_error=err, check="pass" if err <= ERROR_BOUNDS[fmt] else "fail")
+
+
+@dataclass
+class _Bench:
+    """One benchmark run's settings and per-format state (`ops`: GemmOps, or the exception saying why the format
+    has no kernels on this device; `plans`: the step's quantized tensors per format)."""
+
+    dev: torch.device
+    gen: torch.Generator
+    warmup: int | None
+    repeats: int | None
+    modes: list
+    ops: dict
+    quantizers: dict
+    plans: dict = field(default_factory=dict)
+    pending: dict = field(default_factory=dict)  # (shape index, format) -> quant record awaiting its tensors' times
+    say: Callable[[str], None] = lambda msg: None
+
+    def supported(self, fmt: str) -> Callable:
+        def check(shape) -> bool:
+            if isinstance(self.ops[fmt], Exception):
+                return False
+            try:
+                self.ops[fmt].check_shape(shape)
+            except UnsupportedShape:
+                return False
+            return True
+        return check
+
+    def shape_records(self, si: int, shape, formats: list) -> list[dict]:
+        """The records of one GEMM shape: BF16, then each format's kernel-only and quant-mode records."""
+        self.say(f"{shape.label} (x{shape.count})")
+        n_buf = buffer_count(2 * (shape.m * shape.k + shape.k * shape.n), self.dev)
+        buffers = [make_operands(shape, self.dev, self.gen) for _ in range(n_buf)]
+        ref = torch.mm(*logical_operands(shape.gemm, *buffers[0]))
+        records, bf16_time = [], None
+        for fmt in formats:
+            rec = self._kernel_record(fmt, shape, buffers, ref, bf16_time)
+            if fmt == BASELINE:
+                bf16_time = rec["time_s"]
+            if fmt == BASELINE or "kernel" in self.modes:
+                records.append(rec)
+            if fmt != BASELINE and "quant" in self.modes:
+                qrec = self._quant_record(rec, fmt, si, shape, buffers, ref)
+                records.append(qrec)
+                if qrec["check"] in ("pass", "fail"):
+                    self.pending[(si, fmt)] = qrec
+        del buffers, ref
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return records
+
+    def _kernel_record(self, fmt: str, shape, buffers, ref, bf16_time) -> dict:
+        rec = _empty_record(shape, fmt)
+        try:
+            if isinstance(self.ops.get(fmt), Exception):
+                raise self.ops[fmt]
+            prepared = prepare(fmt, shape, buffers, self.dev)
+            rec["backend"], rec["note"] = prepared.backend, prepared.note
+            if fmt != BASELINE:
+                _check(rec, fmt, prepared.run(0), ref)
+            timing = time_gemm(prepared.run, len(buffers), self.dev, warmup=self.warmup, repeats=self.repeats)
+        except UnsupportedShape as exc:
+            rec.update(check="unsupported", note=str(exc))
+        except Exception as exc:  # a broken kernel must not hide the other results
+            rec.update(check="error", note=f"{type(exc).__name__}: {exc}")
+        else:
+            rec.update(time_s=timing["median_s"], gemm_s=timing["median_s"], quant_s=0.0, timing=timing,
+                       tflops=shape.flops / timing["median_s"] / 1e12)
+            if fmt != BASELINE and bf16_time:
+                rec["speedup_vs_bf16"] = bf16_time / timing["median_s"]
+        return rec
+
+    def _quant_record(self, krec: dict, fmt: str, si: int, shape, buffers, ref) -> dict:
+        """The quant-mode record of one GEMM: its GEMM time now (the kernel-only one, or training's GEMM on the
+        training quantizers' operands where that differs), its quantization share later; checked here with
+        the operands the step's (timed) quantizers produce."""
+        qrec = {k: v for k, v in krec.items() if k != "timing"}
+        qrec.update(mode="quant", time_s=None, quant_s=None, tflops=None, speedup_vs_bf16=None, rel_error=None,
+                    check=None)
+        if krec.get("timing"):
+            qrec["timing"] = krec["timing"]
+        if krec["check"] == "unsupported":
+            qrec["check"] = "unsupported"
+            return qrec
+        if krec["check"] == "error" or krec["time_s"] is None:
+            qrec.update(check="error", note=f"kernel failed: {krec['note']}")
+            return qrec
+        ops, quant = self.ops[fmt], self.quantizers[fmt]
+        tensors, uses = self.plans[fmt]
+        try:
+            # Every operand set where training's GEMM is timed here, else the first (for the check).
+            operands = [[quant(tensors[t].role, stored, tensors[t].layouts)[tensors[t].layouts.index(layout)]
+                         for (t, layout), stored in zip(uses[si], pair)]
+                        for pair in (buffers if ops.separate_quant_gemm else buffers[:1])]
+            gemm = ops.quant_gemm(shape.gemm)
+            _check(qrec, fmt, gemm(*operands[0]), ref)
+            if ops.separate_quant_gemm:
+                timing = time_gemm(lambda i: gemm(*operands[i]), len(buffers), self.dev, warmup=self.warmup,
+                                   repeats=self.repeats)
+                qrec.update(gemm_s=timing["median_s"], timing=timing)
+        except Exception as exc:  # noqa: BLE001
+            qrec.update(check="error", note=f"quantization for the check failed: {type(exc).__name__}: {exc}"[:300])
+            return qrec
+        qrec["note"] = "; ".join(x for x in (krec["note"], f"quantization: {quant.note}") if x)
+        return qrec
+
+    def quantization_rows(self, fmt: str, records: list) -> list[dict]:
+        """Time each distinct tensor the step quantizes in `fmt`; complete the format's quant-mode records."""
+        tensors, uses = self.plans[fmt]
+        if fmt not in self.quantizers or not tensors:
+            return []
+        quant = self.quantizers[fmt]
+        rows, times, by_key = [], {}, {}
+        for ti, tensor in enumerate(tensors):
+            key = timing_key(quant.ops, tensor)
+            row = {**tensor.to_dict(), "format": fmt, "time_s": None, "shared_with": None}
+            if key in by_key:
+                row["shared_with"] = by_key[key]["tensor"]
+                row.update({k: by_key[key][k] for k in ("time_s", "note", "backend")})
+            else:
+                self.say(f"quantization {fmt} {tensor.name} {tensor.rows}x{tensor.cols} {'+'.join(tensor.layouts)}")
+                try:
+                    row.update(_time_tensor_quantization(quant, tensor, self.dev, self.gen, self.warmup,
+                                                         self.repeats))
+                except Exception as exc:  # noqa: BLE001 - reported, the GEMMs reading it say so
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                row.update(note=quant.note, backend=quant.ops.backend)
+                by_key[key] = row
+            if row["time_s"] is not None:
+                times[ti] = row["time_s"]
+                row["per_step_s"] = row["time_s"] * tensor.count
+            rows.append(row)
+            if self.dev.type == "cuda":
+                torch.cuda.empty_cache()
+        self._complete_quant_records(fmt, uses, tensors, times, records)
+        return rows
+
+    def _complete_quant_records(self, fmt: str, uses, tensors, times: dict, records: list) -> None:
+        n_readers = readers(uses)
+        bf16: dict = {}
+        for r in records:
+            if r["format"] == BASELINE and r["time_s"]:
+                bf16.setdefault((r["layer"], r["gemm"], r["m"], r["k"], r["n"]), r["time_s"])
+        for si, pair in enumerate(uses):
+            qrec = self.pending.get((si, fmt))
+            if qrec is None or pair is None:
+                continue
+            q = attributed_quant_s(pair, times, n_readers)
+            if q is None:
+                names = [tensors[t].name for t, _ in pair if t not in times]
+                qrec.update(check="error", note=f"quantization of {', '.join(names)} failed (see quantization)")
+                continue
+            t = qrec["gemm_s"] + q
+            bf16_t = bf16.get((qrec["layer"], qrec["gemm"], qrec["m"], qrec["k"], qrec["n"]))
+            qrec.update(time_s=t, quant_s=q, tflops=qrec["flops"] / t / 1e12,
+                        speedup_vs_bf16=bf16_t / t if bf16_t else None)
+
+
+def _format_ops(low: list, dev: torch.device) -> dict:
+    ops: dict = {}
+    for fmt in low:
+        try:
+            ops[fmt] = format_ops(fmt, dev)
+        except UnsupportedShape as exc:  # no kernels for the format on this GPU at all
+            ops[fmt] = exc
+    return ops
+
+
 def run_gemm_benchmark(model: Any = None, *, micro_batch: int = 4, seq_len: int = 2048,
                        shapes: str | list[GemmShape] | None = None, formats: Iterable[str] | str | None = None,
                        modes: Iterable[str] | str | None = None, gated_mlp: bool = True,
@@ -180,228 +386,65 @@ def run_gemm_benchmark(model: Any = None, *, micro_batch: int = 4, seq_len: int 
 
     Modes: `kernel` times each GEMM on operands quantized beforehand. `quant` adds the step's
     quantization work: each tensor the step quantizes (X, W, dY per layer, in the layouts its GEMMs read;
-    quantization.py) is timed once per distinct shape and counted with its multiplicity; a quant-mode
-    GEMM record is its kernel time plus its share of its tensors' quantization, and is checked with the
-    operands those quantizers produce. `repeats`/`warmup` None: do_bench's time-based counts on CUDA
-    (timing.py), 3/1 on CPU. `bf16_step_time_s`, a measured BF16 training step of the same config on the
-    same device, turns the GEMM-only speedup into an Amdahl prediction of the end-to-end speedup
-    (predict.py), per mode: kernel-only = upper bound, with quantization = expected.
+    quantization.py) is timed once per distinct shape, with the recipe's training quantizer, and counted with
+    its multiplicity; a quant-mode GEMM record is the GEMM training runs on those operands plus its share of
+    its tensors' quantization, and is checked with the operands those quantizers produce. `repeats`/`warmup`
+    None: do_bench's time-based counts on CUDA (timing.py), 3/1 on CPU. `bf16_step_time_s`, a measured BF16
+    training step of the same config on the same device, turns the GEMM-only speedup into an Amdahl
+    prediction of the end-to-end speedup (predict.py), per mode: kernel-only = upper bound, with
+    quantization = expected.
     """
     formats = _validate_list("formats", formats, FORMATS, FORMATS)
-    if "bf16" not in formats:
-        formats.insert(0, "bf16")  # every speedup and error check is relative to BF16
+    if BASELINE not in formats:
+        formats.insert(0, BASELINE)  # every speedup and error check is relative to BF16
     modes = _validate_list("modes", modes, MODES, MODES)
     dev = _resolve_device(device)
-    for name, value, low in (("repeats", repeats, 1), ("warmup", warmup, 0)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise ValueError(f"{name} must be an integer >= {low} (or None for do_bench's time-based count), "
-                             f"got {value!r}")
-    if bf16_step_time_s is not None and (isinstance(bf16_step_time_s, bool)
-                                         or not isinstance(bf16_step_time_s, (int, float)) or bf16_step_time_s <= 0):
-        raise ValueError(f"bf16_step_time_s must be positive seconds, got {bf16_step_time_s!r}")
-    if not isinstance(compile_quant, bool):
-        raise ValueError(f"compile_quant must be True or False, got {compile_quant!r}")
-    say = progress or (lambda msg: None)
-
-    config: dict = {"micro_batch": micro_batch, "seq_len": seq_len, "gated_mlp": gated_mlp}
-    if shapes is not None:
-        if model is not None:
-            raise ValueError("give either a model or explicit shapes, not both")
-        shape_list = parse_shapes(shapes) if isinstance(shapes, str) else list(shapes)
-        if not shape_list or not all(isinstance(s, GemmShape) for s in shape_list):
-            raise ValueError("shapes must be 'MxKxN,...' or a non-empty list of GemmShape")
-        config = {"shapes": "custom"}
-    elif model is None:
-        raise ValueError("give a model (preset name, dims dict or LlamaConfig) or shapes='MxKxN,...'")
-    else:
-        dims = resolve_model(model, seq_len=seq_len, vocab_size=vocab_size, no_gqa=no_gqa)
-        shape_list = gemm_shapes(dims, micro_batch, seq_len, gated_mlp=gated_mlp)
-        config.update(model=model if isinstance(model, str) else "custom", dims=dims,
-                      tokens_per_micro_batch=micro_batch * seq_len)
-
+    _check_counts(repeats, warmup, bf16_step_time_s, compile_quant)
+    shape_list, config, request_model, request_shapes = _shape_plan(
+        model, shapes, micro_batch=micro_batch, seq_len=seq_len, gated_mlp=gated_mlp, no_gqa=no_gqa,
+        vocab_size=vocab_size)
     # The request re-runs this benchmark: run_gemm_benchmark(**result["request"]) (Celery tasks, the API).
-    request = {"model": None if shapes is not None else (model if isinstance(model, str) else dims),
-               "shapes": ",".join(f"{s.m}x{s.k}x{s.n}" for s in shape_list) if shapes is not None else None,
-               "micro_batch": micro_batch, "seq_len": seq_len, "formats": formats, "modes": modes,
-               "gated_mlp": gated_mlp, "no_gqa": no_gqa, "vocab_size": vocab_size, "repeats": repeats,
-               "warmup": warmup, "device": str(device), "bf16_step_time_s": bf16_step_time_s,
-               "compile_quant": compile_quant, "seed": seed}
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    low = [f for f in formats if f != "bf16"]
-    ops: dict = {}
-    for fmt in low:
-        try:
-            ops[fmt] = FormatOps(fmt, dev)
-        except UnsupportedShape as exc:  # no kernels for the format on this GPU at all
-            ops[fmt] = exc
-
-    def supported(fmt):
-        def check(shape) -> bool:
-            if isinstance(ops[fmt], Exception):
-                return False
-            try:
-                ops[fmt].check_shape(shape)
-            except UnsupportedShape:
-                return False
-            return True
-        return check
-
-    want_quant = "quant" in modes
-    plans = {fmt: step_tensors(shape_list, supported(fmt)) for fmt in low} if want_quant else {}
-    quantizers = {fmt: _Quantizers(o, compile_quant) for fmt, o in ops.items() if not isinstance(o, Exception)}
-
+    request = {"model": request_model, "shapes": request_shapes, "micro_batch": micro_batch, "seq_len": seq_len,
+               "formats": formats, "modes": modes, "gated_mlp": gated_mlp, "no_gqa": no_gqa,
+               "vocab_size": vocab_size, "repeats": repeats, "warmup": warmup, "device": str(device),
+               "bf16_step_time_s": bf16_step_time_s, "compile_quant": compile_quant, "seed": seed}
+    low = [f for f in formats if f != BASELINE]
+    ops = _format_ops(low, dev)
+    bench = _Bench(dev=dev, gen=torch.Generator(device=dev).manual_seed(seed), warmup=warmup, repeats=repeats,
+                   modes=modes, ops=ops, say=progress or (lambda msg: None),
+                   quantizers={fmt: _Quantizers(o, compile_quant) for fmt, o in ops.items()
+                               if not isinstance(o, Exception)})
+    if "quant" in modes:
+        bench.plans = {fmt: step_tensors(shape_list, bench.supported(fmt)) for fmt in low}
     records: list[dict] = []
-    pending: dict = {}  # (shape index, format) -> quant-mode record waiting for its quantization time
     for si, shape in enumerate(shape_list):
-        say(f"{shape.label} (x{shape.count})")
-        set_bytes = 2 * (shape.m * shape.k + shape.k * shape.n)
-        n_buf = buffer_count(set_bytes, dev)
-        buffers = [make_operands(shape, dev, gen) for _ in range(n_buf)]
-        ref = torch.mm(*logical_operands(shape.gemm, *buffers[0]))
-        bf16_time = None
-        for fmt in formats:
-            rec = {**shape.to_dict(), "flops": shape.flops, "format": fmt, "mode": "both" if fmt == "bf16" else "kernel",
-                   "backend": None, "time_s": None, "gemm_s": None, "quant_s": None, "tflops": None,
-                   "speedup_vs_bf16": None, "rel_error": None, "error_bound": ERROR_BOUNDS.get(fmt),
-                   "check": None, "note": ""}
-            prepared = None
-            try:
-                if isinstance(ops.get(fmt), Exception):
-                    raise ops[fmt]
-                prepared = prepare(fmt, shape, buffers, dev)
-                rec["backend"], rec["note"] = prepared.backend, prepared.note
-                if fmt != "bf16":
-                    err = relative_error(prepared.run(0), ref)
-                    rec["rel_error"] = err
-                    rec["check"] = "pass" if err <= ERROR_BOUNDS[fmt] else "fail"
-                timing = time_gemm(prepared.run, n_buf, dev, warmup=warmup, repeats=repeats)
-            except UnsupportedShape as exc:
-                rec.update(check="unsupported", note=str(exc))
-            except Exception as exc:  # a broken kernel must not hide the other results
-                rec.update(check="error", note=f"{type(exc).__name__}: {exc}")
-            else:
-                rec.update(time_s=timing["median_s"], gemm_s=timing["median_s"], quant_s=0.0, timing=timing,
-                           tflops=shape.flops / timing["median_s"] / 1e12)
-                if fmt == "bf16":
-                    bf16_time = timing["median_s"]
-                elif bf16_time:
-                    rec["speedup_vs_bf16"] = bf16_time / timing["median_s"]
-            finally:
-                prepared = None
-            if fmt == "bf16" or "kernel" in modes:
-                records.append(rec)
-            if fmt != "bf16" and want_quant:
-                qrec = _quant_record(rec, fmt, si, shape, buffers[0], ref, plans[fmt], quantizers.get(fmt), ops[fmt])
-                records.append(qrec)
-                if qrec["check"] in ("pass", "fail"):
-                    pending[(si, fmt)] = qrec
-        del buffers, ref
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-
-    quant_tensors: list[dict] = []
-    for fmt in (low if want_quant else []):
-        tensors, uses = plans[fmt]
-        if fmt not in quantizers or not tensors:
-            continue
-        quant = quantizers[fmt]
-        times: dict = {}
-        by_key: dict = {}
-        for ti, tensor in enumerate(tensors):
-            key = timing_key(fmt, tensor)
-            row = {**tensor.to_dict(), "format": fmt, "time_s": None, "shared_with": None}
-            if key in by_key:
-                row["shared_with"] = by_key[key]["tensor"]
-                row.update({k: by_key[key][k] for k in ("time_s", "note", "backend")})
-            else:
-                say(f"quantization {fmt} {tensor.name} {tensor.rows}x{tensor.cols} {'+'.join(tensor.layouts)}")
-                try:
-                    row.update(_time_tensor_quantization(quant, tensor, dev, gen, warmup, repeats))
-                except Exception as exc:  # noqa: BLE001 - reported, the GEMMs reading it say so
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                row.update(note=quant.note, backend=quant.ops.backend)
-                by_key[key] = row
-            if row["time_s"] is not None:
-                times[ti] = row["time_s"]
-                row["per_step_s"] = row["time_s"] * tensor.count
-            quant_tensors.append(row)
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        n_readers = readers(uses)
-        for si, pair in enumerate(uses):
-            qrec = pending.get((si, fmt))
-            if qrec is None or pair is None:
-                continue
-            q = attributed_quant_s(pair, times, n_readers)
-            if q is None:
-                names = [tensors[t].name for t, _ in pair if t not in times]
-                qrec.update(check="error", note=f"quantization of {', '.join(names)} failed (see quantization)")
-                continue
-            t = qrec["gemm_s"] + q
-            qrec.update(time_s=t, quant_s=q, tflops=qrec["flops"] / t / 1e12)
-            bf16_t = next((r["time_s"] for r in records if r["format"] == "bf16" and r["layer"] == qrec["layer"]
-                           and r["gemm"] == qrec["gemm"] and (r["m"], r["k"], r["n"]) == (qrec["m"], qrec["k"], qrec["n"])
-                           and r["time_s"]), None)
-            qrec["speedup_vs_bf16"] = bf16_t / t if bf16_t else None
-
+        records += bench.shape_records(si, shape, formats)
+    quant_tensors = [row for fmt in (low if "quant" in modes else []) for row in bench.quantization_rows(fmt, records)]
     totals = aggregate(records, formats, modes)
-    failures = [f"{r['layer']}.{r['gemm']} {r['m']}x{r['k']}x{r['n']} {r['format']}/{r['mode']}: "
-                + (f"relative error {r['rel_error']:.4g} > bound {r['error_bound']}" if r["check"] == "fail"
-                   else r["note"])
-                for r in records if r["check"] in ("fail", "error")]
-    failures += [f"quantization {r['format']} {r['tensor']}: {r['error']}" for r in quant_tensors if r.get("error")]
     return {
-        "schema": SCHEMA,
-        "request": request,
+        "schema": SCHEMA, "request": request,
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": _device_info(dev),
-        "versions": _versions(),
-        "git": _git_commit(),
-        "config": config,
-        "formats": formats,
-        "modes": modes,
-        "repeats": repeats,
-        "warmup": warmup,
+        "device": _device_info(dev), "versions": _versions(), "git": _git_commit(), "config": config,
+        "formats": formats, "modes": modes, "repeats": repeats, "warmup": warmup,
         "protocol": PROTOCOL if dev.type == "cuda" else "wall clock per call (CPU)",
         "bf16_step_time_s": bf16_step_time_s,
         "shapes": [s.to_dict() for s in shape_list],
         "results": records,
         "quantization": {"tensors": quant_tensors,
-                         "model": "per layer and step: X, W, dY each quantized once per layout its GEMMs read "
-                                  "(training/gemm/quantization.py); per-GEMM quant_s is the GEMM's equal share "
-                                  "of its two tensors' time"},
+                         "model": "per layer and step: X, W, dY each quantized once per layout its GEMMs read, by "
+                                  "the recipe's training quantizer (training/gemm/quantization.py); per-GEMM "
+                                  "quant_s is the GEMM's equal share of its two tensors' time"},
         "totals": totals,
         "bf16_layers": list(BF16_LAYERS),
         "prediction": predictions(totals, bf16_step_time_s),
-        "failures": failures,
+        "failures": _failures(records, quant_tensors),
     }
 
 
-def _quant_record(krec: dict, fmt: str, si: int, shape, buffer, ref, plan, quant, ops) -> dict:
-    """The quant-mode record of one GEMM: kernel time now, its quantization share later; checked here
-    with the operands the step's (timed) quantizers produce."""
-    qrec = {k: v for k, v in krec.items() if k != "timing"}
-    qrec.update(mode="quant", time_s=None, quant_s=None, tflops=None, speedup_vs_bf16=None, rel_error=None,
-                check=None)
-    if krec.get("timing"):
-        qrec["timing"] = krec["timing"]
-    if krec["check"] == "unsupported":
-        qrec["check"] = "unsupported"
-        return qrec
-    if krec["check"] == "error" or krec["time_s"] is None:
-        qrec.update(check="error", note=f"kernel failed: {krec['note']}")
-        return qrec
-    tensors, uses = plan
-    pair = uses[si]
-    try:
-        operands = []
-        for (t_index, layout), stored in zip(pair, buffer):
-            tensor = tensors[t_index]
-            operands.append(quant(tensor.role, stored, tensor.layouts)[tensor.layouts.index(layout)])
-        err = relative_error(ops.gemm(shape.gemm)(*operands), ref)
-    except Exception as exc:  # noqa: BLE001
-        qrec.update(check="error", note=f"quantization for the check failed: {type(exc).__name__}: {exc}"[:300])
-        return qrec
-    qrec.update(rel_error=err, check="pass" if err <= ERROR_BOUNDS[fmt] else "fail",
-                note="; ".join(x for x in (krec["note"], f"quantization: {quant.note}") if x))
-    return qrec
+def _failures(records: list, quant_tensors: list) -> list[str]:
+    failures = [f"{r['layer']}.{r['gemm']} {r['m']}x{r['k']}x{r['n']} {r['format']}/{r['mode']}: "
+                + (f"relative error {r['rel_error']:.4g} > bound {r['error_bound']}" if r["check"] == "fail"
+                   else r["note"])
+                for r in records if r["check"] in ("fail", "error")]
+    return failures + [f"quantization {r['format']} {r['tensor']}: {r['error']}" for r in quant_tensors
+                       if r.get("error")]

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16-step-time", type=_positive_float, default=None,
                    help="measured BF16 training step (s) of this config for the Amdahl prediction")
     p.add_argument("--no-compile-quant", action="store_true",
-                   help="run the FP8 quantizers of quant mode eagerly (default on CUDA: torch.compile, as training)")
+                   help="run the quantizers of quant mode eagerly (default on CUDA: torch.compile where training "
+                        "compiles them)")
     p.add_argument("--output", type=Path, default=None, help="write the result JSON here")
     return p
 

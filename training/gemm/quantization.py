@@ -1,17 +1,17 @@
 """The quantization work of one training step, per tensor - what "with quantization" mode adds to the GEMMs.
 
-Training does not quantize each GEMM's operands afresh. Per linear layer and step torchao's float8 recipe
-casts three tensors, each in the two layouts its two GEMMs read (formats.PASS_OPERANDS):
+Training does not quantize each GEMM's operands afresh. Per linear layer and step a recipe quantizes three
+tensors, each in the two layouts its two GEMMs read (formats.PASS_OPERANDS):
 
     X  (T×in,  input)        row for fprop,  transposed for wgrad
     W  (out×in, weight)      row for fprop,  transposed for dgrad
     dY (T×out, grad_output)  row for dgrad,  transposed for wgrad
 
-with one amax reduction per tensor for tensorwise scaling (both layouts share the scale) and one per
-layout for rowwise; under torch.compile amax, scale, cast and the transposed write fuse. So this module
-lists the distinct tensors of the step (`step_tensors`), the benchmark times each tensor's quantizer
-once per distinct (format, role, shape, layouts) - compiled as training compiles it - and counts it with
-its multiplicity (layers × occurrences per step).
+with the recipe's training quantizer (`GemmOps.quantizer`: e.g. one amax reduction per tensor for FP8
+tensorwise scaling, both layouts sharing the scale; NVFP4's fused kernel writing both layouts of X and dY in one
+pass). So this module lists the distinct tensors of the step (`step_tensors`), the benchmark times each tensor's
+quantizer once per distinct (format, quantizer, shape, layouts) - compiled as training compiles it - and counts
+it with its multiplicity (layers × occurrences per step).
 
 Custom GEMMs (`--shapes`) are not part of a layer: each quantizes its own A and B, in the one layout it
 needs.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .formats import LAYOUTS, PASS_OPERANDS, storage_dims
+from .formats import LAYOUTS, PASS_OPERANDS, GemmOps, storage_dims
 from .shapes import CUSTOM_LAYER
 
 TENSOR_NAMES = {"input": "X", "weight": "W", "grad_output": "dY"}
@@ -114,11 +114,7 @@ def attributed_quant_s(pair, tensor_times: dict, n_readers: dict) -> float | Non
     return total
 
 
-def timing_key(fmt: str, tensor: StepTensor) -> tuple:
-    """Tensors sharing this key share one timing: same quantizer, same shape, same layouts."""
-    role = tensor.role
-    if fmt == "fp8_tensorwise":
-        role = "grad_output" if role == "grad_output" else "e4m3"  # E5M2 for dY, E4M3 otherwise
-    elif fmt in ("fp8_rowwise", "mxfp8", "nvfp4"):
-        role = "any"  # one quantizer for every role
-    return fmt, role, tensor.rows, tensor.cols, tensor.layouts
+def timing_key(ops: GemmOps, tensor: StepTensor) -> tuple:
+    """Tensors sharing this key share one timing: same quantizer (the format's `timing_group` of the role), same
+    shape, same layouts."""
+    return ops.fmt, ops.timing_group(tensor.role), tensor.rows, tensor.cols, tensor.layouts

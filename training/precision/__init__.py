@@ -1,5 +1,14 @@
 """Precision recipes: the seam where number formats plug into training.
 
+What each recipe is - its name, summary, elements and scaling, typed options with their defaults, the GEMM
+format the GEMM benchmark times it as, the compute capability of its real kernels - is written once, in the
+recipe catalog (catalog.py, importable without torch; `RECIPES` is its names in the documented order). Each
+recipe module (bf16.py, fp8_*.py, mxfp8.py, nvfp4.py) holds the code only: its `Recipe` (conversion, hooks)
+registered under its catalog name, its `GemmQuantizer` (the three GEMMs' operands) and, for a recipe that owns a
+GEMM format, `gemm_ops(device)` (gemm_ops.py: the GEMM benchmark's quantizers and GEMMs, the training quantizers
+in its "with quantization" mode). A recipe module is imported the first time the recipe is asked for; adding a
+recipe is a catalog entry plus one module (docs/EXTENDING.md).
+
 `apply_recipe(model, name, *, bf16_first_layers=0, bf16_last_layers=0, backend="auto", **options)`
 converts the nn.Linear layers inside `model.model.layers[i]` (q/k/v/o_proj, gate/up/down_proj) of a
 transformers LlamaForCausalLM; embeddings, norms and the LM head stay high precision. Blocks
@@ -54,25 +63,28 @@ host synchronisation; tests/precision checks fullgraph compilation against eager
 """
 from __future__ import annotations
 
-# Importing the recipe modules registers them, in RECIPES order.
-from training.precision import bf16, fp8_blockwise, fp8_delayed, fp8_rowwise, fp8_tensorwise, mxfp8, nvfp4  # noqa: F401
-from training.precision.formats import FORMATS, quantize_dequantize
-from training.precision.registry import REGISTRY, RecipeReport, apply_recipe
+import importlib
 
-RECIPES = ("bf16", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4")
-assert set(RECIPES) == set(REGISTRY), "every recipe name must have a registered module"
-_in_order = {name: REGISTRY[name] for name in RECIPES}
-REGISTRY.clear()
-REGISTRY.update(_in_order)  # error messages list recipes in the documented order
+from training.precision.catalog import BASELINE, RecipeEntry, RecipeError, RecipeOption, recipe_names
 
+RECIPES = recipe_names()
 
-def recipe_info(name: str) -> dict:
-    """Human description of a recipe (for the UI): summary, GPU requirement, options with defaults."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
-    recipe = REGISTRY[name]
-    return {"name": name, "summary": recipe.summary, "gpu_requirement": recipe.gpu_requirement,
-            "options": dict(recipe.options)}
+# Everything below needs torch; it loads on first use, so the catalog (and RECIPES) stay torch-free for the
+# API, the run spec and the dashboard.
+_TORCH_SIDE = {"apply_recipe": "registry", "RecipeReport": "registry", "REGISTRY": "registry",
+               "quantize_dequantize": "formats", "FORMATS": "formats"}
 
 
-__all__ = ["RECIPES", "FORMATS", "RecipeReport", "apply_recipe", "quantize_dequantize", "recipe_info"]
+def __getattr__(name: str):
+    if name not in _TORCH_SIDE:
+        raise AttributeError(f"module 'training.precision' has no attribute {name!r}")
+    module = importlib.import_module(f"training.precision.{_TORCH_SIDE[name]}")
+    if _TORCH_SIDE[name] == "registry":
+        module.load_recipes()
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+__all__ = ["RECIPES", "BASELINE", "FORMATS", "RecipeEntry", "RecipeError", "RecipeOption", "RecipeReport",
+           "apply_recipe", "quantize_dequantize"]

@@ -7,9 +7,6 @@ from training.precision.registry import Recipe, register
 @register
 class BF16Recipe(Recipe):
     name = "bf16"
-    summary = "BF16 compute (autocast), FP32 master weights; the baseline every other recipe is compared with"
-    gpu_requirement = "any GPU (BF16 autocast); on CPU the train loop computes in FP32"
-    options = {}
 
     def real_unavailable(self, device, options):
         return None

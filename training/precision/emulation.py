@@ -73,10 +73,19 @@ class GemmQuantizer:
         """Dgrad operand a = dY [tokens, out], blocks along out."""
         raise NotImplementedError
 
-    def wgrad(self, dy2d: torch.Tensor, x2d: torch.Tensor, *, dtype=torch.float32) -> tuple[Quantized, Quantized]:
-        """Wgrad operands from dY [tokens, out] and X [tokens, in]: (a = dY^T [out, tokens],
-        b = X^T [in, tokens]), both blocked along tokens (transposed views are fine)."""
+    def grad_wgrad(self, dy2d: torch.Tensor, *, dtype=torch.float32) -> Quantized:
+        """Wgrad operand a = dY^T [out, tokens] from dY [tokens, out], blocked along tokens (a transposed view
+        is fine)."""
         raise NotImplementedError
+
+    def input_wgrad(self, x2d: torch.Tensor, *, dtype=torch.float32) -> Quantized:
+        """Wgrad operand b = X^T [in, tokens] from X [tokens, in], blocked along tokens."""
+        raise NotImplementedError
+
+    def wgrad(self, dy2d: torch.Tensor, x2d: torch.Tensor, *, dtype=torch.float32) -> tuple[Quantized, Quantized]:
+        """Both Wgrad operands, (a = dY^T [out, tokens], b = X^T [in, tokens]); dY first (its stochastic
+        rounding draws come first)."""
+        return self.grad_wgrad(dy2d, dtype=dtype), self.input_wgrad(x2d, dtype=dtype)
 
     def describe(self) -> str:
         return type(self).__name__

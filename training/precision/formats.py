@@ -29,6 +29,8 @@ from typing import Callable, Optional
 
 import torch
 
+from training.precision.catalog import SCALE_ROUNDINGS
+
 F8E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 F8E5M2_MAX = float(torch.finfo(torch.float8_e5m2).max)  # 57344
 F8E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)  # 2**-6, smallest normal E4M3
@@ -42,7 +44,6 @@ FP8_AMAX_EPS = 1e-12
 F8E4M3_MAX_POW2 = 8
 
 FORMATS = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4")
-SCALE_ROUNDINGS = ("floor", "rceil")
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 AXES = (-1, 0)
 

@@ -1,14 +1,20 @@
 """`fp8_blockwise`: DeepSeek-V3 style sub-channel FP8. E4M3 everywhere; activations and gradients get
 one FP32 scale per 1x128 run along the GEMM's reduction dim, weights one per 128x128 tile (so Fprop and
 Dgrad share the weight quantization). Real kernels: torchao prototype `fp8_blockwise_mm`, sm_90+,
-needs in/out features (and tokens per step) divisible by 128 and no bias."""
+needs in/out features (and tokens per step) divisible by 128 and no bias.
+
+GEMM benchmark: on SM90+ torchao's six Triton quantizers of `fp8_blockwise_mm` and its cuBLAS blockwise GEMM,
+or its Triton GEMM where cuBLAS lacks blockwise scaling (`BlockwiseGemmOps`); elsewhere emulated
+(`BlockwiseEmulatedGemmOps`)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from training.precision.emulation import EmulatedLinearFn, GemmQuantizer
-from training.precision.formats import quantize_fp8_blocks
+from training.precision.formats import quantize_dequantize, quantize_fp8_blocks
+from training.precision.gemm_ops import (EmulatedGemmOps, GemmOps, check_divisible, check_pass, check_role,
+                                         has_capability)
 from training.precision.registry import Recipe, capability_reason, register
 
 E4M3 = torch.float8_e4m3fn
@@ -66,8 +72,11 @@ class BlockwiseQuantizer(GemmQuantizer):
     def grad(self, dy2d, *, dtype=torch.float32, track=False):
         return _runs(dy2d, track=track)
 
-    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
-        return _runs(dy2d, axis=0).t(), _runs(x2d, axis=0).t()
+    def grad_wgrad(self, dy2d, *, dtype=torch.float32):
+        return _runs(dy2d, axis=0).t()
+
+    def input_wgrad(self, x2d, *, dtype=torch.float32):
+        return _runs(x2d, axis=0).t()
 
     def describe(self):
         return "E4M3, 1x128 activation/gradient scales, 128x128 weight tiles"
@@ -94,15 +103,94 @@ class BlockwiseFP8Linear(nn.Linear):
                                       BLOCK, torch.bfloat16, False)
 
 
+class BlockwiseGemmOps(GemmOps):
+    """torchao's blockwise FP8 training kernels (SM90+): the quantizers and GEMMs `fp8_blockwise_mm` runs."""
+
+    def __init__(self, fmt, device, error_bound):
+        super().__init__(fmt, device, error_bound)
+        self.note = "torchao Triton quantizers + cuBLAS blockwise GEMM"
+        self._use_triton_gemm: bool | None = None
+
+    def check_shape(self, shape):
+        check_divisible(shape, self.fmt, BLOCK)
+
+    def quantizer(self, role, compiled=False):
+        check_role(role)
+        from torchao.prototype.blockwise_fp8_training import kernels as bk
+        kernels = {  # the quantizers of torchao's fp8_blockwise_mm forward/backward
+            ("input", "row"): lambda x: bk.triton_fp8_blockwise_act_quant_lhs(x, BLOCK),
+            ("input", "t"): lambda x: bk.triton_fp8_blockwise_act_quant_rhs(x, BLOCK),
+            ("weight", "row"): lambda x: bk.triton_fp8_blockwise_weight_quant_transposed_rhs(x, block_size=BLOCK),
+            ("weight", "t"): lambda x: bk.triton_fp8_blockwise_weight_quant_rhs(x, block_size=BLOCK),
+            ("grad_output", "row"): lambda x: bk.triton_fp8_blockwise_act_quant_lhs(x, BLOCK),
+            ("grad_output", "t"): lambda x: bk.triton_fp8_blockwise_act_quant_transposed_lhs(x, BLOCK),
+        }
+        return lambda x, layouts: tuple(kernels[(role, layout)](x) for layout in layouts)
+
+    def gemm(self, gemm):
+        check_pass(gemm)
+        return lambda qa, qbt: self._blockwise_gemm(gemm, qa, qbt)
+
+    def quantizer_note(self, compiled):
+        return "torchao Triton quantization kernels (those of fp8_blockwise_mm)"
+
+    def _blockwise_gemm(self, gemm, qa, qbt):
+        # torchao's default GEMM is cuBLAS blockwise (CUDA ≥ 12.9 on SM90); where this torch/cuBLAS lacks
+        # it, torchao's Triton blockwise GEMM is the one training would use, so time that instead.
+        if self._use_triton_gemm is None:
+            try:
+                out = _run_blockwise_mm(gemm, qa, qbt, use_triton=False)
+                self._use_triton_gemm = False
+                return out
+            except Exception as exc:  # noqa: BLE001 - any failure of the cuBLAS path: "not available here"
+                self._use_triton_gemm = True
+                self.note = (f"torchao Triton quantizers + Triton blockwise GEMM (cuBLAS blockwise failed: "
+                             f"{exc})")[:300]
+        return _run_blockwise_mm(gemm, qa, qbt, use_triton=self._use_triton_gemm)
+
+
+def _run_blockwise_mm(gemm, qa, qbt, *, use_triton: bool):
+    from torchao.prototype.blockwise_fp8_training import kernels as bk
+    from torchao.prototype.blockwise_fp8_training.linear import _run_blockwise_mm as run
+
+    (a, sa), (b, sb) = qa, qbt
+    if gemm == "wgrad":
+        return run(use_triton=use_triton, triton_kernel=bk.triton_fp8_gemm_1x128_128x1, mat_a=a, mat_b=b,
+                   scale_a=sa, scale_recipe_a=bk.BLOCKWISE_1X128_SCALING_TYPE, scale_b=sb.transpose(-1, -2),
+                   scale_recipe_b=bk.BLOCKWISE_1X128_SCALING_TYPE, triton_scale_b=sb, out_dtype=torch.bfloat16)
+    return run(use_triton=use_triton, triton_kernel=bk.triton_fp8_gemm_1x128_128x128, mat_a=a, mat_b=b,
+               scale_a=sa, scale_recipe_a=bk.BLOCKWISE_1X128_SCALING_TYPE, scale_b=sb,
+               scale_recipe_b=bk.BLOCKWISE_128X128_SCALING_TYPE, out_dtype=torch.bfloat16)
+
+
+class BlockwiseEmulatedGemmOps(EmulatedGemmOps):
+    """Blockwise FP8 without SM90: kernel-only mode times a BF16 GEMM of the operands quantized and
+    dequantized to BF16 (`quantize_dequantize`); with quantization, training's emulation (FP32 values and GEMM,
+    as FP32 block scales are not exact in BF16)."""
+
+    separate_quant_gemm = True
+
+    def check_shape(self, shape):
+        check_divisible(shape, self.fmt, BLOCK)
+
+    def kernel_quantizer(self, role):
+        check_role(role)
+        block = (BLOCK, BLOCK) if role == "weight" else BLOCK
+        return lambda x, layouts: tuple(quantize_dequantize((x if layout == "row" else x.t()).contiguous(),
+                                                            "fp8_blockwise", block_size=block) for layout in layouts)
+
+    def gemm(self, gemm):
+        check_pass(gemm)
+        return lambda qa, qbt: torch.mm(qa, qbt.t())
+
+
 @register
 class FP8BlockwiseRecipe(Recipe):
     name = "fp8_blockwise"
-    summary = "E4M3; FP32 scales per 1x128 (activations, gradients) and 128x128 (weights) blocks"
-    gpu_requirement = "real FP8 block-scaled GEMMs on sm_90+ via torchao prototype blockwise_fp8_training; emulated elsewhere"
-    options = {}
+    gemm_error_bound = 0.08  # E4M3 with per-block scales ≈ 0.04
 
     def real_unavailable(self, device, options):
-        reason = capability_reason(device, (9, 0), "torchao blockwise FP8 kernels")
+        reason = capability_reason(device, self.min_capability, "torchao blockwise FP8 kernels")
         if reason is None:
             try:
                 import torchao.prototype.blockwise_fp8_training.linear  # noqa: F401
@@ -126,3 +214,8 @@ class FP8BlockwiseRecipe(Recipe):
         from training.precision.emulation import QuantizedLinear
 
         return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"
+
+    def gemm_ops(self, device):
+        if has_capability(device, self.min_capability):
+            return BlockwiseGemmOps(self.name, device, self.gemm_error_bound)
+        return BlockwiseEmulatedGemmOps(self.name, device, self.gemm_error_bound, BlockwiseQuantizer())

@@ -70,8 +70,11 @@ class DelayedQuantizer(GemmQuantizer):
     def grad(self, dy2d, *, dtype=torch.float32, track=False):
         return self._q(dy2d, GRAD, dtype, track)
 
-    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
-        return self._q(dy2d, GRAD, dtype).t(), self._q(x2d, INPUT, dtype).t()
+    def grad_wgrad(self, dy2d, *, dtype=torch.float32):
+        return self._q(dy2d, GRAD, dtype).t()
+
+    def input_wgrad(self, x2d, *, dtype=torch.float32):
+        return self._q(x2d, INPUT, dtype).t()
 
     def describe(self):
         return f"E4M3 X/W, E5M2 dY, per-tensor delayed scaling (history {self.layer.amax_history.shape[1]})"
@@ -338,19 +341,12 @@ class DelayedScalingHook:
 @register
 class FP8DelayedRecipe(Recipe):
     name = "fp8_delayed"
-    summary = "E4M3 X/W, E5M2 dY; per-tensor scales from an amax history (max over the last N steps)"
-    gpu_requirement = "real FP8 GEMMs on sm_89+ via torch._scaled_mm; emulated elsewhere"
-    options = {"amax_history_len": 1024}
-
-    def validate_options(self, options):
-        n = options["amax_history_len"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"option amax_history_len of fp8_delayed must be a positive integer, got {n!r}")
 
     def real_unavailable(self, device, options):
-        if capability_reason(device, (8, 9), "FP8 tensor cores") is None and not hasattr(torch, "_scaled_mm"):
+        reason = capability_reason(device, self.min_capability, "FP8 tensor cores")
+        if reason is None and not hasattr(torch, "_scaled_mm"):
             return "this torch build has no torch._scaled_mm"
-        return capability_reason(device, (8, 9), "FP8 tensor cores")
+        return reason
 
     def skip_reason(self, linear, real):
         return scaled_mm_shape_reason(linear, self.name) if real else None

@@ -2,13 +2,23 @@
 
 X and W in E4M3, dY in E5M2 (gradients need range more than precision); each tensor's scale is
 448 (or 57344) / its current amax. Real kernels: torchao `Float8Linear` (`torch._scaled_mm`), sm_89+.
+
+GEMM benchmark (`Float8GemmOps`, shared with fp8_rowwise; fp8_delayed's GEMMs are timed as these): torch._scaled_mm
+on FP8 operands - FP8 tensor cores on CUDA, torch's CPU kernel on a CPU - cast by this module's quantizers: one
+scale per tensor shared by both layouts for tensorwise (torchao casts a tensor for its two GEMMs with one amax),
+one power-of-two scale per row of each layout for rowwise; E4M3, dY in E5M2 for tensorwise (torchao
+`Float8LinearConfig()`); fast accumulation on fprop only (torchao `gemm_config_output`; its rowwise recipe
+keeps that default). On CUDA the casts run under torch.compile, as in the compiled training step, where amax,
+scale, cast and the transposed write fuse.
 """
 from __future__ import annotations
 
 import torch
 
 from training.precision.emulation import GemmQuantizer, QuantizedLinear
-from training.precision.formats import quantize_fp8_tensorwise
+from training.precision.formats import fp8_cast, fp8_scale_from_amax, quantize_fp8_tensorwise
+from training.precision.gemm_ops import (GemmOps, UnsupportedShape, check_divisible, check_pass, check_role,
+                                         compile_static, has_capability, sm_version)
 from training.precision.registry import Recipe, capability_reason, register
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -28,9 +38,11 @@ class TensorwiseQuantizer(GemmQuantizer):
     def grad(self, dy2d, *, dtype=torch.float32, track=False):
         return quantize_fp8_tensorwise(dy2d, E5M2, dtype=dtype, track=track)
 
-    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
-        return (quantize_fp8_tensorwise(dy2d, E5M2, dtype=dtype).t(),
-                quantize_fp8_tensorwise(x2d, E4M3, dtype=dtype).t())
+    def grad_wgrad(self, dy2d, *, dtype=torch.float32):
+        return quantize_fp8_tensorwise(dy2d, E5M2, dtype=dtype).t()
+
+    def input_wgrad(self, x2d, *, dtype=torch.float32):
+        return quantize_fp8_tensorwise(x2d, E4M3, dtype=dtype).t()
 
     def describe(self):
         return "E4M3 X/W, E5M2 dY, per-tensor current scaling"
@@ -51,15 +63,73 @@ def scaled_mm_shape_reason(linear, recipe: str):
     return None
 
 
+def fp8_quantize_layouts(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, layouts: tuple) -> tuple:
+    """Training's FP8 cast of one tensor for torch._scaled_mm: per layout, the row-major FP8 matrix (x or xᵀ)
+    and its inverse scale (a scalar, or one per row of that matrix for rowwise). The quantizers of
+    TensorwiseQuantizer (one amax for all layouts) and RowwiseQuantizer (one per row of each layout), with the
+    FP8 codes kept instead of the dequantized values."""
+    if not rowwise:
+        q = quantize_fp8_tensorwise(x, dtype, dtype=dtype)
+        return tuple((q.values if layout == "row" else q.values.t().contiguous(), q.outer) for layout in layouts)
+    out = []
+    for layout in layouts:
+        src = x if layout == "row" else x.t()
+        scale = fp8_scale_from_amax(src.abs().amax(dim=1, keepdim=True), dtype, power_of_2=True)
+        out.append((fp8_cast(src, scale, dtype)[0].contiguous(), scale.reciprocal()))
+    return tuple(out)
+
+
+def fp8_scaled_mm(qa, sa, qbt, sbt, fast_accum: bool) -> torch.Tensor:
+    """C = A·B from row-major FP8 A (m×k) and Bᵀ (n×k); rowwise scales of Bᵀ come as (n, 1)."""
+    return torch._scaled_mm(qa, qbt.t(), scale_a=sa, scale_b=sbt.t() if sbt.dim() else sbt,
+                            out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+
+
+class Float8GemmOps(GemmOps):
+    """Per-tensor (or, `rowwise`, per-row) FP8 GEMMs on torch._scaled_mm (see the module docstring)."""
+
+    compiles = True
+
+    def __init__(self, fmt, device, error_bound, *, min_capability, rowwise: bool):
+        super().__init__(fmt, device, error_bound)
+        self.rowwise = rowwise
+        if device.type == "cuda" and not has_capability(device, min_capability):
+            need = 10 * min_capability[0] + min_capability[1]
+            raise UnsupportedShape(f"{fmt} needs FP8 tensor cores (SM{need}+); this GPU is SM{sm_version(device)}")
+        self.backend = "real" if device.type == "cuda" else "cpu"
+
+    def check_shape(self, shape):
+        check_divisible(shape, self.fmt, 16, "kn")  # torch._scaled_mm: K and N multiples of 16
+
+    def quantizer(self, role, compiled=False):
+        check_role(role)
+        dtype = E5M2 if not self.rowwise and role == "grad_output" else E4M3
+        fn = compile_static(fp8_quantize_layouts) if compiled and self.device.type == "cuda" else fp8_quantize_layouts
+        return lambda x, layouts: fn(x, dtype, self.rowwise, tuple(layouts))
+
+    def gemm(self, gemm):
+        check_pass(gemm)
+        fast_accum = gemm == "fprop" and self.device.type == "cuda"
+        return lambda qa, qbt: fp8_scaled_mm(*qa, *qbt, fast_accum)
+
+    def quantizer_note(self, compiled):
+        return ("torch.compile (static shapes): amax, scale, cast and transposed write fused as in compiled "
+                "training" if compiled else "eager quantizers")
+
+    def timing_group(self, role):
+        if self.rowwise:
+            return "any"  # one quantizer for every role
+        return "grad_output" if role == "grad_output" else "e4m3"  # E5M2 for dY, E4M3 otherwise
+
+
 class TorchaoFloat8Recipe(Recipe):
     """A per-tensor or per-row FP8 recipe: torchao `Float8Linear` where FP8 tensor cores exist, our exact
     emulation with `quantizer_cls` elsewhere."""
     torchao_recipe = ""
     quantizer_cls: type[GemmQuantizer] = GemmQuantizer
-    options = {}
 
     def real_unavailable(self, device, options):
-        return capability_reason(device, (8, 9), "FP8 tensor cores")
+        return capability_reason(device, self.min_capability, "FP8 tensor cores")
 
     def skip_reason(self, linear, real):
         return scaled_mm_shape_reason(linear, self.name) if real else None
@@ -71,11 +141,14 @@ class TorchaoFloat8Recipe(Recipe):
                     f"torchao Float8Linear ({self.torchao_recipe})")
         return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"
 
+    def gemm_ops(self, device):
+        return Float8GemmOps(self.name, device, self.gemm_error_bound, min_capability=self.min_capability,
+                             rowwise=self.torchao_recipe == "rowwise")
+
 
 @register
 class FP8TensorwiseRecipe(TorchaoFloat8Recipe):
     name = "fp8_tensorwise"
-    summary = "E4M3 X/W, E5M2 dY; one scale per tensor from its current amax"
-    gpu_requirement = "real FP8 GEMMs on sm_89+ (Ada, Hopper, Blackwell) via torchao Float8Linear; emulated elsewhere"
     torchao_recipe = "tensorwise"
     quantizer_cls = TensorwiseQuantizer
+    gemm_error_bound = 0.12  # E4M3 X/W ≈ 0.04, E5M2 dY ≈ 0.07

@@ -20,7 +20,8 @@ import traceback
 import torch
 from torch import nn
 
-from training.precision import RECIPES, apply_recipe, quantize_dequantize
+from training.precision import BASELINE, RECIPES, apply_recipe, quantize_dequantize
+from training.precision.registry import get_recipe
 
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=4096)  # every linear dim a multiple of 128
@@ -193,10 +194,9 @@ def main(argv=None) -> int:
         base = _loss(_model(), ids).item()
     for recipe in RECIPES:
         _check(checks, f"train/{recipe}", lambda r=recipe: check_recipe(r, ids, base))
-    for recipe in ("fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4"):
-        from training.precision.registry import REGISTRY
-
-        reason = REGISTRY[recipe].real_unavailable(torch.device("cuda"), REGISTRY[recipe].resolve_options({}))
+    for recipe in (r for r in RECIPES if r != BASELINE):
+        impl = get_recipe(recipe)
+        reason = impl.real_unavailable(torch.device("cuda"), impl.resolve_options({}))
         if reason:
             checks[f"real_vs_emulated/{recipe}"] = {"ok": True, "skipped": reason}
             continue

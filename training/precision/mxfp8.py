@@ -5,13 +5,18 @@ cuBLAS/Blackwell rule) or "floor" (OCP spec). Real kernels: torchao `MXFP8Linear
 on Hopper and CPU exact emulation: E4M3 x 2^k is exact in BF16, so on GPU the quantizer writes the
 dequantized operand in BF16 and a plain BF16 GEMM (FP32 accumulation) gives the block-scaled product
 with a single rounding of the result. W for Dgrad and X, dY for Wgrad are blocked along their rows in
-place and used as transposed views."""
+place and used as transposed views.
+
+GEMM benchmark (`gemm_ops`): on sm_100+ torchao's `MXTensor.to_mx` and block-scaled GEMM in both modes; elsewhere
+kernel-only mode times torchao's emulated path (MXTensor dequantized to BF16, BF16 GEMM) and the "with
+quantization" mode this module's training quantizer and training's emulated GEMM."""
 from __future__ import annotations
 
 import torch
 
 from training.precision.emulation import GemmQuantizer, QuantizedLinear
-from training.precision.formats import SCALE_ROUNDINGS, quantize_mxfp8
+from training.precision.formats import quantize_mxfp8
+from training.precision.gemm_ops import EmulatedTorchaoOps, TorchaoBlockScaled, TorchaoBlockScaledOps, has_capability
 from training.precision.registry import Recipe, capability_reason, register
 
 BLOCK = 32
@@ -38,27 +43,40 @@ class MXFP8Quantizer(GemmQuantizer):
     def grad(self, dy2d, *, dtype=torch.float32, track=False):
         return self._q(dy2d, dtype=dtype, track=track)
 
-    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
-        return self._q(dy2d, axis=0, dtype=dtype).t(), self._q(x2d, axis=0, dtype=dtype).t()
+    def grad_wgrad(self, dy2d, *, dtype=torch.float32):
+        return self._q(dy2d, axis=0, dtype=dtype).t()
+
+    def input_wgrad(self, x2d, *, dtype=torch.float32):
+        return self._q(x2d, axis=0, dtype=dtype).t()
 
     def describe(self):
         return f"MXFP8 E4M3, E8M0 scale per 1x{BLOCK} along the reduction dim ({self.scale_rounding})"
 
 
+def torchao_mxfp8(scale_rounding: str, real: bool) -> TorchaoBlockScaled:
+    """torchao's MXFP8 operands (`MXTensor.to_mx`, E4M3, 32-element blocks) and GEMM for the GEMM benchmark."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    mode = ScaleCalculationMode.RCEIL if scale_rounding == "rceil" else ScaleCalculationMode.FLOOR
+    kwargs = {}
+    dispatch = None
+    if real:
+        from torchao.prototype.mx_formats.mx_tensor import _addmm_mx_dispatch as dispatch
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+        kwargs["kernel_preference"] = KernelPreference.AUTO
+    return TorchaoBlockScaled("MXTensor.to_mx", BLOCK,
+                              lambda x: MXTensor.to_mx(x, torch.float8_e4m3fn, BLOCK, scaling_mode=mode, **kwargs),
+                              dispatch)
+
+
 @register
 class MXFP8Recipe(Recipe):
     name = "mxfp8"
-    summary = "E4M3 + E8M0 power-of-two scale per 32 elements along the reduction dim"
-    gpu_requirement = "real MXFP8 GEMMs on sm_100+ (Blackwell) via torchao MXFP8Linear; exact emulation on Hopper/CPU"
-    options = {"scale_rounding": "rceil"}
-
-    def validate_options(self, options):
-        if options["scale_rounding"] not in SCALE_ROUNDINGS:
-            raise ValueError(f"option scale_rounding of mxfp8 must be one of {', '.join(SCALE_ROUNDINGS)}, "
-                             f"got {options['scale_rounding']!r}")
+    gemm_error_bound = 0.08  # E4M3 with block scales ≈ 0.04
 
     def real_unavailable(self, device, options):
-        reason = capability_reason(device, (10, 0), "MXFP8 tensor cores")
+        reason = capability_reason(device, self.min_capability, "MXFP8 tensor cores")
         if reason is None:
             try:
                 from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear  # noqa: F401
@@ -86,3 +104,13 @@ class MXFP8Recipe(Recipe):
             new.weight, new.bias = linear.weight, linear.bias
             return new, quantizer, f"torchao MXFP8Linear ({options['scale_rounding']})"
         return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"
+
+    def gemm_ops(self, device):
+        rounding = self.resolve_options({})["scale_rounding"]
+        real = has_capability(device, self.min_capability)
+        torchao = torchao_mxfp8(rounding, real)
+        if real:
+            return TorchaoBlockScaledOps(self.name, device, self.gemm_error_bound, torchao)
+        # X, W and dY quantize alike (1x32 blocks along the GEMM's reduction dim): one quantizer, one timing.
+        return EmulatedTorchaoOps(self.name, device, self.gemm_error_bound, MXFP8Quantizer(rounding), torchao,
+                                  role_independent=True)

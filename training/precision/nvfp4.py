@@ -28,6 +28,12 @@ the RHT is a GEMM in the GEMM dtype (FP32 on CPU; on GPU a BF16 GEMM whose resul
 (no transposed copies). Stochastic rounding draws with `torch.rand_like` on the torch path (in-kernel
 Philox under torch.compile; eager and compiled runs draw different, equally distributed, roundings) and
 with Triton's Philox, seeded from torch's CUDA generator, on the fused path.
+
+GEMM benchmark (`gemm_ops`): on sm_100+ torchao's `NVFP4Tensor.to_nvfp4` and block-scaled GEMM in both modes;
+elsewhere kernel-only mode times torchao's emulated path (NVFP4Tensor dequantized to BF16, BF16 GEMM) and the
+"with quantization" mode the quantizers a training step runs (`NVFP4EmulatedGemmOps`: on CUDA the fused Triton
+quantizers for X and dY and one weight quantization for both passes, as NVFP4FusedFn; elsewhere the torch
+quantizers of EmulatedLinearFn) with training's emulated GEMM.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import torch
 from training.precision.emulation import EmulatedLinearFn, GemmQuantizer, QuantizedLinear, compute_dtype, emulated_mm
 from training.precision.formats import (Quantized, quantize_nvfp4, random_hadamard_transform, random_sign_vector,
                                         rht_matrix)
+from training.precision.gemm_ops import EmulatedTorchaoOps, TorchaoBlockScaled, TorchaoBlockScaledOps, has_capability
 from training.precision.registry import Recipe, capability_reason, register
 
 BLOCK = 16
@@ -77,15 +84,17 @@ class NVFP4Quantizer(GemmQuantizer):
     def grad(self, dy2d, *, dtype=torch.float32, track=False):
         return quantize_nvfp4(dy2d, stochastic=self.stochastic_rounding, dtype=dtype, track=track)
 
-    def wgrad(self, dy2d, x2d, *, dtype=torch.float32):
-        # Both operands blocked along tokens (axis 0 of [tokens, features]); the RHT mixes each run of 16
-        # tokens in place, as a GEMM in the GEMM dtype (BF16 on GPU: exact products, FP32 accumulation).
-        if self.rht:
-            m = self.rht_matrix.to(dy2d.device)
-            dy2d = random_hadamard_transform(dy2d, m, axis=0, dtype=dtype)
-            x2d = random_hadamard_transform(x2d, m, axis=0, dtype=dtype)
-        return (quantize_nvfp4(dy2d, axis=0, stochastic=self.stochastic_rounding, dtype=dtype).t(),
-                quantize_nvfp4(x2d, axis=0, dtype=dtype).t())
+    def _wgrad_rht(self, t2d, dtype):
+        # Both Wgrad operands are blocked along tokens (axis 0 of [tokens, features]); the RHT mixes each run of
+        # 16 tokens in place, as a GEMM in the GEMM dtype (BF16 on GPU: exact products, FP32 accumulation).
+        return random_hadamard_transform(t2d, self.rht_matrix.to(t2d.device), axis=0, dtype=dtype) if self.rht else t2d
+
+    def grad_wgrad(self, dy2d, *, dtype=torch.float32):
+        return quantize_nvfp4(self._wgrad_rht(dy2d, dtype), axis=0, stochastic=self.stochastic_rounding,
+                              dtype=dtype).t()
+
+    def input_wgrad(self, x2d, *, dtype=torch.float32):
+        return quantize_nvfp4(self._wgrad_rht(x2d, dtype), axis=0, dtype=dtype).t()
 
     def describe(self):
         parts = ["16x16 weights" if self.weight_2d else "1x16 weights"]
@@ -157,23 +166,63 @@ class NVFP4EmulatedLinear(QuantizedLinear):
         return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer)
 
 
+class NVFP4EmulatedGemmOps(EmulatedTorchaoOps):
+    """NVFP4 without its tensor cores. With quantization, the quantizers of NVFP4EmulatedLinear: on CUDA (fused
+    option on, Triton present) X and dY through the fused kernel that writes both layouts in one pass (BF16
+    tensors whose token count is a multiple of 16) and W quantized once for Fprop and Dgrad (16x16 tiles);
+    elsewhere the torch quantizers of EmulatedLinearFn."""
+
+    def _fused(self) -> bool:
+        from training.precision import nvfp4_triton
+
+        return self.device.type == "cuda" and self.training.fused and nvfp4_triton.HAVE_TRITON
+
+    def quantizer(self, role, compiled=False):
+        torch_path = super().quantizer(role, compiled)
+        q: NVFP4Quantizer = self.training
+        if not self._fused() or (role == "weight" and not q.weight_2d):
+            return torch_path
+        if role == "weight":  # the tile quantization Fprop makes is the one Dgrad reads (transposed)
+            def weight_once(w, layouts):
+                wq = torch_path(w, ("row",))[0]
+                return tuple(wq if layout == "row" else wq.t() for layout in layouts)
+            return weight_once
+
+        def fused(x, layouts):
+            if x.dtype != torch.bfloat16 or x.shape[0] % BLOCK:
+                return torch_path(x, layouts)
+            from training.precision.nvfp4_triton import nvfp4_dual_quantize
+
+            a, b, pts = nvfp4_dual_quantize(x, q.rht_operand(x.device), rht=q.rht,
+                                            stochastic=q.stochastic_rounding and role == "grad_output")
+            both = {"row": Quantized(a, pts[0]), "t": Quantized(b, pts[1]).t()}
+            return tuple(both[layout] for layout in layouts)
+        return fused
+
+    def quantizer_note(self, compiled):
+        note = super().quantizer_note(compiled)
+        return f"fused Triton quantizers for X and dY; {note}" if self._fused() else note
+
+
+def torchao_nvfp4(real: bool) -> TorchaoBlockScaled:
+    """torchao's NVFP4 operands (`NVFP4Tensor.to_nvfp4`, 16-element blocks, per-tensor scale) and GEMM."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    dispatch = None
+    if real:
+        from torchao.prototype.mx_formats.nvfp4_tensor import _addmm_nvfp4_dispatch as dispatch
+    return TorchaoBlockScaled(
+        "NVFP4Tensor.to_nvfp4", BLOCK,
+        lambda x: NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max())), dispatch)
+
+
 @register
 class NVFP4Recipe(Recipe):
     name = "nvfp4"
-    summary = ("E2M1 + E4M3 scale per 16 + FP32 tensor scale; 16x16 weight tiles, 16-point RHT on Wgrad "
-               "inputs, stochastic rounding of gradients")
-    gpu_requirement = "real NVFP4 GEMMs on sm_100+ (Blackwell) via torchao NVFP4Linear; exact emulation on Hopper/CPU"
-    # fused_quantize: on CUDA, emulate with the fused Triton quantizers (nvfp4_triton.py); false keeps the
-    # torch quantizers everywhere (for an A/B; numerics differ only in the RHT's rounding, see the module doc).
-    options = {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_seed": 0, "fused_quantize": True}
-
-    def validate_options(self, options):
-        seed = options["rht_seed"]
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"option rht_seed of nvfp4 must be a non-negative integer, got {seed!r}")
+    gemm_error_bound = 0.25  # E2M1 ≈ 0.13
 
     def real_unavailable(self, device, options):
-        reason = capability_reason(device, (10, 0), "NVFP4 tensor cores")
+        reason = capability_reason(device, self.min_capability, "NVFP4 tensor cores")
         if reason is None and not (options["rht"] and options["stochastic_rounding"] and options["weight_2d"]):
             return "torchao's NVFP4 kernels always apply RHT, stochastic rounding and 2D weights; ablations are emulated"
         if reason is None:
@@ -189,10 +238,14 @@ class NVFP4Recipe(Recipe):
                 return f"{what} {dim} not a multiple of {BLOCK} required by nvfp4"
         return None
 
+    @staticmethod
+    def make_quantizer(options: dict, device) -> NVFP4Quantizer:
+        return NVFP4Quantizer(rht=options["rht"], stochastic_rounding=options["stochastic_rounding"],
+                              weight_2d=options["weight_2d"], rht_seed=options["rht_seed"], device=device,
+                              fused=options["fused_quantize"])
+
     def convert(self, linear, name, options, real):
-        quantizer = NVFP4Quantizer(rht=options["rht"], stochastic_rounding=options["stochastic_rounding"],
-                                   weight_2d=options["weight_2d"], rht_seed=options["rht_seed"],
-                                   device=linear.weight.device, fused=options["fused_quantize"])
+        quantizer = self.make_quantizer(options, linear.weight.device)
         if real:
             from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
 
@@ -202,3 +255,11 @@ class NVFP4Recipe(Recipe):
         fused = " (fused Triton quantizers on CUDA)" if quantizer.fused else ""
         return (NVFP4EmulatedLinear(linear, quantizer, self.name), quantizer,
                 f"emulated: {quantizer.describe()}{fused}")
+
+    def gemm_ops(self, device):
+        real = has_capability(device, self.min_capability)
+        torchao = torchao_nvfp4(real)
+        if real:
+            return TorchaoBlockScaledOps(self.name, device, self.gemm_error_bound, torchao)
+        quantizer = self.make_quantizer(self.resolve_options({}), device)
+        return NVFP4EmulatedGemmOps(self.name, device, self.gemm_error_bound, quantizer, torchao)

@@ -2,15 +2,20 @@
 
 Each recipe module defines one `Recipe` subclass and registers it; `apply_recipe` only talks to that
 interface (the torchtitan model-converter pattern), so the train loop never knows which formats exist.
+What a recipe is (summary, options and their defaults, the capability its real kernels need) comes from
+the catalog (catalog.py); the module named by a catalog entry is imported the first time the recipe is
+asked for.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from training.precision import catalog
 from training.precision.emulation import GemmQuantizer
 from training.precision.numerics import NumericsProbe
 
@@ -20,8 +25,32 @@ REGISTRY: dict[str, "Recipe"] = {}
 
 def register(recipe_cls):
     recipe = recipe_cls()
+    if recipe.name not in catalog.recipe_names():
+        raise ValueError(f"{recipe_cls.__name__} registers recipe {recipe.name!r}, which the catalog does not "
+                         "list; add its RecipeEntry to training/precision/catalog.py (or through add_recipe) first")
     REGISTRY[recipe.name] = recipe
     return recipe_cls
+
+
+def get_recipe(name: str) -> "Recipe":
+    """The registered recipe `name`, importing its module on first use (RecipeError if the catalog lacks it)."""
+    entry = catalog.get(name)
+    if name not in REGISTRY:
+        importlib.import_module(entry.implementation)
+        if name not in REGISTRY:
+            raise ImportError(f"{entry.implementation} did not register a Recipe named {name!r} "
+                              "(decorate its Recipe subclass with @register)")
+    return REGISTRY[name]
+
+
+def load_recipes() -> None:
+    """Import every catalog recipe; REGISTRY then lists them in catalog order (error messages use it)."""
+    names = catalog.recipe_names()
+    for name in names:
+        get_recipe(name)
+    ordered = {name: REGISTRY[name] for name in names}
+    REGISTRY.clear()
+    REGISTRY.update(ordered)
 
 
 def cuda_capability(device: torch.device) -> Optional[tuple[int, int]]:
@@ -42,28 +71,31 @@ def capability_reason(device: torch.device, minimum: tuple[int, int], what: str)
 
 
 class Recipe:
-    """One precision recipe. Subclasses set the class attributes and implement the conversion."""
+    """One precision recipe: `name` (its catalog entry) and the conversion. Subclasses implement the methods."""
 
     name: str = ""
-    summary: str = ""
-    gpu_requirement: str = ""
-    options: dict[str, Any] = {}  # option name -> default
+
+    @property
+    def entry(self) -> catalog.RecipeEntry:
+        return catalog.get(self.name)
+
+    @property
+    def summary(self) -> str:
+        return self.entry.summary
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Option name -> default."""
+        return self.entry.defaults()
+
+    @property
+    def min_capability(self) -> Optional[tuple[int, int]]:
+        """The compute capability the real kernels need (None: no low-precision kernels)."""
+        return self.entry.real_min_capability
 
     def resolve_options(self, given: dict) -> dict:
-        unknown = sorted(set(given) - set(self.options))
-        if unknown:
-            valid = ", ".join(sorted(self.options)) or "none"
-            raise ValueError(f"unknown option(s) {', '.join(unknown)} for recipe {self.name!r}; valid options: {valid}")
-        resolved = dict(self.options)
-        resolved.update(given)
-        for key, default in self.options.items():
-            if isinstance(default, bool) and not isinstance(resolved[key], bool):
-                raise ValueError(f"option {key!r} of recipe {self.name!r} must be true or false, got {resolved[key]!r}")
-        self.validate_options(resolved)
-        return resolved
-
-    def validate_options(self, options: dict) -> None:
-        pass
+        """The options with every default filled in (catalog.RecipeError, a ValueError, if one is bad)."""
+        return self.entry.resolve_options(given)
 
     def real_unavailable(self, device: torch.device, options: dict) -> Optional[str]:
         """None if real kernels can run on `device` with these options, else the reason."""
@@ -79,6 +111,17 @@ class Recipe:
 
     def make_hooks(self, converted: list[tuple[str, nn.Module]], options: dict) -> list:
         return []
+
+    # The GEMM benchmark's relative-error bound ‖C − C_bf16‖ / ‖C_bf16‖ for a GEMM of Gaussian operands in this
+    # recipe's format: about twice the expected error (two quantized operands, errors adding in quadrature), so
+    # shape effects pass and a broken quantizer (error ≈ 1) fails. Recipes that own a GEMM format set it.
+    gemm_error_bound: Optional[float] = None
+
+    def gemm_ops(self, device: torch.device):
+        """The recipe's GEMMs for the GEMM benchmark, a `training.precision.gemm_ops.GemmOps` (implemented by the
+        recipes that own a GEMM format: catalog gemm_format == name; the others are timed as that format)."""
+        raise NotImplementedError(f"recipe {self.name!r} has no GEMM operands of its own; the GEMM benchmark times "
+                                  f"it as {self.entry.gemm_format!r}")
 
 
 @dataclass
@@ -141,13 +184,11 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     exact emulation elsewhere), "real" (error if unavailable) or "emulated". Returns a RecipeReport.
     Call it before building the optimizer and before torch.compile.
     """
-    if name not in REGISTRY:
-        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(REGISTRY)}")
+    recipe = get_recipe(name)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     first = _check_count("bf16_first_layers", bf16_first_layers)
     last = _check_count("bf16_last_layers", bf16_last_layers)
-    recipe = REGISTRY[name]
     resolved = recipe.resolve_options(options)
     blocks = _transformer_blocks(model)
     n = len(blocks)
@@ -164,7 +205,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     report = RecipeReport(recipe=name, options=resolved, bf16_first_layers=first, bf16_last_layers=last,
                           backend_requested=backend, device=str(device))
     real = False
-    if name != "bf16":
+    if name != catalog.BASELINE:
         unavailable = recipe.real_unavailable(device, resolved)
         if backend == "real" and unavailable:
             raise ValueError(f"backend='real' is unavailable for {name}: {unavailable}; use backend='auto' or 'emulated'")
@@ -180,7 +221,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
             full = f"layers.{i}.{child}"
             entry = {"name": full, "block": i, "in_features": linear.in_features,
                      "out_features": linear.out_features, "converted": False, "backend": "bf16"}
-            if name == "bf16":
+            if name == catalog.BASELINE:
                 entry["reason"] = "bf16 baseline: high-precision GEMM"
             elif i < first:
                 entry["reason"] = f"kept in BF16: block {i} < bf16_first_layers={first}"

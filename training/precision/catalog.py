@@ -1,0 +1,287 @@
+"""The recipe catalog: what each precision recipe is, in one place, importable without torch.
+
+Every consumer reads it: the registry (`training.precision`, whose recipe modules keep only their conversion
+and GEMM code), the run spec (`training.config.RunSpec`), the API's schemas and `GET /api/v1/recipes`, the
+dashboard's recipe lists and the GEMM benchmark's formats. It is plain data and plain Python so the API
+validates a submission (recipe name and options) without loading torch.
+
+Each `RecipeEntry` holds the recipe's name, a one-line summary, its elements and scaling, its typed options
+(`RecipeOption`: name, type, default, allowed values or range, help), the GEMM format the benchmark times it
+as (`gemm_format`: the name of the recipe that owns those GEMM operands; fp8_delayed's GEMMs are per-tensor
+FP8, i.e. `fp8_tensorwise`'s), the minimum CUDA compute capability of its real kernels and whether it runs as
+exact emulation elsewhere. `module` names the module that implements it (conversion + GEMM operands).
+
+The order is the documented recipe order (MISSION.md): error messages and every list in the UI follow it.
+Recipes outside this file join through `add_recipe(entry)`, called by a module named in the environment
+variable `PLAB_RECIPE_MODULES` (comma-separated, imported on the first look at the catalog, in every process:
+API, worker, CLI); such a module must stay torch-free, its `module` holds the torch code.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+BASELINE = "bf16"
+OPTION_TYPES = ("boolean", "integer", "string")
+SCALE_ROUNDINGS = ("floor", "rceil")
+EXTENSIONS_ENV = "PLAB_RECIPE_MODULES"
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+
+
+class RecipeError(ValueError):
+    """An unknown recipe or an option value it does not accept; the message says what is allowed."""
+
+
+@dataclass(frozen=True)
+class RecipeOption:
+    """One typed option of a recipe. `choices` (strings) or `minimum`/`maximum` (integers) bound its values."""
+
+    name: str
+    type: str
+    default: Any
+    help: str
+    choices: Optional[tuple] = None
+    minimum: Optional[int] = None
+    maximum: Optional[int] = None
+
+    def allowed(self) -> str:
+        """What the option accepts, as the end of the sentence "must be ..."."""
+        if self.type == "boolean":
+            return "true or false"
+        if self.type == "string":
+            return "one of " + ", ".join(self.choices)
+        if self.maximum is not None:
+            low = "" if self.minimum is None else f" from {self.minimum}"
+            return f"an integer{low} up to {self.maximum}"
+        return {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
+            self.minimum, f"an integer >= {self.minimum}")
+
+    def accepts(self, value: Any) -> bool:
+        if self.type == "boolean":
+            return isinstance(value, bool)
+        if self.type == "string":
+            return isinstance(value, str) and value in self.choices
+        if isinstance(value, bool) or not isinstance(value, int):
+            return False
+        return ((self.minimum is None or value >= self.minimum)
+                and (self.maximum is None or value <= self.maximum))
+
+    def check(self, value: Any, recipe: str) -> None:
+        if not self.accepts(value):
+            raise RecipeError(f"option {self.name} of {recipe} must be {self.allowed()}, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "type": self.type, "default": self.default,
+                "choices": list(self.choices) if self.choices is not None else None,
+                "minimum": self.minimum, "maximum": self.maximum, "help": self.help}
+
+
+@dataclass(frozen=True)
+class RecipeEntry:
+    """One recipe as the catalog describes it (see the module docstring for the fields)."""
+
+    name: str
+    summary: str
+    elements: str
+    scaling: str
+    gemm_format: str
+    real_kernels: str
+    real_min_capability: Optional[tuple[int, int]]
+    emulated_elsewhere: bool
+    options: tuple[RecipeOption, ...] = ()
+    module: str = field(default="", compare=False)
+
+    @property
+    def implementation(self) -> str:
+        """The module that implements the recipe (registers its `Recipe` class when imported)."""
+        return self.module or f"training.precision.{self.name}"
+
+    def defaults(self) -> dict[str, Any]:
+        return {option.name: option.default for option in self.options}
+
+    def resolve_options(self, given: dict) -> dict[str, Any]:
+        """`given` with every default filled in; raises RecipeError naming the option, the bad value and what
+        is allowed."""
+        if not isinstance(given, dict):
+            raise RecipeError(f"options of {self.name} must be an object of option name -> value, got {given!r}")
+        known = {option.name: option for option in self.options}
+        unknown = sorted(set(given) - set(known), key=str)
+        if unknown:
+            valid = ", ".join(sorted(known)) or "none"
+            raise RecipeError(f"unknown option(s) {', '.join(map(str, unknown))} for recipe {self.name!r}; "
+                              f"valid options: {valid}")
+        for name, value in given.items():
+            known[name].check(value, self.name)
+        return {**self.defaults(), **given}
+
+    def to_dict(self) -> dict:
+        cap = self.real_min_capability
+        return {"name": self.name, "summary": self.summary, "elements": self.elements, "scaling": self.scaling,
+                "gemm_format": self.gemm_format, "options": [option.to_dict() for option in self.options],
+                "real_min_capability": list(cap) if cap is not None else None, "real_kernels": self.real_kernels,
+                "emulated_elsewhere": self.emulated_elsewhere}
+
+
+def _bool(name: str, default: bool, help: str) -> RecipeOption:
+    return RecipeOption(name, "boolean", default, help)
+
+
+_BUILTIN = (
+    RecipeEntry(
+        name="bf16",
+        summary="BF16 compute (autocast), FP32 master weights; the baseline every other recipe is compared with",
+        elements="BF16 operands, FP32 accumulation", scaling="none", gemm_format="bf16",
+        real_kernels="BF16 tensor cores on any CUDA GPU; the train loop computes in FP32 on a CPU",
+        real_min_capability=None, emulated_elsewhere=False),
+    RecipeEntry(
+        name="fp8_delayed",
+        summary="E4M3 X/W, E5M2 dY; per-tensor scales from an amax history (max over the last N steps)",
+        elements="E4M3 X and W, E5M2 dY",
+        scaling="one FP32 scale per tensor = FP8 max / max of the amax history of the previous steps "
+                "(Transformer Engine's DelayedScaling)",
+        gemm_format="fp8_tensorwise", real_kernels="torch._scaled_mm with delayed scaling (ours)",
+        real_min_capability=(8, 9), emulated_elsewhere=True,
+        options=(RecipeOption("amax_history_len", "integer", 1024, "steps of amax history the scale is taken "
+                              "from (the max over them)", minimum=1),)),
+    RecipeEntry(
+        name="fp8_tensorwise",
+        summary="E4M3 X/W, E5M2 dY; one scale per tensor from its current amax",
+        elements="E4M3 X and W, E5M2 dY",
+        scaling="one FP32 scale per tensor from its current amax (\"FP8-CS\")",
+        gemm_format="fp8_tensorwise", real_kernels="torchao Float8Linear (tensorwise, torch._scaled_mm)",
+        real_min_capability=(8, 9), emulated_elsewhere=True),
+    RecipeEntry(
+        name="fp8_rowwise",
+        summary="E4M3 everywhere; power-of-two scale per row/column along each GEMM's reduction dim",
+        elements="E4M3 for every operand",
+        scaling="one power-of-two scale per row of each GEMM operand, along its reduction dim",
+        gemm_format="fp8_rowwise", real_kernels="torchao Float8Linear (rowwise; fast kernels on sm_90+)",
+        real_min_capability=(8, 9), emulated_elsewhere=True),
+    RecipeEntry(
+        name="fp8_blockwise",
+        summary="E4M3; FP32 scales per 1x128 (activations, gradients) and 128x128 (weights) blocks",
+        elements="E4M3 for every operand",
+        scaling="one FP32 scale per 1x128 run (X, dY) and per 128x128 tile (W); dims multiples of 128, no bias",
+        gemm_format="fp8_blockwise",
+        real_kernels="torchao prototype blockwise_fp8_training (Triton quantizers, blockwise GEMM)",
+        real_min_capability=(9, 0), emulated_elsewhere=True),
+    RecipeEntry(
+        name="mxfp8",
+        summary="E4M3 + E8M0 power-of-two scale per 32 elements along the reduction dim",
+        elements="E4M3 for every operand",
+        scaling="one E8M0 (power-of-two) scale per 32 elements along each GEMM's reduction dim (OCP MX)",
+        gemm_format="mxfp8", real_kernels="torchao MXFP8Linear (MXFP8 tensor cores)",
+        real_min_capability=(10, 0), emulated_elsewhere=True,
+        options=(RecipeOption("scale_rounding", "string", "rceil", "E8M0 scale rule: rceil (cuBLAS/Blackwell, "
+                              "the block max never saturates) or floor (OCP spec)", choices=SCALE_ROUNDINGS),)),
+    RecipeEntry(
+        name="nvfp4",
+        summary="E2M1 + E4M3 scale per 16 + FP32 tensor scale; 16x16 weight tiles, 16-point RHT on Wgrad "
+                "inputs, stochastic rounding of gradients",
+        elements="E2M1 for every operand",
+        scaling="one E4M3 scale per 16 elements (16x16 tiles for W) and one FP32 scale per tensor",
+        gemm_format="nvfp4",
+        real_kernels="torchao NVFP4Linear (NVFP4 tensor cores; only with rht, stochastic_rounding and weight_2d on)",
+        real_min_capability=(10, 0), emulated_elsewhere=True,
+        options=(
+            _bool("rht", True, "16-point random Hadamard transform of both Wgrad operands along tokens"),
+            _bool("stochastic_rounding", True, "stochastic rounding of the gradient dY (unbiased)"),
+            _bool("weight_2d", True, "16x16 weight tiles, so Fprop and Dgrad share one quantized weight "
+                                     "(false: 1x16 blocks)"),
+            RecipeOption("rht_seed", "integer", 0, "seed of the transform's random sign vector", minimum=0),
+            _bool("fused_quantize", True, "on CUDA, quantize X and dY with the fused Triton kernels (false: the "
+                                          "torch quantizers, for an A/B)"),
+        )),
+)
+
+_entries: dict[str, RecipeEntry] = {}
+_extensions_loaded = False
+
+
+def _check_entry(entry: RecipeEntry) -> None:
+    if not isinstance(entry, RecipeEntry):
+        raise TypeError(f"add_recipe takes a RecipeEntry, got {type(entry).__name__}")
+    if not _NAME.match(entry.name):
+        raise ValueError(f"recipe name {entry.name!r} must be lower-case letters, digits and underscores "
+                         "(starting with a letter, at most 40)")
+    cap = entry.real_min_capability
+    if cap is not None and not (isinstance(cap, tuple) and len(cap) == 2 and all(isinstance(c, int) for c in cap)):
+        raise ValueError(f"real_min_capability of {entry.name!r} must be None or (major, minor), got {cap!r}")
+    for option in entry.options:
+        if option.type not in OPTION_TYPES:
+            raise ValueError(f"option {option.name} of {entry.name} has type {option.type!r}; use one of "
+                             f"{', '.join(OPTION_TYPES)}")
+        if option.type == "string" and not option.choices:
+            raise ValueError(f"string option {option.name} of {entry.name} needs its choices")
+        option.check(option.default, entry.name)
+
+
+def _check_gemm_format(entry: RecipeEntry, entries: dict[str, RecipeEntry]) -> None:
+    """A recipe's GEMM format is its own name or another recipe that owns its GEMM operands."""
+    owner = entries.get(entry.gemm_format)
+    if owner is None or owner.gemm_format != owner.name:
+        raise ValueError(f"gemm_format {entry.gemm_format!r} of recipe {entry.name!r} must be the recipe's own "
+                         f"name or one of the GEMM formats {', '.join(_gemm_formats(entries))}")
+
+
+def _gemm_formats(entries: dict[str, RecipeEntry]) -> tuple[str, ...]:
+    return tuple(name for name, entry in entries.items() if entry.gemm_format == name)
+
+
+def add_recipe(entry: RecipeEntry) -> None:
+    """Add a recipe after the built-in ones (call it from a module named in PLAB_RECIPE_MODULES)."""
+    current = _catalog()
+    _check_entry(entry)
+    if entry.name in current:
+        raise ValueError(f"recipe {entry.name!r} is already in the catalog; choose another name")
+    _check_gemm_format(entry, {**current, entry.name: entry})
+    current[entry.name] = entry
+
+
+def _catalog() -> dict[str, RecipeEntry]:
+    global _extensions_loaded
+    if not _entries:
+        builtin = {entry.name: entry for entry in _BUILTIN}
+        for entry in _BUILTIN:
+            _check_entry(entry)
+            _check_gemm_format(entry, builtin)
+        _entries.update(builtin)
+    if not _extensions_loaded:
+        _extensions_loaded = True  # before importing: the extension modules call add_recipe
+        for name in filter(None, (part.strip() for part in os.environ.get(EXTENSIONS_ENV, "").split(","))):
+            try:
+                importlib.import_module(name)
+            except ImportError as exc:
+                raise ImportError(f"{EXTENSIONS_ENV} names {name!r}, which does not import: {exc}") from exc
+    return _entries
+
+
+def recipes() -> tuple[RecipeEntry, ...]:
+    """Every recipe, in the documented order (extensions last)."""
+    return tuple(_catalog().values())
+
+
+def recipe_names() -> tuple[str, ...]:
+    return tuple(_catalog())
+
+
+def get(name: str) -> RecipeEntry:
+    """The recipe called `name`; RecipeError listing the valid names otherwise."""
+    entries = _catalog()
+    if not isinstance(name, str) or name not in entries:
+        raise RecipeError(f"unknown recipe {name!r}; choose one of {', '.join(entries)}")
+    return entries[name]
+
+
+def gemm_formats() -> tuple[str, ...]:
+    """The GEMM benchmark's formats, in catalog order: every recipe that owns its GEMM operands."""
+    return _gemm_formats(_catalog())
+
+
+def catalog_dict() -> dict:
+    """The catalog as `GET /api/v1/recipes` answers it."""
+    return {"baseline": BASELINE, "recipes": [entry.to_dict() for entry in recipes()],
+            "gemm_formats": list(gemm_formats())}
