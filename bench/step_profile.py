@@ -5,10 +5,16 @@ Profiles 3 steps (after warm-up) of
     labels=x), rebuilt here line for line so it can run under the profiler;
   * `ours:<config>`: training.train.train on the same shape, with the perf/param switches of the config
     (same syntax as bench/train_bench.py, e.g. `bf16`, `bf16:param_dtype=fp32`),
-each in its own subprocess, and prints per category (GEMM, attention, optimizer, other elementwise or
-reduction kernels, copies/casts, communication) the GPU milliseconds per step, so that a gap between two
-stacks can be attributed. Profiled steps run slower than unprofiled ones: compare categories, not totals
-with train_bench.
+each in its own subprocess, and prints per category (GEMM, attention, optimizer, quantizers, other
+elementwise or reduction kernels, copies/casts, communication) the GPU milliseconds per step, so that a gap
+between two stacks can be attributed. Profiled steps run slower than unprofiled ones: compare categories, not
+totals with train_bench.
+
+For each of our configs it also prints the **floor table**: per category the FLOPs it must do or the bytes it
+must move for this model, batch and recipe (`step_floors`), the floor time at this device's ceilings measured
+in the same call (`device_ceilings`: a large device-to-device copy counting bytes read and written; large BF16
+and FP8 matrix products), and measured / floor. Kernels on the overlapped optimizer stream run concurrently
+with the forward, so their profiled durations include the contention (the optimizer's ratio is an upper bound).
 
     python bench/step_profile.py anchor bf16 bf16:param_dtype=fp32
 """
@@ -30,6 +36,8 @@ CATEGORIES = [
     ("gemm", re.compile(r"gemm|cutlass|sm90_xmma|nvjet|cublas|wgmma|matmul|_scaled_mm|splitk", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach|lerp|addcmul", re.I)),
     ("nccl", re.compile(r"nccl", re.I)),
+    # our fused quantizers by name; inductor's quantizer kernels by their ops (the saturating clamp, abs-max)
+    ("quantizers", re.compile(r"nvfp4|mxfp8|fp8|float8|quant|clamp|abs_amax|abs_max", re.I)),
     ("copy/cast", re.compile(r"memcpy|memset|copy_|to_copy|cast|direct_copy|fill", re.I)),
     ("triton/elementwise", re.compile(r"triton|elementwise|reduce|vectorized|unrolled|softmax|cross_entropy|nll|"
                                       r"log_softmax|embedding|index|scatter|gather", re.I)),
@@ -41,6 +49,147 @@ def categorize(name: str) -> str:
         if rx.search(name):
             return cat
     return "other"
+
+
+# ---------------------------------------------------------------------------------------------------- floors
+# Bytes per element a recipe's quantizers must move for a GEMM operand (X and dY, W): the catalog's
+# `quantizer_bytes` (training.precision.catalog says how they are counted).
+def quant_bytes(recipe: str):
+    """(activation/gradient operand, weight) bytes per element, or None for a recipe without quantizers."""
+    from training.precision import catalog
+    return catalog.get(recipe).quantizer_bytes
+
+
+ADAMW_BYTES_PER_PARAM = 28  # MasterAdamW: BF16 grad read, BF16 param written, FP32 master, m, v read and written
+OPTIMIZER_BYTES_PER_PARAM = ADAMW_BYTES_PER_PARAM + 2  # + the gradient norm's read of the BF16 gradients
+COPY_BYTES = 1 << 30  # the bandwidth probe copies 1 GiB (read and written: 2 GiB moved)
+
+
+def elementwise_bytes_per_token(dims: dict) -> int:
+    """An estimate of what the step's elementwise kernels must move per token with BF16 activations, each
+    tensor read and written once per pass: per layer two RMSNorms (forward 4H, backward 6H bytes), two
+    residual adds (6H each way), SwiGLU (forward 6I, backward 10I) and RoPE on q and k (4 bytes per element
+    each way); then the final norm, the embedding (gather and scatter) and the loss (the BF16 logits read
+    once, their gradient written once)."""
+    h, i = dims["hidden_size"], dims["intermediate_size"]
+    qk = (dims["num_attention_heads"] + dims["num_key_value_heads"]) * dims["head_dim"]
+    per_layer = 2 * (4 + 6) * h + 2 * (6 + 6) * h + 16 * i + 8 * qk
+    return dims["num_hidden_layers"] * per_layer + 10 * h + 4 * h + 4 * dims["vocab_size"]
+
+
+def step_floors(config, recipe: str, *, micro_batch: int, seq_len: int, params: int, ceilings: dict,
+                grad_accum: int = 1, real_gemms: bool = False, bf16_layers: int = 0) -> dict:
+    """Per category, what one optimizer step must do: {"work", "unit" ("FLOP" or "B"), "floor_ms", "basis"}.
+
+    `config`: the LlamaConfig (or dims dict) of the run; `params`: its trainable parameter count; `ceilings`:
+    `device_ceilings()` (copy_gbps, bf16_tflops, fp8_tflops). `real_gemms`: the converted linears run on FP8
+    tensor cores (else BF16, as emulated formats do); `bf16_layers`: transformer blocks kept in BF16.
+    copy/cast has no floor (a layout change or cast can always fuse into its producer or consumer)."""
+    from training.gemm.shapes import gemm_shapes, model_dims
+
+    dims = model_dims(config)
+    tokens = micro_batch * seq_len * grad_accum
+    layers = dims["num_hidden_layers"]
+    converted = 0 if recipe == "bf16" else (layers - bf16_layers) / layers
+    bw = ceilings["copy_gbps"] * 1e9
+    lin_fp8 = lin_bf16 = 0.0
+    for shape in gemm_shapes(dims, micro_batch, seq_len):
+        flops = shape.flops * shape.count * grad_accum
+        share = 0.0 if shape.layer == "lm_head" else converted
+        lin_fp8 += flops * share if real_gemms else 0.0
+        lin_bf16 += flops * (1.0 - share) if real_gemms else flops
+    peak_bf16, peak_fp8 = ceilings["bf16_tflops"] * 1e12, (ceilings.get("fp8_tflops") or 0) * 1e12
+    gemm_ms = 1e3 * (lin_bf16 / peak_bf16 + (lin_fp8 / peak_fp8 if lin_fp8 else 0.0))
+    # causal attention without recomputation: QK^T and PV forward (each 2 s^2 H, half kept by the mask),
+    # twice that backward: 6 s^2 H per layer and sequence, H = heads x head_dim
+    attn = 6 * seq_len * seq_len * dims["num_attention_heads"] * dims["head_dim"] * layers * (
+        micro_batch * grad_accum)
+    out = {
+        "gemm": {"work": lin_bf16 + lin_fp8, "unit": "FLOP", "floor_ms": gemm_ms,
+                 "basis": f"linear layers, {'FP8' if real_gemms and converted else 'BF16'} peak"
+                          + (" (LM head BF16)" if real_gemms and converted else "")},
+        "attention": {"work": attn, "unit": "FLOP", "floor_ms": 1e3 * attn / peak_bf16,
+                      "basis": "causal QK^T and PV, fwd + bwd, BF16 peak"},
+        "optimizer": {"work": OPTIMIZER_BYTES_PER_PARAM * params, "unit": "B",
+                      "floor_ms": 1e3 * OPTIMIZER_BYTES_PER_PARAM * params / bw,
+                      "basis": "28 B/param update + 2 B/param gradient norm"},
+        "triton/elementwise": {"work": elementwise_bytes_per_token(dims) * tokens, "unit": "B",
+                               "floor_ms": 1e3 * elementwise_bytes_per_token(dims) * tokens / bw,
+                               "basis": "estimate: norms, residual adds, SwiGLU, RoPE, loss"},
+        "copy/cast": {"work": 0, "unit": "B", "floor_ms": 0.0, "basis": "none needed"},
+    }
+    if quant_bytes(recipe) and converted:
+        act_b, w_b = quant_bytes(recipe)
+        elems_act = elems_w = 0.0
+        for shape in gemm_shapes(dims, micro_batch, seq_len):
+            if shape.layer == "lm_head" or shape.gemm != "fprop":
+                continue
+            # fprop (m, k, n) = (tokens, in, out): X is m x k, dY is m x n, W is n x k (once per step)
+            elems_act += (shape.m * shape.k + shape.m * shape.n) * shape.count * grad_accum * converted
+            elems_w += shape.n * shape.k * shape.count * converted
+        work = act_b * elems_act + w_b * elems_w
+        out["quantizers"] = {"work": work, "unit": "B", "floor_ms": 1e3 * work / bw,
+                             "basis": f"X, dY {act_b} B/elem, W {w_b} B/elem"}
+    return out
+
+
+def floor_rows(floors: dict, measured_ms: dict) -> list[dict]:
+    """Rows of the floor table: every category with a floor or a measurement, then the total."""
+    rows = []
+    for cat in list(floors) + [c for c in measured_ms if c not in floors]:
+        f = floors.get(cat, {})
+        ms = measured_ms.get(cat)
+        floor = f.get("floor_ms")
+        rows.append({"category": cat, "work": f.get("work"), "unit": f.get("unit"), "floor_ms": floor,
+                     "measured_ms": ms, "ratio": (ms / floor) if ms is not None and floor else None,
+                     "basis": f.get("basis", "no floor")})
+    total_floor = sum(f["floor_ms"] for f in floors.values())
+    total_ms = sum(measured_ms.values())
+    rows.append({"category": "total", "work": None, "unit": None, "floor_ms": total_floor,
+                 "measured_ms": total_ms, "ratio": total_ms / total_floor if total_floor else None,
+                 "basis": "sum"})
+    return rows
+
+
+def format_floor_table(target: str, rows: list[dict]) -> str:
+    def work(r):
+        if r["work"] is None:
+            return "-"
+        return f"{r['work'] / 1e12:.1f} TFLOP" if r["unit"] == "FLOP" else f"{r['work'] / 1e9:.1f} GB"
+    lines = [f"\n# floor table: {target} (ms per step; floor at this device's measured ceilings)",
+             f"{'category':20s}{'work':>14s}{'floor':>9s}{'measured':>10s}{'ratio':>8s}  basis"]
+    for r in rows:
+        floor = f"{r['floor_ms']:9.2f}" if r["floor_ms"] is not None else f"{'-':>9s}"
+        ms = f"{r['measured_ms']:10.2f}" if r["measured_ms"] is not None else f"{'-':>10s}"
+        ratio = f"{r['ratio']:7.2f}x" if r["ratio"] is not None else f"{'-':>8s}"
+        lines.append(f"{r['category']:20s}{work(r):>14s}{floor}{ms}{ratio}  {r['basis']}")
+    return "\n".join(lines)
+
+
+def device_ceilings() -> dict:
+    """This GPU's copy bandwidth (bytes read + written per second) and BF16 / FP8 matrix-product rates,
+    medians of timed runs on random data (not zeros), in the calling process."""
+    import torch
+    from triton.testing import do_bench
+
+    src = torch.randn(COPY_BYTES // 4, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    bf16_ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    out = {"copy_gbps": 2 * COPY_BYTES / copy_ms / 1e6, "bf16_tflops": 2 * n ** 3 / bf16_ms / 1e9,
+           "fp8_tflops": None, "device": torch.cuda.get_device_name()}
+    if torch.cuda.get_device_capability() >= (8, 9):
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # _scaled_mm: B column-major
+        one = torch.ones((), device="cuda")
+        fp8_ms = do_bench(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                   use_fast_accum=True),
+                          warmup=25, rep=200, return_mode="median")
+        out["fp8_tflops"] = 2 * n ** 3 / fp8_ms / 1e9
+    return out
 
 
 def _profile(step_fn, warmup: int, active: int = 3) -> dict:
@@ -120,9 +269,14 @@ def ours_worker(config_text: str, batch: int, seq: int) -> dict:
         prof.step()
         return False
     prof.start()
-    train(spec, StepSink(), should_stop=should_stop)
+    result = train(spec, StepSink(), should_stop=should_stop)
     prof.stop()
-    return summarize(prof, active)
+    out = summarize(prof, active)
+    out["run"] = {"recipe": config["recipe"], "params": result.summary.get("params"),
+                  "gemm_backend": result.gemm_backend, "batch": batch, "seq_len": seq,
+                  "grad_accum": spec["training"].get("grad_accum", 1), "model": spec["model"],
+                  "vocab_size": spec["data"]["vocab_size"]}
+    return out
 
 
 def fusion_probe(tokens: int, hidden: int = 2048, inter: int = 8192, q: int = 2048, kv: int = 512) -> dict:
@@ -157,6 +311,60 @@ def fusion_probe(tokens: int, hidden: int = 2048, inter: int = 8192, q: int = 20
     return out
 
 
+def _run_targets(targets: list[str], a, results: dict, save=lambda: None) -> dict:
+    """Each target profiled in its own subprocess, into `results`: {target: the worker's summary, or an
+    error}; `save()` after each (a call cut short keeps what it measured)."""
+    for target in targets:
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--worker", target, "--batch", str(a.batch),
+                                   "--seq", str(a.seq)], capture_output=True, text=True, timeout=a.timeout_s,
+                                  cwd=REPO)
+            line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), None)
+            results[target] = json.loads(line) if line else {"error": proc.stderr[-2000:]}
+        except subprocess.TimeoutExpired:
+            results[target] = {"error": f"timed out after {a.timeout_s} s"}
+        results[target]["wall_s"] = time.perf_counter() - t0
+        print(f"[profile] {target}: {time.perf_counter() - t0:.0f} s", flush=True)
+        save()
+    return results
+
+
+def add_floor_tables(profiles: dict, ceilings: dict | None) -> None:
+    """Each of our profiled configs gets `floor_table` rows (step_floors at the measured ceilings)."""
+    from training.model import llama_config
+
+    for r in profiles.values():
+        run = r.get("run")
+        if not run or not ceilings:
+            continue
+        config = llama_config(run["model"], run["vocab_size"], run["seq_len"])
+        floors = step_floors(config, run["recipe"], micro_batch=run["batch"] // run["grad_accum"],
+                             seq_len=run["seq_len"], grad_accum=run["grad_accum"], params=run["params"],
+                             ceilings=ceilings, real_gemms=run["gemm_backend"] == "real")
+        r["floor_table"] = floor_rows(floors, r["ms_per_step"])
+
+
+def _print_tables(profiles: dict) -> None:
+    for target, r in profiles.items():
+        if "top" in r:
+            print(f"\n## {target}: top kernels (ms/step)")
+            for ms, name, cat in r["top"][:14]:
+                print(f"{ms:8.2f}  {cat:18s} {name}")
+    cats = sorted({c for r in profiles.values() for c in r.get("ms_per_step", {})})
+    print("\n# GPU ms per step by category (profiled)")
+    print(f"{'category':20s}" + "".join(f"{t[:22]:>24s}" for t in profiles))
+    for c in cats + ["total"]:
+        row = [r.get("total_ms") if c == "total" else r.get("ms_per_step", {}).get(c) for r in profiles.values()]
+        print(f"{c:20s}" + "".join(f"{x:24.2f}" if x is not None else f"{'-':>24s}" for x in row))
+    for target, r in profiles.items():
+        if "floor_table" in r:
+            print(format_floor_table(target, r["floor_table"]))
+    for target, r in profiles.items():
+        if "error" in r:
+            print(f"{target}: {r['error'][-600:]}")
+
+
 def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -172,40 +380,29 @@ def main(argv=None) -> int:
         out = anchor_worker(a.batch, a.seq) if a.worker == "anchor" else ours_worker(a.worker, a.batch, a.seq)
         print(json.dumps(out), flush=True)
         return 0
-    results = {}
+    import datetime as dt
+
+    import torch
+    from bench.benchmeta import git_commit
+
+    results = {"bench": "step_profile", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "git_commit": git_commit(), "batch": a.batch, "seq": a.seq, "ceilings": None}
+    if torch.cuda.is_available():
+        results["ceilings"] = device_ceilings()
+        torch.cuda.empty_cache()
+        print(f"[ceilings] {results['ceilings']}", flush=True)
     if a.fusion_probe:
         results["fusion_probe"] = fusion_probe(a.batch * a.seq)
         for k, v in results["fusion_probe"].items():
             print(f"[fusion] {k}: {v}", flush=True)
-    for target in a.targets:
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--worker", target, "--batch", str(a.batch),
-                                   "--seq", str(a.seq)], capture_output=True, text=True, timeout=a.timeout_s,
-                                  cwd=REPO)
-            line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), None)
-            results[target] = json.loads(line) if line else {"error": proc.stderr[-2000:]}
-        except subprocess.TimeoutExpired:
-            results[target] = {"error": f"timed out after {a.timeout_s} s"}
-        results[target]["wall_s"] = time.perf_counter() - t0
-        print(f"[profile] {target}: {time.perf_counter() - t0:.0f} s", flush=True)
-    if os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / "step_profile.json").write_text(json.dumps(results, indent=1))
-    profiles = {k: v for k, v in results.items() if k != "fusion_probe"}
-    for target, r in profiles.items():
-        if "top" in r:
-            print(f"\n## {target}: top kernels (ms/step)")
-            for ms, name, cat in r["top"][:14]:
-                print(f"{ms:8.2f}  {cat:18s} {name}")
-    cats = sorted({c for r in profiles.values() for c in r.get("ms_per_step", {})})
-    print("\n# GPU ms per step by category (profiled)")
-    print(f"{'category':20s}" + "".join(f"{t[:22]:>24s}" for t in profiles))
-    for c in cats + ["total"]:
-        row = [r.get("total_ms") if c == "total" else r.get("ms_per_step", {}).get(c) for r in profiles.values()]
-        print(f"{c:20s}" + "".join(f"{x:24.2f}" if x is not None else f"{'-':>24s}" for x in row))
-    for target, r in profiles.items():
-        if "error" in r:
-            print(f"{target}: {r['error'][-600:]}")
+    def save():
+        if os.environ.get("OUT"):
+            (Path(os.environ["OUT"]) / "step_profile.json").write_text(json.dumps(results, indent=1))
+    profiles = results["profiles"] = {}
+    _run_targets(a.targets, a, profiles, save)
+    add_floor_tables(profiles, results["ceilings"])
+    save()
+    _print_tables(profiles)
     return 0
 
 

@@ -65,14 +65,25 @@ TRAINING_KEYS = {"compile", "activation_checkpointing", "param_dtype", "gpus", "
 
 # ---------------------------------------------------------------------------------------------------
 # configs
+def _recipe_option(value: str):
+    """A recipe option's value from a config string: true/false, an integer, or the text itself."""
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return int(value) if value.isdigit() else value
+
+
 def parse_config(text: str) -> dict:
-    """'bf16:sdpa_backend=cudnn,fused_loss=false' → {"label", "recipe", "perf": {...}, "training": {...}}."""
+    """'bf16:sdpa_backend=cudnn,fused_loss=false' → {"label", "recipe", "perf": {...}, "training": {...},
+    "recipe_options": {...}}; `recipe.NAME=value` sets a recipe option (e.g. `mxfp8:recipe.fused_quantize=false`)."""
     recipe, _, opts = text.partition(":")
-    perf, training, batch = {}, {}, None
+    perf, training, batch, recipe_options = {}, {}, None, {}
     for item in filter(None, opts.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
             raise SystemExit(f"config {text!r}: expected key=value, got {item!r}")
+        if key.startswith("recipe."):
+            recipe_options[key[len("recipe."):]] = _recipe_option(value)
+            continue
         if key in BOOL_KEYS:
             if value.lower() not in ("true", "false", "1", "0", "on", "off"):
                 raise SystemExit(f"config {text!r}: {key} takes true/false, got {value!r}")
@@ -87,7 +98,7 @@ def parse_config(text: str) -> dict:
             batch = value
             continue
         (training if key in TRAINING_KEYS else perf)[key] = value
-    return {"label": text, "recipe": recipe, "perf": perf, "training": training,
+    return {"label": text, "recipe": recipe, "perf": perf, "training": training, "recipe_options": recipe_options,
             **({"batch": batch} if batch is not None else {})}
 
 
@@ -107,7 +118,8 @@ def run_spec(config: dict, *, steps: int, batch: int, seq: int, model: str = "1b
                 "perf": dict(config["perf"])}
     training.update(config["training"])
     return {"model": model, "data": {"corpus": "random", "vocab_size": 32000, "seq_len": seq},
-            "training": training, "seed": 0, "recipe": config["recipe"]}
+            "training": training, "seed": 0, "recipe": config["recipe"],
+            "recipe_options": dict(config.get("recipe_options", {}))}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -201,6 +201,10 @@ class PerfOptions:
     # order, while the next step's forward proceeds behind per-layer events (training.optim.
     # OverlappedOptimizerStep). Needs the layers compiled one by one (compile_scope "layers").
     overlap_optimizer: bool = True
+    # How MasterAdamW updates a bucket (training.optim): "auto" (one Triton kernel launch per bucket on CUDA,
+    # the eager update op for op; eager on CPU), "triton", "compiled" (torch.compile: one inductor kernel per
+    # parameter, the update before the Triton kernel existed) or "eager".
+    optimizer_update: str = "auto"
     # torch.compile granularity: "model" (one graph with the loss), "layers" (each decoder layer, plus the
     # loss's chunk math), "auto" = "layers" when the optimizer step overlaps the forward, else "model".
     compile_scope: str = "auto"
@@ -217,6 +221,7 @@ class PerfOptions:
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
     COMPILE_SCOPES = ("auto", "model", "layers")
+    OPTIMIZER_UPDATES = ("auto", "triton", "compiled", "eager")
 
 
 PARAM_DTYPES = ("auto", "bf16", "fp32")
@@ -381,6 +386,8 @@ class RunSpec:
                                     perf_d.get("overlap_optimizer", pbase.overlap_optimizer)),
             compile_scope=_choice("training.perf", "compile_scope", perf_d.get("compile_scope", pbase.compile_scope),
                                   PerfOptions.COMPILE_SCOPES),
+            optimizer_update=_choice("training.perf", "optimizer_update", perf_d.get(
+                "optimizer_update", pbase.optimizer_update), PerfOptions.OPTIMIZER_UPDATES),
             fuse_qkv=(None if perf_d.get("fuse_qkv") is None
                       else _bool("training.perf", "fuse_qkv", perf_d.get("fuse_qkv"))),
             fuse_gate_up=_bool("training.perf", "fuse_gate_up", perf_d.get("fuse_gate_up", pbase.fuse_gate_up)),

@@ -14,19 +14,25 @@ Memory traffic per parameter: 2 B grad + 8 B master + 16 B moments + 2 B param =
 AdamW on FP32 parameters under autocast also moves 28 B, plus the autocast casts: 6 B in the forward,
 6 B to turn each BF16 weight gradient into an FP32 one, and often a recomputed cast in the backward).
 
-On CUDA the update of a list of parameters (an overlap bucket's, or chunks of 8) is one `torch.compile`d
-function (dynamic shapes: the same graph for every list of the same length): one compiled call issues one
-fused kernel per parameter and never synchronises with the host (the learning rate, weight decay and step
-counts are device tensors). A compiled call per parameter instead cost ~0.2-0.3 ms of host time each (Dynamo
-cache lookup, AOTAutograd wrapper, the separate step increment): 115 calls, ~30 ms of host time per 1.14B
-step, enough to make FP8 steps (GPU time < 100 ms on an H100) wait on the host. On CPU it runs eagerly (same
-arithmetic).
+How a list of parameters (an overlap bucket's, or a whole group) is updated, `update`:
+- "triton" (the CUDA default): one Triton kernel launch per list (training.optim_kernels), the eager update op
+  for op (bit-exact on CPU under Triton's interpreter); nothing synchronises with the host (learning rate,
+  weight decay, step counts and the clipping factor are device tensors).
+- "compiled": one `torch.compile`d call per list (chunks of 8 for a whole group; dynamic shapes, one graph per
+  list length), which inductor turns into one kernel per parameter. Inductor contracts other multiply-adds
+  than the eager ops do, so it is not bit-exact with them. A compiled call per parameter instead cost
+  ~0.2-0.3 ms of host time each (Dynamo cache lookup, AOTAutograd wrapper, the separate step increment):
+  115 calls, ~30 ms of host time per 1.14B step, enough to make FP8 steps wait on the host.
+- "eager": the torch ops below, one parameter at a time (the CPU default, and the reference).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+
+from training.config import PerfOptions
 
 MASTER_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -56,12 +62,11 @@ def _adamw_master_update_many(ps, gs, ws, ms, vs, lr, steps, grad_scale, beta1: 
 
 _compiled_update = None
 CHUNK = 8  # parameters per compiled call when a whole parameter group is updated at once
+UPDATES = PerfOptions.OPTIMIZER_UPDATES  # "auto", "triton", "compiled", "eager"
 
 
-def _update_fn(device: torch.device, compiled: bool):
+def _compiled_update_fn():
     global _compiled_update
-    if not compiled:
-        return _adamw_master_update_many
     if _compiled_update is None:
         _compiled_update = torch.compile(_adamw_master_update_many, fullgraph=True, dynamic=True)
     return _compiled_update
@@ -72,11 +77,14 @@ class MasterAdamW(torch.optim.Optimizer):
 
     `grad_scale` (attribute, a device scalar or None): every gradient is divided by it as it is read,
     like torch's fused AdamW; train.py sets it to max(1, norm / clip) for global-norm clipping.
-    `compiled`: None = compile the update on CUDA, run eagerly elsewhere.
+    `update`: "auto" (the Triton kernel on CUDA where Triton and the dtypes allow, eager elsewhere),
+    "triton", "compiled" or "eager"; see the module docstring.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, *, compiled: bool | None = None):
+                 weight_decay: float = 0.01, *, update: str = "auto"):
+        if update not in UPDATES:
+            raise ValueError(f"update must be one of {', '.join(UPDATES)}, got {update!r}")
         if not (isinstance(lr, (int, float)) and lr >= 0):
             raise ValueError(f"lr must be a number >= 0, got {lr!r}")
         if not all(0.0 <= b < 1.0 for b in betas):
@@ -87,7 +95,8 @@ class MasterAdamW(torch.optim.Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.grad_scale: torch.Tensor | None = None
-        self.compiled = compiled
+        self.update = update
+        self._tables = None  # the Triton kernel's address tables (training.optim_kernels.AdamWTables)
         # State exists from the start (not lazily at the first step), so a checkpoint written before any
         # step, and load_state_dict into a fresh optimizer, both see the master weights.
         for group in self.param_groups:
@@ -167,19 +176,38 @@ class MasterAdamW(torch.optim.Optimizer):
             if not todo:
                 continue
             device = todo[0].device
-            compiled = self.compiled if self.compiled is not None else todo[0].is_cuda
-            fn = _update_fn(device, compiled)
             lr_t, wd_t = self._lr_tensor(i, group, device), self._wd_tensor(i, group, device)
             s = scale.to(device) if scale is not None else None
-            # A bucket's parameters in one call; a whole group in chunks (one graph per list length).
-            size = len(todo) if subset is not None else CHUNK
+            states = [self.state[p] for p in todo]
+            fn, size = self._update_fn(todo)
+            # A bucket's parameters in one call; a whole group at once (Triton) or in chunks of CHUNK.
+            size = len(todo) if subset is not None or size is None else size
             for k in range(0, len(todo), size):
-                chunk = todo[k:k + size]
-                states = [self.state[p] for p in chunk]
+                chunk, st = todo[k:k + size], states[k:k + size]
                 fn([p.view(-1) for p in chunk], [p.grad.view(-1) for p in chunk],
-                   [st["master"].view(-1) for st in states], [st["exp_avg"].view(-1) for st in states],
-                   [st["exp_avg_sq"].view(-1) for st in states], lr_t, [st["step"] for st in states], s,
+                   [x["master"].view(-1) for x in st], [x["exp_avg"].view(-1) for x in st],
+                   [x["exp_avg_sq"].view(-1) for x in st], lr_t, [x["step"] for x in st], s,
                    float(beta1), float(beta2), eps, wd_t)
+
+    def _update_fn(self, params: list[torch.Tensor]):
+        """(update function, parameters per call: None = all) for this list, by `update`."""
+        from training import optim_kernels
+
+        mode = self.update
+        if mode == "auto":
+            # CUDA tensors the kernel cannot take (FP32 parameters) keep the compiled update.
+            mode = ("eager" if not params[0].is_cuda else
+                    "triton" if optim_kernels.supported(params, [p.grad for p in params]) else "compiled")
+        if mode == "triton":
+            if not optim_kernels.supported(params, [p.grad for p in params]):
+                raise ValueError("update='triton' needs BF16 parameters and gradients on one device, and "
+                                 "Triton installed; use update='auto'")
+            if self._tables is None:
+                self._tables = optim_kernels.AdamWTables()
+            return functools.partial(optim_kernels.adamw_master_update, tables=self._tables), None
+        if mode == "compiled":
+            return _compiled_update_fn(), CHUNK
+        return _adamw_master_update_many, CHUNK
 
 
 class OverlappedOptimizerStep:

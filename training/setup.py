@@ -203,7 +203,7 @@ def _optimizer(model: torch.nn.Module, spec: RunSpec, param_dtype: str):
     if param_dtype == "bf16":
         # Masters are copied from the FP32 initial weights before the parameters are rounded to BF16;
         # only parameters are cast (buffers such as RoPE's inv_freq and recipe state stay FP32).
-        optimizer = MasterAdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2))
+        optimizer = MasterAdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2), update=t.perf.optimizer_update)
         with torch.no_grad():
             for p in params:
                 p.data = p.data.to(torch.bfloat16)

@@ -50,3 +50,12 @@ def test_default_order_runs_the_recipes_with_a_bar_first_and_blockwise_last(benc
     order = bench.default_configs(list(RECIPES))
     assert sorted(order) == sorted(RECIPES) and order[0] == "bf16" and order[-1] == "fp8_blockwise"
     assert order.index("nvfp4") < order.index("fp8_rowwise")
+
+
+def test_recipe_options_parse_into_the_run_spec(bench):
+    config = bench.parse_config("mxfp8:recipe.fused_quantize=false,recipe.scale_rounding=floor,fuse_qkv=true")
+    assert config["recipe_options"] == {"fused_quantize": False, "scale_rounding": "floor"}
+    assert config["perf"] == {"fuse_qkv": True}
+    spec = bench.run_spec(config, steps=3, batch=8, seq=64, model="tiny", device="cpu")
+    assert spec["recipe_options"] == {"fused_quantize": False, "scale_rounding": "floor"}
+    assert bench.run_spec(bench.parse_config("bf16"), steps=3, batch=8, seq=64)["recipe_options"] == {}

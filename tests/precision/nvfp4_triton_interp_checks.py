@@ -5,10 +5,10 @@ with TRITON_INTERPRET=1; collected directly without it, it skips. The GPU run of
 bench/nvfp4_kernel_bench.py."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from tests.interpreted import require_interpreter
 
 pytest.importorskip("triton")
 
@@ -16,9 +16,7 @@ from training.precision.formats import (quantize_nvfp4, random_hadamard_transfor
                                         rht_matrix)
 
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs under TRITON_INTERPRET=1, in a subprocess started by test_nvfp4_triton_interpreted.py",
-                allow_module_level=True)
+require_interpreter("test_nvfp4_triton_interpreted.py")
 
 
 @pytest.fixture(scope="module")

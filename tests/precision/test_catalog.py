@@ -48,8 +48,8 @@ def test_options_and_defaults_are_the_recipes_documented_ones():
     defaults = {entry.name: entry.defaults() for entry in catalog.recipes()}
     assert defaults == {
         "bf16": {}, "fp8_tensorwise": {}, "fp8_rowwise": {}, "fp8_blockwise": {},
-        "fp8_delayed": {"amax_history_len": 1024},
-        "mxfp8": {"scale_rounding": "rceil"},
+        "fp8_delayed": {"amax_history_len": 1024, "fused_cast": False},
+        "mxfp8": {"scale_rounding": "rceil", "fused_quantize": True},
         "nvfp4": {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_seed": 0, "fused_quantize": True},
     }
     for entry in catalog.recipes():
@@ -81,7 +81,7 @@ def test_a_bad_option_names_the_option_the_value_and_what_is_allowed(recipe, opt
 
 
 def test_resolved_options_fill_in_the_defaults():
-    assert catalog.get("mxfp8").resolve_options({}) == {"scale_rounding": "rceil"}
+    assert catalog.get("mxfp8").resolve_options({}) == {"scale_rounding": "rceil", "fused_quantize": True}
     assert catalog.get("nvfp4").resolve_options({"rht": False, "rht_seed": 7})["rht_seed"] == 7
 
 

@@ -502,7 +502,8 @@ def test_mxfp8_emulation_equals_torchao_mxfp8_linear_emulated_mode_exactly(dtype
     with torch.no_grad():
         theirs.weight.copy_(weight)
         lin.weight.copy_(weight)
-    ours, _, _ = REGISTRY["mxfp8"].convert(lin, "proj", {"scale_rounding": "rceil"}, False)
+    recipe = REGISTRY["mxfp8"]
+    ours, _, _ = recipe.convert(lin, "proj", recipe.resolve_options({"scale_rounding": "rceil"}), False)
     results = []
     for module in (theirs, ours):
         x = x0.to(dtype).requires_grad_()

@@ -89,7 +89,8 @@ def test_loading_an_fp32_adamw_state_says_why_it_cannot_resume():
         opt.load_state_dict(other.state_dict())
 
 
-@pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(betas=(0.9, 1.0)), dict(eps=0.0), dict(weight_decay=-0.1)])
+@pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(betas=(0.9, 1.0)), dict(eps=0.0), dict(weight_decay=-0.1),
+                                 dict(update="fused")])
 def test_bad_hyperparameters_are_rejected(bad):
     with pytest.raises(ValueError):
         MasterAdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))], **{**HYPER, **bad})
@@ -99,8 +100,8 @@ def test_compiled_update_matches_the_eager_one():
     """The update torch.compile turns into one fused kernel per parameter on GPU, checked on CPU."""
     _, bf = _pair()
     twin = [torch.nn.Parameter(p.detach().clone()) for p in bf]
-    eager = MasterAdamW(bf, **HYPER, compiled=False)
-    compiled = MasterAdamW(twin, **HYPER, compiled=True)
+    eager = MasterAdamW(bf, **HYPER, update="eager")
+    compiled = MasterAdamW(twin, **HYPER, update="compiled")
     g = torch.Generator().manual_seed(4)
     for _ in range(2):
         for a, b in zip(bf, twin):
@@ -127,8 +128,8 @@ def test_compiled_bucket_updates_match_the_eager_step_with_few_graphs():
         flat = [p for layer in ps for p in layer]
         return [{"params": [p for p in flat if p.dim() >= 2], "weight_decay": 0.1},
                 {"params": [p for p in flat if p.dim() < 2], "weight_decay": 0.0}]
-    eager = MasterAdamW(groups(eager_p), lr=1e-2, betas=(0.9, 0.95), compiled=False)
-    comp = MasterAdamW(groups(comp_p), lr=1e-2, betas=(0.9, 0.95), compiled=True)
+    eager = MasterAdamW(groups(eager_p), lr=1e-2, betas=(0.9, 0.95), update="eager")
+    comp = MasterAdamW(groups(comp_p), lr=1e-2, betas=(0.9, 0.95), update="compiled")
     torch._dynamo.reset()
     counters.clear()
     for _ in range(3):
@@ -145,3 +146,11 @@ def test_compiled_bucket_updates_match_the_eager_step_with_few_graphs():
             assert torch.equal(comp.state[b]["step"], eager.state[a]["step"])
     # per bucket: a list of 2 matrices (decay group) and of 1 gain (no-decay group): two graphs in all
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_triton_update_of_parameters_it_cannot_take_says_what_to_use():
+    p = torch.nn.Parameter(torch.zeros(4))  # FP32 parameter: the kernel takes BF16 ones
+    opt = MasterAdamW([p], **HYPER, update="triton")
+    p.grad = torch.ones(4)
+    with pytest.raises(ValueError, match="update='auto'"):
+        opt.step()

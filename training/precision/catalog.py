@@ -10,6 +10,9 @@ Each `RecipeEntry` holds the recipe's name, a one-line summary, its elements and
 as (`gemm_format`: the name of the recipe that owns those GEMM operands; fp8_delayed's GEMMs are per-tensor
 FP8, i.e. `fp8_tensorwise`'s), the minimum CUDA compute capability of its real kernels and whether it runs as
 exact emulation elsewhere. `module` names the module that implements it (conversion + GEMM operands).
+`quantizer_bytes` (activation or gradient operand, weight): bytes per element its quantizers must move – each
+BF16 input read once per pass it needs, each layout the GEMMs read written once – the floor that
+`bench/step_profile.py` divides the measured quantizer time by (None: no quantizers, or not worked out).
 
 The order is the documented recipe order (MISSION.md): error messages and every list in the UI follow it.
 Recipes outside this file join through `add_recipe(entry)`, called by a module named in the environment
@@ -93,6 +96,7 @@ class RecipeEntry:
     emulated_elsewhere: bool
     options: tuple[RecipeOption, ...] = ()
     module: str = field(default="", compare=False)
+    quantizer_bytes: Optional[tuple[int, int]] = None
 
     @property
     def implementation(self) -> str:
@@ -145,21 +149,30 @@ _BUILTIN = (
         gemm_format="fp8_tensorwise", real_kernels="torch._scaled_mm with delayed scaling (ours)",
         real_min_capability=(8, 9), emulated_elsewhere=True,
         options=(RecipeOption("amax_history_len", "integer", 1024, "steps of amax history the scale is taken "
-                              "from (the max over them)", minimum=1),)),
+                              "from (the max over them)", minimum=1),
+                 _bool("fused_cast", False, "real GEMMs take their FP8 operands from one Triton cast-transpose "
+                                            "pass per operand (bit-identical codes; off: slower in the compiled "
+                                            "step than inductor's casts, which fuse into the producers)")),
+        quantizer_bytes=(4, 4),  # scale from the history: the amax is recorded during the one cast pass
+    ),
     RecipeEntry(
         name="fp8_tensorwise",
         summary="E4M3 X/W, E5M2 dY; one scale per tensor from its current amax",
         elements="E4M3 X and W, E5M2 dY",
         scaling="one FP32 scale per tensor from its current amax (\"FP8-CS\")",
         gemm_format="fp8_tensorwise", real_kernels="torchao Float8Linear (tensorwise, torch._scaled_mm)",
-        real_min_capability=(8, 9), emulated_elsewhere=True),
+        real_min_capability=(8, 9), emulated_elsewhere=True,
+        quantizer_bytes=(6, 6),  # amax read + cast read (2 x 2 B), two FP8 layouts (2 x 1 B)
+    ),
     RecipeEntry(
         name="fp8_rowwise",
         summary="E4M3 everywhere; power-of-two scale per row/column along each GEMM's reduction dim",
         elements="E4M3 for every operand",
         scaling="one power-of-two scale per row of each GEMM operand, along its reduction dim",
         gemm_format="fp8_rowwise", real_kernels="torchao Float8Linear (rowwise; fast kernels on sm_90+)",
-        real_min_capability=(8, 9), emulated_elsewhere=True),
+        real_min_capability=(8, 9), emulated_elsewhere=True,
+        quantizer_bytes=(6, 6),  # the Wgrad layout's column scales span all tokens: a full pass before its cast
+    ),
     RecipeEntry(
         name="fp8_blockwise",
         summary="E4M3; FP32 scales per 1x128 (activations, gradients) and 128x128 (weights) blocks",
@@ -167,7 +180,9 @@ _BUILTIN = (
         scaling="one FP32 scale per 1x128 run (X, dY) and per 128x128 tile (W); dims multiples of 128, no bias",
         gemm_format="fp8_blockwise",
         real_kernels="torchao prototype blockwise_fp8_training (Triton quantizers, blockwise GEMM)",
-        real_min_capability=(9, 0), emulated_elsewhere=True),
+        real_min_capability=(9, 0), emulated_elsewhere=True,
+        quantizer_bytes=(4, 4),  # 1x128 / 128x128 scales are local
+    ),
     RecipeEntry(
         name="mxfp8",
         summary="E4M3 + E8M0 power-of-two scale per 32 elements along the reduction dim",
@@ -176,7 +191,11 @@ _BUILTIN = (
         gemm_format="mxfp8", real_kernels="torchao MXFP8Linear (MXFP8 tensor cores)",
         real_min_capability=(10, 0), emulated_elsewhere=True,
         options=(RecipeOption("scale_rounding", "string", "rceil", "E8M0 scale rule: rceil (cuBLAS/Blackwell, "
-                              "the block max never saturates) or floor (OCP spec)", choices=SCALE_ROUNDINGS),)),
+                              "the block max never saturates) or floor (OCP spec)", choices=SCALE_ROUNDINGS),
+                 _bool("fused_quantize", True, "on CUDA, quantize X, W and dY with the fused Triton kernel (false: "
+                                               "the torch quantizers, for an A/B)")),
+        quantizer_bytes=(6, 6),  # 1x32 scales are local: one read, two BF16 layouts
+    ),
     RecipeEntry(
         name="nvfp4",
         summary="E2M1 + E4M3 scale per 16 + FP32 tensor scale; 16x16 weight tiles, 16-point RHT on Wgrad "
@@ -194,7 +213,9 @@ _BUILTIN = (
             RecipeOption("rht_seed", "integer", 0, "seed of the transform's random sign vector", minimum=0),
             _bool("fused_quantize", True, "on CUDA, quantize X and dY with the fused Triton kernels (false: the "
                                           "torch quantizers, for an A/B)"),
-        )),
+        ),
+        quantizer_bytes=(8, 6),  # per-tensor amax first; W's 16x16 tiles are transpose-invariant: one layout
+    ),
 )
 
 _entries: dict[str, RecipeEntry] = {}

@@ -27,6 +27,14 @@ directly (activation dtype for Y and dX, the weight's dtype for dW). Backward re
 X and W saved in forward (per-tensor scaling is transpose-invariant); the column-major operands it needs
 are transposed FP8 copies (1 byte per element). Elsewhere (CPU, pre-Ada GPUs, token counts not divisible
 by 16) the same casts feed the exact emulation of emulation.py.
+
+Option `fused_cast` (off by default): once the history exists, the real path casts each operand with one
+fused Triton pass (fp8_triton.py): X, W and dY are each read once, their amax recorded and their FP8 codes
+written in both layouts the GEMMs read (DelayedFP8FusedFn); codes bit-identical with the torch casts, the GEMMs
+see the same operands in the same layouts, so the training is the same. Off because it measured slower in
+the compiled step on an H100 (bench/results/step_profile_*: 16.5 ms per 1b step in the cast kernels, where
+inductor's casts, fused into the kernels that produce X and dY, cost ~10 ms): a standalone pass must read a
+materialized BF16 operand that a fused cast never writes.
 """
 from __future__ import annotations
 
@@ -149,6 +157,41 @@ class DelayedFP8Fn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, grad_token, None, None, None
 
 
+class DelayedFP8FusedFn(torch.autograd.Function):
+    """DelayedFP8Fn's real path once the scales come from the history, with the operands cast outside (X and W
+    in the layer's forward, by fp8_triton.fp8_cast_transpose, each in both layouts) and dY cast the same way in
+    backward. `x2` and `weight` only route the gradients (their values are not saved)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x2, weight, bias, x8, x8t, w8, w8t, scales, token, out_dtype):
+        inv_x, inv_w = scales[INPUT].reciprocal(), scales[WEIGHT].reciprocal()
+        y = _fp8_mm(True, x8, inv_x, w8.t(), inv_w, out_dtype, fast_accum=True, bias=bias)
+        ctx.save_for_backward(x8t, w8t, inv_x, inv_w, scales)
+        ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy):
+        from training.precision.fp8_triton import fp8_cast_transpose
+
+        x8t, w8t, inv_x, inv_w, scales = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        g8, g8t, amax = fp8_cast_transpose(dy2, scales[GRAD], E5M2)
+        inv_g = scales[GRAD].reciprocal()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _fp8_mm(True, g8, inv_g, w8t.t(), inv_w, ctx.x_dtype, fast_accum=False)
+        if ctx.needs_input_grad[1]:
+            grad_w = _fp8_mm(True, g8t, inv_g, x8t.t(), inv_x, ctx.w_dtype, fast_accum=False)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        grad_token = amax if ctx.needs_input_grad[8] else None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, grad_token, None
+
+
 def _new_token(device) -> torch.Tensor:
     return torch.zeros((), device=device, requires_grad=True)
 
@@ -168,8 +211,9 @@ def _advance_history(history: torch.Tensor, pending: torch.Tensor, scales: torch
 
 
 class DelayedScalingLinear(QuantizedLinear):
-    def __init__(self, linear: nn.Linear, history_len: int, real: bool):
+    def __init__(self, linear: nn.Linear, history_len: int, real: bool, fused_cast: bool = False):
         super().__init__(linear, GemmQuantizer(), "fp8_delayed")
+        self.fused_cast = fused_cast  # real GEMMs with history: fp8_triton's cast-transpose (else torch casts)
         device = linear.weight.device
         # Rows: input, weight, grad. Non-persistent: HF checkpoints stay plain; the hook saves them.
         self.register_buffer("amax_history", torch.zeros(3, history_len, device=device), persistent=False)
@@ -221,9 +265,14 @@ class DelayedScalingLinear(QuantizedLinear):
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != out_dtype:
             x2 = x2.to(out_dtype)  # under autocast the kernels see the autocast (BF16) copy
+        record = self.training and torch.is_grad_enabled()
+        if self.real and self.ready_host and self.fused_cast and x2.is_cuda and x2.shape[0] % 16 == 0:
+            from training.precision import fp8_triton
+
+            if fp8_triton.HAVE_TRITON:
+                return self._fused_forward(x2, record, out_dtype).reshape(*x.shape[:-1], self.out_features)
         amax_x = x2.detach().abs().amax().to(torch.float32)
         amax_w = self.weight.detach().abs().amax().to(torch.float32)
-        record = self.training and torch.is_grad_enabled()
         if record:
             pending = self.pending_amax
             pending.copy_(torch.maximum(pending, torch.stack([amax_x, amax_w, pending[GRAD]])))
@@ -237,6 +286,17 @@ class DelayedScalingLinear(QuantizedLinear):
         y = DelayedFP8Fn.apply(x2, self.weight, self.bias, s_x, s_w, self.scales, self.history_ready,
                                self.grad_amax_token if record else None, real, out_dtype, self.ready_host)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _fused_forward(self, x2: torch.Tensor, record: bool, out_dtype) -> torch.Tensor:
+        from training.precision.fp8_triton import fp8_cast_transpose
+
+        x8, x8t, amax_x = fp8_cast_transpose(x2.detach(), self.scales[INPUT], E4M3)
+        w8, w8t, amax_w = fp8_cast_transpose(self.weight.detach(), self.scales[WEIGHT], E4M3)
+        if record:
+            pending = self.pending_amax
+            pending.copy_(torch.maximum(pending, torch.stack([amax_x, amax_w, pending[GRAD]])))
+        return DelayedFP8FusedFn.apply(x2, self.weight, self.bias, x8, x8t, w8, w8t, self.scales,
+                                       self.grad_amax_token if record else None, out_dtype)
 
     @torch.no_grad()
     def update_scales(self) -> None:
@@ -352,7 +412,7 @@ class FP8DelayedRecipe(Recipe):
         return scaled_mm_shape_reason(linear, self.name) if real else None
 
     def convert(self, linear, name, options, real):
-        new = DelayedScalingLinear(linear, options["amax_history_len"], real)
+        new = DelayedScalingLinear(linear, options["amax_history_len"], real, fused_cast=options["fused_cast"])
         how = "torch._scaled_mm with delayed scaling" if real else f"emulated: {new.quantizer.describe()}"
         return new, new.quantizer, how
 

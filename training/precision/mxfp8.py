@@ -9,12 +9,16 @@ place and used as transposed views.
 
 GEMM benchmark (`gemm_ops`): on sm_100+ torchao's `MXTensor.to_mx` and block-scaled GEMM in both modes; elsewhere
 kernel-only mode times torchao's emulated path (MXTensor dequantized to BF16, BF16 GEMM) and the "with
-quantization" mode this module's training quantizer and training's emulated GEMM."""
+quantization" mode this module's training quantizer and training's emulated GEMM.
+
+On CUDA with BF16 activations and weights the layer takes the fused path (option `fused_quantize`, on by
+default; mxfp8_triton.py): X, W and dY are each quantized into both their layouts by one Triton pass,
+bit-identical with the torch quantizers, so the training is the same."""
 from __future__ import annotations
 
 import torch
 
-from training.precision.emulation import GemmQuantizer, QuantizedLinear
+from training.precision.emulation import EmulatedLinearFn, GemmQuantizer, QuantizedLinear, compute_dtype
 from training.precision.formats import quantize_mxfp8
 from training.precision.gemm_ops import EmulatedTorchaoOps, TorchaoBlockScaled, TorchaoBlockScaledOps, has_capability
 from training.precision.registry import Recipe, capability_reason, register
@@ -23,8 +27,9 @@ BLOCK = 32
 
 
 class MXFP8Quantizer(GemmQuantizer):
-    def __init__(self, scale_rounding: str):
+    def __init__(self, scale_rounding: str, fused: bool = True):
         self.scale_rounding = scale_rounding
+        self.fused = fused  # the Triton fast path on CUDA (mxfp8_triton.py); False: torch quantizers only
 
     def _q(self, t, *, axis=-1, dtype=torch.float32, track=False):
         return quantize_mxfp8(t, block_size=BLOCK, scale_rounding=self.scale_rounding, axis=axis, dtype=dtype,
@@ -70,6 +75,19 @@ def torchao_mxfp8(scale_rounding: str, real: bool) -> TorchaoBlockScaled:
                               dispatch)
 
 
+class MXFP8EmulatedLinear(QuantizedLinear):
+    """Emulated MXFP8 linear: the fused Triton quantizers on CUDA with BF16 activations and weights, the torch
+    quantizers of EmulatedLinearFn elsewhere."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and compute_dtype(x) == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+            from training.precision import mxfp8_triton
+
+            if mxfp8_triton.HAVE_TRITON and self.quantizer.fused:
+                return mxfp8_triton.MXFP8FusedFn.apply(x, self.weight, self.bias, self.quantizer.scale_rounding)
+        return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer)
+
+
 @register
 class MXFP8Recipe(Recipe):
     name = "mxfp8"
@@ -91,7 +109,7 @@ class MXFP8Recipe(Recipe):
         return None
 
     def convert(self, linear, name, options, real):
-        quantizer = MXFP8Quantizer(options["scale_rounding"])
+        quantizer = MXFP8Quantizer(options["scale_rounding"], fused=options.get("fused_quantize", True))
         if real:
             from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
             from torchao.prototype.mx_formats.config import ScaleCalculationMode
@@ -103,7 +121,9 @@ class MXFP8Recipe(Recipe):
                                   kernel_preference=KernelPreference.AUTO, scale_calculation_mode=mode)
             new.weight, new.bias = linear.weight, linear.bias
             return new, quantizer, f"torchao MXFP8Linear ({options['scale_rounding']})"
-        return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"
+        fused = " (fused Triton quantizers on CUDA)" if quantizer.fused else ""
+        return (MXFP8EmulatedLinear(linear, quantizer, self.name), quantizer,
+                f"emulated: {quantizer.describe()}{fused}")
 
     def gemm_ops(self, device):
         rounding = self.resolve_options({})["scale_rounding"]

@@ -1,0 +1,84 @@
+"""bench/step_profile.py's floor table: what each category of a training step must do, at given ceilings."""
+import importlib
+
+import pytest
+
+from training.flops import matmul_params
+from training.model import llama_config
+
+CEILINGS = {"copy_gbps": 3000.0, "bf16_tflops": 800.0, "fp8_tflops": 1300.0}
+PARAMS = 1_137_772_544  # the 1b preset with a 32000-token vocabulary
+TOKENS = 4 * 2048
+
+
+@pytest.fixture(scope="module")
+def sp():
+    return importlib.import_module("bench.step_profile")
+
+
+@pytest.fixture(scope="module")
+def config():
+    return llama_config("1b", 32000, 2048)
+
+
+def _floors(sp, config, recipe, **kw):
+    return sp.step_floors(config, recipe, micro_batch=4, seq_len=2048, params=PARAMS, ceilings=CEILINGS, **kw)
+
+
+def test_gemm_work_is_the_model_flop_formula_and_runs_at_the_bf16_peak(sp, config):
+    f = _floors(sp, config, "bf16")["gemm"]
+    assert f["work"] == 6 * matmul_params(config) * TOKENS  # training.flops, written independently
+    assert f["floor_ms"] == pytest.approx(1e3 * f["work"] / 800e12)
+
+
+def test_real_fp8_gemms_run_at_the_fp8_peak_except_the_lm_head(sp, config):
+    head = 6 * config.hidden_size * config.vocab_size * TOKENS
+    body = 6 * matmul_params(config) * TOKENS - head
+    f = _floors(sp, config, "fp8_tensorwise", real_gemms=True)["gemm"]
+    assert f["floor_ms"] == pytest.approx(1e3 * (body / 1300e12 + head / 800e12))
+    # emulated formats run BF16 GEMMs
+    assert _floors(sp, config, "mxfp8")["gemm"]["floor_ms"] == pytest.approx(1e3 * (body + head) / 800e12)
+
+
+def test_optimizer_moves_28_bytes_per_parameter_plus_the_gradient_norm(sp, config):
+    f = _floors(sp, config, "bf16")["optimizer"]
+    assert f["work"] == 30 * PARAMS
+    assert f["floor_ms"] == pytest.approx(30 * PARAMS / 3000e9 * 1e3)
+
+
+def test_quantizer_bytes_follow_each_operand_and_the_recipe(sp, config):
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    hd = h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    # per layer: X into qkv, o, the (fused) gate/up and down; dY out of each; W of each (gate/up as one)
+    x = TOKENS * (h + q + h + i)
+    dy = TOKENS * ((q + 2 * kv) + h + 2 * i + h)
+    w = h * (q + 2 * kv) + q * h + 2 * i * h + i * h
+    for recipe, (act_b, w_b) in (("nvfp4", (8, 6)), ("mxfp8", (6, 6)), ("fp8_delayed", (4, 4))):
+        f = _floors(sp, config, recipe)["quantizers"]
+        assert f["work"] == pytest.approx(layers * (act_b * (x + dy) + w_b * w)), recipe
+    assert "quantizers" not in _floors(sp, config, "bf16")
+    # blocks kept in BF16 quantize nothing
+    quarter = _floors(sp, config, "nvfp4", bf16_layers=layers // 4)["quantizers"]["work"]
+    assert quarter == pytest.approx(0.75 * _floors(sp, config, "nvfp4")["quantizers"]["work"])
+
+
+def test_floor_rows_give_measured_over_floor_and_a_total(sp, config):
+    floors = _floors(sp, config, "bf16")
+    measured = {"gemm": 2 * floors["gemm"]["floor_ms"], "optimizer": 20.0, "copy/cast": 5.0, "other": 1.0}
+    rows = {r["category"]: r for r in sp.floor_rows(floors, measured)}
+    assert rows["gemm"]["ratio"] == pytest.approx(2.0)
+    assert rows["copy/cast"]["ratio"] is None and rows["other"]["floor_ms"] is None  # no floor to divide by
+    assert rows["attention"]["measured_ms"] is None
+    assert rows["total"]["measured_ms"] == pytest.approx(sum(measured.values()))
+    assert rows["total"]["floor_ms"] == pytest.approx(sum(f["floor_ms"] for f in floors.values()))
+    table = sp.format_floor_table("bf16", list(rows.values()))
+    assert all(cat in table for cat in rows)
+
+
+@pytest.mark.parametrize("name,category", [
+    ("_adamw_master_kernel", "optimizer"), ("_mxfp8_dual_quant_kernel", "quantizers"),
+    ("_nvfp4_dual_amax_kernel", "quantizers"), ("triton_poi_fused__to_copy_clamp_mul_0", "quantizers"),
+    ("triton_red_fused__log_softmax_0", "triton/elementwise"), ("triton_poi_fused__to_copy_0", "copy/cast")])
+def test_kernels_are_categorised_by_name(sp, name, category):
+    assert sp.categorize(name) == category

@@ -1,0 +1,148 @@
+"""One Triton kernel for MasterAdamW's update of a list of parameters (the GPU fast path of training.optim).
+
+The update (training.optim's module docstring) moves 28 bytes per parameter: BF16 grad and parameter, FP32
+master, m and v. Compiled by inductor it is one kernel per parameter; this is one launch per list (an overlap
+bucket's parameters of one group): a 2D grid, axis 1 the parameter, axis 0 runs of BLOCK elements, each
+program finding its tensors through a table of addresses (parameter, grad, master, m, v, numel). The table is
+rebuilt only when an address changes (the gradients are new tensors each step, but the caching allocator
+usually hands out the same addresses), so a step usually uploads nothing.
+
+The eager update (`training.optim._adamw_master_update`, the per-parameter torch ops), op for op:
+- `m.lerp_(g, w)` is torch's `fma(coeff, g - m, base)` (coeff = w, base = m for |w| < 0.5; else w - 1 and g);
+  `v.mul_(b2).addcmul_(g, g, value=c)` is `fma(c * g, g, v * b2)` on CPU (measured, torch 2.13) but
+  `fma(c, g * g, v * b2)` on CUDA (torch 2.11's pointwise_op_impl; with the CPU form 25 % of v differed in the
+  last bit from CUDA's eager update, bench/results/kernel_bench_*), so the kernel takes the form of the device;
+- every other multiply and add is rounded on its own (fp fusion off), divisions and the square root are IEEE
+  (`div_rn`, `sqrt_rn`; Triton's `/` is an approximate division);
+- the per-parameter bias corrections 1 - beta1^t and sqrt(1 - beta2^t) and the step size lr / (1 - beta1^t)
+  are computed by torch, as in the eager update (the kernel does no pow).
+The BF16 parameter is the master rounded to nearest even. On CPU the kernel runs under Triton's interpreter
+(TRITON_INTERPRET=1), which is how the tests check it bit for bit against the eager update (with an IEEE square
+root: torch's CPU sqrt is not correctly rounded, CUDA's is). On the GPU bench/kernel_bench.py counts the
+elements that differ from the eager CUDA update.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from training.triton_math import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from training.triton_math import bf16_bits_rne, bf16_to_f32
+
+BLOCK = 2048  # elements per program: 8 per thread at 8 warps, 16-byte loads of the FP32 state
+NUM_WARPS = 8
+
+if HAVE_TRITON:
+    @triton.jit
+    def _adamw_master_kernel(table_ptr, n_params, step_size_ptr, bias2_sqrt_ptr, decay_ptr, grad_scale_ptr,
+                             lerp_coeff, beta2, one_minus_beta2, eps,
+                             LERP_SMALL: tl.constexpr, HAS_SCALE: tl.constexpr, CUDA_ADDCMUL: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        i = tl.program_id(1)
+        numel = tl.load(table_ptr + 5 * n_params + i)
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        if start < numel:
+            p_ptr = tl.load(table_ptr + i).to(tl.pointer_type(tl.int16))  # BF16 parameter, written as bits
+            g_ptr = tl.load(table_ptr + n_params + i).to(tl.pointer_type(tl.bfloat16))
+            w_ptr = tl.load(table_ptr + 2 * n_params + i).to(tl.pointer_type(tl.float32))
+            m_ptr = tl.load(table_ptr + 3 * n_params + i).to(tl.pointer_type(tl.float32))
+            v_ptr = tl.load(table_ptr + 4 * n_params + i).to(tl.pointer_type(tl.float32))
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < numel
+            g = bf16_to_f32(tl.load(g_ptr + offs, mask=mask, other=0.0))
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+            m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+            v = tl.load(v_ptr + offs, mask=mask, other=1.0)
+            if HAS_SCALE:
+                g = tl.math.div_rn(g, tl.load(grad_scale_ptr))
+            # lerp(m, g, 1 - beta1) as torch computes it: fma(coeff, end - start, base), see `lerp_form`
+            if LERP_SMALL:
+                m = tl.fma(lerp_coeff, g - m, m)
+            else:
+                m = tl.fma(lerp_coeff, g - m, g)
+            if CUDA_ADDCMUL:
+                v = tl.fma(one_minus_beta2, g * g, v * beta2)
+            else:
+                v = tl.fma(one_minus_beta2 * g, g, v * beta2)
+            w = w * tl.load(decay_ptr)
+            denom = tl.math.div_rn(tl.math.sqrt_rn(v), tl.load(bias2_sqrt_ptr + i)) + eps
+            w = w - tl.math.div_rn(tl.load(step_size_ptr + i) * m, denom)
+            tl.store(w_ptr + offs, w, mask=mask)
+            tl.store(m_ptr + offs, m, mask=mask)
+            tl.store(v_ptr + offs, v, mask=mask)
+            tl.store(p_ptr + offs, bf16_bits_rne(w), mask=mask)
+
+
+def supported(params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+    """The kernel's layout: BF16 parameters and gradients (FP32 state) on one device."""
+    return (HAVE_TRITON and bool(params) and all(p.dtype == torch.bfloat16 for p in params)
+            and all(g.dtype == torch.bfloat16 for g in grads) and len({p.device for p in params}) == 1)
+
+
+def bias_corrections(steps: list[torch.Tensor], beta1: float, beta2: float):
+    """Per parameter 1 - beta1^t and sqrt(1 - beta2^t) (FP32 vectors), as the eager update computes them.
+    On CUDA pow is one elementwise function at any size; on CPU the vectorized pow (Sleef) differs in the
+    last bit from the scalar one the eager update uses (23 of 20,000 steps for beta 0.999), so there each
+    parameter's is computed on its own 0-d step."""
+    if steps[0].is_cuda:
+        s = torch.stack(steps)
+        return 1.0 - torch.pow(beta1, s), torch.sqrt(1.0 - torch.pow(beta2, s))
+    return (torch.stack([1.0 - torch.pow(beta1, s) for s in steps]),
+            torch.stack([torch.sqrt(1.0 - torch.pow(beta2, s)) for s in steps]))
+
+
+class AdamWTables:
+    """Address tables for the kernel, one per list of parameters, rebuilt when an address changes. Built
+    on the current stream (the overlap's side stream), so the caching allocator keeps a replaced table
+    alive until the kernels queued there have read it."""
+
+    def __init__(self):
+        self._tables: dict[tuple, tuple[tuple, torch.Tensor]] = {}
+
+    def table(self, ps, gs, ws, ms, vs) -> torch.Tensor:
+        key = tuple(t.data_ptr() for t in ps)
+        addresses = (*key, *(t.data_ptr() for t in (*gs, *ws, *ms, *vs)))
+        cached = self._tables.get(key)
+        if cached is not None and cached[0] == addresses:
+            return cached[1]
+        host = torch.tensor([*addresses, *(p.numel() for p in ps)], dtype=torch.int64)
+        # cudaMemcpyAsync from pageable memory: staged before it returns, without a device synchronisation
+        table = host.to(ps[0].device, non_blocking=True)
+        self._tables[key] = (addresses, table)
+        return table
+
+
+def f32(x: float) -> float:
+    """x rounded to FP32: kernel scalars are passed exact, so no scalar arithmetic happens in the kernel
+    (the interpreter would do it in FP64)."""
+    return float(np.float32(x))
+
+
+def lerp_form(weight: float) -> tuple[float, bool]:
+    """torch's lerp(start, end, w) is fma(coeff, end - start, base) with (coeff, base) = (w, start) for
+    |w| < 0.5, else (w - 1, end), all in FP32: returns (coeff, small)."""
+    w = np.float32(weight)
+    return (float(w), True) if abs(w) < 0.5 else (float(w - np.float32(1.0)), False)
+
+
+def adamw_master_update(ps, gs, ws, ms, vs, lr, steps, grad_scale, beta1: float, beta2: float, eps: float,
+                        wd, *, tables: AdamWTables):
+    """`training.optim._adamw_master_update_many` in one kernel launch (same arguments; `lr` and `wd` are
+    0-d FP32 tensors on the parameters' device). Parameters and gradients BF16 (see `supported`)."""
+    torch._foreach_add_(steps, 1.0)
+    bias1, bias2_sqrt = bias_corrections(steps, beta1, beta2)
+    step_size = lr / bias1
+    decay = 1.0 - lr * wd
+    table = tables.table(ps, gs, ws, ms, vs)
+    coeff, small = lerp_form(1.0 - beta1)
+    grid = (triton.cdiv(max(p.numel() for p in ps), BLOCK), len(ps))
+    _adamw_master_kernel[grid](
+        table, len(ps), step_size, bias2_sqrt, decay, grad_scale if grad_scale is not None else decay,
+        coeff, f32(beta2), f32(1.0 - beta2), f32(eps),
+        LERP_SMALL=small, HAS_SCALE=grad_scale is not None, CUDA_ADDCMUL=ps[0].is_cuda, BLOCK=BLOCK,
+        num_warps=NUM_WARPS, enable_fp_fusion=False)

@@ -1,0 +1,67 @@
+"""Triton helpers shared by the fused kernels (training/optim_kernels.py, training/precision/*_triton.py):
+roundings done on the bits, so that a kernel gives the same bits on the GPU and under Triton's CPU interpreter
+(whose float casts truncate) as torch's conversions."""
+from __future__ import annotations
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except Exception:  # noqa: BLE001 - any import problem means: no fast path
+    HAVE_TRITON = False
+
+if HAVE_TRITON:
+    @triton.jit
+    def bf16_to_f32(x):
+        """BF16 -> FP32 (exact) on the bits: the interpreter's cast mis-scales BF16 subnormals."""
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def bf16_bits_rne(x):
+        """FP32 -> BF16 bits (int16), round to nearest even as torch's `.to(torch.bfloat16)`; a NaN stays a
+        NaN (0x7FC0)."""
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
+
+    @triton.jit
+    def round_to_e4m3(x):
+        """FP32 values with |x| <= 448 rounded onto the E4M3 grid (nearest, ties to even), as torch's cast to
+        float8_e4m3fn: 3 mantissa bits for normals (|x| >= 2^-6), multiples of 2^-9 below (subnormals).
+        The sign is kept (a negative value that rounds to zero gives -0.0, as the cast)."""
+        bits = x.to(tl.int32, bitcast=True)
+        sign = bits & -2147483648
+        mag_bits = bits & 0x7FFFFFFF
+        mag = mag_bits.to(tl.float32, bitcast=True)
+        normal = ((mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        # x * 2^9 < 8 is exact; adding and subtracting 1.5 * 2^23 rounds it to an integer, half to even
+        # (with fp fusion off nothing reassociates the two).
+        sub = ((mag * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        out = tl.where(mag < 0.015625, sub, normal)
+        return (out.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def fp8_code(x, FP8_MAX: tl.constexpr, E5M2: tl.constexpr):
+        """The FP8 code (uint8) of FP32 `x` as torch's `clamp(x, -max, max).to(float8_e4m3fn / e5m2)`:
+        saturated to +-FP8_MAX, rounded to nearest even on the bits (normals keep 3 / 2 mantissa bits, below
+        the smallest normal 2^-6 / 2^-14 multiples of 2^-9 / 2^-16), then encoded (bias 7 / 15). A NaN
+        gives the format's NaN code."""
+        v = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+        bits = v.to(tl.int32, bitcast=True)
+        sign = ((bits >> 24) & 0x80).to(tl.int32)
+        mag_bits = bits & 0x7FFFFFFF
+        mag = mag_bits.to(tl.float32, bitcast=True)
+        if E5M2:
+            rounded = (mag_bits + 0xFFFFF + ((mag_bits >> 21) & 1)) & -2097152  # keep 2 mantissa bits
+            normal = ((((rounded >> 23) & 0xFF) - 112) << 2) | ((rounded >> 21) & 3)
+            # mag * 2^16 < 4 is exact; +- 1.5 * 2^23 rounds it to an integer, half to even
+            sub = ((mag * 65536.0 + 12582912.0) - 12582912.0).to(tl.int32)
+            code = tl.where(mag < 6.103515625e-05, sub, normal)
+            nan_code = 0x7F
+        else:
+            rounded = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits
+            normal = ((((rounded >> 23) & 0xFF) - 120) << 3) | ((rounded >> 20) & 7)
+            sub = ((mag * 512.0 + 12582912.0) - 12582912.0).to(tl.int32)
+            code = tl.where(mag < 0.015625, sub, normal)
+            nan_code = 0x7F
+        return tl.where(x != x, nan_code, code | sign).to(tl.uint8)
