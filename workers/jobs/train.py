@@ -12,7 +12,6 @@ import socket
 import sys
 import threading
 
-from plab.broker import train_gpus
 from plab.settings import get_settings
 from training.sink import MetricSink
 from workers.client import ApiError, MetricStreamer, PlabClient
@@ -67,6 +66,8 @@ def command(run_id: int, gpus: int | None = None) -> list[str]:
     the run's spec says."""
     if gpus is None:
         with PlabClient.from_env() as client:
+            from plab.broker import train_gpus  # Celery only where a job runs, not for the bench's ApiSink
+
             gpus = train_gpus(client.get_run(run_id).get("spec") or {})
     if gpus > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
