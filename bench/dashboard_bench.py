@@ -1,4 +1,4 @@
-"""Issue 7 acceptance benchmark: the comparison dashboard on a long experiment, against the real PostgreSQL.
+"""Acceptance benchmark of the comparison dashboard on a long experiment, against the real PostgreSQL.
 
     python bench/dashboard_bench.py                   # 8 runs x 100,000 steps x 3 series (2.4 M points)
     python bench/dashboard_bench.py --steps 5000      # a quick look (smaller data, same checks)
@@ -26,7 +26,7 @@ What it does, in order:
 5. writes bench/results/dashboard_bench_<UTC time>.json and prints a table; drops the database
    (unless --keep-db).
 
-Bars (issue 7): endpoint median < 300 ms, <= 2,000 points a series, spike present, page interactive < 1.5 s.
+Bars: endpoint median < 300 ms, <= 2,000 points a series, spike present, page interactive < 1.5 s.
 The machine's load average is recorded with the result: on a shared 2-core machine it moves the timings.
 """
 from __future__ import annotations
@@ -321,7 +321,7 @@ def time_endpoint(base: str, experiment_id: int, repeats: int, spike: dict, *, k
 
 
 def time_comparison(base: str, experiment_id: int, repeats: int, runs: int) -> dict:
-    """The relative-difference endpoint (no bar in the issue; reported). The synthetic run i's loss is
+    """The relative-difference endpoint (no bar; reported). The synthetic run i's loss is
     (1 + 0.004 i) times run 0's (bf16) curve plus noise, so its median difference should be close to 0.4 i %
     (the median: run 4's planted spike is one large difference)."""
     url = f"{base}/api/v1/experiments/{experiment_id}/comparison?key=train/loss&x=tokens&max_points=2000"

@@ -1,4 +1,4 @@
-"""Issue 6 acceptance run of the GEMM benchmark, one call on one GPU (budget: 7 minutes on an H100).
+"""Acceptance run of the GEMM benchmark, one call on one GPU (budget: 7 minutes on an H100).
 
     python bench/gemm_bench.py                                  # parts a, b, c
     python bench/gemm_bench.py --train-bench bench/results/train_bench_....json
@@ -19,7 +19,7 @@
     The acceptance ratio compares like with like: tool protocol / do_bench on the same operands (both
     operand kinds reported, both must be within 5%); `ratio_as_reported` (tool on its operands / raw on
     raw's) and the factor that explains it are printed too.
-(b) the 1.14B Llama of ANCHORS.md (batch 4 × 2048), all formats, both modes; the predicted end-to-end
+(b) the 1.14B Llama the reference anchor trains (batch 4 × 2048), all formats, both modes; the predicted end-to-end
     speedups (kernel-only = upper bound, with quantization = expected) next to measured ones when step
     times are given (±0.10 bar for FP8 tensorwise).
 (c) CodonFM-5B (hidden 4096, ffn 16384, 24 layers, 32 heads, no GQA, plain non-gated MLP, vocab 128 –

@@ -1,4 +1,4 @@
-"""Quick probe of every precision recipe's training step on a 2-layer slice of the 1b model (issue 3).
+"""Quick probe of every precision recipe's training step on a 2-layer slice of the 1b model.
 
 For each recipe: a 2-layer Llama with the `1b` preset's dims (hidden 2048, intermediate 8192, 16 heads, 8 KV
 heads, vocab 32000), converted with `training.precision.apply_recipe`, parameters cast to BF16 after the

@@ -1,4 +1,4 @@
-"""Trainer throughput on one GPU against the reference stack, in one call (issue 4, acceptance).
+"""Trainer throughput on one GPU against the reference stack, in one call.
 
 What it runs, each in a fresh subprocess (so compile caches, allocator state and CUDA contexts never
 leak from one measurement into the next):
@@ -102,7 +102,7 @@ def parse_config(text: str) -> dict:
             **({"batch": batch} if batch is not None else {})}
 
 
-# Default order: the recipes with a speed bar (issue 3) first; fp8_blockwise last, since torchao's blockwise
+# Default order: the recipes with a speed bar first; fp8_blockwise last, since torchao's blockwise
 # Triton GEMMs autotune at their first call (~3 minutes of compile on an H100), which must not crowd out the others.
 RUN_FIRST = ("bf16", "fp8_tensorwise", "fp8_delayed", "mxfp8", "nvfp4", "fp8_rowwise")
 

@@ -1,4 +1,4 @@
-"""The GEMM benchmark wired into the product (issue 6): stored through the API, run by `plab gemm-bench --post`
+"""The GEMM benchmark wired into the product: stored through the API, run by `plab gemm-bench --post`
 against a real server, and by the Celery task on a real worker."""
 from __future__ import annotations
 

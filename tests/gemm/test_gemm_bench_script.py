@@ -1,4 +1,4 @@
-"""bench/gemm_bench.py, the issue-6 acceptance run, checked on CPU with --smoke: the JSON it writes, the
+"""bench/gemm_bench.py, the GEMM benchmark's one-GPU acceptance run, checked on CPU with --smoke: the JSON it writes, the
 interleaved tool-vs-raw comparison of part (a), and the prediction-vs-training comparison of part (b)."""
 import importlib
 import json

@@ -1,4 +1,4 @@
-"""Issue 3 acceptance on CPU: the `tiny` model trained 200 steps with the same seed under every recipe through
+"""The recipes' acceptance on CPU: the `tiny` model trained 200 steps with the same seed under every recipe through
 the real train loop; each recipe's final loss is within 3% of BF16's and its first-step loss equals BF16's up
 to quantization error. Each run is small (4 x 32 tokens a step) so the seven runs fit in a few minutes."""
 from __future__ import annotations

@@ -28,7 +28,7 @@ from .shapes import GemmShape, gemm_shapes, model_dims, parse_shapes
 from .timing import PROTOCOL, buffer_count, time_gemm
 
 SCHEMA = "plab.gemm_bench/1"
-DEFAULT_VOCAB = 32000  # the vocabulary of the 1.14B anchor (ANCHORS.md)
+DEFAULT_VOCAB = 32000  # the vocabulary of the 1.14B reference anchor (bench/train_bench.py)
 
 
 def resolve_model(model: Any, *, seq_len: int, vocab_size: int | None = None, no_gqa: bool = False) -> dict:

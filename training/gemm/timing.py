@@ -11,7 +11,7 @@ event intervals (the flush itself is outside every interval). Warm-up calls run 
 do_bench. Counts: given explicitly (`warmup`, `repeats`), or - when left None - chosen as do_bench
 chooses them: one call, five calls with flushes to estimate the per-call time t (flush included), then
 max(1, 25 ms / t) warm-up calls and max(1, 100 ms / t) timed calls. The rotation over `n_buffers` operand
-sets (the issue's "inputs rotated so the timing is not of L2") is kept on top of the flush; either alone
+sets (rotating the inputs so the timing is not of L2) is kept on top of the flush; either alone
 keeps L2 from serving the operands.
 
 Earlier versions enqueued the calls back to back with no flush in between; in one H200 run that read

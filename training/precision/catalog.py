@@ -14,7 +14,7 @@ exact emulation elsewhere. `module` names the module that implements it (convers
 BF16 input read once per pass it needs, each layout the GEMMs read written once – the floor that
 `bench/step_profile.py` divides the measured quantizer time by (None: no quantizers, or not worked out).
 
-The order is the documented recipe order (MISSION.md): error messages and every list in the UI follow it.
+The order is the documented recipe order (README's recipe list): error messages and every list in the UI follow it.
 Recipes outside this file join through `add_recipe(entry)`, called by a module named in the environment
 variable `PLAB_RECIPE_MODULES` (comma-separated, imported on the first look at the catalog, in every process:
 API, worker, CLI); such a module must stay torch-free, its `module` holds the torch code.
