@@ -63,11 +63,11 @@ def _stop(proc: subprocess.Popen, timeout: float = 15) -> None:
 
 
 def _summary_table(exp: dict) -> str:
-    runs = exp["runs"]
-    base = next((r for r in runs if r["recipe"] == "bf16" and r["status"] == "succeeded"), None)
+    runs, baseline = exp["runs"], exp["baseline"]
+    base = next((r for r in runs if r["recipe"] == baseline and r["status"] == "succeeded"), None)
     base_loss = (base or {}).get("summary", {}).get("final_loss")
     base_tps = (base or {}).get("summary", {}).get("tokens_per_s")
-    lines = [f"{'run':<28} {'status':<10} {'GEMMs':<9} {'final loss':>10} {'vs BF16':>8} {'tok/s':>9} {'speed':>6}"]
+    lines = [f"{'run':<28} {'status':<10} {'GEMMs':<9} {'final loss':>10} {'vs ' + baseline:>8} {'tok/s':>9} {'speed':>6}"]
     for r in runs:
         s = r.get("summary") or {}
         loss, tps = s.get("final_loss"), s.get("tokens_per_s")
