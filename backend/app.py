@@ -5,6 +5,7 @@ from fastapi import FastAPI
 
 from backend.db import session_factory
 from backend.errors import install_error_handlers
+from backend.guard import AuthGate, SecurityHeaders
 from plab.settings import Settings, get_settings
 
 
@@ -39,4 +40,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool | None = None)
         pages = None
     if pages is not None and hasattr(pages, "mount"):
         pages.mount(app)
+    # Outermost last: security headers on every answer, the credential and size checks before any parsing.
+    app.add_middleware(AuthGate, settings=settings)
+    app.add_middleware(SecurityHeaders)
     return app

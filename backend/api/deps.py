@@ -1,7 +1,6 @@
 """Dependencies injected into routes: the settings, a database session, the write token check."""
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -9,6 +8,7 @@ from fastapi import Depends, HTTPException, Path, Request
 from sqlalchemy.orm import Session
 
 from backend.db import transaction
+from backend.guard import token_matches
 from plab.settings import Settings
 
 # Ids are 32-bit in the database; larger numbers are refused before they reach it.
@@ -33,9 +33,7 @@ def require_write_token(request: Request, settings: Settings = Depends(get_setti
     """With PLAB_API_TOKEN set, every write needs `Authorization: Bearer <token>`."""
     if not settings.api_token:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), settings.api_token):
+    if not token_matches(request.scope["headers"], settings.api_token):
         raise HTTPException(status_code=401, detail="this server requires an API token for writes: send the header "
                             "'Authorization: Bearer <PLAB_API_TOKEN>'",
                             headers={"WWW-Authenticate": "Bearer"})

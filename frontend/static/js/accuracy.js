@@ -1,8 +1,9 @@
-// Accuracy panel of the experiment page (issue 5 item 4, issue 7): downstream accuracy per task × recipe from
+// Accuracy panel of the experiment page: downstream accuracy per task × recipe from
 // /api/v1/experiments/{id}/accuracy, each recipe's paired difference to the BF16 run with its 95% interval and a
 // significance marker, and a bar chart of those differences. Evaluations run as Celery jobs long after training;
 // the panel polls while any evaluation (or run, whose success may start one) is still to finish.
-import { get, items, escapeHtml, statusBadge, LIVE_STATUSES, plotlyReady } from "./api.js";
+import { get, items, LIVE_STATUSES, plotlyReady } from "./api.js";
+import { escapeHtml, html, joinHtml, setHTML, statusBadge } from "./dom.js";
 import { gemmBackend, recipeName, runLabel } from "./summary.js";
 
 const root = document.getElementById("experiment-root");
@@ -133,7 +134,7 @@ function evaluatedRuns(table) {
 function ensureLayout() {
   if (panel.dataset.built) return;
   panel.classList.add("panel");
-  panel.innerHTML = `
+  setHTML(panel, html`
     <style>
       #accuracy-table td.acc-cell { white-space: nowrap; }
       #accuracy-table .acc-delta { display: block; font-size: 12px; }
@@ -165,9 +166,9 @@ function ensureLayout() {
       <div id="accuracy-table-wrap"><table id="accuracy-table" class="data-table"><thead></thead><tbody></tbody></table></div>
       <div id="accuracy-delta-chart" class="chart chart-small"></div>
     </div>
-    <p class="hint"><span id="accuracy-method-note"></span> <span id="accuracy-convention">${escapeHtml(CONVENTION_NOTE)}</span>
+    <p class="hint"><span id="accuracy-method-note"></span> <span id="accuracy-convention">${CONVENTION_NOTE}</span>
       Hatched columns and bars ran on <em>emulated</em> GEMMs (quantize → dequantize → BF16 GEMM): their accuracy is
-      the format's.</p>`;
+      the format's.</p>`);
   panel.dataset.built = "true";
   const select = document.getElementById("accuracy-method");
   select.value = accuracyState.method;
@@ -180,49 +181,51 @@ function ensureLayout() {
 
 function runHeader(run, baselineId) {
   const emulated = isEmulated(run);
-  const tag = run.run_id === baselineId ? ' <span class="muted">(reference)</span>'
-    : emulated ? ' <span class="gemm gemm-emulated">emulated GEMMs</span>' : "";
-  return `<th class="${emulated ? "emulated" : ""}" data-run-id="${run.run_id}" data-recipe="${escapeHtml(run.recipe)}"`
-    + ` data-emulated="${emulated}">${escapeHtml(runName(run))}${tag}</th>`;
+  const tag = run.run_id === baselineId ? html` <span class="muted">(reference)</span>`
+    : emulated && html` <span class="gemm gemm-emulated">emulated GEMMs</span>`;
+  return html`<th class="${emulated ? "emulated" : ""}" data-run-id="${run.run_id}" data-recipe="${run.recipe}" ${""
+    }data-emulated="${emulated}">${runName(run)}${tag}</th>`;
 }
 
 function cell(table, run, task, metric) {
   const m = run.tasks?.[task]?.[metric];
   const emulated = isEmulated(run) ? " emulated" : "";
-  if (!m) return `<td class="acc-cell num${emulated}" data-run-id="${run.run_id}">–</td>`;
+  if (!m) return html`<td class="acc-cell num${emulated}" data-run-id="${run.run_id}">–</td>`;
   const others = Object.entries(run.tasks[task]).filter(([k]) => k !== metric)
     .map(([k, v]) => `${k}: ${formatValue(k, v?.value)}`).join(", ");
   const stderr = formatStderr(metric, m.stderr);
-  let html = `<span class="acc-value">${formatValue(metric, m.value)}</span>${stderr ? ` <span class="muted">± ${stderr}</span>` : ""}`;
+  const parts = [html`<span class="acc-value">${formatValue(metric, m.value)}</span>${
+    stderr && html` <span class="muted">± ${stderr}</span>`}`];
   if (run.run_id !== table.baseline_run_id && table.baseline_run_id != null) {
     const row = comparisonRow(run, task, metric);
     if (row) {
       const sig = significance(row);
-      html += `<span class="acc-delta" data-significant="${row.significant}" title="${escapeHtml(
-        `${sig.title}; ${row.method}, n = ${row.n} paired documents${finite(row.p_value) ? `, p = ${row.p_value.toPrecision(2)}` : ""}`)}">`
-        + `Δ ${formatDelta(metric, row.delta)} [${formatBound(metric, row.ci_low)}, ${formatBound(metric, row.ci_high)}] `
-        + `<span class="acc-marker ${sig.cls}">${sig.mark}</span></span>`;
+      const title = `${sig.title}; ${row.method}, n = ${row.n} paired documents${
+        finite(row.p_value) ? `, p = ${row.p_value.toPrecision(2)}` : ""}`;
+      parts.push(html`<span class="acc-delta" data-significant="${row.significant}" title="${title}">${""
+        }Δ ${formatDelta(metric, row.delta)} [${formatBound(metric, row.ci_low)}, ${formatBound(metric, row.ci_high)}] ${""
+        }<span class="acc-marker ${sig.cls}">${sig.mark}</span></span>`);
     } else {
-      html += '<span class="acc-delta muted" title="BF16 has no per-document results for this task to pair with">'
-        + "Δ –</span>";
+      parts.push(html`<span class="acc-delta muted" title="the baseline has no per-document results for this task ${""
+        }to pair with">Δ –</span>`);
     }
   }
-  return `<td class="acc-cell num${emulated}" data-run-id="${run.run_id}" title="${escapeHtml(others)}">${html}</td>`;
+  return html`<td class="acc-cell num${emulated}" data-run-id="${run.run_id}" title="${others}">${parts}</td>`;
 }
 
 function renderTable(table) {
   const runs = evaluatedRuns(table);
   const tasks = taskNames(table);
-  document.querySelector("#accuracy-table thead").innerHTML = "<tr><th>Task</th><th>Metric</th>"
-    + runs.map((r) => runHeader(r, table.baseline_run_id)).join("") + "</tr>";
-  document.querySelector("#accuracy-table tbody").innerHTML = tasks.map((task) => {
+  setHTML(document.querySelector("#accuracy-table thead"), html`<tr><th>Task</th><th>Metric</th>${
+    runs.map((r) => runHeader(r, table.baseline_run_id))}</tr>`);
+  setHTML(document.querySelector("#accuracy-table tbody"), joinHtml(tasks.map((task) => {
     const metric = taskMetric(table, task);
     const direction = lowerIsBetter(table, task, metric) ? "lower is better" : "higher is better";
-    return `<tr data-task="${escapeHtml(task)}" data-metric="${escapeHtml(metric || "")}"><td>${escapeHtml(task)}</td>`
-      + `<td title="${direction}">${escapeHtml(metric || "–")}${isAccuracy(metric) ? "" : ` <span class="muted">(${
-        direction === "lower is better" ? "↓" : "↑"} better)</span>`}</td>`
-      + runs.map((r) => cell(table, r, task, metric)).join("") + "</tr>";
-  }).join("");
+    return html`<tr data-task="${task}" data-metric="${metric || ""}"><td>${task}</td>${""
+      }<td title="${direction}">${metric || "–"}${!isAccuracy(metric) && html` <span class="muted">(${
+        direction === "lower is better" ? "↓" : "↑"} better)</span>`}</td>${
+      runs.map((r) => cell(table, r, task, metric))}</tr>`;
+  })));
 }
 
 // One trace per compared run. The y axis is Δ relative to BF16's value in % (as the page's relative-loss chart),
@@ -236,7 +239,7 @@ export function deltaTraces(table) {
       ? (100 * x) / Math.abs(row.baseline) : null);
     const emulated = isEmulated(run);
     return {
-      type: "bar", name: `${runName(run)}${emulated ? " (emulated GEMMs)" : ""}`, x: tasks,
+      type: "bar", name: escapeHtml(`${runName(run)}${emulated ? " (emulated GEMMs)" : ""}`), x: tasks.map(escapeHtml),
       y: rows.map((row) => rel(row?.delta, row)),
       error_y: { type: "data", symmetric: false, visible: true, color: "#333", thickness: 1.2,
         array: rows.map((row) => rel(row && row.ci_high - row.delta, row)),
@@ -274,13 +277,13 @@ function renderStatus() {
   const live = all.filter((e) => LIVE_STATUSES.has(e.status));
   const failed = all.filter((e) => e.status === "failed");
   const byRun = new Map(accuracyState.runs.map((r) => [r.id, r]));
-  const describe = (e) => `${statusBadge(e.status)} ${escapeHtml(runLabel(byRun.get(e.run_id) || { recipe: `run ${e.run_id}` }))}`
-    + ` <span class="muted">(${escapeHtml((e.tasks || []).join(", "))}${e.results?.length ? `, ${e.results.length}/${
+  const describe = (e) => html`${statusBadge(e.status)} ${runLabel(byRun.get(e.run_id) || { recipe: `run ${e.run_id}` })}${""
+    } <span class="muted">(${(e.tasks || []).join(", ")}${e.results?.length ? `, ${e.results.length}/${
       (e.tasks || []).length} done` : ""})</span>`;
   const parts = live.map(describe);
-  if (live.length) parts.push(`<span class="muted">updating every ${POLL_MS / 1000} s</span>`);
+  if (live.length) parts.push(html`<span class="muted">updating every ${POLL_MS / 1000} s</span>`);
   const status = document.getElementById("accuracy-status");
-  status.innerHTML = parts.join(" · ");
+  setHTML(status, joinHtml(parts, " · "));
   status.dataset.live = String(live.length > 0);
   const error = document.getElementById("accuracy-error");
   error.hidden = failed.length === 0;

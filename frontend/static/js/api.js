@@ -44,7 +44,7 @@ export async function request(method, path, body) {
   const headers = { Accept: "application/json" };
   if (body !== undefined) headers["Content-Type"] = "application/json";
   const token = getToken();
-  if (token && method !== "GET") headers.Authorization = `Bearer ${token}`;
+  if (token) headers.Authorization = `Bearer ${token}`;
   const response = await fetch(path.startsWith("/") ? path : `${API}/${path}`, {
     method,
     headers,
@@ -84,10 +84,7 @@ export function showGlobalError(message) {
   banner.hidden = !message;
 }
 
-export function escapeHtml(value) {
-  return String(value ?? "").replace(/[&<>"']/g, (c) => (
-    { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
-}
+export { escapeHtml, statusBadge } from "./dom.js";
 
 export function formatDate(value) {
   if (!value) return "";
@@ -99,10 +96,6 @@ export function formatDate(value) {
 export const FINAL_STATUSES = new Set(["succeeded", "failed", "cancelled", "diverged"]);
 export const LIVE_STATUSES = new Set(["queued", "running"]);
 
-export function statusBadge(status) {
-  const s = escapeHtml(status || "unknown");
-  return `<span class="badge status-${s}" data-status="${s}">${s}</span>`;
-}
 
 // experiment.js loads plotly.js (after its first requests); the panels wait for it rather than loading it twice.
 export function plotlyReady(timeoutMs = 30_000) {

@@ -1,8 +1,7 @@
-// Experiment page: loss curves of every run (one trace per run), relative difference to BF16, speed
+// Experiment page: loss curves of every run (one trace per run), relative difference to the baseline, speed
 // and memory bars, and the runs table; polls every 2 s while any run is queued or running.
-import {
-  get, post, items, escapeHtml, formatDate, showGlobalError, statusBadge, LIVE_STATUSES,
-} from "./api.js";
+import { get, post, items, formatDate, showGlobalError, LIVE_STATUSES } from "./api.js";
+import { escapeHtml, html, joinHtml, plotText, setHTML, statusBadge } from "./dom.js";
 import {
   BASELINE, describeBest, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName, runLabel,
   tokensPerSecond,
@@ -169,7 +168,7 @@ function lossTraces(key, smoothing) {
     return {
       type: "scatter",
       mode: "lines",
-      name: runLabel(run),
+      name: plotText(runLabel(run)),
       x: xValues(p),
       y,
       line: { color: colorOf(run, i), width: recipeName(run) === BASELINE ? 2.5 : 1.6 },
@@ -210,7 +209,7 @@ function drawRelative() {
     // different token grids would lag differently and show a difference that is not there.
     const y = state.smoothing > 0 ? ema(diff.y, state.smoothing) : diff.y;
     return {
-      type: "scatter", mode: "lines", name: runLabel(run), x: diff.x, y,
+      type: "scatter", mode: "lines", name: plotText(runLabel(run)), x: diff.x, y,
       line: { color: colorOf(run, idx), width: 1.6 }, meta: { run_id: run.id },
     };
   });
@@ -244,7 +243,7 @@ function drawSpeed() {
   const labels = [], tps = [], text = [], patterns = [], colors = [], mem = [], mfus = [];
   state.runs.forEach((run, i) => {
     const emulated = gemmBackend(run) === "emulated";
-    labels.push(runLabel(run) + (emulated ? " (emulated)" : ""));
+    labels.push(plotText(runLabel(run) + (emulated ? " (emulated)" : "")));
     const t = runThroughput(run);
     tps.push(t);
     text.push(t != null && baseTps ? `${(t / baseTps).toFixed(2)}×` : "");
@@ -311,8 +310,7 @@ function syncNumericsRuns() {
   const candidates = state.runs.filter((r) => recipeName(r) !== BASELINE);
   const wanted = candidates.map((r) => String(r.id)).join(",");
   if (select.dataset.runs !== wanted) {
-    select.innerHTML = candidates.map((r) => `<option value="${escapeHtml(r.id)}">${escapeHtml(runLabel(r))}</option>`)
-      .join("");
+    setHTML(select, joinHtml(candidates.map((r) => html`<option value="${r.id}">${runLabel(r)}</option>`)));
     select.dataset.runs = wanted;
     if (numerics.runId && candidates.some((r) => String(r.id) === numerics.runId)) select.value = numerics.runId;
   }
@@ -349,11 +347,11 @@ async function drawNumerics({ force = false } = {}) {
     const scale = isSnr ? { colorscale: "Viridis" }
       : { colorscale: "YlOrRd", reversescale: true, zmin: 0, zmax: zmax > 0 ? zmax : 1 };
     Plotly.react("numerics-chart", [{
-      type: "heatmap", x: steps, y: layers, z, ...scale,
+      type: "heatmap", x: steps, y: layers.map(plotText), z, ...scale,
       hoverongaps: false, colorbar: { title: { text: isSnr ? "dB" : "fraction" } },
       hovertemplate: "%{y}<br>step %{x}<br>%{z:.3g}<extra></extra>",
     }], {
-      title: { text: run ? `${runLabel(run)}: ${numerics.stat} per layer` : "", font: { size: 14 } },
+      title: { text: run ? plotText(`${runLabel(run)}: ${numerics.stat} per layer`) : "", font: { size: 14 } },
       margin: { l: 220, r: 20, t: 40, b: 45 },
       xaxis: { title: { text: "step" } },
       yaxis: { automargin: true, autorange: "reversed", tickfont: { size: 10 } },
@@ -392,8 +390,8 @@ function renderHeader() {
     ["eval tasks", evalTasks],
     ["created", formatDate(exp.created_at)],
   ].filter(([, v]) => v !== undefined && v !== null && v !== "");
-  document.getElementById("experiment-meta").innerHTML = entries
-    .map(([k, v]) => `<div><dt>${escapeHtml(k)}</dt><dd>${escapeHtml(v)}</dd></div>`).join("");
+  setHTML(document.getElementById("experiment-meta"),
+    joinHtml(entries.map(([k, v]) => html`<div><dt>${k}</dt><dd>${v}</dd></div>`)));
   document.getElementById("experiment-summary").textContent = describeBest(state.runs);
 }
 
@@ -413,7 +411,7 @@ function gemmLabel(run) {
   const title = backend === "emulated"
     ? "quantize → dequantize → BF16 GEMM: accuracy is the format's, throughput is not"
     : backend === "real" ? "low-precision tensor-core kernels" : "BF16 GEMMs";
-  return `<span class="gemm gemm-${escapeHtml(backend)}" title="${escapeHtml(title)}">${escapeHtml(backend)}</span>`;
+  return html`<span class="gemm gemm-${backend}" title="${title}">${backend}</span>`;
 }
 
 // Total optimizer steps of the experiment's budget, to estimate progress of a run that reports none.
@@ -452,27 +450,27 @@ function runRow(run, i) {
   ].filter(Boolean).join(": ");
   const device = [run.device_name, run.worker_host].filter(Boolean).join(" @ ");
   const live = LIVE_STATUSES.has(run.status);
-  return `<tr data-run-id="${escapeHtml(run.id)}" data-status="${escapeHtml(run.status)}">
-    <td><span class="swatch" style="background:${colorOf(run, i)}"></span>${escapeHtml(runLabel(run))}</td>
+  return html`<tr data-run-id="${run.id}" data-status="${run.status}">
+    <td><span class="swatch" style="background:${colorOf(run, i)}"></span>${runLabel(run)}</td>
     <td>${statusBadge(run.status)}</td>
-    <td class="progress-cell">${pct == null ? "" : `<div class="progress" title="${pct}%">
+    <td class="progress-cell">${pct != null && html`<div class="progress" title="${pct}%">
         <div class="progress-bar" style="width:${pct}%"></div></div>
-        <span class="progress-text">${pct}%</span> <span class="eta">${escapeHtml(eta(run, fraction))}</span>`}</td>
-    <td>${escapeHtml(device)}</td>
+        <span class="progress-text">${pct}%</span> <span class="eta">${eta(run, fraction)}</span>`}</td>
+    <td>${device}</td>
     <td>${gemmLabel(run)}</td>
     <td class="num">${loss == null ? "" : loss.toFixed(4)}</td>
     <td class="num">${tps == null ? "" : Math.round(tps).toLocaleString()}</td>
-    <td class="run-message">${escapeHtml(message)}</td>
-    <td>${!live ? "" : run.cancel_requested
-      ? `<span class="muted cancelling" title="the worker stops at the next step boundary">cancelling…</span>`
-      : `<button type="button" class="cancel-run" data-run-id="${escapeHtml(run.id)}">Cancel</button>`}</td>
+    <td class="run-message">${message}</td>
+    <td>${live && (run.cancel_requested
+      ? html`<span class="muted cancelling" title="the worker stops at the next step boundary">cancelling…</span>`
+      : html`<button type="button" class="cancel-run" data-run-id="${run.id}">Cancel</button>`)}</td>
   </tr>`;
 }
 
 function renderTable() {
-  document.getElementById("runs-body").innerHTML = state.runs.length
-    ? state.runs.map(runRow).join("")
-    : `<tr class="placeholder"><td colspan="9">This experiment has no runs.</td></tr>`;
+  setHTML(document.getElementById("runs-body"), state.runs.length
+    ? joinHtml(state.runs.map(runRow))
+    : html`<tr class="placeholder"><td colspan="9">This experiment has no runs.</td></tr>`);
 }
 
 function drawCharts() {
@@ -634,7 +632,7 @@ async function exportHtml() {
   const table = document.getElementById("runs-table").cloneNode(true);
   table.querySelectorAll("button").forEach((b) => b.remove());
   const name = state.experiment?.name || `experiment ${experimentId}`;
-  const html = `<!doctype html>
+  const doc = `<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>${escapeHtml(name)} · Precision Lab report</title>
 <style>body{font-family:system-ui,sans-serif;margin:24px;color:#222}table{border-collapse:collapse}
 td,th{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left}.chart{height:420px}
@@ -650,7 +648,7 @@ ${table.outerHTML}
 <script>const FIGURES = ${safeJson(figures)};
 for (const f of FIGURES) Plotly.newPlot(f.id, f.data, f.layout, {displaylogo: false});</script>
 </body></html>`;
-  download(`experiment-${experimentId}.html`, "text/html", html);
+  download(`experiment-${experimentId}.html`, "text/html", doc);
 }
 
 document.getElementById("export-json").addEventListener("click", () => {

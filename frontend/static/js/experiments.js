@@ -1,5 +1,6 @@
 // Experiments list: name, created, recipes, run status counts and the one-line verdict.
-import { get, items, escapeHtml, formatDate, showGlobalError, statusBadge } from "./api.js";
+import { get, items, formatDate, showGlobalError } from "./api.js";
+import { html, joinHtml, setHTML, statusBadge, urlPath } from "./dom.js";
 import { describeBest, recipeName, statusCounts } from "./summary.js";
 
 const PAGE = 50;
@@ -17,15 +18,15 @@ function row(exp, runs) {
     ? exp.status_counts : statusCounts(runs);
   const countsHtml = Object.entries(counts)
     .filter(([, n]) => n > 0)
-    .map(([status, n]) => `${statusBadge(status)} <span class="count">${n}</span>`).join(" ");
+    .map(([status, n]) => html`${statusBadge(status)} <span class="count">${n}</span>`);
   const summary = exp.summary_line ?? describeBest(runs);
-  return `<tr data-experiment-id="${escapeHtml(exp.id)}">
-    <td><a class="experiment-link" href="/experiments/${encodeURIComponent(exp.id)}">${escapeHtml(exp.name)}</a>
-      ${exp.description ? `<div class="muted">${escapeHtml(exp.description)}</div>` : ""}</td>
-    <td>${escapeHtml(formatDate(exp.created_at))}</td>
-    <td>${experimentRecipes(exp, runs).map((r) => `<code>${escapeHtml(r)}</code>`).join(" ")}</td>
-    <td class="status-counts">${countsHtml}</td>
-    <td class="summary">${escapeHtml(summary)}</td>
+  return html`<tr data-experiment-id="${exp.id}">
+    <td><a class="experiment-link" href="${urlPath("experiments", exp.id)}">${exp.name}</a>
+      ${exp.description && html`<div class="muted">${exp.description}</div>`}</td>
+    <td>${formatDate(exp.created_at)}</td>
+    <td>${joinHtml(experimentRecipes(exp, runs).map((r) => html`<code>${r}</code>`), " ")}</td>
+    <td class="status-counts">${joinHtml(countsHtml, " ")}</td>
+    <td class="summary">${summary}</td>
   </tr>`;
 }
 
@@ -36,15 +37,15 @@ async function load() {
     // The list may omit runs; fetch each experiment's detail then (a page holds at most PAGE).
     const details = await Promise.all(list.map((exp) => (Array.isArray(exp.runs)
       ? exp : get(`/api/v1/experiments/${encodeURIComponent(exp.id)}`).catch(() => exp))));
-    body.innerHTML = details.length
-      ? details.map((exp) => row(exp, Array.isArray(exp.runs) ? exp.runs : [])).join("")
-      : `<tr class="placeholder"><td colspan="5">No experiments yet:
-           <a href="/experiments/new">create one</a>, or run <code>plab demo</code>.</td></tr>`;
+    setHTML(body, details.length
+      ? joinHtml(details.map((exp) => row(exp, Array.isArray(exp.runs) ? exp.runs : [])))
+      : html`<tr class="placeholder"><td colspan="5">No experiments yet:
+           <a href="/experiments/new">create one</a>, or run <code>plab demo</code>.</td></tr>`);
     document.getElementById("experiments-prev").disabled = offset === 0;
     document.getElementById("experiments-next").disabled = list.length < PAGE;
     showGlobalError("");
   } catch (err) {
-    body.innerHTML = `<tr class="placeholder"><td colspan="5">Could not load experiments.</td></tr>`;
+    setHTML(body, html`<tr class="placeholder"><td colspan="5">Could not load experiments.</td></tr>`);
     showGlobalError(err.message);
   }
 }

@@ -1,10 +1,11 @@
-// GEMM panel of the experiment page (issue 6): the experiment's GEMM benchmarks from /api/v1/gemm-benchmarks,
+// GEMM panel of the experiment page: the experiment's GEMM benchmarks from /api/v1/gemm-benchmarks,
 // drawn as grouped bars of speedup over BF16 per layer × pass × format (kernel-only and with quantization), a
 // table of the shapes, and the predicted end-to-end speedup next to the one the experiment's training runs
 // measured (tokens/s of the recipe's run / BF16's). Formats without hardware support on the benchmark's
 // device ran emulated: their bars are hatched and their names say so, because their timings are not what
 // the format's hardware would give.
-import { get, items, escapeHtml, formatDate, statusBadge, LIVE_STATUSES, plotlyReady } from "./api.js";
+import { get, items, formatDate, LIVE_STATUSES, plotlyReady } from "./api.js";
+import { html, joinHtml, plotText, setHTML, statusBadge } from "./dom.js";
 import { BASELINE, gemmBackend, recipeName, runLabel, tokensPerSecond } from "./summary.js";
 
 const root = document.getElementById("experiment-root");
@@ -58,10 +59,10 @@ function formatLabel(format, emulated) {
 function recordIndex(result) {
   const index = new Map();
   for (const r of result.results || []) {
-    index.set(`${r.format}|${r.format === "bf16" ? "both" : r.mode}|${r.layer}|${r.gemm}|${r.m}x${r.k}x${r.n}`, r);
+    index.set(`${r.format}|${r.format === BASELINE ? "both" : r.mode}|${r.layer}|${r.gemm}|${r.m}x${r.k}x${r.n}`, r);
   }
   return (format, mode, s) => index.get(
-    `${format}|${format === "bf16" ? "both" : mode}|${s.layer}|${s.gemm}|${s.m}x${s.k}x${s.n}`);
+    `${format}|${format === BASELINE ? "both" : mode}|${s.layer}|${s.gemm}|${s.m}x${s.k}x${s.n}`);
 }
 
 // ---------------------------------------------------------------- drawing
@@ -69,8 +70,8 @@ function drawBars(result) {
   const emulated = emulatedFormats(result);
   const shapes = orderShapes(result.shapes || []);
   const lookup = recordIndex(result);
-  const categories = shapes.map((s) => (s.layer === "custom" ? `${s.m}x${s.k}x${s.n}` : gemmKey(s)));
-  const formats = (result.formats || []).filter((f) => f !== "bf16");
+  const categories = shapes.map((s) => plotText(s.layer === "custom" ? `${s.m}x${s.k}x${s.n}` : gemmKey(s)));
+  const formats = (result.formats || []).filter((f) => f !== BASELINE);
   for (const mode of MODES) {
     const el = document.getElementById(mode.chart);
     if (!(result.modes || []).includes(mode.key)) {
@@ -81,11 +82,12 @@ function drawBars(result) {
     const traces = formats.map((format) => {
       const recs = shapes.map((s) => lookup(format, mode.key, s));
       return {
-        type: "bar", name: formatLabel(format, emulated), x: categories,
+        type: "bar", name: plotText(formatLabel(format, emulated)), x: categories,
         y: recs.map((r) => r?.speedup_vs_bf16 ?? null),
-        text: recs.map((r) => (r?.speedup_vs_bf16 ? `${r.speedup_vs_bf16.toFixed(2)}×` : (r?.check || ""))),
-        customdata: recs.map((r) => [r?.tflops ?? null, r?.backend ?? "", r?.note ?? ""]),
-        hovertemplate: `${format}<br>%{x}: %{y:.2f}× BF16<br>%{customdata[0]:.1f} TFLOP/s`
+        text: recs.map((r) => (typeof r?.speedup_vs_bf16 === "number" ? `${r.speedup_vs_bf16.toFixed(2)}×`
+          : plotText(r?.check || ""))),
+        customdata: recs.map((r) => [r?.tflops ?? null, plotText(r?.backend ?? ""), plotText(r?.note ?? "")]),
+        hovertemplate: `${plotText(format)}<br>%{x}: %{y:.2f}× BF16<br>%{customdata[0]:.1f} TFLOP/s`
           + "<br>%{customdata[1]} %{customdata[2]}<extra></extra>",
         marker: { color: FORMAT_COLORS[format] || "#7f7f7f",
           pattern: { shape: emulated.has(format) ? "/" : "", fgcolor: "#ffffff", solidity: 0.4 } },
@@ -106,29 +108,29 @@ function drawBars(result) {
 function renderShapes(result) {
   const emulated = emulatedFormats(result);
   const lookup = recordIndex(result);
-  const formats = (result.formats || []).filter((f) => f !== "bf16");
+  const formats = (result.formats || []).filter((f) => f !== BASELINE);
   const modes = result.modes || [];
   const head = document.querySelector("#gemm-shapes-table thead");
   const cols = [];
   for (const format of formats) for (const mode of modes) cols.push({ format, mode });
-  head.innerHTML = "<tr><th>Layer</th><th>Pass</th><th>M × K × N</th><th>Count</th><th>BF16 TFLOP/s</th>"
-    + cols.map((c) => `<th class="${emulated.has(c.format) ? "gemm-emulated" : ""}" title="${escapeHtml(
-      emulated.has(c.format) ? EMULATED : "")}">${escapeHtml(c.format)}${emulated.has(c.format) ? "*" : ""}<br>${
-      c.mode === "kernel" ? "kernel-only" : "with quant."}</th>`).join("") + "</tr>";
+  setHTML(head, html`<tr><th>Layer</th><th>Pass</th><th>M × K × N</th><th>Count</th><th>BF16 TFLOP/s</th>${
+    cols.map((c) => html`<th class="${emulated.has(c.format) ? "gemm-emulated" : ""}" title="${
+      emulated.has(c.format) ? EMULATED : ""}">${c.format}${emulated.has(c.format) ? "*" : ""}<br>${
+      c.mode === "kernel" ? "kernel-only" : "with quant."}</th>`)}</tr>`);
   const body = document.querySelector("#gemm-shapes-table tbody");
-  body.innerHTML = orderShapes(result.shapes || []).map((s) => {
-    const base = lookup("bf16", "both", s);
+  setHTML(body, joinHtml(orderShapes(result.shapes || []).map((s) => {
+    const base = lookup(BASELINE, "both", s);
     const cells = cols.map((c) => {
       const r = lookup(c.format, c.mode, s);
-      const text = r?.speedup_vs_bf16 ? `${r.speedup_vs_bf16.toFixed(2)}×` : escapeHtml(r?.check || "–");
+      const text = typeof r?.speedup_vs_bf16 === "number" ? `${r.speedup_vs_bf16.toFixed(2)}×` : (r?.check || "–");
       const failed = r && (r.check === "fail" || r.check === "error");
-      return `<td class="num${emulated.has(c.format) ? " emulated" : ""}${failed ? " check-failed" : ""}" `
-        + `data-format="${escapeHtml(c.format)}" data-mode="${c.mode}" title="${escapeHtml(r?.note || "")}">${text}</td>`;
-    }).join("");
-    return `<tr data-layer="${escapeHtml(s.layer)}" data-gemm="${escapeHtml(s.gemm)}"><td>${escapeHtml(s.layer)}</td>`
-      + `<td>${escapeHtml(s.gemm)}</td><td class="num">${s.m} × ${s.k} × ${s.n}</td><td class="num">${s.count}</td>`
-      + `<td class="num">${tflops(base?.tflops)}</td>${cells}</tr>`;
-  }).join("");
+      return html`<td class="num${emulated.has(c.format) ? " emulated" : ""}${failed ? " check-failed" : ""}" ${""
+        }data-format="${c.format}" data-mode="${c.mode}" title="${r?.note || ""}">${text}</td>`;
+    });
+    return joinHtml([html`<tr data-layer="${s.layer}" data-gemm="${s.gemm}"><td>${s.layer}</td><td>${s.gemm}</td>`,
+      html`<td class="num">${s.m} × ${s.k} × ${s.n}</td><td class="num">${s.count}</td>`,
+      html`<td class="num">${tflops(base?.tflops)}</td>${cells}</tr>`]);
+  })));
 }
 
 // Measured end-to-end speedup of a recipe: its finished run's tokens/s over the finished BF16 run's.
@@ -181,12 +183,12 @@ function amdahl(stepS, bf16GemmS, fmtGemmS) {
 
 function predictionCell(pred) {
   if (!pred) return "–";
-  if (pred.speedup == null) return `<span title="${escapeHtml(pred.note || "")}">${escapeHtml(pred.basis)}</span>`;
+  if (pred.speedup == null) return html`<span title="${pred.note || ""}">${pred.basis}</span>`;
   const share = `GEMM ${fmt(100 * pred.gemm_share, 1)}% of the BF16 step`;
   const basis = pred.basis === "amdahl" ? `Amdahl, ${share}`
     : pred.basis === "amdahl-run" ? `Amdahl with the BF16 run's step time, ${share}`
       : `GEMM-only: an upper bound${pred.why ? `; ${pred.why}` : ""}`;
-  return `${pred.speedup.toFixed(2)}× <span class="muted">(${escapeHtml(basis)})</span>`;
+  return html`${pred.speedup.toFixed(2)}× <span class="muted">(${basis})</span>`;
 }
 
 // The benchmark's own prediction when it was given a BF16 step time; else one from this experiment's BF16 run.
@@ -208,22 +210,22 @@ function predictionFor(result, format) {
 
 function renderPrediction(result) {
   const emulated = emulatedFormats(result);
-  const formats = (result.formats || []).filter((f) => f !== "bf16");
+  const formats = (result.formats || []).filter((f) => f !== BASELINE);
   const totals = result.totals || {};
   const hasRuns = gemmState.runs.some((r) => r.status === "succeeded");
   const body = document.querySelector("#gemm-prediction-table tbody");
   document.getElementById("gemm-measured-head").hidden = !hasRuns;
-  body.innerHTML = formats.map((format) => {
+  setHTML(body, joinHtml(formats.map((format) => {
     const measured = measuredSpeedups(gemmState.runs, format);
-    const measuredText = measured.length ? measured.map((m) => `${m.speedup.toFixed(2)}×`
-      + (measured.length > 1 ? ` <span class="muted">${escapeHtml(m.label)}</span>` : "")
-      + (m.emulated ? ' <span class="gemm gemm-emulated">emulated GEMMs</span>' : "")).join("<br>") : "–";
-    return `<tr data-format="${escapeHtml(format)}"><td>${escapeHtml(formatLabel(format, emulated))}</td>`
-      + `<td class="num">${fmt(totals.kernel?.[format]?.speedup)}×</td>`
-      + `<td class="num">${fmt(totals.quant?.[format]?.speedup)}×</td>`
-      + `<td class="predicted">${predictionCell(predictionFor(result, format))}</td>`
-      + (hasRuns ? `<td class="measured num">${measuredText}</td>` : "") + "</tr>";
-  }).join("");
+    const measuredText = measured.length ? joinHtml(measured.map((m) => html`${m.speedup.toFixed(2)}×${
+      measured.length > 1 && html` <span class="muted">${m.label}</span>`}${
+      m.emulated && html` <span class="gemm gemm-emulated">emulated GEMMs</span>`}`), html`<br>`) : "–";
+    return joinHtml([html`<tr data-format="${format}"><td>${formatLabel(format, emulated)}</td>`,
+      html`<td class="num">${fmt(totals.kernel?.[format]?.speedup)}×</td>`,
+      html`<td class="num">${fmt(totals.quant?.[format]?.speedup)}×</td>`,
+      html`<td class="predicted">${predictionCell(predictionFor(result, format))}</td>`,
+      hasRuns && html`<td class="measured num">${measuredText}</td>`, html`</tr>`]);
+  })));
 }
 
 function renderMeta(bench) {
@@ -235,11 +237,12 @@ function renderMeta(bench) {
     + (cfg.gated_mlp === false ? ", plain (non-gated) MLP" : "") : "explicit GEMM shapes";
   const timer = dev.timer === "CPU" ? "CPU timings (wall clock): not indicative of GPU speedups" : `timer ${dev.timer || "?"}`;
   const emulated = [...emulatedFormats(result)];
-  document.getElementById("gemm-meta").innerHTML = `${statusBadge(bench.status)} `
-    + `<span id="gemm-device" data-device-type="${escapeHtml(dev.type || "")}">${escapeHtml(dev.name || bench.device_name || "")}`
-    + ` (${escapeHtml(dev.type || "?")}, ${escapeHtml(timer)})</span> · ${escapeHtml(what)} · ${escapeHtml(formatDate(bench.created_at))}`
-    + (emulated.length ? ` · <span class="gemm gemm-emulated" id="gemm-emulated-note">${escapeHtml(emulated.join(", "))}: `
-      + `${EMULATED} on this device (hatched)</span>` : "");
+  setHTML(document.getElementById("gemm-meta"), joinHtml([
+    html`${statusBadge(bench.status)} <span id="gemm-device" data-device-type="${dev.type || ""}">`,
+    html`${dev.name || bench.device_name || ""} (${dev.type || "?"}, ${timer})</span>`,
+    html` · ${what} · ${formatDate(bench.created_at)}`,
+    emulated.length && html` · <span class="gemm gemm-emulated" id="gemm-emulated-note">${emulated.join(", ")}: `,
+    emulated.length && html`${EMULATED} on this device (hatched)</span>`]));
   const failures = result.failures || [];
   const fail = document.getElementById("gemm-failures");
   fail.hidden = !failures.length && !bench.error_message;
@@ -249,8 +252,8 @@ function renderMeta(bench) {
 
 function renderSelector() {
   const select = document.getElementById("gemm-benchmark");
-  select.innerHTML = gemmState.list.map((b) => `<option value="${b.id}">#${b.id} ${escapeHtml(b.name || "")} · `
-    + `${escapeHtml(b.device_name || "")} · ${escapeHtml(b.status)}</option>`).join("");
+  setHTML(select, joinHtml(gemmState.list.map((b) => html`<option value="${b.id}">#${b.id} ${b.name || ""} · ${
+    b.device_name || ""} · ${b.status}</option>`)));
   select.value = String(gemmState.selectedId);
   select.closest("label").hidden = gemmState.list.length < 2;
 }
@@ -262,7 +265,7 @@ function render() {
   document.getElementById("gemm-result").hidden = !hasResult;
   if (!bench) return;
   if (!hasResult) {
-    document.getElementById("gemm-meta").innerHTML = `${statusBadge(bench.status)} GEMM benchmark #${bench.id}`;
+    setHTML(document.getElementById("gemm-meta"), html`${statusBadge(bench.status)} GEMM benchmark #${bench.id}`);
     const fail = document.getElementById("gemm-failures");
     fail.hidden = !bench.error_message;
     fail.textContent = bench.error_message || "";

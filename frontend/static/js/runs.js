@@ -1,6 +1,7 @@
 // All runs across experiments, filtered by status, recipe and free text (the filters live in the URL so
 // a filtered view can be bookmarked or shared).
-import { get, items, escapeHtml, formatDate, showGlobalError, statusBadge } from "./api.js";
+import { get, items, formatDate, showGlobalError } from "./api.js";
+import { html, joinHtml, setHTML, statusBadge, urlPath } from "./dom.js";
 import { gemmBackend, runLabel } from "./summary.js";
 
 const PAGE = 50;
@@ -26,15 +27,15 @@ function query() {
 function row(run) {
   const message = [run.status === "diverged" && run.diverged_step != null ? `diverged at step ${run.diverged_step}` : "",
     run.error_message || ""].filter(Boolean).join(": ");
-  return `<tr data-run-id="${escapeHtml(run.id)}" data-status="${escapeHtml(run.status)}">
-    <td>#${escapeHtml(run.id)} ${escapeHtml(runLabel(run))}</td>
-    <td><a href="/experiments/${encodeURIComponent(run.experiment_id)}">experiment ${escapeHtml(run.experiment_id)}</a></td>
-    <td><code>${escapeHtml(run.recipe)}</code></td>
+  return html`<tr data-run-id="${run.id}" data-status="${run.status}">
+    <td>#${run.id} ${runLabel(run)}</td>
+    <td><a href="${urlPath("experiments", run.experiment_id)}">experiment ${run.experiment_id}</a></td>
+    <td><code>${run.recipe}</code></td>
     <td>${statusBadge(run.status)}</td>
-    <td>${escapeHtml([run.device_name, run.worker_host].filter(Boolean).join(" @ "))}</td>
-    <td>${escapeHtml(gemmBackend(run))}</td>
-    <td>${escapeHtml(formatDate(run.created_at))}</td>
-    <td class="run-message">${escapeHtml(message)}</td>
+    <td>${[run.device_name, run.worker_host].filter(Boolean).join(" @ ")}</td>
+    <td>${gemmBackend(run)}</td>
+    <td>${formatDate(run.created_at)}</td>
+    <td class="run-message">${message}</td>
   </tr>`;
 }
 
@@ -46,8 +47,8 @@ async function load() {
   try {
     const data = await get(`/api/v1/runs?${params}`);
     const list = items(data, "runs");
-    body.innerHTML = list.length ? list.map(row).join("")
-      : `<tr class="placeholder"><td colspan="8">No runs match these filters.</td></tr>`;
+    setHTML(body, list.length ? joinHtml(list.map(row))
+      : html`<tr class="placeholder"><td colspan="8">No runs match these filters.</td></tr>`);
     const total = typeof data?.total === "number" ? data.total : null;
     document.getElementById("runs-total").textContent = total == null ? ""
       : `${offset + (list.length ? 1 : 0)}–${offset + list.length} of ${total}`;
@@ -55,7 +56,7 @@ async function load() {
     document.getElementById("runs-next").disabled = total != null ? offset + list.length >= total : list.length < PAGE;
     showGlobalError("");
   } catch (err) {
-    body.innerHTML = `<tr class="placeholder"><td colspan="8">Could not load runs.</td></tr>`;
+    setHTML(body, html`<tr class="placeholder"><td colspan="8">Could not load runs.</td></tr>`);
     showGlobalError(err.message);
   }
 }
