@@ -14,8 +14,48 @@ MAX_POINTS_PER_BATCH = 10_000
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled", "diverged"]
 
 
+MAX_JSON_BYTES = 1 << 20  # a stored free-form JSON field (summary, report, progress, result): 1 MiB serialized
+INT32_MAX = 2**31 - 1  # the database's Integer columns
+BIGINT_MAX = 2**63 - 1
+
+
+def _refuse_nul(value, where: str = "body") -> None:
+    """PostgreSQL text cannot hold NUL; a NUL anywhere in a request is refused (422) before it reaches a column."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"{where} contains a NUL character (\\u0000), which cannot be stored; remove it")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_nul(k, where)
+            _refuse_nul(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _refuse_nul(v, f"{where}[{i}]")
+
+
+def capped_json(value: dict | None, field: str) -> dict | None:
+    """Free-form JSON the API stores is capped at MAX_JSON_BYTES serialized."""
+    if value is None:
+        return value
+    import json
+
+    size = len(json.dumps(value))  # NaN stays allowed here: the services store it as null
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{field} is {size:,} bytes of JSON, over the {MAX_JSON_BYTES:,}-byte limit; store less "
+                         "(large results belong in files, with their path in an artifact)")
+    return value
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Every request body: unknown fields refused, no type coercion (`"1.5"` or `true` is not a number, an integer
+    is still a valid float), no NUL characters."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul(cls, data):
+        _refuse_nul(data)
+        return data
 
 
 def _recipe_field_doc() -> str:
@@ -109,16 +149,29 @@ class RecipeCatalogOut(BaseModel):
     gemm_formats: list[str] = Field(description="the formats the GEMM benchmark offers, in order")
 
 
+class Progress(Strict):
+    """A run's progress as a worker reports it: steps done of the total (and what it is doing, e.g. preparing
+    data). Anything else is refused, so the metric ingest that updates it never meets a bad value."""
+    step: int = Field(ge=-1, le=BIGINT_MAX)
+    total: int | None = Field(default=None, ge=0, le=BIGINT_MAX)
+    phase: str | None = Field(default=None, max_length=64)
+
+
 class StatusUpdate(Strict):
     status: Status
     worker_host: str | None = Field(default=None, max_length=200)
     device_name: str | None = Field(default=None, max_length=200)
     error_message: str | None = Field(default=None, max_length=100_000)
-    diverged_step: int | None = Field(default=None, ge=0, le=2**62)
+    diverged_step: int | None = Field(default=None, ge=0, le=INT32_MAX)
     summary: dict[str, Any] | None = None
-    progress: dict[str, Any] | None = None
+    progress: Progress | None = None
     gemm_backend: Literal["real", "emulated", "bf16"] | None = None
     conversion_report: dict[str, Any] | None = None
+
+    @field_validator("summary", "conversion_report")
+    @classmethod
+    def _capped(cls, v, info):
+        return capped_json(v, info.field_name)
 
 
 class RunInfoUpdate(Strict):
@@ -126,6 +179,11 @@ class RunInfoUpdate(Strict):
     summary: dict[str, Any] | None = None
     gemm_backend: Literal["real", "emulated", "bf16"] | None = None
     conversion_report: dict[str, Any] | None = None
+
+    @field_validator("summary", "conversion_report")
+    @classmethod
+    def _capped(cls, v, info):
+        return capped_json(v, info.field_name)
 
 
 class MetricPointIn(Strict):
@@ -156,7 +214,7 @@ class MetricBatchResult(BaseModel):
 class ArtifactIn(Strict):
     kind: str = Field(min_length=1, max_length=32)
     path: str = Field(min_length=1, max_length=4096)
-    step: int | None = Field(default=None, ge=0, le=2**62)
+    step: int | None = Field(default=None, ge=0, le=INT32_MAX)
     meta: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -281,6 +339,11 @@ class EvalTaskResultIn(Strict):
     task: str = Field(min_length=1, max_length=200)
     result: dict[str, Any] = Field(description="one task's entry of training.evaluation.evaluate_checkpoint()")
 
+    @field_validator("result")
+    @classmethod
+    def _capped(cls, v):
+        return capped_json(v, "result")
+
 
 class EvalResultOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
@@ -305,6 +368,49 @@ class EvaluationOut(BaseModel):
 
 
 # -- GEMM benchmarks --------------------------------------------------------------------------------------------------
+class GemmShape(BaseModel):
+    """One GEMM of a stored benchmark result: the dashboard shows these numbers, so they must be numbers."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    layer: str = Field(max_length=200)
+    gemm: str = Field(max_length=64)
+    m: int = Field(ge=1, le=BIGINT_MAX)
+    k: int = Field(ge=1, le=BIGINT_MAX)
+    n: int = Field(ge=1, le=BIGINT_MAX)
+    count: int = Field(ge=0, le=BIGINT_MAX)
+
+
+class GemmRecord(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    format: str = Field(max_length=64)
+    mode: str = Field(max_length=32)
+    layer: str = Field(max_length=200)
+    gemm: str = Field(max_length=64)
+    m: int = Field(ge=1, le=BIGINT_MAX)
+    k: int = Field(ge=1, le=BIGINT_MAX)
+    n: int = Field(ge=1, le=BIGINT_MAX)
+    speedup_vs_bf16: float | None = None
+    tflops: float | None = None
+
+
+def gemm_result(value: dict | None, field: str) -> dict | None:
+    """A stored GEMM benchmark result: its shapes and per-format records have the types the dashboard draws."""
+    if value is None:
+        return value
+    capped_json(value, field)
+    for name, model in (("shapes", GemmShape), ("results", GemmRecord)):
+        rows = value.get(name, [])
+        if not isinstance(rows, list):
+            raise ValueError(f"{field}.{name} must be a list")
+        for i, row in enumerate(rows):
+            try:
+                model.model_validate(row)
+            except ValueError as exc:
+                first = exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc)}
+                where = ".".join(str(p) for p in first["loc"])
+                raise ValueError(f"{field}.{name}[{i}].{where}: {first['msg']}") from None
+    return value
+
+
 class GemmBenchmarkCreate(Strict):
     """Exactly one of `request` (queued for a worker) or `result` (a finished benchmark, as the CLI posts it)."""
 
@@ -318,12 +424,27 @@ class GemmBenchmarkCreate(Strict):
     queue: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$",
                        description="the worker queue (e.g. h100, cpu) the job goes to")
 
+    @field_validator("result")
+    @classmethod
+    def _result(cls, v):
+        return gemm_result(v, "result")
+
+    @field_validator("request")
+    @classmethod
+    def _request(cls, v):
+        return capped_json(v, "request")
+
 
 class GemmStatusUpdate(Strict):
     status: Literal["running", "succeeded", "failed"]
     device_name: str | None = Field(None, max_length=200)
     error_message: str | None = Field(None, max_length=100_000)
     result: dict[str, Any] | None = None
+
+    @field_validator("result")
+    @classmethod
+    def _result(cls, v):
+        return gemm_result(v, "result")
 
 
 class GemmBenchmarkOut(BaseModel):

@@ -67,6 +67,22 @@ def _check_keys(section: str, given: dict, allowed) -> None:
         raise SpecError(f"unknown key(s) {unknown} in {section}; allowed keys are {sorted(allowed)}")
 
 
+# Upper bounds of every integer in a run spec: far above any model or run the lab can train (a 1T-parameter
+# Llama has hidden 25,600 and 128 layers), low enough that a typo (steps: 1e15, gpus: 100000) is refused when
+# the spec is submitted instead of failing on a worker, and every value fits the database's 32-bit columns.
+LIMITS = {
+    "model.hidden_size": 65_536, "model.intermediate_size": 262_144, "model.num_hidden_layers": 1_024,
+    "model.num_attention_heads": 1_024, "model.num_key_value_heads": 1_024, "model.head_dim": 2_048,
+    "model.max_position_embeddings": 1_048_576, "model.vocab_size": 1_048_576,
+    "data.vocab_size": 1_048_576, "data.seq_len": 1_048_576,
+    "training.steps": 10_000_000, "training.tokens": 10**14, "training.batch_size": 65_536,
+    "training.grad_accum": 65_536, "training.warmup_steps": 10_000_000, "training.val_every": 10_000_000,
+    "training.val_batches": 100_000, "training.checkpoint_every": 10_000_000, "training.numerics_every": 10_000_000,
+    "training.gpus": 1_024, "spec.seed": 2**31 - 1, "spec.bf16_first_layers": 1_024, "spec.bf16_last_layers": 1_024,
+}
+DEFAULT_INT_LIMIT = 2**31 - 1  # any other integer: a 32-bit column's range
+
+
 def _int(section: str, name: str, value, *, minimum: int | None = None, allow_none: bool = False):
     if value is None and allow_none:
         return None
@@ -77,6 +93,9 @@ def _int(section: str, name: str, value, *, minimum: int | None = None, allow_no
             raise SpecError(f"{section}.{name} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise SpecError(f"{section}.{name} must be >= {minimum}, got {value}")
+    maximum = LIMITS.get(f"{section}.{name}", DEFAULT_INT_LIMIT)
+    if value > maximum:
+        raise SpecError(f"{section}.{name} must be <= {maximum:,} (training.config.LIMITS), got {value:,}")
     return value
 
 

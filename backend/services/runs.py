@@ -148,7 +148,7 @@ def update_status(session: Session, run_id: int, body: StatusUpdate) -> Run:
     if body.summary is not None:
         run.summary = {**(run.summary or {}), **body.summary}
     if body.progress is not None:
-        run.progress = body.progress
+        run.progress = body.progress.model_dump(exclude_none=True)
     if body.conversion_report is not None:
         run.conversion_report = body.conversion_report
     return run
@@ -188,7 +188,9 @@ def ingest_metrics(session: Session, run_id: int, points: Sequence[MetricPointIn
     loss_steps = [p.step for p in points if p.key == "train/loss"]
     if loss_steps:
         total = (run.spec.get("training") or {}).get("steps")
-        step = max(max(loss_steps), (run.progress or {}).get("step", -1))
+        known = (run.progress or {}).get("step") if isinstance(run.progress, dict) else None
+        # A row stored before progress was validated may hold anything: only an integer step counts.
+        step = max(max(loss_steps), known if isinstance(known, int) and not isinstance(known, bool) else -1)
         run.progress = {"step": step, "total": total}
     return MetricBatchResult(inserted=inserted, duplicates=duplicates, run_status=run.status,
                              cancel_requested=run.cancel_requested)

@@ -8,11 +8,19 @@ import socket
 from plab.cli.common import UsageError
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
     from backend.app import create_app
+    from plab.settings import get_settings
 
+    if args.host not in LOOPBACK and not get_settings().api_token and not args.insecure_no_token:
+        raise UsageError(f"refusing to serve on {args.host} without PLAB_API_TOKEN: anyone who reaches the port "
+                         "could create and cancel runs. Set PLAB_API_TOKEN to a long random secret (e.g. `openssl "
+                         "rand -hex 32`), or bind 127.0.0.1, or pass --insecure-no-token on a trusted network")
     app = create_app(migrate=False if args.no_migrate else None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -64,10 +72,17 @@ def cmd_worker(args) -> int:
 
 
 def cmd_flower(args) -> int:
-    """Flower, Celery's monitoring UI, on this deployment's broker."""
+    """Flower, Celery's monitoring UI, on this deployment's broker: loopback only, unless basic auth is set."""
     from workers.celery_app import app
 
-    app.start(["flower", f"--port={args.port}", f"--address={args.host}"])
+    auth = args.basic_auth or os.environ.get("PLAB_FLOWER_BASIC_AUTH", "")
+    if auth and (":" not in auth or auth.startswith(":") or auth.endswith(":")):
+        raise UsageError("Flower's basic auth must be USER:PASSWORD (PLAB_FLOWER_BASIC_AUTH or --basic-auth)")
+    if args.host not in LOOPBACK and not auth:
+        raise UsageError(f"refusing to run Flower on {args.host} without basic auth: it can revoke and inspect "
+                         "tasks. Set PLAB_FLOWER_BASIC_AUTH=user:password, or bind 127.0.0.1")
+    argv = ["flower", f"--port={args.port}", f"--address={args.host}"]
+    app.start(argv + ([f"--basic-auth={auth}"] if auth else []))
     return 0
 
 
@@ -86,6 +101,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default=os.environ.get("PLAB_HOST", "127.0.0.1"))
     s.add_argument("--port", type=int, default=int(os.environ.get("PLAB_PORT", "8000")))
     s.add_argument("--no-migrate", action="store_true", help="do not apply migrations on start")
+    s.add_argument("--insecure-no-token", action="store_true",
+                   help="serve on a non-loopback address without PLAB_API_TOKEN (writes open to anyone)")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
 
@@ -100,7 +117,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     w.set_defaults(func=cmd_worker)
 
     f = sub.add_parser("flower", help="Celery's monitoring UI for the workers")
-    f.add_argument("--host", default="0.0.0.0")
+    f.add_argument("--host", default="127.0.0.1")
+    f.add_argument("--basic-auth", default=None, help="USER:PASSWORD (default: PLAB_FLOWER_BASIC_AUTH)")
     f.add_argument("--port", type=int, default=5555)
     f.set_defaults(func=cmd_flower)
 

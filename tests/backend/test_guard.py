@@ -71,7 +71,7 @@ def test_bodies_over_the_limit_are_413_declared_or_chunked(tmp_path):
 
 def test_every_answer_carries_the_security_headers(tmp_path):
     api = client(tmp_path)
-    for path in ("/experiments", "/api/v1/experiments", "/api/v1/experiments/999"):
+    for path in ("/", "/api/v1/experiments", "/api/v1/experiments/999"):
         r = api.get(path)
         assert "script-src 'self'" in r.headers["content-security-policy"], path
         assert "'unsafe-inline'" not in r.headers["content-security-policy"].split("script-src")[1].split(";")[0]

@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _expand(value: str) -> str:
-    """${VAR:-default} → default, as compose does with VAR unset."""
+    """${VAR:-default} → default, as compose does with VAR unset; ${VAR:?message} → a placeholder value (compose
+    refuses to start with VAR unset)."""
+    value = re.sub(r"\$\{[A-Z_]+:\?[^}]*\}", "user:set-by-operator", value)
     return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
 
 
@@ -68,7 +70,7 @@ def test_services_agree_on_urls_and_variables(compose):
     assert api_args.host == "0.0.0.0"
     assert any(str(p).endswith(f":{api_args.port}") for p in services["api"]["ports"])
     flower_args = build_parser().parse_args(_expand_all(services["flower"]["command"])[1:])
-    assert any(str(p).endswith(f":{flower_args.port}") for p in services["flower"]["ports"])
+    assert flower_args.port == 5555 and flower_args.host == "0.0.0.0"  # inside the compose network only
     # the API token is passed through, never baked in
     assert first["PLAB_API_TOKEN"].startswith("${PLAB_API_TOKEN")
     # workers write checkpoints where the API (and evaluation jobs) can find them
@@ -98,3 +100,38 @@ def test_the_image_holds_every_package_the_plab_command_is_built_from():
     copied = {line.split()[1] for line in (REPO / "Dockerfile").read_text().splitlines()
               if line.startswith("COPY ") and len(line.split()) == 3}
     assert packages <= copied, f"the Dockerfile does not copy {sorted(packages - copied)}"
+
+
+def test_the_deployment_is_closed_by_default(compose):
+    """Compose refuses to start without a token; Redis persists its queue; Flower is not published and needs
+    basic auth; nothing else but the API is published."""
+    env = compose["x-plab-env"]
+    assert env["PLAB_API_TOKEN"].startswith("${PLAB_API_TOKEN:?"), env["PLAB_API_TOKEN"]
+    redis = compose["services"]["redis"]
+    assert redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
+    assert any(v.endswith(":/data") for v in redis["volumes"])
+    flower = compose["services"]["flower"]
+    assert "ports" not in flower and flower.get("profiles") == ["monitoring"]
+    assert any("PLAB_FLOWER_BASIC_AUTH:?" in c for c in flower["command"])
+    published = {n for n, s in compose["services"].items() if s.get("ports")}
+    assert published == {"api"}
+
+
+def test_serve_and_flower_refuse_to_listen_beyond_loopback_unprotected(monkeypatch):
+    from plab.cli import build_parser
+    from plab.cli.common import UsageError
+
+    monkeypatch.delenv("PLAB_API_TOKEN", raising=False)
+    monkeypatch.delenv("PLAB_FLOWER_BASIC_AUTH", raising=False)
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--host", "0.0.0.0"])
+    with pytest.raises(UsageError, match="without PLAB_API_TOKEN"):
+        args.func(args)
+    assert parser.parse_args(["serve"]).host == "127.0.0.1"
+    args = parser.parse_args(["flower", "--host", "0.0.0.0"])
+    with pytest.raises(UsageError, match="without basic auth"):
+        args.func(args)
+    args = parser.parse_args(["flower", "--host", "0.0.0.0", "--basic-auth", "admin"])
+    with pytest.raises(UsageError, match="USER:PASSWORD"):
+        args.func(args)
+    assert parser.parse_args(["flower"]).host == "127.0.0.1"

@@ -35,11 +35,26 @@ def compose_command(service: str) -> list[str]:
     return [sys.executable, "-m", "plab.cli", *cmd[1:]]
 
 
+def _claim_redis_db():
+    """A Redis database no other suite on this machine uses right now: an exclusive lock per database number
+    (1-15), held for the stack's life (parallel suites once collided on `1 + pid % 14`)."""
+    import fcntl
+
+    for db in range(1, 16):
+        handle = open(f"/tmp/plab-test-redis-db-{db}.lock", "w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return db, handle
+        except BlockingIOError:
+            handle.close()
+    raise RuntimeError("all Redis databases 1-15 are held by other test stacks on this machine")
+
+
 class Stack:
     def __init__(self, tmp: Path, database_url: str, slots: int):
         self.tmp = tmp
         self.port = free_port()
-        self.redis_db = 1 + (os.getpid() % 14)
+        self.redis_db, self._db_lock = _claim_redis_db()
         self.queue_prefix = uuid.uuid4().hex[:8]
         self.env = dict(os.environ, PLAB_DATABASE_URL=database_url, PLAB_BROKER_URL=f"{REDIS_URL}/{self.redis_db}",
                         PLAB_API_URL=f"http://127.0.0.1:{self.port}", PLAB_HOME=str(tmp / "home"),
@@ -97,6 +112,7 @@ class Stack:
                     except ProcessLookupError:
                         pass
         self.api.close()
+        self._db_lock.close()
 
     # helpers for tests
     def create(self, **body) -> dict:

@@ -147,7 +147,7 @@ function ensureLayout() {
     </style>
     <div class="panel-head">
       <h2>Downstream accuracy</h2>
-      <form class="controls" onsubmit="return false">
+      <form class="controls" data-no-submit>
         <label>interval
           <select id="accuracy-method">
             <option value="bootstrap">paired bootstrap</option>

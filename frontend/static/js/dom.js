@@ -53,3 +53,9 @@ export function statusBadge(status) {
 // Plotly renders trace names, category labels, titles and hover text as its own small subset of HTML: data
 // going there is escaped too (Plotly turns the entities back into the characters on screen).
 export const plotText = escapeHtml;
+
+// Control forms (`<form data-no-submit>`) never submit: Enter in one of their fields must not reload the page.
+// A listener instead of an inline `onsubmit` attribute, which the Content-Security-Policy forbids.
+document.addEventListener("submit", (event) => {
+  if (event.target instanceof HTMLFormElement && event.target.hasAttribute("data-no-submit")) event.preventDefault();
+}, true);

@@ -1,0 +1,100 @@
+"""Bounded specs, strict types, column-sized integers, NUL characters, size caps and stored-JSON schemas: each
+refused with a 422 that names the field, never accepted into a 500 later."""
+from __future__ import annotations
+
+import pytest
+
+from tests.backend.test_api import EXPERIMENT, create, make_client
+
+
+@pytest.fixture
+def api(tmp_path):
+    return make_client(f"sqlite:///{tmp_path / 'plab.sqlite'}", tmp_path)
+
+
+def _detail(r) -> str:
+    assert r.status_code == 422, (r.status_code, r.text)
+    return r.json()["detail"]
+
+
+@pytest.mark.parametrize("section, key, limit", [
+    ("training", "steps", 10_000_000), ("training", "batch_size", 65_536), ("training", "gpus", 1_024),
+    ("data", "seq_len", 1_048_576), ("training", "grad_accum", 65_536)])
+def test_spec_integers_are_bounded_at_submission(api, section, key, limit):
+    body = {**EXPERIMENT, section: {**EXPERIMENT.get(section, {}), key: limit + 1}}
+    assert f"{section}.{key} must be <= {limit:,}" in _detail(api.post("/api/v1/experiments", json=body))
+    if key == "steps":
+        body = {**EXPERIMENT, "training": {"steps": 10**15}}
+        assert "training.steps must be <=" in _detail(api.post("/api/v1/experiments", json=body))
+
+
+def test_model_dims_are_bounded(api):
+    model = {"hidden_size": 10**6, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    assert "model.hidden_size must be <= 65,536" in _detail(api.post("/api/v1/experiments",
+                                                                        json={**EXPERIMENT, "model": model}))
+
+
+def test_no_coercion_of_strings_or_booleans_into_numbers(api):
+    for seed in ("1", True, 1.5):
+        _detail(api.post("/api/v1/experiments", json={**EXPERIMENT, "seed": seed}))
+    run = create(api)["runs"][0]
+    for value in ("1.5", True):
+        r = api.post(f"/api/v1/runs/{run['id']}/metrics",
+                     json={"points": [{"key": "train/loss", "step": 0, "value": value}]})
+        _detail(r)
+    ok = api.post(f"/api/v1/runs/{run['id']}/metrics", json={"points": [{"key": "train/loss", "step": 0, "value": 2}]})
+    assert ok.status_code == 200, ok.text  # an integer is a valid float
+
+
+def test_nul_characters_are_refused_anywhere_in_a_body(api):
+    assert "NUL" in _detail(api.post("/api/v1/experiments", json={**EXPERIMENT, "name": "a\x00b"}))
+    run = create(api)["runs"][0]
+    r = api.post(f"/api/v1/runs/{run['id']}/status", json={"status": "running", "summary": {"k\x00": 1}})
+    assert "NUL" in _detail(r)
+
+
+def test_integers_fit_their_columns(api):
+    run = create(api)["runs"][0]
+    _detail(api.post(f"/api/v1/runs/{run['id']}/status", json={"status": "diverged", "diverged_step": 2**62}))
+    _detail(api.post(f"/api/v1/runs/{run['id']}/artifacts", json={"kind": "checkpoint", "path": "/x", "step": 2**62}))
+    ok = api.post(f"/api/v1/runs/{run['id']}/artifacts", json={"kind": "checkpoint", "path": "/x", "step": 2**31 - 1})
+    assert ok.status_code in (200, 201), ok.text
+
+
+def test_stored_json_is_capped(api):
+    run = create(api)["runs"][0]
+    r = api.post(f"/api/v1/runs/{run['id']}/status", json={"status": "running", "summary": {"x": "y" * (2 << 20)}})
+    assert "over the 1,048,576-byte limit" in _detail(r)
+
+
+def test_gemm_shapes_must_be_numbers(api):
+    shape = {"layer": "layers.0.attn.q", "gemm": "fprop", "m": "<img src=x onerror=alert(1)>", "k": 1, "n": 1,
+             "count": 1}
+    detail = _detail(api.post("/api/v1/gemm-benchmarks", json={"result": {"shapes": [shape], "results": []}}))
+    assert "result.shapes[0].m" in detail
+
+
+def test_a_bad_progress_payload_is_422_and_ingest_goes_on(api):
+    run = create(api)["runs"][0]
+    rid = run["id"]
+    assert api.post(f"/api/v1/runs/{rid}/status", json={"status": "running"}).status_code == 200
+    _detail(api.post(f"/api/v1/runs/{rid}/status", json={"status": "running", "progress": {"step": "x"}}))
+    _detail(api.post(f"/api/v1/runs/{rid}/status", json={"status": "running", "progress": {"foo": 1}}))
+    good = api.post(f"/api/v1/runs/{rid}/status", json={"status": "running", "progress": {"step": 3, "total": 40}})
+    assert good.status_code == 200, good.text
+    r = api.post(f"/api/v1/runs/{rid}/metrics", json={"points": [{"key": "train/loss", "step": 5, "value": 2.0}]})
+    assert r.status_code == 200, r.text
+    assert api.get(f"/api/v1/runs/{rid}").json()["progress"]["step"] == 5
+
+
+def test_ingest_survives_a_bad_progress_row_stored_before_validation(api, tmp_path):
+    import sqlite3
+
+    run = create(api)["runs"][0]
+    db = sqlite3.connect(tmp_path / "plab.sqlite")
+    db.execute("update runs set progress = ? where id = ?", ('{"step": "x"}', run["id"]))
+    db.commit()
+    db.close()
+    r = api.post(f"/api/v1/runs/{run['id']}/metrics", json={"points": [{"key": "train/loss", "step": 1, "value": 2.0}]})
+    assert r.status_code == 200, r.text
+    assert api.get(f"/api/v1/runs/{run['id']}").json()["progress"]["step"] == 1
