@@ -29,11 +29,9 @@ class Settings:
 
 def _default_data_dir() -> Path:
     # In a development checkout the shared data sits beside the repository; a deployment sets PLAB_DATA_DIR.
-    repo = Path(__file__).resolve().parent.parent
-    for candidate in (repo.parent / "shared" / "data", repo / "data"):
-        if candidate.is_dir():
-            return candidate
-    return repo / "data"
+    from training.config import default_data_dir  # torch-free; one default for the API, workers and training
+
+    return default_data_dir()
 
 
 def get_settings() -> Settings:

@@ -13,6 +13,7 @@ from celery.signals import worker_process_init
 from celery.utils.log import get_task_logger
 
 from plab.broker import EVALUATE_TASK, GEMM_TASK, TRAIN_TASK
+from plab.settings import get_settings
 from workers.celery_app import app
 from workers.client import PlabClient
 from workers.jobs import EXIT_OK, EXIT_SKIPPED, UNREPORTED, Job, evaluate, gemm, train
@@ -56,6 +57,11 @@ def job_env() -> dict[str, str]:
     threads = os.environ.get("PLAB_JOB_THREADS")
     if threads:
         env.setdefault("OMP_NUM_THREADS", threads)
+    # A job's spec arrived over the network: every path it names must lie in the data directory or
+    # PLAB_ALLOWED_PATHS (training.config.confine), checked again here, where the files are read. The data
+    # directory's documented default applies when PLAB_DATA_DIR is unset.
+    env["PLAB_CONFINE_PATHS"] = "1"
+    env.setdefault("PLAB_DATA_DIR", str(get_settings().data_dir))
     return env
 
 

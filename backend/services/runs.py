@@ -36,10 +36,14 @@ def build_spec(body: ExperimentCreate, recipe: RecipeRequest) -> dict:
     spec = {"model": body.model, "data": body.data, "training": body.training, "seed": body.seed,
             "recipe": recipe.name, "recipe_options": recipe.options,
             "bf16_first_layers": recipe.bf16_first_layers, "bf16_last_layers": recipe.bf16_last_layers}
-    from training.config import RunSpec, SpecError
+    from plab.settings import get_settings
+    from training.config import RunSpec, SpecError, confine_spec_paths
 
     try:
-        return RunSpec.from_dict(spec, check_paths=False).to_dict()
+        parsed = RunSpec.from_dict(spec, check_paths=False).to_dict()
+        settings = get_settings()
+        confine_spec_paths(parsed, [p.resolve() for p in (settings.data_dir, *settings.allowed_paths)])
+        return parsed
     except SpecError as e:
         raise InvalidInput(f"{recipe.name}: {e}") from e
 

@@ -1,0 +1,70 @@
+"""Paths that arrive through the API are confined to the data directory or PLAB_ALLOWED_PATHS – at submission
+and again where a worker's job reads them – with one error whatever exists outside."""
+from __future__ import annotations
+
+import pytest
+
+from tests.backend.test_api import EXPERIMENT, make_client
+from training.config import CONFINE_ENV, DataSpec, SpecError, confine
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    root = tmp_path / "data"
+    (root / "corpus").mkdir(parents=True)
+    (root / "corpus" / "a.txt").write_text("hello")
+    outside = tmp_path / "secret"
+    outside.mkdir()
+    (outside / "s.txt").write_text("secret words")
+    (root / "escape").symlink_to(outside)
+    monkeypatch.setenv("PLAB_DATA_DIR", str(root))
+    monkeypatch.delenv("PLAB_ALLOWED_PATHS", raising=False)
+    return root, outside
+
+
+def test_the_api_refuses_corpora_outside_the_data_directory(tmp_path, data):
+    root, outside = data
+    api = make_client(f"sqlite:///{tmp_path / 'plab.sqlite'}", tmp_path)
+    messages = set()
+    for corpus in ("../../../../tmp/secret", str(outside), "escape", "escape/s.txt", "/etc", "/nonexistent/x"):
+        r = api.post("/api/v1/experiments", json={**EXPERIMENT, "data": {"corpus": corpus}})
+        assert r.status_code == 422, (corpus, r.text)
+        messages.add(r.json()["detail"].replace(repr(corpus), "X"))
+    assert len(messages) == 1, messages  # nothing tells an existing folder from a missing one
+    assert "inside the data directory or PLAB_ALLOWED_PATHS" in messages.pop()
+    for corpus in ("corpus", str(root / "corpus"), "random"):
+        r = api.post("/api/v1/experiments", json={**EXPERIMENT, "data": {"corpus": corpus}})
+        assert r.status_code == 201, (corpus, r.text)
+
+
+def test_allowed_paths_extend_the_roots(tmp_path, data, monkeypatch):
+    _, outside = data
+    monkeypatch.setenv("PLAB_ALLOWED_PATHS", str(outside))
+    api = make_client(f"sqlite:///{tmp_path / 'plab.sqlite'}", tmp_path)
+    r = api.post("/api/v1/experiments", json={**EXPERIMENT, "data": {"corpus": str(outside)}})
+    assert r.status_code == 201, r.text
+
+
+def test_a_workers_job_confines_again_where_it_reads(data, monkeypatch):
+    root, outside = data
+    monkeypatch.setenv(CONFINE_ENV, "1")
+    with pytest.raises(SpecError, match="inside the data directory"):
+        DataSpec(corpus="escape").corpus_dir()
+    with pytest.raises(SpecError, match="inside the data directory"):
+        DataSpec(corpus=str(outside)).corpus_dir()
+    assert DataSpec(corpus="corpus").corpus_dir() == (root / "corpus").resolve()
+    monkeypatch.delenv(CONFINE_ENV)
+    assert DataSpec(corpus=str(outside)).corpus_dir() == outside  # a local `plab train FILE` reads what it names
+
+
+def test_the_worker_sets_confinement_and_the_default_data_dir_for_its_jobs(monkeypatch):
+    from workers.tasks import job_env
+
+    monkeypatch.delenv("PLAB_DATA_DIR", raising=False)
+    env = job_env()
+    assert env[CONFINE_ENV] == "1" and env["PLAB_DATA_DIR"]
+
+
+def test_confine_resolves_dotdot_inside_the_root(data):
+    root, _ = data
+    assert confine("corpus/../corpus", "data.corpus", [root.resolve()]) == (root / "corpus").resolve()
