@@ -1,12 +1,25 @@
 """The FastAPI application: REST API under /api/v1, the dashboard pages from frontend/."""
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 
 from backend.db import session_factory
 from backend.errors import install_error_handlers
 from backend.guard import AuthGate, SecurityHeaders
 from plab.settings import Settings, get_settings
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    """The reconciler (backend/services/reconcile.py) runs while the server serves."""
+    from backend.services.reconcile import start_reconciler
+
+    stop = start_reconciler(app)
+    yield
+    if stop is not None:
+        stop.set()
 
 
 def create_app(settings: Settings | None = None, *, migrate: bool | None = None) -> FastAPI:
@@ -16,7 +29,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool | None = None)
         from backend.migrate import upgrade
 
         upgrade(settings.database_url)
-    app = FastAPI(title="Precision Lab", version="0.1.0",
+    app = FastAPI(title="Precision Lab", version="0.1.0", lifespan=_lifespan,
                   description="Low-precision training recipes against a BF16 baseline: experiments, runs, "
                               "metrics, evaluations and GEMM benchmarks.")
     app.state.settings = settings

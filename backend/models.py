@@ -67,6 +67,11 @@ class Run(Base):
     summary: Mapped[dict] = mapped_column(JSON, default=dict)
     conversion_report: Mapped[dict] = mapped_column(JSON, default=dict)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # The lease of a running job (its last heartbeat) and the broker message of a queued one: what the reconciler
+    # (backend/services/reconcile.py) reads to find runs whose worker died or whose message was lost.
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    dispatch_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
     experiment: Mapped[Experiment] = relationship(back_populates="runs")
 

@@ -10,9 +10,10 @@ def queue_for(spec: dict) -> str:
     return str((spec.get("training") or {}).get("queue") or "default")
 
 
-def enqueue_train(run_id: int, spec: dict) -> None:
+def enqueue_train(run_id: int, spec: dict) -> str:
+    """Sends the run's job; returns the message id (kept on the run, so a lost message can be found out)."""
     # The GPU count travels with the message: the worker picks torchrun or a single process without asking the API.
-    send_task(TRAIN_TASK, [run_id], kwargs={"gpus": train_gpus(spec)}, queue=queue_for(spec))
+    return send_task(TRAIN_TASK, [run_id], kwargs={"gpus": train_gpus(spec)}, queue=queue_for(spec))
 
 
 def enqueue_eval(evaluation_id: int) -> None:

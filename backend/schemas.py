@@ -174,6 +174,11 @@ class StatusUpdate(Strict):
         return capped_json(v, info.field_name)
 
 
+class HeartbeatOut(BaseModel):
+    status: str
+    cancel_requested: bool
+
+
 class RunInfoUpdate(Strict):
     device_name: str | None = Field(default=None, max_length=200)
     summary: dict[str, Any] | None = None

@@ -51,18 +51,41 @@ def make_app(include: list[str] | None = None) -> Celery:
     elif settings.broker_url.startswith("redis"):
         # Longer than the longest gap between checkpoints of a training job, so a slow job is not redelivered
         # to a second worker while the first is still alive.
+        # The reconciler (backend/services/reconcile.py) re-sends the run of a dead worker within a minute from its
+        # heartbeats; a redelivery after this timeout finds the run claimed or finished and does nothing.
         conf["broker_transport_options"] = {"visibility_timeout": 6 * 3600}
     app.conf.update(conf)
     return app
 
 
-def send_task(name: str, args: list, *, kwargs: dict | None = None, queue: str = "default") -> None:
-    """Send a job message by task name to this environment's broker."""
+def send_task(name: str, args: list, *, kwargs: dict | None = None, queue: str = "default") -> str:
+    """Send a job message by task name to this environment's broker; returns the message's (task) id."""
     settings = get_settings()
     key = (settings.broker_url, str(settings.broker_folder))
     if key not in _senders:
         _senders[key] = make_app()
-    _senders[key].send_task(name, args=args, kwargs=kwargs or {}, queue=queue)
+    return _senders[key].send_task(name, args=args, kwargs=kwargs or {}, queue=queue).id
+
+
+def message_present(task_id: str, queues: list[str]) -> bool | None:
+    """Whether the broker still holds the message `task_id` – waiting in one of `queues` or delivered and not yet
+    acknowledged – or None when this broker cannot be asked (then nothing is re-sent on its account)."""
+    settings = get_settings()
+    if settings.broker_url.startswith("redis"):
+        import redis
+
+        client = redis.Redis.from_url(settings.broker_url)
+        try:
+            needle = task_id.encode()
+            if any(needle in raw for raw in client.hvals("unacked")):
+                return True
+            return any(needle in raw for q in queues for raw in client.lrange(q, 0, -1))
+        finally:
+            client.close()
+    if settings.broker_url.startswith("filesystem://"):
+        folder = settings.broker_folder / "queue"
+        return any(task_id in p.read_text(errors="replace") for p in folder.glob("*") if p.is_file())
+    return None
 
 
 def train_gpus(spec: dict) -> int:

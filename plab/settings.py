@@ -17,6 +17,11 @@ class Settings:
     auth_mode: str = "writes"  # PLAB_AUTH: "writes" (reads open) or "all" (every /api/v1 request needs the token)
     max_body_bytes: int = 16 * 1024 * 1024  # PLAB_MAX_BODY_BYTES: larger request bodies are refused (413)
     allowed_paths: tuple[Path, ...] = ()  # PLAB_ALLOWED_PATHS: folders besides data_dir that API specs may name
+    heartbeat_s: float = 10.0  # PLAB_HEARTBEAT_S: a running job's heartbeat interval
+    stale_s: float = 60.0  # PLAB_STALE_S: a running run without a heartbeat this long has lost its worker
+    reconcile_s: float = 15.0  # PLAB_RECONCILE_S: the API's reconciler interval (0: off)
+    requeue_grace_s: float = 60.0  # PLAB_REQUEUE_GRACE_S: a queued run's message is looked for after this long
+    max_attempts: int = 3  # PLAB_MAX_ATTEMPTS: starts of a run before it is failed
 
     @property
     def is_sqlite(self) -> bool:
@@ -45,7 +50,11 @@ def get_settings() -> Settings:
     return Settings(home=home, database_url=db, broker_url=broker, api_token=token, data_dir=data_dir,
                     api_url=api_url, auth_mode=_auth_mode(), max_body_bytes=_max_body(),
                     allowed_paths=tuple(Path(p).resolve() for p in os.environ.get("PLAB_ALLOWED_PATHS", "").split(
-                        os.pathsep) if p.strip()))
+                        os.pathsep) if p.strip()),
+                    heartbeat_s=_seconds("PLAB_HEARTBEAT_S", 10.0), stale_s=_seconds("PLAB_STALE_S", 60.0),
+                    reconcile_s=_seconds("PLAB_RECONCILE_S", 15.0, zero_ok=True),
+                    requeue_grace_s=_seconds("PLAB_REQUEUE_GRACE_S", 60.0),
+                    max_attempts=int(_seconds("PLAB_MAX_ATTEMPTS", 3)))
 
 
 class SettingsError(ValueError):
@@ -58,6 +67,19 @@ def _auth_mode() -> str:
         raise SettingsError(f"PLAB_AUTH must be 'writes' (reads open, writes need the token) or 'all' (every API "
                             f"request needs the token), got {mode!r}")
     return mode
+
+
+def _seconds(name: str, default: float, *, zero_ok: bool = False) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 or (zero_ok and value == 0)) or value != value or value == float("inf"):
+        raise SettingsError(f"{name} must be a positive number{' or 0 (off)' if zero_ok else ''}, got {raw!r}")
+    return value
 
 
 def _max_body() -> int:

@@ -52,14 +52,16 @@ class PlabClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, **kw) -> dict:
-        """A request with retries on connection errors and 5xx: every write of ours is idempotent."""
+    def _request(self, method: str, path: str, *, idempotent: bool = True, **kw) -> dict:
+        """A request with retries on connection errors and 5xx for idempotent calls (every write a worker makes
+        is). A create (`idempotent=False`) is retried only when the connection was never made, so an answer lost
+        after the server stored it cannot create a second experiment or run."""
         delay = 0.5
         for attempt in range(self.retries + 1):
             try:
                 resp = self._http.request(method, path, **kw)
-            except httpx.TransportError:
-                if attempt == self.retries:
+            except httpx.TransportError as exc:
+                if attempt == self.retries or (not idempotent and not isinstance(exc, httpx.ConnectError)):
                     raise
             else:
                 if resp.status_code < 500:
@@ -70,7 +72,7 @@ class PlabClient:
                             detail = resp.text
                         raise ApiError(resp.status_code, str(detail))
                     return resp.json()
-                if attempt == self.retries:
+                if attempt == self.retries or not idempotent:
                     raise ApiError(resp.status_code, resp.text)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
@@ -78,7 +80,7 @@ class PlabClient:
 
     # experiments and runs
     def create_experiment(self, body: dict) -> dict:
-        return self._request("POST", "/experiments", json=body)
+        return self._request("POST", "/experiments", json=body, idempotent=False)
 
     def get_experiment(self, experiment_id: int) -> dict:
         return self._request("GET", f"/experiments/{experiment_id}")
@@ -94,7 +96,7 @@ class PlabClient:
         body = {"experiment_id": experiment_id, "recipe": recipe, "recipe_options": recipe_options or {}}
         if label:
             body["label"] = label
-        return self._request("POST", "/runs", json=body)
+        return self._request("POST", "/runs", json=body, idempotent=False)
 
     def cancel_run(self, run_id: int) -> dict:
         return self._request("POST", f"/runs/{run_id}/cancel")
@@ -102,6 +104,9 @@ class PlabClient:
     def set_status(self, run_id: int, status: str, **fields) -> dict:
         body = {"status": status, **{k: v for k, v in fields.items() if v is not None}}
         return self._request("POST", f"/runs/{run_id}/status", json=body)
+
+    def heartbeat(self, run_id: int) -> dict:
+        return self._request("POST", f"/runs/{run_id}/heartbeat")
 
     def update_run(self, run_id: int, **fields) -> dict:
         """Informational fields of a run (conversion report, GEMM backend, summary) without a status change."""

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from backend import queue
 from backend.errors import QueueUnavailable
-from backend.models import Evaluation, Experiment, GemmBenchmark, Run
+from backend.models import Evaluation, Experiment, GemmBenchmark, Run, utcnow
 from backend.schemas import (EvaluationCreate, EvaluationStatusUpdate, ExperimentCreate, GemmBenchmarkCreate,
                              StatusUpdate)
 from backend.services import evaluations, gemm, runs
@@ -57,7 +57,10 @@ def _train_job(session: Session, run: Run) -> _Job:
         if run.status == "queued":
             runs.update_status(session, run.id, StatusUpdate(status="failed", error_message=reason))
 
-    return _Job(run.id, lambda: queue.enqueue_train(run.id, run.spec), fail)
+    def send() -> None:
+        run.dispatch_id, run.dispatched_at = queue.enqueue_train(run.id, run.spec), utcnow()
+
+    return _Job(run.id, send, fail)
 
 
 def _eval_job(session: Session, ev: Evaluation) -> _Job:
@@ -115,10 +118,21 @@ def submit_gemm_benchmark(session: Session, body: GemmBenchmarkCreate) -> GemmBe
     return bench
 
 
-def record_run_status(session: Session, run_id: int, body: StatusUpdate) -> Run:
+def record_run_status(session: Session, run_id: int, body: StatusUpdate, stale_s: float = 60.0) -> Run:
     """A worker's status report; a run that succeeded is evaluated on the experiment's `eval_tasks` at once."""
-    run = runs.update_status(session, run_id, body)
+    run = runs.update_status(session, run_id, body, stale_s)
     ev = evaluations.automatic_evaluation(session, run)
     if ev is not None:
         _send(session, [_eval_job(session, ev)])
     return run
+
+
+def resend_run(session: Session, run: Run) -> bool:
+    """Sends a run's job again (the reconciler's re-enqueue); False (and the run left as it is) when the broker
+    refuses, to be tried again at the next pass."""
+    try:
+        _train_job(session, run).send()
+    except Exception as e:  # noqa: BLE001 - the broker is down: the next pass tries again
+        log.warning("could not re-send run %s: %s", run.id, e)
+        return False
+    return True

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timezone
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, selectinload
@@ -132,16 +133,44 @@ def cancel_run(session: Session, run_id: int) -> Run:
     return run
 
 
-def update_status(session: Session, run_id: int, body: StatusUpdate) -> Run:
-    run = get_run(session, run_id)
+def _claim(run: Run, stale_s: float) -> None:
+    """A job starts a run by reporting `running`: refused while another job holds the run (a heartbeat younger
+    than `stale_s`), so a duplicate or late-delivered message never trains a run twice at once. A record-only
+    (external) run is reported by its owner's own process, which may repeat `running`."""
+    if run.status == "running" and run.heartbeat_at is not None and not run.external:
+        age = (utcnow() - _aware(run.heartbeat_at)).total_seconds()
+        if age < stale_s:
+            raise Conflict(f"run {run.id} is being trained by another job (last heartbeat {age:.0f} s ago)")
+
+
+def _aware(t):
+    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+def heartbeat(session: Session, run_id: int) -> Run:
+    """A running job's lease renewed; the answer tells it whether to stop."""
+    run = session.get(Run, run_id, with_for_update=True)
+    if run is None:
+        raise NotFound(f"run {run_id} does not exist")
+    if run.status == "running":
+        run.heartbeat_at = utcnow()
+    return run
+
+
+def update_status(session: Session, run_id: int, body: StatusUpdate, stale_s: float = 60.0) -> Run:
+    run = session.get(Run, run_id, with_for_update=body.status == "running")
+    if run is None:
+        raise NotFound(f"run {run_id} does not exist")
     allowed = TRANSITIONS.get(run.status, set())
     if body.status not in allowed:
         raise Conflict(f"run {run_id} cannot go from '{run.status}' to '{body.status}'"
                        + (" (it has already ended)" if run.status in FINAL_STATUSES else ""))
     if body.status == "running":
+        _claim(run, stale_s)
         if run.status == "queued" or run.started_at is None:
             run.started_at = utcnow()
         run.attempts = (run.attempts or 0) + 1
+        run.heartbeat_at = utcnow()
     if body.status in FINAL_STATUSES:
         run.finished_at = utcnow()
     run.status = body.status

@@ -77,7 +77,6 @@ def test_gemm_shapes_must_be_numbers(api):
 def test_a_bad_progress_payload_is_422_and_ingest_goes_on(api):
     run = create(api)["runs"][0]
     rid = run["id"]
-    assert api.post(f"/api/v1/runs/{rid}/status", json={"status": "running"}).status_code == 200
     _detail(api.post(f"/api/v1/runs/{rid}/status", json={"status": "running", "progress": {"step": "x"}}))
     _detail(api.post(f"/api/v1/runs/{rid}/status", json={"status": "running", "progress": {"foo": 1}}))
     good = api.post(f"/api/v1/runs/{rid}/status", json={"status": "running", "progress": {"step": 3, "total": 40}})

@@ -85,6 +85,7 @@ def running_server(home: Path, token: str | None = None):
     """`uvicorn backend.app:create_app --factory` on a free port with its own SQLite database under `home`."""
     port = _free_port()
     env = {**os.environ, "PLAB_HOME": str(home), "PLAB_DATABASE_URL": f"sqlite:///{home / 'db.sqlite'}",
+           "PLAB_RECONCILE_S": "0",  # runs here are driven by the tests, not by workers with heartbeats
            "PYTHONUNBUFFERED": "1"}
     for name in ("PLAB_API_TOKEN", "PLAB_BROKER_URL"):
         env.pop(name, None)

@@ -56,7 +56,7 @@ def planted(server):
     poisoned = copy.deepcopy(result)
     poisoned["device"]["name"] = f"cpu {S}"
     for shape in poisoned.get("shapes", []):
-        shape["layer"] = f"{shape['layer']} {P}"
+        shape["layer"] = f"{shape['layer']} {S}"
     for rec in poisoned.get("results", []):
         rec["note"] = P
     r = server.http.post("/api/v1/gemm-benchmarks", json={"result": poisoned, "experiment_id": exp["id"],

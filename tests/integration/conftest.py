@@ -51,14 +51,21 @@ def _claim_redis_db():
 
 
 class Stack:
-    def __init__(self, tmp: Path, database_url: str, slots: int):
+    def __init__(self, tmp: Path, database_url: str, slots: int, redis_url: str | None = None):
         self.tmp = tmp
         self.port = free_port()
-        self.redis_db, self._db_lock = _claim_redis_db()
+        if redis_url is None:
+            self.redis_db, self._db_lock = _claim_redis_db()
+            redis_url = f"{REDIS_URL}/{self.redis_db}"
+        else:
+            self._db_lock = open(os.devnull)
         self.queue_prefix = uuid.uuid4().hex[:8]
-        self.env = dict(os.environ, PLAB_DATABASE_URL=database_url, PLAB_BROKER_URL=f"{REDIS_URL}/{self.redis_db}",
+        self.env = dict(os.environ, PLAB_DATABASE_URL=database_url, PLAB_BROKER_URL=redis_url,
                         PLAB_API_URL=f"http://127.0.0.1:{self.port}", PLAB_HOME=str(tmp / "home"),
-                        PLAB_API_TOKEN="integration-token", PYTHONUNBUFFERED="1")
+                        PLAB_API_TOKEN="integration-token", PYTHONUNBUFFERED="1",
+                        # Fast leases so recovery tests take seconds: heartbeats every 2 s, a run without one for
+                        # 15 s has lost its worker, the reconciler looks every 2 s.
+                        PLAB_HEARTBEAT_S="2", PLAB_STALE_S="15", PLAB_RECONCILE_S="2", PLAB_REQUEUE_GRACE_S="5")
         self.env.pop("CUDA_VISIBLE_DEVICES", None)
         self.slots = slots
         self.procs: dict[str, subprocess.Popen] = {}
@@ -96,6 +103,18 @@ class Stack:
             assert time.time() < deadline, "API did not come up:\n" + self.log("api")
             time.sleep(0.3)
         return self
+
+    def restart_api(self) -> None:
+        self.start("api", compose_command("api") + ["--host", "127.0.0.1", "--port", str(self.port)])
+        deadline = time.time() + 60
+        while True:
+            try:
+                if self.api.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "API did not come back:\n" + self.log("api")
+            time.sleep(0.3)
 
     def start_worker(self) -> subprocess.Popen:
         return self.start("worker", compose_command("worker") + ["--slots", str(self.slots)])

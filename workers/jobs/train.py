@@ -85,7 +85,8 @@ def mark_failed(client: PlabClient, run_id: int, message: str) -> None:
 
 def run(run_id: int) -> int:
     rank = int(os.environ.get("RANK", "0"))
-    client = PlabClient.from_env()
+    # A job that starts while the API is away waits for it (about 10 minutes of retries) instead of failing.
+    client = PlabClient.from_env(retries=60)
     record = client.get_run(run_id)
     if record["status"] not in UNREPORTED or record["cancel_requested"]:
         print(f"[plab] run {run_id} is '{record['status']}'; nothing to do")
@@ -96,24 +97,72 @@ def run(run_id: int) -> int:
 
     stop = threading.Event()
     streamer = client.stream(run_id, on_cancel=stop.set) if rank == 0 else None
+    beat = None
     if rank == 0:
-        client.set_status(run_id, "running", worker_host=socket.gethostname(), device_name=device_name())
+        try:  # the claim: refused (409) while another job holds the run
+            client.set_status(run_id, "running", worker_host=socket.gethostname(), device_name=device_name())
+        except ApiError as e:
+            if e.status != 409:
+                raise
+            print(f"[plab] run {run_id}: {e}; this job stops", flush=True)
+            if streamer is not None:
+                streamer.close()
+            return EXIT_SKIPPED
+        beat = Heartbeat(client, run_id, get_settings().heartbeat_s, on_lost=stop.set)
     sink = ApiSink(client, run_id, streamer)
     output_dir = get_settings().home / "runs" / str(run_id)
     try:
         spec = RunSpec.from_dict(record["spec"])
         result = launch.run(spec, sink, should_stop=stop.is_set, output_dir=output_dir, resume=True)
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit code
+        if beat is not None:
+            beat.stop()
         if streamer is not None:
             streamer.close()
         if rank == 0:
             client.set_status(run_id, "failed", error_message=error_message(e))
         raise
+    if beat is not None:
+        beat.stop()
     if streamer is not None:
         streamer.close()
+    if beat is not None and beat.lost:
+        print(f"[plab] run {run_id} was given to another job (its lease lapsed); this job stops unreported",
+              flush=True)
+        return EXIT_SKIPPED
     if rank == 0:
         _report(client, run_id, result)
     return EXIT_OK
+
+
+class Heartbeat:
+    """Renews the run's lease every `interval` seconds from a thread while the job runs: the API's reconciler
+    takes a run whose heartbeats stop (its worker died) and sends it to another worker."""
+
+    def __init__(self, client: PlabClient, run_id: int, interval: float, on_lost=None):
+        self.lost = False  # the API gave the run to another job (this one missed its heartbeats): stop, unreported
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(client, run_id, interval), daemon=True,
+                                        name=f"plab-heartbeat-{run_id}")
+        self._thread.start()
+
+    def _loop(self, client: PlabClient, run_id: int, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                answer = client.heartbeat(run_id)
+            except Exception as e:  # noqa: BLE001 - a missed beat is retried at the next interval
+                print(f"[plab] heartbeat of run {run_id} failed: {e}", flush=True)
+                continue
+            if answer.get("status") == "queued":  # the reconciler took the run back
+                self.lost = True
+                if self._on_lost is not None:
+                    self._on_lost()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def _report(client: PlabClient, run_id: int, result) -> None:

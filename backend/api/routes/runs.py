@@ -1,10 +1,10 @@
 from __future__ import annotations
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 
 from backend.api.deps import WRITE, ObjectId, SessionDep
-from backend.schemas import (ArtifactIn, ArtifactOut, MetricBatch, MetricBatchResult, Page, RunCreate, RunDetail,
-                             RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate)
+from backend.schemas import (ArtifactIn, ArtifactOut, HeartbeatOut, MetricBatch, MetricBatchResult, Page, RunCreate,
+                             RunDetail, RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate)
 from backend.services import dispatch, runs
 
 router = APIRouter(prefix="/runs", tags=["runs"])
@@ -37,8 +37,17 @@ def cancel_run(run_id: ObjectId, session: SessionDep):
 
 
 @router.post("/{run_id}/status", response_model=RunOut, dependencies=WRITE)
-def update_status(run_id: ObjectId, body: StatusUpdate, session: SessionDep):
-    return RunOut.model_validate(dispatch.record_run_status(session, run_id, body))
+def update_status(run_id: ObjectId, body: StatusUpdate, session: SessionDep, request: Request):
+    """A worker's report. `running` starts (claims) the run: 409 while another job holds it (fresh heartbeat)."""
+    stale_s = request.app.state.settings.stale_s
+    return RunOut.model_validate(dispatch.record_run_status(session, run_id, body, stale_s))
+
+
+@router.post("/{run_id}/heartbeat", response_model=HeartbeatOut, dependencies=WRITE)
+def heartbeat(run_id: ObjectId, session: SessionDep):
+    """A running job renews its lease (every PLAB_HEARTBEAT_S); the answer says whether to stop."""
+    run = runs.heartbeat(session, run_id)
+    return HeartbeatOut(status=run.status, cancel_requested=run.cancel_requested)
 
 
 @router.patch("/{run_id}", response_model=RunOut, dependencies=WRITE)
