@@ -69,3 +69,14 @@ def test_loading_one_side_loads_nothing_of_the_other(entry, other):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_no_function_in_training_backend_or_workers_is_over_80_lines():
+    import ast
+
+    repo = Path(__file__).resolve().parents[1]
+    long = [f"{path.relative_to(repo)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for top in ("training", "backend", "workers", "plab") for path in sorted((repo / top).rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80]
+    assert long == [], "split these:\n" + "\n".join(long)

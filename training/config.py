@@ -152,6 +152,16 @@ def _float(section: str, name: str, value, *, minimum: float | None = None, maxi
     return value
 
 
+def _queue(value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 64 or not all(
+            c.isalnum() or c in "_.-" for c in value):
+        raise SpecError(f"training.queue must be a queue name (letters, digits, '_', '.', '-'; at most 64), "
+                        f"e.g. h100 or cpu, got {value!r}")
+    return value
+
+
 def _bool(section: str, name: str, value) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{section}.{name} must be true or false, got {value!r}")
@@ -318,6 +328,9 @@ class TrainingSpec:
     numerics_every: int = 0
     device: str = "auto"
     gpus: int = 1
+    # The worker queue the job goes to (the hardware it asks for, e.g. "h100", "cpu"; None: "default"). Only
+    # the dispatcher reads it; it does not change what is trained.
+    queue: str | None = None
     perf: PerfOptions = field(default_factory=PerfOptions)
 
 
@@ -406,23 +419,7 @@ class RunSpec:
         return out
 
     @staticmethod
-    def _parse_training(d: dict) -> TrainingSpec:
-        _check_keys("training", d, [f.name for f in fields(TrainingSpec)])
-        base = TrainingSpec()
-        s = "training"
-        steps_given = d.get("steps") is not None
-        tokens_given = d.get("tokens") is not None
-        if steps_given and tokens_given:
-            raise SpecError("set exactly one of training.steps and training.tokens (the other must be null "
-                            "or absent)")
-        steps = _int(s, "steps", d["steps"], minimum=1) if steps_given else None
-        tokens = _int(s, "tokens", d["tokens"], minimum=1) if tokens_given else None
-        if steps is None and tokens is None:
-            steps = base.steps
-        device = d.get("device", base.device)
-        if not isinstance(device, str) or not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
-            raise SpecError(f"training.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-        perf_d = d.get("perf", {}) or {}
+    def _parse_perf(perf_d: dict) -> PerfOptions:
         _check_keys("training.perf", perf_d, [f.name for f in fields(PerfOptions)])
         pbase = PerfOptions()
         sdpa = perf_d.get("sdpa_backend", pbase.sdpa_backend)
@@ -432,7 +429,7 @@ class RunSpec:
         mode = perf_d.get("compile_mode", pbase.compile_mode)
         if mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
             raise SpecError(f"training.perf.compile_mode {mode!r} is not a torch.compile mode")
-        perf = PerfOptions(
+        return PerfOptions(
             fused_loss=_bool("training.perf", "fused_loss", perf_d.get("fused_loss", pbase.fused_loss)),
             loss_chunk_tokens=_int("training.perf", "loss_chunk_tokens",
                                    perf_d.get("loss_chunk_tokens", pbase.loss_chunk_tokens), minimum=1),
@@ -460,6 +457,25 @@ class RunSpec:
             gc_interval=_int("training.perf", "gc_interval", perf_d.get("gc_interval", pbase.gc_interval),
                              minimum=0),
         )
+
+    @staticmethod
+    def _parse_training(d: dict) -> TrainingSpec:
+        _check_keys("training", d, [f.name for f in fields(TrainingSpec)])
+        base = TrainingSpec()
+        s = "training"
+        steps_given = d.get("steps") is not None
+        tokens_given = d.get("tokens") is not None
+        if steps_given and tokens_given:
+            raise SpecError("set exactly one of training.steps and training.tokens (the other must be null "
+                            "or absent)")
+        steps = _int(s, "steps", d["steps"], minimum=1) if steps_given else None
+        tokens = _int(s, "tokens", d["tokens"], minimum=1) if tokens_given else None
+        if steps is None and tokens is None:
+            steps = base.steps
+        device = d.get("device", base.device)
+        if not isinstance(device, str) or not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
+            raise SpecError(f"training.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        perf = RunSpec._parse_perf(d.get("perf", {}) or {})
         out = TrainingSpec(
             steps=steps, tokens=tokens,
             batch_size=_int(s, "batch_size", d.get("batch_size", base.batch_size), minimum=1),
@@ -483,6 +499,7 @@ class RunSpec:
             numerics_every=_int(s, "numerics_every", d.get("numerics_every", base.numerics_every), minimum=0),
             device=device,
             gpus=_int(s, "gpus", d.get("gpus", base.gpus), minimum=1),
+            queue=_queue(d.get("queue")),
             perf=perf,
         )
         return out

@@ -10,7 +10,10 @@
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import sys
 import queue
 import threading
 import time
@@ -52,16 +55,17 @@ class PlabClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, *, idempotent: bool = True, **kw) -> dict:
+    def _request(self, method: str, path: str, *, idempotent: bool = True, retries: int | None = None, **kw) -> dict:
         """A request with retries on connection errors and 5xx for idempotent calls (every write a worker makes
         is). A create (`idempotent=False`) is retried only when the connection was never made, so an answer lost
         after the server stored it cannot create a second experiment or run."""
         delay = 0.5
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             try:
                 resp = self._http.request(method, path, **kw)
             except httpx.TransportError as exc:
-                if attempt == self.retries or (not idempotent and not isinstance(exc, httpx.ConnectError)):
+                if attempt == retries or (not idempotent and not isinstance(exc, httpx.ConnectError)):
                     raise
             else:
                 if resp.status_code < 500:
@@ -72,7 +76,7 @@ class PlabClient:
                             detail = resp.text
                         raise ApiError(resp.status_code, str(detail))
                     return resp.json()
-                if attempt == self.retries or not idempotent:
+                if attempt == retries or not idempotent:
                     raise ApiError(resp.status_code, resp.text)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
@@ -112,11 +116,12 @@ class PlabClient:
         """Informational fields of a run (conversion report, GEMM backend, summary) without a status change."""
         return self._request("PATCH", f"/runs/{run_id}", json={k: v for k, v in fields.items() if v is not None})
 
-    def log_metrics(self, run_id: int, points: list[dict]) -> dict:
+    def log_metrics(self, run_id: int, points: list[dict], *, retries: int | None = None) -> dict:
         """Send points in batches of at most 10,000; safe to repeat (idempotent on run+key+step)."""
         result = {"inserted": 0, "duplicates": 0}
         for i in range(0, len(points), MAX_BATCH):
-            r = self._request("POST", f"/runs/{run_id}/metrics", json={"points": points[i:i + MAX_BATCH]})
+            r = self._request("POST", f"/runs/{run_id}/metrics", json={"points": points[i:i + MAX_BATCH]},
+                              retries=retries)
             result = {**r, "inserted": result["inserted"] + r["inserted"],
                       "duplicates": result["duplicates"] + r["duplicates"]}
         return result
@@ -191,15 +196,25 @@ def _finite_or_none(v: float) -> float | None:
 class MetricStreamer:
     """Batches metric points and sends them from a background thread, so logging never stalls a training step.
 
-    `log()` only appends to a queue. The thread flushes every `flush_interval` seconds (or at `max_batch` points),
-    retrying failed batches (idempotent server-side). Each answer carries the run's `cancel_requested` flag; when no
-    point has been sent for `poll_interval` seconds the thread asks for the run itself, so cancellation reaches a
-    quiet run too. `on_cancel` is called once when a cancel is seen.
+    `log()` only appends to a queue. The thread flushes every `flush_interval` seconds (or at `max_batch` points).
+    A batch the API refuses (4xx: a bug of ours, a deleted run) is dropped and said so (`errors`, the job's log);
+    a batch that meets a 5xx or no API is retried briefly (`send_retries`, a few seconds), then written to
+    `spill_path` (JSON lines) and replayed, in order, once the API answers again and at `close()` – so `flush()`
+    (before every checkpoint) never waits long on the network and no point is lost (ingest is idempotent). Each
+    answer carries the run's `cancel_requested` flag; when no point has been sent for `poll_interval` seconds the
+    thread asks for the run itself, so cancellation reaches a quiet run too. `on_cancel` is called once.
     """
 
     def __init__(self, client: PlabClient, run_id: int, *, flush_interval: float = 1.0, max_batch: int = 2000,
-                 poll_interval: float = 2.0, on_cancel: Callable[[], None] | None = None):
+                 poll_interval: float = 2.0, on_cancel: Callable[[], None] | None = None,
+                 spill_path: str | None = None, send_retries: int = 2):
         self.client, self.run_id = client, run_id
+        self.spill_path = spill_path
+        self.send_retries = send_retries
+        self.dropped = 0
+        self.spilled = 0
+        self._pending: list[list[dict]] = []  # spilled batches when there is no spill file
+        self._replay_lock = threading.Lock()
         self.flush_interval, self.max_batch, self.poll_interval = flush_interval, max_batch, poll_interval
         self.on_cancel = on_cancel
         self.cancel_requested = False
@@ -230,25 +245,66 @@ class MetricStreamer:
 
     def _send(self, batch: list[dict]) -> None:
         try:
-            while True:
-                try:
-                    r = self.client.log_metrics(self.run_id, batch)
-                except ApiError as e:
-                    if e.status < 500:  # our own bug or a deleted run: retrying cannot help
-                        self.errors.append(str(e))
-                        return
-                except httpx.TransportError as e:
-                    self.errors.append(str(e))
-                    if self._closed:
-                        return
-                else:
-                    self.sent += len(batch)
-                    self._note_cancel(r.get("cancel_requested", False))
-                    return
-                time.sleep(1.0)
+            if self._post(batch):
+                self._replay()
+            else:
+                self._spill(batch)
         finally:
             for _ in batch:
                 self._q.task_done()
+
+    def _post(self, batch: list[dict]) -> bool:
+        """True when the batch is settled (stored, or refused for good); False when the API was not there."""
+        try:
+            r = self.client.log_metrics(self.run_id, batch, retries=self.send_retries)
+        except ApiError as e:
+            if e.status < 500:  # our own bug or a deleted run: retrying cannot help
+                self.dropped += len(batch)
+                self._say(f"metrics batch of {len(batch)} points of run {self.run_id} rejected, dropped: {e}")
+                return True
+            self.errors.append(str(e))
+            return False
+        except httpx.TransportError as e:
+            self.errors.append(str(e))
+            return False
+        except Exception as e:  # noqa: BLE001 - a bug must not kill the sender thread (flush() would wait forever)
+            self._say(f"metrics batch of {len(batch)} points of run {self.run_id} not sent: {type(e).__name__}: {e}")
+            return False
+        self.sent += len(batch)
+        self._note_cancel(r.get("cancel_requested", False))
+        return True
+
+    def _say(self, message: str) -> None:
+        self.errors.append(message)
+        print(f"[plab] {message}", file=sys.stderr, flush=True)
+
+    def _spill(self, batch: list[dict]) -> None:
+        self.spilled += len(batch)
+        if self.spill_path is None:
+            with self._replay_lock:
+                self._pending.append(batch)
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.spill_path)), exist_ok=True)
+        with self._replay_lock, open(self.spill_path, "a") as f:
+            f.write(json.dumps(batch) + "\n")
+
+    def _replay(self) -> None:
+        """Send the spilled batches in order; what still fails is kept for the next try."""
+        with self._replay_lock:
+            if self.spill_path is None:
+                while self._pending and self._post(self._pending[0]):
+                    self._pending.pop(0)
+                return
+            if not os.path.exists(self.spill_path):
+                return
+            with open(self.spill_path) as f:
+                batches = [json.loads(line) for line in f if line.strip()]
+            for i, batch in enumerate(batches):
+                if not self._post(batch):
+                    with open(self.spill_path, "w") as f:
+                        f.writelines(json.dumps(b) + "\n" for b in batches[i:])
+                    return
+            os.remove(self.spill_path)
 
     def _note_cancel(self, flag: bool) -> None:
         if flag and not self.cancel_requested:
@@ -272,13 +328,15 @@ class MetricStreamer:
                 last_contact = time.monotonic()
 
     def flush(self) -> None:
-        """Block until every point logged so far has been sent (or definitively refused)."""
+        """Block until every point logged so far has been sent, refused for good, or – the API being away –
+        kept for replay (one short try; never a long wait)."""
         if self._thread.is_alive():
             self._wake.set()
             self._q.join()
         else:
             while batch := self._drain():
                 self._send(batch)
+        self._replay()
 
     def close(self) -> None:
         self.flush()
@@ -287,6 +345,11 @@ class MetricStreamer:
         self._wake.set()
         self._thread.join(timeout=60)
         self.flush()
+        if self.spill_path is not None and os.path.exists(self.spill_path):
+            self._say(f"metric points of run {self.run_id} are kept in {self.spill_path}: the API did not take them")
+        elif self._pending:
+            self._say(f"{sum(map(len, self._pending))} metric points of run {self.run_id} lost: the API did not "
+                      "take them and there is no spill file")
 
     def __enter__(self) -> MetricStreamer:
         return self

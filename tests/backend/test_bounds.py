@@ -97,3 +97,19 @@ def test_ingest_survives_a_bad_progress_row_stored_before_validation(api, tmp_pa
     r = api.post(f"/api/v1/runs/{run['id']}/metrics", json={"points": [{"key": "train/loss", "step": 1, "value": 2.0}]})
     assert r.status_code == 200, r.text
     assert api.get(f"/api/v1/runs/{run['id']}").json()["progress"]["step"] == 1
+
+
+def test_eval_task_names_are_checked_at_creation(api):
+    r = api.post("/api/v1/experiments", json={**EXPERIMENT, "eval_tasks": ["plab_piqaa"]})
+    assert "unknown task 'plab_piqaa'; did you mean plab_piqa" in _detail(r)
+    assert api.post("/api/v1/experiments", json={**EXPERIMENT, "eval_tasks": ["plab_piqa", "plab_blimp"]}
+                    ).status_code == 201
+
+
+def test_training_queue_is_accepted_and_checked(api):
+    ok = api.post("/api/v1/experiments", json={**EXPERIMENT, "training": {"steps": 40, "queue": "h100"}})
+    assert ok.status_code == 201, ok.text
+    run = api.get(f"/api/v1/runs/{ok.json()['runs'][0]['id']}").json()
+    assert run["spec"]["training"]["queue"] == "h100"
+    assert "training.queue must be a queue name" in _detail(
+        api.post("/api/v1/experiments", json={**EXPERIMENT, "training": {"steps": 40, "queue": "a b"}}))

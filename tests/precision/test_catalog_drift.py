@@ -15,7 +15,6 @@ SCANNED = ("backend", "bench", "frontend", "plab", "scripts", "training", "worke
 RECIPE_LIKE = re.compile(r"^(bf16|fp8_[a-z]+|mxfp\d\w*|nvfp\d\w*)$")
 # A literal that lists every recipe (or every format) is a copy; these are deliberate and say why.
 ALLOWED = {
-    "frontend/static/js/gemm.js": "a colour per format (the dashboard's own palette)",
     "training/precision/formats.py": "the number formats of quantize_dequantize (ARCHITECTURE.md's contract)",
 }
 

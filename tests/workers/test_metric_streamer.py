@@ -16,8 +16,8 @@ class RecordingClient(PlabClient):
         super().__init__(*a, **kw)
         self.batches: list[tuple[int, dict]] = []
 
-    def log_metrics(self, run_id: int, points: list[dict]) -> dict:
-        answer = super().log_metrics(run_id, points)
+    def log_metrics(self, run_id: int, points: list[dict], **kw) -> dict:
+        answer = super().log_metrics(run_id, points, **kw)
         self.batches.append((len(points), answer))
         return answer
 

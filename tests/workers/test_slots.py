@@ -64,3 +64,14 @@ def test_outside_a_worker_the_environment_is_passed_through(monkeypatch):
     monkeypatch.delenv(tasks.SLOT_ENV, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")
     assert tasks.job_env()["CUDA_VISIBLE_DEVICES"] == "6"
+
+
+def test_a_slot_refuses_a_job_that_needs_more_gpus_than_it_has(monkeypatch):
+    from workers.tasks import SLOT_ENV, placement_problem
+
+    monkeypatch.setenv(SLOT_ENV, "cpu")
+    assert placement_problem(1) is None
+    assert "needs 4 GPUs (training.gpus) but this worker slot is CPU only" in placement_problem(4)
+    monkeypatch.setenv(SLOT_ENV, "0,1")
+    assert placement_problem(2) is None
+    assert "this worker slot has 2" in placement_problem(4)

@@ -18,6 +18,7 @@ Data files are never copied: rendered YAMLs point at the original files.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -165,3 +166,36 @@ def _substitute(text: str, values: dict[str, str]) -> tuple[str, list[str]]:
         return match.group(0)
 
     return _PLACEHOLDER.sub(replace, text), missing
+
+
+_TASK_LINE = re.compile(r"^(?:task|group|tag):\s*['\"]?([A-Za-z0-9_.:\-]+)", re.M)
+# A tag (or group) given as a list: "tag:" then "  - name" lines.
+_LIST_KEY = re.compile(r"^(?:tag|group):\s*$\n((?:[ \t]+-[ \t]*['\"]?[A-Za-z0-9_.:\-]+['\"]?[ \t]*\n?)+)", re.M)
+_LIST_ITEM = re.compile(r"-[ \t]*['\"]?([A-Za-z0-9_.:\-]+)")
+
+
+def known_task_names(tasks_dir: str | os.PathLike | None = None) -> frozenset[str]:
+    """Every task, group and tag name a YAML declares – shipped, user (`PLAB_EVAL_TASKS_DIR`) and lm-eval's own –
+    read as text, without importing lm_eval (the API checks an experiment's `eval_tasks` with it)."""
+    roots = [SHIPPED_TASKS_DIR, *user_task_dirs(tasks_dir)]
+    import importlib.util
+
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is not None and spec.submodule_search_locations:
+        roots.append(Path(list(spec.submodule_search_locations)[0]) / "tasks")
+    return _scan(tuple(str(r) for r in roots))
+
+
+@functools.lru_cache(maxsize=8)
+def _scan(roots: tuple[str, ...]) -> frozenset[str]:
+    names: set[str] = set()
+    for root in roots:
+        for path in Path(root).rglob("*.yaml"):
+            try:
+                text = path.read_text(errors="replace")
+            except OSError:
+                continue
+            names.update(_TASK_LINE.findall(text))
+            for block in _LIST_KEY.findall(text):
+                names.update(_LIST_ITEM.findall(block))
+    return frozenset(names)

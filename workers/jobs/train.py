@@ -96,7 +96,10 @@ def run(run_id: int) -> int:
     from training import launch
 
     stop = threading.Event()
-    streamer = client.stream(run_id, on_cancel=stop.set) if rank == 0 else None
+    output_dir = get_settings().home / "runs" / str(run_id)
+    # Points the API cannot take for a while wait in the run's folder and are replayed (MetricStreamer).
+    streamer = (client.stream(run_id, on_cancel=stop.set, spill_path=str(output_dir / "metrics-spill.jsonl"))
+                if rank == 0 else None)
     beat = None
     if rank == 0:
         try:  # the claim: refused (409) while another job holds the run
@@ -108,9 +111,8 @@ def run(run_id: int) -> int:
             if streamer is not None:
                 streamer.close()
             return EXIT_SKIPPED
-        beat = Heartbeat(client, run_id, get_settings().heartbeat_s, on_lost=stop.set)
+        beat = Heartbeat(client, run_id, get_settings().heartbeat_s, on_lost=stop.set, on_cancel=stop.set)
     sink = ApiSink(client, run_id, streamer)
-    output_dir = get_settings().home / "runs" / str(run_id)
     try:
         spec = RunSpec.from_dict(record["spec"])
         result = launch.run(spec, sink, should_stop=stop.is_set, output_dir=output_dir, resume=True)
@@ -139,7 +141,8 @@ class Heartbeat:
     """Renews the run's lease every `interval` seconds from a thread while the job runs: the API's reconciler
     takes a run whose heartbeats stop (its worker died) and sends it to another worker."""
 
-    def __init__(self, client: PlabClient, run_id: int, interval: float, on_lost=None):
+    def __init__(self, client: PlabClient, run_id: int, interval: float, on_lost=None, on_cancel=None):
+        self._on_cancel = on_cancel
         self.lost = False  # the API gave the run to another job (this one missed its heartbeats): stop, unreported
         self._on_lost = on_lost
         self._stop = threading.Event()
@@ -154,6 +157,8 @@ class Heartbeat:
             except Exception as e:  # noqa: BLE001 - a missed beat is retried at the next interval
                 print(f"[plab] heartbeat of run {run_id} failed: {e}", flush=True)
                 continue
+            if answer.get("cancel_requested") and self._on_cancel is not None:
+                self._on_cancel()  # reaches the loop even while metric posts fail
             if answer.get("status") == "queued":  # the reconciler took the run back
                 self.lost = True
                 if self._on_lost is not None:

@@ -67,6 +67,16 @@ def list_metric_keys(run_id: ObjectId, session: SessionDep):
     return runs.metric_keys(session, run_id)
 
 
+@router.get("/{run_id}/numerics")
+def read_numerics(run_id: ObjectId, session: SessionDep,
+                  stat: str = Query("underflow_frac", pattern=r"^[a-z_]{1,40}$",
+                                    description="underflow_frac, saturation_frac or snr_db"),
+                  max_points: int = Query(300, ge=4, le=10_000)):
+    """Every converted layer's numerics series of one statistic at once (the heatmap): {run_id, stat, layers:
+    [{layer, step, value}]} in layer order."""
+    return runs.run_numerics(session, run_id, stat, max_points)
+
+
 @router.get("/{run_id}/metrics/{key:path}", response_model=Series)
 def read_series(run_id: ObjectId, session: SessionDep, key: str = Path(max_length=200),
                 max_points: int = Query(2000, ge=4, le=100_000), x: str = Query("step"),

@@ -7,17 +7,16 @@ import {
   tokensPerSecond,
 } from "./summary.js";
 import { cleanPoints, ema, median, relativeDifference, relativeWallTime } from "./series.js";
+import { BASELINE_COLOR, colorAt, loadPlotly, PLOT_CONFIG } from "./plot.js";
+import { poke, register } from "./poller.js";
+import { mount as mountAccuracy } from "./panels/accuracy.js";
+import { mount as mountGemm } from "./panels/gemm.js";
 
 const root = document.getElementById("experiment-root");
 const experimentId = root.dataset.experimentId;
-const POLL_MS = 2000;
 const LOSS_KEYS = ["train/loss", "val/loss"];
 const PERF_KEYS = ["perf/tokens_per_s", "perf/peak_mem_gib", "perf/mfu"];
 const MAX_POINTS = 1000;
-const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf", "#8c564b", "#e377c2",
-  "#bcbd22", "#7f7f7f"];
-const BASELINE_COLOR = "#111111";
-const PLOT_CONFIG = { responsive: true, displaylogo: false };
 const X_TITLES = { step: "step", tokens: "tokens", wall_time: "wall time (s since run start)" };
 
 const state = {
@@ -29,8 +28,9 @@ const state = {
   smoothing: 0,
   logScale: false,
   zoom: null, // [x_min, x_max] on the server's x axis while the user is zoomed in
-  timer: null,
   polls: 0,
+  failed: false,
+  gone: false,
   firstRenderMs: null,
   tableReadyMs: null,
 };
@@ -48,21 +48,8 @@ async function fetchSeries(keys, maxPoints, { withZoom }) {
   return byRun;
 }
 
-// plotly.js (4.6 MB) takes the browser a second or more to parse on a busy machine: load it only after the
-// first API requests are on their way, so the server answers while the browser parses.
-let plotlyReady = null;
-function loadPlotly() {
-  if (!plotlyReady) {
-    plotlyReady = window.Plotly ? Promise.resolve() : new Promise((resolve, reject) => {
-      const script = document.createElement("script");
-      script.src = root.dataset.plotlyUrl;
-      script.onload = () => { performance.mark("plab:plotly-ready"); resolve(); };
-      script.onerror = () => reject(new Error(`could not load plotly.js from ${script.src}`));
-      document.head.appendChild(script);
-    });
-  }
-  return plotlyReady;
-}
+// plotly.js (4.6 MB) takes the browser a second or more to parse on a busy machine: `refresh` loads it only after
+// the first API requests are on their way, so the server answers while the browser parses (plot.js).
 
 // Loss-series answers can arrive out of order (a poll in flight while the user zooms): only the answer to
 // the latest request is drawn.
@@ -127,7 +114,7 @@ function baselineRun() {
 }
 
 function colorOf(run, index) {
-  return recipeName(run) === BASELINE ? BASELINE_COLOR : PALETTE[index % PALETTE.length];
+  return recipeName(run) === BASELINE ? BASELINE_COLOR : colorAt(index);
 }
 
 function pointsOf(run, key, source = state.series) {
@@ -282,29 +269,6 @@ function drawSpeed() {
 const NUMERICS_REFRESH_MS = 10_000;
 const numerics = { runId: null, stat: "underflow_frac", keysByRun: new Map(), fetchedAt: 0, loading: false };
 
-function naturalCompare(a, b) {
-  return a.localeCompare(b, undefined, { numeric: true });
-}
-
-async function numericsKeys(run) {
-  const listed = await get(`/api/v1/runs/${encodeURIComponent(run.id)}/metrics`);
-  return items(listed, "keys").map((k) => (typeof k === "string" ? k : k.key))
-    .filter((k) => k && k.startsWith("numerics/"));
-}
-
-async function mapLimited(values, limit, fn) {
-  const out = new Array(values.length);
-  let next = 0;
-  const worker = async () => {
-    while (next < values.length) {
-      const i = next++;
-      out[i] = await fn(values[i]);
-    }
-  };
-  await Promise.all(Array.from({ length: Math.min(limit, values.length) }, worker));
-  return out;
-}
-
 function syncNumericsRuns() {
   const select = document.getElementById("numerics-run");
   const candidates = state.runs.filter((r) => recipeName(r) !== BASELINE);
@@ -328,10 +292,11 @@ async function drawNumerics({ force = false } = {}) {
   try {
     let layers = [], steps = [], z = [];
     if (run) {
-      const keys = (await numericsKeys(run)).filter((k) => k.endsWith(`/${numerics.stat}`)).sort(naturalCompare);
-      const series = await mapLimited(keys, 6, (key) => get(
-        `/api/v1/runs/${encodeURIComponent(run.id)}/metrics/${key.split("/").map(encodeURIComponent).join("/")}?max_points=300`));
-      layers = keys.map((k) => k.slice("numerics/".length, -(numerics.stat.length + 1)));
+      // Every layer in one request (GET /runs/{id}/numerics), already in layer order.
+      const answer = await get(`/api/v1/runs/${encodeURIComponent(run.id)}/numerics?${new URLSearchParams(
+        { stat: numerics.stat, max_points: "300" })}`);
+      const series = answer.layers || [];
+      layers = series.map((s) => s.layer);
       steps = [...new Set(series.flatMap((s) => s.step || []))].sort((a, b) => a - b);
       const column = new Map(steps.map((st, i) => [st, i]));
       z = series.map((s) => {
@@ -493,31 +458,24 @@ function setLiveStatus(polling, note = "") {
     : (state.runs.length ? "all runs finished" : ""));
 }
 
-async function tick() {
-  state.timer = null;
+// The runs panel (header, runs table, loss, comparison and speed charts) in the page's one poller: polled while
+// any run can still change; a failed request (server restarting) also retries, a 404 ends it.
+async function refreshRuns() {
   state.polls += 1;
-  let failed = false;
+  state.failed = false;
   try {
     await refresh();
     showGlobalError("");
   } catch (err) {
-    failed = true;
+    state.failed = err.status !== 404;
     showGlobalError(`Could not load experiment ${experimentId}: ${err.message}`);
-    if (err.status === 404) { setLiveStatus(false, "not found"); return; }
+    if (err.status === 404) { state.gone = true; setLiveStatus(false, "not found"); return; }
   }
-  // Poll again while anything can still change; a failed request (server restarting) also retries.
-  if (isLive() || failed) {
-    setLiveStatus(true);
-    state.timer = setTimeout(tick, POLL_MS);
-  } else {
-    setLiveStatus(false);
-  }
+  setLiveStatus(isLive() || state.failed);
 }
 
 function refreshSoon() {
-  if (state.timer) clearTimeout(state.timer);
-  state.timer = null;
-  tick();
+  poke();
 }
 
 // ---------------------------------------------------------------- controls
@@ -662,6 +620,8 @@ document.getElementById("export-html").addEventListener("click", () => {
 });
 
 // ---------------------------------------------------------------- start
-tick();
+register({ name: "runs", refresh: refreshRuns, live: () => !state.gone && (isLive() || state.failed) });
+mountGemm();
+mountAccuracy();
 // Tests and curious users can read the page's state from the console.
 window.plabExperiment = state;

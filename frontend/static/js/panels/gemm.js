@@ -4,27 +4,26 @@
 // measured (tokens/s of the recipe's run / BF16's). Formats without hardware support on the benchmark's
 // device ran emulated: their bars are hatched and their names say so, because their timings are not what
 // the format's hardware would give.
-import { get, items, formatDate, LIVE_STATUSES, plotlyReady } from "./api.js";
-import { html, joinHtml, plotText, setHTML, statusBadge } from "./dom.js";
-import { BASELINE, gemmBackend, recipeName, runLabel, tokensPerSecond } from "./summary.js";
+import { get, items, formatDate, LIVE_STATUSES } from "../api.js";
+import { colorAt, PLOT_CONFIG, plotlyReady } from "../plot.js";
+import { register } from "../poller.js";
+import { html, joinHtml, plotText, setHTML, statusBadge } from "../dom.js";
+import { BASELINE, gemmBackend, recipeName, runLabel, tokensPerSecond } from "../summary.js";
 
 const root = document.getElementById("experiment-root");
 const experimentId = root.dataset.experimentId;
 const panel = document.getElementById("gemm-panel");
-const POLL_MS = 5000;
+const EVERY_MS = 5000; // a benchmark takes minutes: this panel is refreshed every 5 s, not 2
 const LAYER_ORDER = ["qkv", "attn_out", "mlp_up", "mlp_down", "lm_head", "custom"];
 const PASS_ORDER = ["fprop", "dgrad", "wgrad"];
 const MODES = [
   { key: "kernel", chart: "gemm-chart-kernel", title: "kernel-only (operands quantized beforehand)" },
   { key: "quant", chart: "gemm-chart-quant", title: "with quantization (quantize kernels timed, as in training)" },
 ];
-const FORMAT_COLORS = { fp8_tensorwise: "#1f77b4", fp8_rowwise: "#2ca02c", fp8_blockwise: "#9467bd",
-  mxfp8: "#ff7f0e", nvfp4: "#d62728" };
 const EMULATED = "emulated – no hardware support";
-const PLOT_CONFIG = { responsive: true, displaylogo: false };
 
 // `refreshes` counts completed loads (tests wait on it).
-export const gemmState = { list: [], selectedId: null, detail: null, experiment: null, runs: [], timer: null, drawn: false, refreshes: 0 };
+export const gemmState = { list: [], selectedId: null, detail: null, experiment: null, runs: [], drawn: false, refreshes: 0 };
 window.plabGemm = gemmState;
 
 // ---------------------------------------------------------------- reading a result
@@ -89,7 +88,7 @@ function drawBars(result) {
         customdata: recs.map((r) => [r?.tflops ?? null, plotText(r?.backend ?? ""), plotText(r?.note ?? "")]),
         hovertemplate: `${plotText(format)}<br>%{x}: %{y:.2f}× BF16<br>%{customdata[0]:.1f} TFLOP/s`
           + "<br>%{customdata[1]} %{customdata[2]}<extra></extra>",
-        marker: { color: FORMAT_COLORS[format] || "#7f7f7f",
+        marker: { color: colorAt((result.formats || []).indexOf(format)),
           pattern: { shape: emulated.has(format) ? "/" : "", fgcolor: "#ffffff", solidity: 0.4 } },
         meta: { format, mode: mode.key, emulated: emulated.has(format) },
       };
@@ -311,23 +310,26 @@ async function refresh() {
 }
 
 async function tick() {
-  clearTimeout(gemmState.timer);
   try {
     await refresh();
   } catch (err) {
     document.getElementById("gemm-failures").hidden = false;
     document.getElementById("gemm-failures").textContent = `GEMM benchmarks could not be loaded: ${err.message}`;
   }
-  // Keep polling while a benchmark is still to finish, or while training runs may still change the measured column.
-  const live = gemmState.list.some((b) => LIVE_STATUSES.has(b.status))
-    || (gemmState.list.length && gemmState.runs.some((r) => LIVE_STATUSES.has(r.status)));
-  if (live) gemmState.timer = setTimeout(tick, POLL_MS);
 }
 
-document.getElementById("gemm-benchmark").addEventListener("change", (e) => {
-  gemmState.selectedId = Number(e.target.value);
-  gemmState.drawn = false;
-  tick();
-});
+// Polled while a benchmark is still to finish, or while training runs may still change the measured column.
+function live() {
+  return gemmState.list.some((b) => LIVE_STATUSES.has(b.status))
+    || (gemmState.list.length > 0 && gemmState.runs.some((r) => LIVE_STATUSES.has(r.status)));
+}
 
-tick();
+// The panel in the page's one poller (poller.js); the benchmark selector redraws at once.
+export function mount() {
+  document.getElementById("gemm-benchmark").addEventListener("change", (e) => {
+    gemmState.selectedId = Number(e.target.value);
+    gemmState.drawn = false;
+    tick();
+  });
+  register({ name: "gemm", refresh: tick, live, everyMs: EVERY_MS });
+}

@@ -2,21 +2,19 @@
 // /api/v1/experiments/{id}/accuracy, each recipe's paired difference to the BF16 run with its 95% interval and a
 // significance marker, and a bar chart of those differences. Evaluations run as Celery jobs long after training;
 // the panel polls while any evaluation (or run, whose success may start one) is still to finish.
-import { get, items, LIVE_STATUSES, plotlyReady } from "./api.js";
-import { escapeHtml, html, joinHtml, setHTML, statusBadge } from "./dom.js";
-import { gemmBackend, recipeName, runLabel } from "./summary.js";
+import { get, items, LIVE_STATUSES } from "../api.js";
+import { colorAt, PLOT_CONFIG, plotlyReady } from "../plot.js";
+import { POLL_MS, register } from "../poller.js";
+import { escapeHtml, html, joinHtml, setHTML, statusBadge } from "../dom.js";
+import { gemmBackend, recipeName, runLabel } from "../summary.js";
 
 const root = document.getElementById("experiment-root");
 const experimentId = root.dataset.experimentId;
 const panel = document.getElementById("accuracy-panel");
-const POLL_MS = 2000;
 // The number a task is judged by: accuracy where the task has one, else bits per byte (held-out text),
 // else perplexity; lm-eval's other metrics (acc_norm, word_perplexity, …) stay in the hover text.
 const MAIN_METRICS = ["acc", "bits_per_byte", "perplexity", "acc_norm", "byte_perplexity", "word_perplexity"];
 const LOWER_IS_BETTER = new Set(["bits_per_byte", "perplexity", "byte_perplexity", "word_perplexity"]);
-const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf", "#8c564b", "#e377c2",
-  "#bcbd22", "#7f7f7f"];
-const PLOT_CONFIG = { responsive: true, displaylogo: false };
 const METHOD_NOTES = {
   bootstrap: "Δ = recipe − BF16 on the documents both runs scored. The 95% interval is a paired percentile "
     + "bootstrap over documents (the same documents resampled for both runs, 2,000 resamples; within each subtask "
@@ -30,7 +28,7 @@ const CONVENTION_NOTE = "Every recipe keeps the LM head and the embeddings (and 
 
 // `refreshes` counts completed loads and `accuracyLoads` the accuracy-table requests (tests wait on them).
 export const accuracyState = {
-  method: "bootstrap", runs: [], evaluations: new Map(), table: null, signature: null, timer: null,
+  method: "bootstrap", runs: [], evaluations: new Map(), table: null, signature: null, failed: false,
   refreshes: 0, accuracyLoads: 0, drawn: false,
 };
 window.plabAccuracy = accuracyState;
@@ -90,7 +88,7 @@ function runName(run) {
 
 function runColor(table, run) {
   const index = (table.runs || []).findIndex((r) => r.run_id === run.run_id);
-  return PALETTE[Math.max(index, 0) % PALETTE.length];
+  return colorAt(Math.max(index, 0));
 }
 
 function isEmulated(run) {
@@ -343,22 +341,25 @@ async function refresh() {
 }
 
 async function tick() {
-  clearTimeout(accuracyState.timer);
-  accuracyState.timer = null;
-  let failed = false;
+  accuracyState.failed = false;
   try {
     await refresh();
   } catch (err) {
-    failed = err.status !== 404; // a deleted experiment will not come back: stop asking
+    accuracyState.failed = err.status !== 404; // a deleted experiment will not come back: stop asking
     ensureLayout();
     const error = document.getElementById("accuracy-error");
     error.hidden = false;
     error.textContent = `Accuracy could not be loaded: ${err.message}`;
   }
-  // A running training run may succeed and start an automatic evaluation (eval_tasks): keep watching it too.
-  const live = failed || accuracyState.runs.some((r) => LIVE_STATUSES.has(r.status))
-    || [...accuracyState.evaluations.values()].flat().some((e) => LIVE_STATUSES.has(e.status));
-  if (live) accuracyState.timer = setTimeout(tick, POLL_MS);
 }
 
-if (panel) tick();
+// A running training run may succeed and start an automatic evaluation (eval_tasks): it is watched too.
+function live() {
+  return accuracyState.failed || accuracyState.runs.some((r) => LIVE_STATUSES.has(r.status))
+    || [...accuracyState.evaluations.values()].flat().some((e) => LIVE_STATUSES.has(e.status));
+}
+
+// The panel in the page's one poller (poller.js).
+export function mount() {
+  if (panel) register({ name: "accuracy", refresh: tick, live });
+}
