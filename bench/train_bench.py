@@ -29,6 +29,13 @@ sdpa_backend (auto|cudnn|flash|efficient|math), compile_mode, metrics_lag, prefe
     python bench/train_bench.py --configs bf16 bf16:sdpa_backend=cudnn \
         bf16:sdpa_backend=cudnn,bf16_residual=true bf16:fused_loss=false,fused_clip=false
 
+FSDP2 and larger shapes (presets 3b, 8b; training keys parallel, activation_checkpointing none|full|blocks|ops,
+activation_checkpointing_every, init_device cpu|device), e.g. the 8B shape on 2 GPUs, one config at a time:
+
+    python bench/train_bench.py --model 8b --seq 8192 --batch 2 --gpus 2 --no-anchor --concurrency 1 \
+        --configs bf16:parallel=fsdp,activation_checkpointing=full,init_device=device \
+                  fp8_tensorwise:parallel=fsdp,activation_checkpointing=full,init_device=device
+
 Perf switches added since: fuse_qkv, fuse_gate_up, overlap_optimizer, compile_scope, ddp_bucket_mb,
 ddp_static_graph, gc_interval (docs/INTERFACES.md); per config also gpus, grad_accum, batch; and the training
 key param_dtype (bf16|fp32|auto).
@@ -57,10 +64,12 @@ from bench.benchmeta import git_commit  # noqa: E402
 
 ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared" / "tools" / "hf_llama_anchor.py"]
 BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
-             "activation_checkpointing", "fuse_qkv", "overlap_optimizer", "ddp_static_graph",
+             "fuse_qkv", "overlap_optimizer", "ddp_static_graph",
              "fuse_gate_up"}
-INT_KEYS = {"loss_chunk_tokens", "metrics_lag", "gpus", "grad_accum", "batch", "ddp_bucket_mb", "gc_interval"}
-TRAINING_KEYS = {"compile", "activation_checkpointing", "param_dtype", "gpus", "grad_accum"}
+INT_KEYS = {"loss_chunk_tokens", "metrics_lag", "gpus", "grad_accum", "batch", "ddp_bucket_mb", "gc_interval",
+            "activation_checkpointing_every"}
+TRAINING_KEYS = {"compile", "activation_checkpointing", "activation_checkpointing_every", "param_dtype", "gpus",
+                 "grad_accum", "parallel", "init_device"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -351,7 +360,9 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
     return {
         "label": config["label"], "recipe": config["recipe"], "status": result.status,
         "spec": spec, "steps_timed": len(timed), "rounds": rounds,
-        "tokens_per_s": tokens_per_step / step_s, "step_time_s": step_s,
+        "tokens_per_s": tokens_per_step / step_s, "step_time_s": step_s, "gpus": gpus,
+        "tokens_per_s_per_gpu": tokens_per_step / step_s / gpus, "parallel": result.summary.get("parallel"),
+        "activation_checkpointing": result.summary.get("activation_checkpointing"),
         "step_time_min_s": min(m["perf/step_time_s"] for m in timed),
         "step_time_max_s": max(m["perf/step_time_s"] for m in timed),
         "data_wait_share": sum(m["perf/data_wait_s"] for m in timed) / total_step_s,

@@ -17,8 +17,6 @@ durable in the sink first) and resumes a run from its newest checkpoint.
 from __future__ import annotations
 
 import os
-import random
-import re
 import shutil
 import tempfile
 import time
@@ -26,18 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from training.checkpoint_files import (STATE_FILE, _hf_tensors, _rng_state, _set_rng_state, checkpoints_root,
+                                       hf_expected_names, latest_checkpoint, list_checkpoints)
 from training.config import RunSpec, SpecError
 
-STATE_FILE = "training_state.pt"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-def checkpoints_root(output_dir) -> Path:
-    return Path(output_dir) / "checkpoints"
 
 
 def hf_state_dict(model: torch.nn.Module, optimizer=None) -> dict[str, torch.Tensor]:
@@ -49,45 +42,13 @@ def hf_state_dict(model: torch.nn.Module, optimizer=None) -> dict[str, torch.Ten
     Recipe conversions may wrap modules or add buffers (e.g. amax histories); those are kept out of the
     HF weights (they travel in the hook state) so plain transformers loads the file.
     """
-    from transformers import LlamaForCausalLM
-    with torch.device("meta"):
-        reference = LlamaForCausalLM(model.config)
     from training.model import split_fused
-    expected = set(reference.state_dict())
+    expected = hf_expected_names(model.config)
     masters = {}
     if optimizer is not None and hasattr(optimizer, "master"):
         masters = {name: optimizer.master(p) for name, p in model.named_parameters() if p in optimizer.state}
     masters = split_fused(masters, model.config)
-    out = {}
-    for name, value in split_fused(model.state_dict(), model.config).items():
-        if name not in expected:
-            continue
-        value = masters.get(name, value)
-        if type(value) is not torch.Tensor and hasattr(value, "dequantize"):
-            value = value.dequantize()
-        out[name] = value.detach().to("cpu", torch.float32).contiguous().clone()
-    missing = expected - set(out)
-    if missing:
-        raise RuntimeError(f"model is missing weights {sorted(missing)[:5]}... needed for an HF checkpoint")
-    return out
-
-
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        try:
-            torch.cuda.set_rng_state_all(state["cuda"])
-        except (RuntimeError, IndexError):  # different GPU count on resume: CUDA RNG is not used by training
-            pass
+    return _hf_tensors(model.state_dict(), model.config, expected, masters)
 
 
 def save_checkpoint(output_dir, step: int, *, model, optimizer, tokenizer=None, hooks=(), extra=None,
@@ -121,20 +82,6 @@ def save_checkpoint(output_dir, step: int, *, model, optimizer, tokenizer=None, 
     for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def list_checkpoints(output_dir) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = checkpoints_root(output_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).exists()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
-
-
-def latest_checkpoint(output_dir) -> Path | None:
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
 
 
 def load_checkpoint(path, *, model, optimizer, hooks=(), map_location="cpu") -> dict:
@@ -179,7 +126,8 @@ def numerics_identity(spec_dict: dict) -> dict:
     """The parts of a spec that decide the numbers a run produces (not how fast or where it runs)."""
     d = {k: v for k, v in spec_dict.items() if k != "training"}
     d["training"] = {k: v for k, v in spec_dict["training"].items()
-                     if k not in ("perf", "device", "gpus", "compile", "checkpoint_every", "queue")}
+                     if k not in ("perf", "device", "gpus", "compile", "checkpoint_every", "queue", "parallel",
+                                  "activation_checkpointing", "activation_checkpointing_every")}
     # A fused QKV projection changes the parameter list (and a recipe's scaling of it).
     d["training"]["perf.fuse_qkv"] = (spec_dict["training"].get("perf") or {}).get("fuse_qkv")
     d["training"]["perf.fuse_gate_up"] = bool((spec_dict["training"].get("perf") or {}).get("fuse_gate_up"))
@@ -196,8 +144,10 @@ class Checkpointer:
     """
 
     def __init__(self, output_dir, *, spec: RunSpec, ctx, sink, model, optimizer, tokenizer=None, hooks=(),
-                 settle: Callable[[], None] = lambda: None, flush_metrics: Callable[[], None] = lambda: None):
+                 settle: Callable[[], None] = lambda: None, flush_metrics: Callable[[], None] = lambda: None,
+                 sharded: bool = False):
         self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.sharded = sharded  # FSDP2: every rank saves its shards (training.sharded_checkpoint)
         self.spec, self.ctx, self.sink = spec, ctx, sink
         self.model, self.optimizer, self.tokenizer, self.hooks = model, optimizer, tokenizer, list(hooks)
         self.settle, self.flush_metrics = settle, flush_metrics
@@ -214,7 +164,7 @@ class Checkpointer:
         latest = latest_checkpoint(self.output_dir) if self.enabled else None
         if latest is None:
             return None
-        saved = load_checkpoint(latest, model=self.model, optimizer=self.optimizer, hooks=self.hooks)
+        saved = self._load(latest)
         if saved.get("spec") is not None and numerics_identity(saved["spec"]) != numerics_identity(self.spec.to_dict()):
             raise SpecError(f"checkpoint {latest} was written by a different run spec; use another "
                             f"output_dir or resume=False")
@@ -223,6 +173,17 @@ class Checkpointer:
         state.loss, state.val_loss = saved.get("loss"), saved.get("val_loss")
         self.sink.event("resumed", step=state.step, path=str(latest))
         return latest
+
+    def _load(self, path: Path) -> dict:
+        from training import sharded_checkpoint as sc
+        if sc.is_sharded(path) != self.sharded:
+            written, needed = ("an FSDP run", "'fsdp'") if sc.is_sharded(path) else ("a run without FSDP", "'ddp'")
+            raise SpecError(f"checkpoint {path} was written by {written}; resume it with training.parallel={needed} "
+                            f"(its model.safetensors also starts a new run through model weights), or use another "
+                            f"output_dir")
+        if self.sharded:
+            return sc.load_sharded(path, ctx=self.ctx, model=self.model, optimizer=self.optimizer, hooks=self.hooks)
+        return load_checkpoint(path, model=self.model, optimizer=self.optimizer, hooks=self.hooks)
 
     def is_saved(self, step: int) -> bool:
         """Whether the newest checkpoint this run knows of is the one of `step`."""
@@ -236,12 +197,19 @@ class Checkpointer:
         self.flush_metrics()  # metrics up to `step` reach the sink before the checkpoint claims them done
         self.sink.flush()     # ...and are durable there
         path = checkpoints_root(self.output_dir) / f"step_{step:08d}"
+        extra = {"tokens": state.tokens, "wall_time": state.wall_time(), "loss": state.loss,
+                 "val_loss": state.val_loss, "spec": self.spec.to_dict()}
+        if self.sharded:
+            from training.sharded_checkpoint import save_sharded
+            path = save_sharded(checkpoints_root(self.output_dir), step, ctx=self.ctx, model=self.model,
+                                optimizer=self.optimizer, tokenizer=self.tokenizer, hooks=self.hooks, extra=extra)
+            self.sink.event("checkpoint", step=step, path=str(path))
+            self.last_path = path
+            return path
         if self.ctx.is_main:
             path = save_checkpoint(
                 self.output_dir, step, model=self.model, optimizer=self.optimizer, tokenizer=self.tokenizer,
-                hooks=self.hooks, extra={"tokens": state.tokens, "wall_time": state.wall_time(),
-                                         "loss": state.loss, "val_loss": state.val_loss,
-                                         "spec": self.spec.to_dict()})
+                hooks=self.hooks, extra=extra)
             self.sink.event("checkpoint", step=step, path=str(path))
         self.ctx.barrier()
         self.last_path = path

@@ -41,6 +41,12 @@ MODEL_PRESETS: dict[str, dict] = {
                  num_key_value_heads=8),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
                num_key_value_heads=8),
+    # Llama-3.2-3B's and Llama-3-8B's transformer shapes (their vocabularies are 128256; a preset takes
+    # data.vocab_size): for throughput on larger models, and FSDP.
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8),
 }
 MODEL_PRESET_NAMES = tuple(MODEL_PRESETS)
 CUSTOM_MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -295,6 +301,15 @@ class PerfOptions:
 
 
 PARAM_DTYPES = ("auto", "bf16", "fp32")
+PARALLEL_MODES = ("auto", "ddp", "fsdp")          # training.parallel.PARALLEL_MODES
+AC_MODES = ("none", "full", "blocks", "ops")      # training.parallel.AC_MODES
+
+
+def _ac_mode(value) -> str:
+    """training.activation_checkpointing: one of AC_MODES, or true/false (older specs) for "full"/"none"."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    return _choice("training", "activation_checkpointing", value, AC_MODES)
 
 
 def _choice(section: str, key: str, value, choices) -> str:
@@ -320,7 +335,17 @@ class TrainingSpec:
     val_batches: int = 4
     checkpoint_every: int = 0
     compile: bool = False
-    activation_checkpointing: bool = False
+    # "none" | "full" | "blocks" (every k-th block, k = activation_checkpointing_every) | "ops" (every block,
+    # matmul and attention outputs kept); true/false are read as "full"/"none". training.parallel explains.
+    activation_checkpointing: str = "none"
+    activation_checkpointing_every: int = 2
+    # "ddp" | "fsdp" | "auto" (FSDP when the training state would not fit comfortably on one GPU); see
+    # training.parallel.
+    parallel: str = "auto"
+    # Where the initial weights are drawn: "cpu" (default; the same weights on any machine, so every recipe
+    # and hardware starts from one point) or "device" (on the GPU, from the same seed: the same weights for
+    # every recipe on one kind of GPU, tens of times faster for multi-billion-parameter models).
+    init_device: str = "cpu"
     # Parameter dtype. "bf16": BF16 parameters for compute, FP32 master weights and FP32 moments in the
     # optimizer (training.optim.MasterAdamW). "fp32": FP32 parameters, forward/backward under BF16 autocast
     # on GPU (plain FP32 on CPU). "auto": bf16 on GPU, fp32 on CPU.
@@ -493,8 +518,12 @@ class RunSpec:
             checkpoint_every=_int(s, "checkpoint_every", d.get("checkpoint_every", base.checkpoint_every),
                                   minimum=0),
             compile=_bool(s, "compile", d.get("compile", base.compile)),
-            activation_checkpointing=_bool(s, "activation_checkpointing",
-                                           d.get("activation_checkpointing", base.activation_checkpointing)),
+            activation_checkpointing=_ac_mode(d.get("activation_checkpointing", base.activation_checkpointing)),
+            activation_checkpointing_every=_int(s, "activation_checkpointing_every",
+                                                d.get("activation_checkpointing_every",
+                                                      base.activation_checkpointing_every), minimum=1),
+            parallel=_choice(s, "parallel", d.get("parallel", base.parallel), PARALLEL_MODES),
+            init_device=_choice(s, "init_device", d.get("init_device", base.init_device), ("cpu", "device")),
             param_dtype=_choice(s, "param_dtype", d.get("param_dtype", base.param_dtype), PARAM_DTYPES),
             numerics_every=_int(s, "numerics_every", d.get("numerics_every", base.numerics_every), minimum=0),
             device=device,

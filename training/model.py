@@ -53,16 +53,18 @@ def llama_config(model: str | dict | ModelSpec, vocab_size: int, seq_len: int) -
     return cfg
 
 
-def build_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
-    """FP32 model on CPU, initialised from `seed` only.
+def build_model(config: LlamaConfig, seed: int, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """FP32 model, initialised from `seed` only, on CPU unless another `device` is given.
 
     Initialising on CPU in FP32 (then moving) makes the initial weights independent of the device and
-    of the recipe applied afterwards, so every recipe of an experiment starts from the same point.
+    of the recipe applied afterwards, so every recipe of an experiment starts from the same point; on a GPU
+    they depend on the kind of GPU too, not on the recipe (`training.init_device`).
     The global RNG is forked so that building a model does not perturb the caller's random stream.
     """
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        with torch.device("cpu"):
+        with device:
             model = LlamaForCausalLM(config)
     model.to(torch.float32)
     return model

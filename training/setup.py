@@ -22,6 +22,7 @@ from training.flops import flops_per_token
 from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, compile_layers, count_parameters,
                             fuse_gate_up, fuse_qkv, llama_config)
 from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
+from training.parallel import apply_activation_checkpointing, resolve_parallel, shard_model
 from training.sink import MetricSink
 
 
@@ -44,6 +45,8 @@ class Run:
     net: torch.nn.Module               # what a step calls: the loss module, under DDP / torch.compile
     eval_net: torch.nn.Module          # what validation calls: the loss module, compiled when `net` is
     stepper: OverlappedOptimizerStep | None
+    parallel: str                      # "single" | "ddp" | "fsdp" (training.parallel, resolved)
+    activation_checkpointing: dict     # what training.parallel.apply_activation_checkpointing did
     fused_qkv: bool
     flops_per_token: float
     micro_batch: int
@@ -56,6 +59,10 @@ class Run:
     def overlap_optimizer(self) -> bool:
         return self.stepper is not None
 
+    @property
+    def sharded(self) -> bool:
+        return self.parallel == "fsdp"
+
     def settle(self) -> None:
         """Before anything reads the weights or optimizer state outside the forward (validation,
         checkpoints, the end): the compute stream waits for the overlapped update to finish."""
@@ -67,7 +74,8 @@ class Run:
         t = self.spec.training
         return {"params": count_parameters(self.model), "flops_per_token": self.flops_per_token,
                 "world_size": self.ctx.world, "param_dtype": self.param_dtype, "fused_qkv": self.fused_qkv,
-                "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer}
+                "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer,
+                "parallel": self.parallel, "activation_checkpointing": self.activation_checkpointing}
 
 
 def device_kind(spec: RunSpec) -> str:
@@ -106,22 +114,38 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     if tokenizer is not None and len(tokenizer) > spec.vocab_size:
         raise SpecError(f"the tokenizer has {len(tokenizer)} tokens but the model only {spec.vocab_size}; raise "
                         f"model.vocab_size or lower data.vocab_size")
-    model, report, fused_qkv = _model_with_recipe(spec, device, param_dtype, sink)
-    params, optimizer = _optimizer(model, spec, param_dtype)
+    parallel = resolve_parallel(t.parallel, ctx.world, _parameter_count(spec), device)
+    model, report, fused_qkv, ac = _model_with_recipe(spec, device, param_dtype, sink, fsdp=parallel == "fsdp")
+    if parallel == "fsdp":
+        # Sharded before the optimizer exists: its state is built on the FP32 shards.
+        net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=False, parallel=parallel,
+                                       bf16_compute=param_dtype == "bf16")
+    params, optimizer = _optimizer(model, spec, param_dtype, sharded=parallel == "fsdp")
     # Randomness inside the step (NVFP4's stochastic rounding of gradients) draws from the global generators:
     # seed them from the run's seed and rank so the same spec reproduces the same run; a resume restores
     # their exact state from the checkpoint instead.
     torch.manual_seed(spec.seed * 1_000_003 + ctx.rank)
 
-    overlap = on_cuda and param_dtype == "bf16" and t.perf.overlap_optimizer
-    net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=overlap)
+    overlap = on_cuda and param_dtype == "bf16" and t.perf.overlap_optimizer and parallel != "fsdp"
+    if parallel != "fsdp":
+        net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=overlap, parallel=parallel)
     stepper = OverlappedOptimizerStep(optimizer, _forward_buckets(model, params)) if overlap else None
     return Run(spec=spec, ctx=ctx, device=device, device_name=device_name, param_dtype=param_dtype,
                autocast=autocast, tokenizer=tokenizer, dataset=dataset, model=model, report=report,
                hooks=list(getattr(report, "hooks", []) or []), params=params,
-               optimizer=optimizer, net=net, eval_net=eval_net, stepper=stepper, fused_qkv=fused_qkv,
+               optimizer=optimizer, net=net, eval_net=eval_net, stepper=stepper, parallel=parallel,
+               activation_checkpointing=ac, fused_qkv=fused_qkv,
                flops_per_token=flops_per_token(model.config, spec.data.seq_len),
                micro_batch=t.batch_size // (t.grad_accum * ctx.world))
+
+
+def _parameter_count(spec: RunSpec) -> int:
+    """Parameters of the spec's model, counted on the meta device (nothing allocated)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(spec.model, spec.vocab_size, spec.data.seq_len))
+    return count_parameters(model)
 
 
 def _resolve_device(requested: str, ctx: DistContext) -> torch.device:
@@ -166,12 +190,14 @@ def load_data(spec: RunSpec, ctx: DistContext, cache_dir: Path):
     return tokenizer, dataset
 
 
-def _model_with_recipe(spec: RunSpec, device: torch.device, param_dtype: str, sink: MetricSink):
-    """(model, recipe report, fused_qkv): the seeded model on `device`, fused and converted as the spec asks;
-    reports the conversion to the sink."""
+def _model_with_recipe(spec: RunSpec, device: torch.device, param_dtype: str, sink: MetricSink, *,
+                       fsdp: bool = False):
+    """(model, recipe report, fused_qkv, activation checkpointing): the seeded model on `device`, fused,
+    converted and checkpointed as the spec asks; reports the conversion to the sink."""
     t = spec.training
     on_cuda = device.type == "cuda"
-    model = build_model(llama_config(spec.model, spec.vocab_size, spec.data.seq_len), spec.seed).to(device)
+    init_on = device if t.init_device == "device" else "cpu"
+    model = build_model(llama_config(spec.model, spec.vocab_size, spec.data.seq_len), spec.seed, init_on).to(device)
     fused_qkv = t.perf.fuse_qkv if t.perf.fuse_qkv is not None else on_cuda
     if fused_qkv:
         fuse_qkv(model)
@@ -179,28 +205,26 @@ def _model_with_recipe(spec: RunSpec, device: torch.device, param_dtype: str, si
         fuse_gate_up(model)
     from training.precision import apply_recipe
     report = apply_recipe(model, spec.recipe, bf16_first_layers=spec.bf16_first_layers,
-                          bf16_last_layers=spec.bf16_last_layers, **spec.recipe_options)
+                          bf16_last_layers=spec.bf16_last_layers, fsdp=fsdp, **spec.recipe_options)
     sink.event("conversion_report", report=report.to_dict())
     if on_cuda and t.perf.bf16_residual and param_dtype != "bf16":
         carry_residual_in_bf16(model)
-    if t.activation_checkpointing:
-        # transformers >= 5.x renamed the API; the GPU images may carry an older release.
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ac = apply_activation_checkpointing(model, t.activation_checkpointing, t.activation_checkpointing_every)
     model.train()
-    return model, report, fused_qkv
+    return model, report, fused_qkv, ac
 
 
-def _optimizer(model: torch.nn.Module, spec: RunSpec, param_dtype: str):
-    """(trainable parameters, optimizer) with the learning rate of step 1; BF16 parameters get FP32 masters."""
+def _optimizer(model: torch.nn.Module, spec: RunSpec, param_dtype: str, *, sharded: bool = False):
+    """(trainable parameters, optimizer) with the learning rate of step 1; BF16 parameters get FP32 masters.
+    Sharded (FSDP2) parameters are the FP32 masters themselves: torch's AdamW updates the shards."""
     t = spec.training
     params = [p for p in model.parameters() if p.requires_grad]
     # nanoGPT's split: decay matrices (linears, embeddings), not norms' gains.
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    if param_dtype == "bf16":
+    if sharded:
+        optimizer = torch.optim.AdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2), foreach=True)
+    elif param_dtype == "bf16":
         # Masters are copied from the FP32 initial weights before the parameters are rounded to BF16;
         # only parameters are cast (buffers such as RoPE's inv_freq and recipe state stay FP32).
         optimizer = MasterAdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2), update=t.perf.optimizer_update)
@@ -214,14 +238,21 @@ def _optimizer(model: torch.nn.Module, spec: RunSpec, param_dtype: str):
     return params, optimizer
 
 
-def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device, *, compile_per_layer: bool):
-    """(net, eval_net): the loss module for training steps (under DDP when several ranks train) and for
-    validation, compiled as `training.compile` and `perf.compile_scope` ask."""
+def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device, *, compile_per_layer: bool,
+                   parallel: str = "single", bf16_compute: bool = False):
+    """(net, eval_net): the loss module for training steps (under DDP, or sharded by FSDP2, when several ranks
+    train) and for validation, compiled as `training.compile` and `perf.compile_scope` ask. Under FSDP2 the
+    blocks are compiled one by one before sharding (the sharding hooks run between them)."""
     t = spec.training
     on_cuda = device.type == "cuda"
     loss_module = CausalLMLoss(model, fused_loss=t.perf.fused_loss, chunk_tokens=t.perf.loss_chunk_tokens,
                                compute_dtype=torch.bfloat16 if on_cuda else None)
     net = eval_net = loss_module
+    if parallel == "fsdp":
+        if t.compile:
+            compile_layers(loss_module, t.perf.compile_mode)
+        shard_model(loss_module, bf16_compute=bf16_compute)
+        return loss_module, loss_module
     if ctx.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
         # Gradients live in the all-reduce buckets (no copy into and out of them each step).

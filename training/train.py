@@ -9,7 +9,6 @@ clipping folded into the optimizer, gradient accumulation (in the parameters' dt
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,7 @@ from training.data import BatchLoader
 from training.flops import peak_tflops
 from training.metrics_drain import MetricsDrain, StepRecord
 from training.optim import clip_gradients, lr_at
+from training.parallel import clip_sharded, gradient_sync
 from training.setup import Run, join_processes, setup_run
 from training.sink import MetricSink, NullSink
 from training.validation import ValidationLoss
@@ -66,7 +66,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
                          tokens_per_step=spec.tokens_per_step, flops_per_token=run.flops_per_token, world=ctx.world)
     checkpointer = Checkpointer(output_dir, spec=spec, ctx=ctx, sink=sink, model=run.model, optimizer=run.optimizer,
                                 tokenizer=run.tokenizer, hooks=run.hooks, settle=run.settle,
-                                flush_metrics=drain.flush)
+                                flush_metrics=drain.flush, sharded=run.sharded)
     if resume:  # in place: DDP and the compiled step hold these same parameters; their wrapping drew no RNG
         checkpointer.resume(state)
     start_step = state.step
@@ -128,7 +128,11 @@ def train_loop(run: Run, state: TrainState, drain: MetricsDrain, checkpointer: C
                 run.report.set_numerics_sampling(True)
 
             loss_sum = _forward_backward(run, micro_batches)
-            grad_norm = clip_gradients(run.params, run.optimizer, clip, fused=t.perf.fused_clip, device=run.device)
+            if run.sharded:
+                grad_norm = clip_sharded(run.params, clip, run.device)
+            else:
+                grad_norm = clip_gradients(run.params, run.optimizer, clip, fused=t.perf.fused_clip,
+                                           device=run.device)
             if run.stepper is not None:
                 run.stepper.step()
             else:
@@ -186,9 +190,8 @@ def _forward_backward(run: Run, micro_batches: list[torch.Tensor]) -> torch.Tens
     for i, batch in enumerate(micro_batches):
         inputs, targets = batch[:, :-1], batch[:, 1:]
         last = i == len(micro_batches) - 1
-        # DDP all-reduces gradients only on the last micro-batch of the step.
-        sync = contextlib.nullcontext() if not run.ctx.enabled or last else run.net.no_sync()
-        with sync:
+        # Gradients are reduced across ranks only on the last micro-batch of the step.
+        with gradient_sync(run.net, run.parallel, last):
             with run.autocast:
                 loss = run.net(inputs, targets)
             (loss / t.grad_accum).backward()

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from plab.cli.common import UsageError, load_file
-from training.sink import MetricSink
+from training.sink import MetricSink, NullSink
 
 
 def cmd_submit(args) -> int:
@@ -58,13 +59,50 @@ def cmd_train(args) -> int:
         spec = RunSpec.from_dict(data)
     except SpecError as e:
         raise UsageError(f"{args.file}: {e}") from e
-    sink = ProgressPrinter(JsonlSink(args.metrics) if args.metrics else None, args.print_every)
+    if spec.training.gpus > 1 and "WORLD_SIZE" not in os.environ:
+        return _torchrun(args, spec)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    sink = (ProgressPrinter(JsonlSink(args.metrics) if args.metrics else None, args.print_every) if rank0
+            else NullSink())
     result = launch.run(spec, sink, output_dir=Path(args.output), resume=not args.no_resume)
     sink.close()
-    print(json.dumps({"status": result.status, "steps": result.steps, "final_loss": result.final_loss,
-                      "final_val_loss": result.final_val_loss, "diverged_step": result.diverged_step,
-                      "gemm_backend": result.gemm_backend, "checkpoint": str(result.checkpoint_dir)}, indent=2))
+    if not rank0:
+        return 0
+    summary = {"status": result.status, "steps": result.steps, "final_loss": result.final_loss,
+               "final_val_loss": result.final_val_loss, "diverged_step": result.diverged_step,
+               "gemm_backend": result.gemm_backend, "parallel": result.summary.get("parallel"),
+               "world_size": result.summary.get("world_size"), "checkpoint": str(result.checkpoint_dir)}
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(summary))
+    print(json.dumps(summary, indent=2))
     return 0 if result.status == "succeeded" else 1
+
+
+def _torchrun(args, spec) -> int:
+    """`training.gpus` > 1: this command again in one process per GPU under torchrun (gloo processes on a
+    machine without GPUs), with the spec as given (and --recipe applied); its exit status."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="plab-train-") as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(spec.to_dict()))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={spec.training.gpus}", "-m", "plab.cli", "train", str(spec_file),
+               "--output", str(args.output), "--print-every", str(args.print_every)]
+        cmd += ["--metrics", str(Path(args.metrics).resolve())] if args.metrics else []
+        cmd += ["--no-resume"] if args.no_resume else []
+        cmd += ["--result-json", args.result_json] if args.result_json else []
+        print(f"[plab] training.gpus={spec.training.gpus}: starting {spec.training.gpus} processes (torchrun)",
+              flush=True)
+        return subprocess.run(cmd).returncode
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -79,5 +117,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--output", default="plab-data/train", help="checkpoint folder")
     t.add_argument("--metrics", help="also write metrics to this JSONL file")
     t.add_argument("--no-resume", action="store_true")
-    t.add_argument("--print-every", type=int, default=10)
+    t.add_argument("--print-every", type=_positive, default=10, help="print the loss every N steps (N >= 1)")
+    t.add_argument("--result-json", help="also write the result summary to this file")
     t.set_defaults(func=cmd_train)

@@ -48,11 +48,28 @@ class TensorwiseQuantizer(GemmQuantizer):
         return "E4M3 X/W, E5M2 dY, per-tensor current scaling"
 
 
-def torchao_float8_linear(linear, recipe_name: str):
+def torchao_float8_linear(linear, recipe_name: str, fsdp: bool = False):
+    """torchao's Float8Linear for `linear`; under FSDP2 a tensorwise one all-gathers its weight in FP8."""
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
-    return Float8Linear.from_float(linear, config=Float8LinearConfig.from_recipe_name(recipe_name))
+    config = Float8LinearConfig.from_recipe_name(recipe_name)
+    if fsdp and recipe_name == "tensorwise":
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    return Float8Linear.from_float(linear, config=config)
+
+
+class Float8AllGatherScales:
+    """After each optimizer step: every FP8-all-gathered weight's scale from its new amax, all layers in one
+    pass (torchao `precompute_float8_dynamic_scale_for_fsdp`), so the all-gather does not compute one per
+    layer in the next forward."""
+
+    def post_optimizer_step(self, model) -> None:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def scaled_mm_shape_reason(linear, recipe: str):
@@ -137,9 +154,14 @@ class TorchaoFloat8Recipe(Recipe):
     def convert(self, linear, name, options, real):
         quantizer = self.quantizer_cls()
         if real:
-            return (torchao_float8_linear(linear, self.torchao_recipe), quantizer,
-                    f"torchao Float8Linear ({self.torchao_recipe})")
+            gather8 = options.get("fsdp") and self.torchao_recipe == "tensorwise"
+            return (torchao_float8_linear(linear, self.torchao_recipe, fsdp=bool(gather8)), quantizer,
+                    f"torchao Float8Linear ({self.torchao_recipe}{', FP8 all-gather' if gather8 else ''})")
         return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"
+
+    def make_hooks(self, converted, options):
+        real = any(type(m).__name__ == "Float8Linear" for _, m in converted)
+        return [Float8AllGatherScales()] if real and options.get("fsdp") and self.torchao_recipe == "tensorwise" else []
 
     def gemm_ops(self, device):
         return Float8GemmOps(self.name, device, self.gemm_error_bound, min_capability=self.min_capability,

@@ -176,13 +176,14 @@ def _check_count(name: str, value) -> int:
 
 
 def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf16_last_layers: int = 0,
-                 backend: str = "auto", **options) -> RecipeReport:
+                 backend: str = "auto", fsdp: bool = False, **options) -> RecipeReport:
     """Convert the linear layers of `model.model.layers[i]` to recipe `name`, in place.
 
     Embeddings, norms and the LM head stay in high precision. Blocks `i < bf16_first_layers` and
     `i >= n - bf16_last_layers` stay BF16. `backend`: "auto" (real kernels where the GPU has them,
     exact emulation elsewhere), "real" (error if unavailable) or "emulated". Returns a RecipeReport.
-    Call it before building the optimizer and before torch.compile.
+    Call it before building the optimizer and before torch.compile. `fsdp`: the model will be sharded with
+    FSDP2 (recipes with a sharding-aware form use it: torchao's FP8 all-gather); not a recipe option.
     """
     recipe = get_recipe(name)
     if backend not in BACKENDS:
@@ -232,7 +233,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                 if skip:
                     entry["reason"] = skip
                 else:
-                    new, quantizer, how = recipe.convert(linear, full, resolved, real)
+                    new, quantizer, how = recipe.convert(linear, full, {**resolved, "fsdp": fsdp}, real)
                     new._plab_converted = True
                     parent_path, _, attr = child.rpartition(".")
                     parent = block.get_submodule(parent_path) if parent_path else block
@@ -245,5 +246,5 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
             report.layers.append(entry)
     if backends_used:
         report.gemm_backend = "emulated" if "emulated" in backends_used else "real"
-    report.hooks = recipe.make_hooks(converted, resolved)
+    report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
     return report

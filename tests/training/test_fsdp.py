@@ -1,0 +1,193 @@
+"""FSDP2 on CPU (gloo processes): every recipe trains as under DDP, sharded checkpoints resume exactly on the
+same number of processes and reshard onto another, the Hugging Face export is the model, activation
+checkpointing leaves the numbers alone."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.parallel import checkpointed_blocks, resolve_parallel
+from training.sink import ListSink
+from training.train import train
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = ("bf16", "fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "mxfp8", "nvfp4")
+
+
+def _launch(nproc: int, jobs: list[dict], tmp: Path, name: str) -> None:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(jobs))
+    env = dict(os.environ, PLAB_HOME=str(tmp / "home"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(REPO / "tests" / "training" / "multi_run.py"), str(path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _job(spec: dict, tmp: Path, name: str, cache_dir) -> dict:
+    return {"spec": spec, "output_dir": str(tmp / name), "metrics": str(tmp / f"{name}.jsonl"),
+            "result": str(tmp / f"{name}.result.json"), "cache_dir": str(cache_dir)}
+
+
+def _losses(tmp: Path, name: str) -> dict[int, float]:
+    lines = [json.loads(x) for x in (tmp / f"{name}.jsonl").read_text().splitlines()]
+    return {x["step"]: x["metrics"]["train/loss"] for x in lines
+            if x["type"] == "metrics" and "train/loss" in x["metrics"]}
+
+
+def _result(tmp: Path, name: str) -> dict:
+    return json.loads((tmp / f"{name}.result.json").read_text())
+
+
+@pytest.mark.slow
+def test_fsdp_trains_every_recipe_as_ddp_and_resumes_exactly_or_resharded(make_spec, cache_dir, tmp_path):
+    def spec(recipe, parallel, **training):
+        return make_spec(recipe=recipe, training={"steps": 4, "batch_size": 12, "gpus": 2, "parallel": parallel,
+                                                  **training})
+
+    jobs = [_job(spec(r, p, checkpoint_every=2 if r in ("bf16", "fp8_delayed") else 0), tmp_path, f"{p}_{r}",
+                 cache_dir) for p in ("fsdp", "ddp") for r in RECIPES]
+    _launch(2, jobs, tmp_path, "first")
+
+    for r in RECIPES:
+        fsdp, ddp = _losses(tmp_path, f"fsdp_{r}"), _losses(tmp_path, f"ddp_{r}")
+        assert sorted(fsdp) == [1, 2, 3, 4]
+        assert _result(tmp_path, f"fsdp_{r}")["summary"]["parallel"] == "fsdp"
+        assert _result(tmp_path, f"ddp_{r}")["summary"]["parallel"] == "ddp"
+        # The first step's forward sees the initial weights: a recipe that quantized a weight shard instead
+        # of the gathered weight (another amax, another block grid) would differ here.
+        assert fsdp[1] == pytest.approx(ddp[1], abs=2e-6), r
+        assert fsdp[2] == pytest.approx(ddp[2], abs=2e-5), r
+        # Later steps: reductions in another order, amplified by the formats' rounding.
+        tol = 2e-5 if r == "bf16" else 1e-2
+        for step in (3, 4):
+            assert fsdp[step] == pytest.approx(ddp[step], abs=tol), (r, step)
+
+    # The Hugging Face export of the sharded checkpoint is the model DDP trained (FP32 masters, same names).
+    from safetensors.torch import load_file
+    a = load_file(str(tmp_path / "fsdp_bf16/checkpoints/step_00000004/model.safetensors"))
+    b = load_file(str(tmp_path / "ddp_bf16/checkpoints/step_00000004/model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+    assert (tmp_path / "fsdp_bf16/checkpoints/step_00000004/dcp/.metadata").exists()
+
+    # Resume from step 2: on 2 processes bit for bit (RNG, optimizer, fp8_delayed's amax histories), and on 3
+    # (DCP reshards the model and the optimizer state).
+    for r in ("bf16", "fp8_delayed"):
+        shutil.rmtree(tmp_path / f"fsdp_{r}/checkpoints/step_00000004")
+        shutil.copytree(tmp_path / f"fsdp_{r}", tmp_path / f"three_{r}")
+    resumed = [_job(spec(r, "fsdp", checkpoint_every=2), tmp_path, f"fsdp_{r}", cache_dir) for r in ("bf16", "fp8_delayed")]
+    for job in resumed:
+        job["metrics"] = job["metrics"].replace(".jsonl", ".resumed.jsonl")
+    _launch(2, resumed, tmp_path, "resume2")
+    three = [_job(spec(r, "fsdp", gpus=3, checkpoint_every=2), tmp_path, f"three_{r}", cache_dir)
+             for r in ("bf16", "fp8_delayed")]
+    for job in three:
+        job["metrics"] = job["metrics"].replace(".jsonl", ".resumed.jsonl")
+    _launch(3, three, tmp_path, "resume3")
+    for r in ("bf16", "fp8_delayed"):
+        first = _losses(tmp_path, f"fsdp_{r}")
+        again = _losses(tmp_path, f"fsdp_{r}.resumed")
+        assert sorted(again) == [3, 4], r
+        assert again[3] == first[3] and again[4] == first[4], r
+        resharded = _losses(tmp_path, f"three_{r}.resumed")
+        assert sorted(resharded) == [3, 4], r
+        for step in (3, 4):
+            assert resharded[step] == pytest.approx(first[step], abs=2e-5 if r == "bf16" else 1e-2), (r, step)
+        assert _result(tmp_path, f"three_{r}")["summary"]["world_size"] == 3
+
+
+def test_a_checkpoint_of_one_kind_is_refused_by_the_other_with_the_way_out(make_spec, cache_dir, tmp_path):
+    from training.config import SpecError
+    from training.checkpoint import Checkpointer
+    from training.distributed import DistContext
+    from training.sink import NullSink
+
+    step = tmp_path / "checkpoints" / "step_00000002"
+    (step / "dcp").mkdir(parents=True)
+    (step / "training_state.pt").write_bytes(b"")
+    ck = Checkpointer(tmp_path, spec=None, ctx=DistContext(), sink=NullSink(), model=None, optimizer=None)
+    with pytest.raises(SpecError, match="written by an FSDP run.*training.parallel='fsdp'"):
+        ck.resume(None)
+
+
+def test_auto_shards_only_what_does_not_fit_and_never_one_process():
+    cpu = torch.device("cpu")
+    assert resolve_parallel("fsdp", 1, 10**9, cpu) == "single"
+    assert resolve_parallel("auto", 4, 10**12, cpu) == "ddp"     # CPU: no device memory to run out of
+    assert resolve_parallel("fsdp", 2, 10, cpu) == "fsdp"
+    assert resolve_parallel("ddp", 2, 10**12, cpu) == "ddp"
+
+
+def test_activation_checkpointing_modes_choose_blocks_and_leave_the_losses_alone(make_spec, cache_dir):
+    assert checkpointed_blocks(8, "blocks", 3) == [2, 5]
+    assert checkpointed_blocks(4, "none", 1) == []
+    assert checkpointed_blocks(4, "ops", 2) == [0, 1, 2, 3]
+    base = None
+    for mode in ("none", "full", "blocks", "ops"):
+        sink = ListSink()
+        result = train(make_spec(training={"steps": 3, "activation_checkpointing": mode,
+                                           "activation_checkpointing_every": 2}), sink, cache_dir=cache_dir)
+        losses = [v for _, v in sink.series("train/loss")]
+        ac = result.summary["activation_checkpointing"]
+        assert ac["mode"] == mode and ac["blocks"] == {"none": 0, "full": 4, "blocks": 2, "ops": 4}[mode]
+        if base is None:
+            base = losses
+        assert losses == base, mode
+
+
+def test_activation_checkpointing_really_recomputes(make_spec):
+    """The wrapped blocks run their forward again in the backward."""
+    from training.config import RunSpec
+    from training.model import build_model, llama_config
+    from training.parallel import apply_activation_checkpointing
+
+    spec = RunSpec.from_dict(make_spec())
+    model = build_model(llama_config(spec.model, 64, 16), 0)
+    calls = []
+    for layer in model.model.layers:
+        def counted(*args, _forward=layer.mlp.forward, **kwargs):
+            calls.append(1)
+            return _forward(*args, **kwargs)
+        layer.mlp.forward = counted
+    apply_activation_checkpointing(model, "blocks", 2)
+    ids = torch.randint(0, 64, (2, 16))
+    model(input_ids=ids).logits.sum().backward()
+    assert len(calls) == 4 + 2  # every block once, and blocks 1 and 3 again in the backward
+
+
+def test_spec_validates_the_new_keys(make_spec):
+    from training.config import RunSpec, SpecError
+    for bad, match in (({"parallel": "zero3"}, "training.parallel must be one of"),
+                       ({"activation_checkpointing": "some"}, "training.activation_checkpointing must be one of"),
+                       ({"activation_checkpointing_every": 0}, "activation_checkpointing_every")):
+        with pytest.raises(SpecError, match=match):
+            RunSpec.from_dict(make_spec(training=bad))
+    assert RunSpec.from_dict(make_spec(training={"activation_checkpointing": True})).training.activation_checkpointing == "full"
+    assert RunSpec.from_dict(make_spec(training={"activation_checkpointing": False})).training.activation_checkpointing == "none"
+
+
+@pytest.mark.slow
+def test_plab_train_starts_the_processes_itself(make_spec, tmp_path):
+    """`plab train FILE` with training.gpus = 2 on a machine without GPUs: two gloo processes, one result."""
+    spec = make_spec(training={"steps": 3, "batch_size": 4, "gpus": 2, "parallel": "fsdp"})
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, PLAB_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "plab.cli", "train", str(tmp_path / "spec.json"),
+                           "--output", str(tmp_path / "out"), "--print-every", "1",
+                           "--result-json", str(tmp_path / "r.json")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "starting 2 processes (torchrun)" in proc.stdout
+    assert proc.stdout.count("step      3  loss") == 1        # rank 0 alone prints
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["status"] == "succeeded" and result["world_size"] == 2 and result["parallel"] == "fsdp"
+    assert (tmp_path / "out/checkpoints/step_00000003/dcp").is_dir()

@@ -1,0 +1,75 @@
+"""The files of a checkpoint folder shared by unsharded (training.checkpoint) and sharded
+(training.sharded_checkpoint) checkpoints: where they live, which are complete, the RNG states, and the
+Hugging Face weights narrowed from a model's state."""
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STATE_FILE = "training_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoints_root(output_dir) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def _hf_tensors(state: dict, config, expected: set, masters: dict | None = None) -> dict[str, torch.Tensor]:
+    """`state` (our model's names, fused projections split) narrowed to the HF names in `expected`, as plain
+    FP32 CPU tensors; `masters` replace the values they name."""
+    from training.model import split_fused
+    masters = masters or {}
+    out = {}
+    for name, value in split_fused(state, config).items():
+        if name not in expected:
+            continue
+        value = masters.get(name, value)
+        if type(value) is not torch.Tensor and hasattr(value, "dequantize"):
+            value = value.dequantize()
+        out[name] = value.detach().to("cpu", torch.float32).contiguous().clone()
+    missing = expected - set(out)
+    if missing:
+        raise RuntimeError(f"model is missing weights {sorted(missing)[:5]}... needed for an HF checkpoint")
+    return out
+
+
+def hf_expected_names(config) -> set:
+    from transformers import LlamaForCausalLM
+    with torch.device("meta"):
+        return set(LlamaForCausalLM(config).state_dict())
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        try:
+            torch.cuda.set_rng_state_all(state["cuda"])
+        except (RuntimeError, IndexError):  # different GPU count on resume: CUDA RNG is not used by training
+            pass
+
+
+def list_checkpoints(output_dir) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).exists()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(output_dir) -> Path | None:
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None

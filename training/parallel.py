@@ -1,0 +1,154 @@
+"""How the ranks share the model: DDP (every rank holds everything) or FSDP2 (`fully_shard`: every rank holds
+1/N of the weights, gradients and optimizer state), and activation checkpointing.
+
+`training.parallel`:
+- "ddp": one full copy of the training state per GPU, gradients all-reduced (training.setup's DDP wrap).
+- "fsdp": `torch.distributed.fsdp.fully_shard` on every decoder block, then on the loss module as the root
+  (embeddings, final norm and LM head are its own parameters: the fused loss reads `lm_head.weight` directly,
+  so the root must be the module whose forward runs it). Parameters stay FP32 on their shards - they are the
+  master weights - and with `param_dtype` "bf16" a `MixedPrecisionPolicy` all-gathers them in BF16 for
+  compute and reduce-scatters gradients in FP32; the optimizer (torch's AdamW) updates the FP32 shards.
+  torchao's tensorwise float8 linears all-gather their weights in FP8 (`enable_fsdp_float8_all_gather`)
+  with one scale pass for all of them after each optimizer step (the recipe's hook); fp8_delayed takes the
+  max of its amaxes over ranks (as under DDP); the emulated formats quantize the unsharded weight, which
+  FSDP2 has gathered before the block's forward, exactly as on one GPU.
+- "auto": FSDP when several processes train and the training state (16 bytes per parameter: FP32 master,
+  gradient, two moments) would take more than half of one GPU's memory; DDP otherwise.
+
+`training.activation_checkpointing` (what the backward recomputes instead of keeping):
+- "none"; "full": every decoder block's activations are recomputed; "blocks": every k-th block
+  (`training.activation_checkpointing_every`, the last of each group of k); "ops": every block, but the
+  outputs of its matmuls and attention are kept (selective per-op, torchtitan's policy without its
+  every-other-matmul rule), so only norms, RoPE and elementwise work is redone.
+The wrap keeps the module tree and parameter names (the block's `forward` is replaced, not the block), so
+checkpoints and the recipes' layer names are the same with and without it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+PARALLEL_MODES = ("auto", "ddp", "fsdp")
+AC_MODES = ("none", "full", "blocks", "ops")
+STATE_BYTES_PER_PARAM = 16  # FP32 master + FP32 gradient + FP32 m and v
+AUTO_FSDP_SHARE = 0.5       # "auto" shards when the training state would take more than this share of a GPU
+
+
+def resolve_parallel(requested: str, world: int, n_params: int, device: torch.device) -> str:
+    """"ddp" or "fsdp" for `training.parallel` = `requested` on `world` processes; one process is never
+    sharded (nothing to shard across)."""
+    if world <= 1:
+        return "single"
+    if requested != "auto":
+        return requested
+    if device.type != "cuda":
+        return "ddp"
+    total = torch.cuda.get_device_properties(device).total_memory
+    return "fsdp" if n_params * STATE_BYTES_PER_PARAM > AUTO_FSDP_SHARE * total else "ddp"
+
+
+def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool) -> None:
+    """FSDP2 in place: each decoder block, then the loss module (root). `bf16_compute`: all-gather the FP32
+    shards as BF16 and reduce-scatter gradients in FP32; otherwise everything stays FP32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute
+          else MixedPrecisionPolicy())
+    layers = list(loss_module.model.model.layers)
+    for i, layer in enumerate(layers):
+        # The last block's weights are needed again at once by the backward: keep them gathered (torchtitan).
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(loss_module, mp_policy=mp)
+
+
+def gradient_sync(net: torch.nn.Module, mode: str, sync: bool):
+    """A context for one micro-batch's backward: gradients are reduced across ranks only when `sync` (the last
+    micro-batch of a step); DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`."""
+    if mode == "ddp" and not sync:
+        return net.no_sync()
+    if mode == "fsdp":
+        net.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def clip_sharded(params: list[torch.Tensor], clip: float, device: torch.device) -> torch.Tensor:
+    """Global-norm clipping of sharded (DTensor) gradients: the squared norms of the local shards, summed over
+    ranks in one all-reduce, then every shard scaled in place by min(1, clip / (norm + 1e-6)) like
+    `clip_grad_norm_`. Returns the global norm (a plain device tensor, the same on every rank)."""
+    import torch.distributed as dist
+
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=device)
+    sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+    dist.all_reduce(sq)
+    norm = sq.sqrt()
+    if clip != float("inf"):
+        factor = torch.clamp(clip / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, factor.to(grads[0].dtype))
+    return norm
+
+
+# ---------------------------------------------------------------------------------------------------
+# activation checkpointing
+_SAVED_OPS = None
+
+
+def _saved_ops() -> set:
+    """The ops whose outputs "ops" keeps: matmuls (BF16 and FP8) and attention."""
+    global _SAVED_OPS
+    if _SAVED_OPS is None:
+        aten = torch.ops.aten
+        names = ("mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu")
+        _SAVED_OPS = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    return _SAVED_OPS
+
+
+def _op_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _ops_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_op_policy)
+
+
+def checkpointed_blocks(n_blocks: int, mode: str, every: int) -> list[int]:
+    """Indices of the blocks whose activations are recomputed."""
+    if mode == "none":
+        return []
+    if mode == "blocks":
+        return [i for i in range(n_blocks) if i % every == every - 1]
+    return list(range(n_blocks))
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int = 1) -> dict:
+    """Wrap the chosen decoder blocks' forward in `torch.utils.checkpoint` (non-reentrant); returns what was
+    done, for the run's metadata."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = model.model.layers
+    chosen = checkpointed_blocks(len(layers), mode, every)
+    context_fn = _ops_context if mode == "ops" else None
+    for i in chosen:
+        layer = layers[i]
+        kwargs = {"use_reentrant": False, **({"context_fn": context_fn} if context_fn else {})}
+        layer.forward = functools.partial(_checkpointed, checkpoint, layer.forward, kwargs)
+    return {"mode": mode, **({"every": every} if mode == "blocks" else {}), "blocks": len(chosen),
+            "of": len(layers)}
+
+
+def _checkpointed(checkpoint, forward, ckpt_kwargs, *args, **kwargs):
+    return checkpoint(forward, *args, **ckpt_kwargs, **kwargs)
