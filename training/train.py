@@ -128,11 +128,7 @@ def train_loop(run: Run, state: TrainState, drain: MetricsDrain, checkpointer: C
                 run.report.set_numerics_sampling(True)
 
             loss_sum = _forward_backward(run, micro_batches)
-            if run.sharded:
-                grad_norm = clip_sharded(run.params, clip, run.device)
-            else:
-                grad_norm = clip_gradients(run.params, run.optimizer, clip, fused=t.perf.fused_clip,
-                                           device=run.device)
+            grad_norm = _clip(run, clip)
             if run.stepper is not None:
                 run.stepper.step()
             else:
@@ -200,6 +196,13 @@ def _forward_backward(run: Run, micro_batches: list[torch.Tensor]) -> torch.Tens
                 hook.post_backward(run.model)
         loss_sum += loss.detach()
     return loss_sum
+
+
+def _clip(run: Run, clip: float) -> torch.Tensor:
+    """The global gradient norm (a device tensor); gradients clipped to `clip` (inf: never)."""
+    if run.sharded:
+        return clip_sharded(run.params, clip, run.device)
+    return clip_gradients(run.params, run.optimizer, clip, fused=run.spec.training.perf.fused_clip, device=run.device)
 
 
 def _numerics_due(run: Run, step: int) -> bool:
