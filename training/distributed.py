@@ -73,3 +73,11 @@ def init_distributed(device_kind: str) -> DistContext:
     ctx = DistContext(rank=rank, world=world, local_rank=local_rank, stop_group=stop_group)
     _joined = (dist.group.WORLD, ctx)
     return ctx
+
+
+def init_single_process_group(device_kind: str) -> None:
+    """A process group of this process alone (FSDP2 needs one even on one GPU); nothing if a group exists."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)

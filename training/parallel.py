@@ -37,10 +37,11 @@ AUTO_FSDP_SHARE = 0.5       # "auto" shards when the training state would take m
 
 
 def resolve_parallel(requested: str, world: int, n_params: int, device: torch.device) -> str:
-    """"ddp" or "fsdp" for `training.parallel` = `requested` on `world` processes; one process is never
-    sharded (nothing to shard across)."""
+    """"single", "ddp" or "fsdp" for `training.parallel` = `requested` on `world` processes. One process runs
+    FSDP2 only when asked by name (a one-rank group: the same code path as on N GPUs, to measure its overhead);
+    "auto" and "ddp" leave it unwrapped."""
     if world <= 1:
-        return "single"
+        return "fsdp" if requested == "fsdp" else "single"
     if requested != "auto":
         return requested
     if device.type != "cuda":

@@ -17,7 +17,7 @@ import torch
 
 from training.config import RunSpec, SpecError
 from training.data import TokenDataset
-from training.distributed import DistContext, init_distributed
+from training.distributed import DistContext, init_distributed, init_single_process_group
 from training.flops import flops_per_token
 from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, compile_layers, count_parameters,
                             fuse_gate_up, fuse_qkv, llama_config)
@@ -94,6 +94,8 @@ def join_processes(spec: RunSpec) -> DistContext:
     if ctx.world == 1 and gpus > 1:
         raise SpecError(f"training.gpus={gpus} needs one process per GPU: launch with "
                         f"`torchrun --nproc-per-node {gpus} -m training SPEC.json --output-dir DIR`")
+    if ctx.world == 1 and spec.training.parallel == "fsdp":
+        init_single_process_group(device_kind(spec))
     return ctx
 
 

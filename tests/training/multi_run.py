@@ -18,15 +18,39 @@ from training import launch  # noqa: E402
 from training.sink import JsonlSink, NullSink  # noqa: E402
 
 
+def record_delayed_scales() -> list:
+    """Every fp8_delayed scale this rank uses, step by step: the scales (per layer, X/W/dY) right after each
+    optimizer step's history update, which the next step casts with."""
+    import torch
+
+    from training.precision.fp8_delayed import DelayedScalingHook
+
+    seen = []
+    update = DelayedScalingHook.post_optimizer_step
+
+    def recording(self, model=None):
+        update(self, model)
+        seen.append(torch.stack([m.scales for _, m in self.layers]).clone())
+
+    DelayedScalingHook.post_optimizer_step = recording
+    return seen
+
+
 def main(path: str) -> int:
+    import torch
+
     jobs = json.loads(Path(path).read_text())
     rank = int(os.environ.get("RANK", "0"))
+    scales = record_delayed_scales()
     dist.init_process_group("gloo")
     try:
         for job in jobs:
             sink = JsonlSink(job["metrics"]) if rank == 0 else NullSink()
+            scales.clear()
             result = launch.run(job["spec"], sink, output_dir=job["output_dir"], cache_dir=job.get("cache_dir"))
             sink.close()
+            if scales:
+                torch.save(torch.stack(scales), f"{job['metrics']}.scales_rank{rank}.pt")
             if rank == 0:
                 Path(job["result"]).write_text(json.dumps(result.to_dict()))
     finally:
