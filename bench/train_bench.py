@@ -360,6 +360,8 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
     return {
         "label": config["label"], "recipe": config["recipe"], "status": result.status,
         "spec": spec, "steps_timed": len(timed), "rounds": rounds,
+        "final_loss": result.final_loss,
+        "losses": [round(per_step[s]["train/loss"], 5) for s in sorted(per_step) if "train/loss" in per_step[s]],
         "tokens_per_s": tokens_per_step / step_s, "step_time_s": step_s, "gpus": gpus,
         "tokens_per_s_per_gpu": tokens_per_step / step_s / gpus, "parallel": result.summary.get("parallel"),
         "activation_checkpointing": result.summary.get("activation_checkpointing"),
