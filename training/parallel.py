@@ -57,10 +57,13 @@ def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool) -> None:
 
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute
           else MixedPrecisionPolicy())
+    import torch.distributed as dist
+
     layers = list(loss_module.model.model.layers)
+    alone = dist.get_world_size() == 1  # nothing to free by resharding: keep the gathered (cast) weights
     for i, layer in enumerate(layers):
         # The last block's weights are needed again at once by the backward: keep them gathered (torchtitan).
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=not alone and i < len(layers) - 1)
     fully_shard(loss_module, mp_policy=mp)
 
 

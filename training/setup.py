@@ -225,7 +225,8 @@ def _optimizer(model: torch.nn.Module, spec: RunSpec, param_dtype: str, *, shard
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     if sharded:
-        optimizer = torch.optim.AdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2), foreach=True)
+        # One fused kernel over the FP32 shards (DTensors): the multi-tensor `foreach` form makes several passes.
+        optimizer = torch.optim.AdamW(groups, lr=lr_at(1, spec), betas=(t.beta1, t.beta2), fused=True)
     elif param_dtype == "bf16":
         # Masters are copied from the FP32 initial weights before the parameters are rounded to BF16;
         # only parameters are cast (buffers such as RoPE's inv_freq and recipe state stay FP32).
