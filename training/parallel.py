@@ -60,11 +60,21 @@ def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool) -> None:
     import torch.distributed as dist
 
     layers = list(loss_module.model.model.layers)
-    alone = dist.get_world_size() == 1  # nothing to free by resharding: keep the gathered (cast) weights
+    # One process has no peers to shard across: it keeps its gathered (cast) weights from the forward to the
+    # backward instead of casting them twice, unless those BF16 copies would take a tenth of the GPU.
+    alone = dist.get_world_size() == 1 and _bf16_copy_is_small(loss_module)
     for i, layer in enumerate(layers):
         # The last block's weights are needed again at once by the backward: keep them gathered (torchtitan).
         fully_shard(layer, mp_policy=mp, reshard_after_forward=not alone and i < len(layers) - 1)
     fully_shard(loss_module, mp_policy=mp)
+
+
+def _bf16_copy_is_small(module: torch.nn.Module) -> bool:
+    device = next(module.parameters()).device
+    if device.type != "cuda":
+        return True
+    n = sum(p.numel() for p in module.parameters())
+    return 2 * n < 0.1 * torch.cuda.get_device_properties(device).total_memory
 
 
 def gradient_sync(net: torch.nn.Module, mode: str, sync: bool):
