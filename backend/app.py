@@ -36,9 +36,9 @@ def create_app(settings: Settings | None = None, *, migrate: bool | None = None)
     app.state.sessionmaker = session_factory(settings.database_url)
     install_error_handlers(app)
 
-    from backend.api.routes import evaluations, experiments, gemm, recipes, runs
+    from backend.api.routes import auth, evaluations, experiments, gemm, recipes, runs
 
-    for module in (experiments, runs, gemm, recipes):
+    for module in (experiments, runs, gemm, recipes, auth):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(evaluations.router, prefix="/api/v1")
 
@@ -54,6 +54,9 @@ def create_app(settings: Settings | None = None, *, migrate: bool | None = None)
     if pages is not None and hasattr(pages, "mount"):
         pages.mount(app)
     # Outermost last: security headers on every answer, the credential and size checks before any parsing.
-    app.add_middleware(AuthGate, settings=settings)
+    from backend.auth import TokenStore
+
+    app.state.tokens = TokenStore(app.state.sessionmaker, settings.api_token)
+    app.add_middleware(AuthGate, settings=settings, tokens=app.state.tokens)
     app.add_middleware(SecurityHeaders)
     return app

@@ -180,3 +180,17 @@ class MetricRollup(Base):
     null_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     null_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     null_wall_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class ApiToken(Base):
+    """A scoped API token (backend/auth.py): only its SHA-256 is kept; `prefix` is what lists show."""
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    scope: Mapped[str] = mapped_column(String(8))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

@@ -14,7 +14,7 @@ Pages and the element ids tests rely on:
                        #export-json/#export-csv/#export-html; `window.plabExperiment` holds the page state
                        (firstRenderMs, tableReadyMs for bench/dashboard_bench.py)
   /runs                #runs-list, #filter-status, #filter-recipe, #filter-q (filters mirrored in the URL)
-The API token for writes lives in localStorage under "plab-api-token" (#api-token-box in the top bar).
+Signing in (#api-token-box in the top bar) trades an API token for an HttpOnly session cookie (backend/auth.py).
 """
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ from fastapi import Depends, HTTPException, Path, Request
 from sqlalchemy.orm import Session
 
 from backend.db import transaction
-from backend.guard import token_matches
 from plab.settings import Settings
 
 # Ids are 32-bit in the database; larger numbers are refused before they reach it.
@@ -30,13 +29,16 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 def require_write_token(request: Request, settings: Settings = Depends(get_settings)) -> None:
-    """With PLAB_API_TOKEN set, every write needs `Authorization: Bearer <token>`."""
+    """With PLAB_API_TOKEN set, every write needs a `write` credential (backend.guard.AuthGate checked it before
+    the body was read; this states it for the route and its OpenAPI entry)."""
     if not settings.api_token:
         return
-    if not token_matches(request.scope["headers"], settings.api_token):
+    principal = getattr(request.state, "plab_principal", None)
+    if principal is None:
         raise HTTPException(status_code=401, detail="this server requires an API token for writes: send the header "
-                            "'Authorization: Bearer <PLAB_API_TOKEN>'",
-                            headers={"WWW-Authenticate": "Bearer"})
+                            "'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"})
+    if not principal.allows("write"):
+        raise HTTPException(status_code=403, detail=f"this token's scope is '{principal.scope}'; writes need 'write'")
 
 
 # The `dependencies` of every route that writes.

@@ -4,6 +4,7 @@
     plab serve                    the API and dashboard
     plab worker [--gpus 0,1]      a Celery worker (one job per GPU slot)
     plab db upgrade               apply database migrations
+    plab token create|list|revoke scoped API tokens
     plab submit FILE              create an experiment from a YAML/JSON file through the API
     plab train FILE               train one run directly, no server
     plab eval ...                 evaluate checkpoints with lm-evaluation-harness
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from plab.cli import demo, runs, services
+from plab.cli import demo, runs, services, tokens
 from plab.cli.common import UsageError
 from plab.cli.evaluate import cmd_eval
 from plab.cli.gemm import cmd_gemm
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     services.add_parsers(sub)
     runs.add_parsers(sub)
+    tokens.add_parsers(sub)
     demo.add_parser(sub)
     sub.add_parser("eval", help="evaluate with lm-evaluation-harness (plab eval --help)", add_help=False)
     sub.add_parser("gemm-bench", help="per-layer GEMM benchmark (plab gemm-bench --help)", add_help=False)

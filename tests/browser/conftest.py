@@ -132,7 +132,7 @@ API_TOKEN = "s3cret-token"
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """One server for all browser tests, with writes protected by a token as in a shared deployment: the
-    pages get the token through localStorage (see `page`), exactly where a user pastes it."""
+    pages are signed in with it (see `page`), as after a user pasted it once."""
     with running_server(tmp_path_factory.mktemp("plab-home"), token=API_TOKEN) as srv:
         yield srv
 
@@ -168,10 +168,12 @@ def new_page(context):
 
 
 @pytest.fixture
-def page(browser, request):
-    """A dashboard tab whose browser already holds the API token (as after the user pasted it once)."""
+def page(browser, server, request):
+    """A dashboard tab in a browser already signed in (the session cookie the sign-in box obtains)."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
-    context.add_init_script(f"window.localStorage.setItem('plab-api-token', {API_TOKEN!r})")
+    signed_in = context.request.post(f"{server.base_url}/api/v1/session",
+                                     headers={"Authorization": f"Bearer {API_TOKEN}"})
+    assert signed_in.ok, signed_in.text()
     pg = new_page(context)
     yield pg
     _screenshot(pg, request)

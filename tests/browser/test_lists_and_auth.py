@@ -82,11 +82,24 @@ def test_writes_use_the_token_pasted_into_the_page(server, tokenless_page, api_t
     assert "API token" in error.inner_text()
 
     page.click("#api-token-status")
+    page.fill("#api-token-input", "not-the-token")
+    page.click("#api-token-save")
+    page.wait_for_function("() => document.getElementById('api-token-message').textContent.includes('not valid')")
     page.fill("#api-token-input", api_token)
     page.click("#api-token-save")
-    assert page.locator("#api-token-status").inner_text() == "API token ✓"
+    page.wait_for_function("() => document.getElementById('api-token-status').textContent === 'Signed in (admin)'")
     page.click("#experiment-submit")
     page.wait_for_url(re.compile(r"/experiments/\d+$"))
-    assert page.evaluate("() => localStorage.getItem('plab-api-token')") == api_token
-    # The refused first attempt is the only console error (the browser logs the failed fetch's 401).
-    assert len(page.console_log.errors) == 1 and "401" in page.console_log.errors[0]
+    # Nothing of the token is left to scripts: not in storage, and the session cookie is HttpOnly and Strict.
+    assert page.evaluate("() => JSON.stringify(localStorage) + JSON.stringify(sessionStorage)") == "{}{}"
+    assert "plab_session" not in page.evaluate("() => document.cookie")
+    cookie = next(c for c in page.context.cookies() if c["name"] == "plab_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and api_token not in cookie["value"]
+    # A script that tried a write without the page's CSRF value is refused even with the cookie.
+    status = page.evaluate("""async () => (await fetch('/api/v1/experiments', {method: 'POST',
+        headers: {'Content-Type': 'application/json'}, body: JSON.stringify({name: 'x'})})).status""")
+    assert status == 403
+    # The browser logs the failed fetches: the refused first write (401), the wrong token (401), the forged
+    # write (403); nothing else.
+    assert len(page.console_log.errors) == 3, page.console_log.errors
+    assert all(" 40" in e for e in page.console_log.errors), page.console_log.errors

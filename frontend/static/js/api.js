@@ -1,16 +1,37 @@
-// Thin client of the REST API (/api/v1). Writes carry the user's bearer token when one is stored.
+// Thin client of the REST API (/api/v1). On a server with a token, the browser is signed in by an HttpOnly
+// session cookie (scripts never see a token: signIn() hands the pasted token to the server once and forgets it);
+// writes made with the cookie carry the CSRF value the server gives this page.
 
 export const API = "/api/v1";
-const TOKEN_KEY = "plab-api-token";
+const WRITE_METHODS = new Set(["POST", "PUT", "PATCH", "DELETE"]);
+let sessionPromise = null;
 
-export function getToken() {
-  try { return window.localStorage.getItem(TOKEN_KEY) || ""; } catch { return ""; }
+try { window.localStorage.removeItem("plab-api-token"); } catch { /* no storage: nothing to clean up */ }
+
+// {auth_required, authenticated, scope, csrf}; fetched once per page, refreshed by signIn/signOut.
+export function session(refresh = false) {
+  if (!sessionPromise || refresh) {
+    sessionPromise = fetch(`${API}/session`, { headers: { Accept: "application/json" } })
+      .then((r) => (r.ok ? r.json() : { auth_required: true, authenticated: false }))
+      .catch(() => ({ auth_required: true, authenticated: false }));
+  }
+  return sessionPromise;
 }
 
-export function setToken(token) {
+export async function signIn(token) {
   const value = (token || "").trim();
-  if (value) window.localStorage.setItem(TOKEN_KEY, value);
-  else window.localStorage.removeItem(TOKEN_KEY);
+  const response = await fetch(`${API}/session`, {
+    method: "POST", headers: { Accept: "application/json", Authorization: `Bearer ${value}` },
+  });
+  const data = await response.json().catch(() => null);
+  if (!response.ok) throw new ApiError(response.status, errorMessage(data, response.status), data);
+  sessionPromise = Promise.resolve(data);
+  return data;
+}
+
+export async function signOut() {
+  await fetch(`${API}/session`, { method: "DELETE" });
+  return session(true);
 }
 
 export class ApiError extends Error {
@@ -43,8 +64,10 @@ export function errorMessage(body, status) {
 export async function request(method, path, body) {
   const headers = { Accept: "application/json" };
   if (body !== undefined) headers["Content-Type"] = "application/json";
-  const token = getToken();
-  if (token) headers.Authorization = `Bearer ${token}`;
+  if (WRITE_METHODS.has(method)) {
+    const current = await session();
+    if (current.csrf) headers["X-CSRF-Token"] = current.csrf;
+  }
   const response = await fetch(path.startsWith("/") ? path : `${API}/${path}`, {
     method,
     headers,
@@ -58,7 +81,7 @@ export async function request(method, path, body) {
   if (!response.ok) {
     let message = errorMessage(data, response.status);
     if (response.status === 401) {
-      message += " (this server needs an API token for writes: paste it under \"API token\" at the top)";
+      message += " (this server needs an API token for writes: sign in under \"API token\" at the top)";
     }
     throw new ApiError(response.status, message, data);
   }

@@ -1,22 +1,33 @@
-// The API token box in the top bar: paste once, kept in localStorage, sent on every write.
-import { getToken, setToken } from "./api.js";
+// The sign-in box in the top bar: the pasted token goes to the server once (POST /api/v1/session), which answers
+// with an HttpOnly session cookie; the page keeps nothing. "Sign out" drops the cookie.
+import { session, signIn, signOut } from "./api.js";
 
-function refresh() {
+async function refresh() {
   const status = document.getElementById("api-token-status");
-  if (status) status.textContent = getToken() ? "API token ✓" : "API token";
+  if (!status) return;
+  const s = await session();
+  status.textContent = s.authenticated ? `Signed in (${s.scope})` : "API token";
 }
 
 const form = document.getElementById("api-token-form");
 if (form) {
-  form.addEventListener("submit", (event) => {
+  const input = document.getElementById("api-token-input");
+  const message = document.getElementById("api-token-message");
+  form.addEventListener("submit", async (event) => {
     event.preventDefault();
-    setToken(document.getElementById("api-token-input").value);
-    document.getElementById("api-token-input").value = "";
-    document.getElementById("api-token-box").open = false;
+    message.textContent = "";
+    try {
+      await signIn(input.value);
+      document.getElementById("api-token-box").open = false;
+    } catch (e) {
+      message.textContent = e.message;
+    } finally {
+      input.value = "";
+    }
     refresh();
   });
-  document.getElementById("api-token-clear").addEventListener("click", () => {
-    setToken("");
+  document.getElementById("api-token-clear").addEventListener("click", async () => {
+    await signOut();
     refresh();
   });
 }
