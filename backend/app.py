@@ -35,6 +35,9 @@ def create_app(settings: Settings | None = None, *, migrate: bool | None = None)
     app.state.settings = settings
     app.state.sessionmaker = session_factory(settings.database_url)
     install_error_handlers(app)
+    from backend import openapi
+
+    openapi.install(app)
 
     from backend.api.routes import auth, evaluations, experiments, gemm, recipes, runs
 

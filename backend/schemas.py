@@ -3,12 +3,20 @@ from __future__ import annotations
 
 import math
 import os
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 from training.precision import catalog
+
+
+def _utc(value: datetime) -> datetime:
+    """Stored times are UTC; SQLite hands them back without a zone, which an ISO date-time must carry."""
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
 
 MAX_POINTS_PER_BATCH = 10_000
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled", "diverged"]
@@ -48,14 +56,32 @@ def capped_json(value: dict | None, field: str) -> dict | None:
 
 class Strict(BaseModel):
     """Every request body: unknown fields refused, no type coercion (`"1.5"` or `true` is not a number, an integer
-    is still a valid float), no NUL characters."""
+    is still a valid float, and a float without a fractional part such as `3.0` a valid integer, as JSON Schema's
+    "integer" says), no NUL characters."""
     model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
     def _no_nul(cls, data):
         _refuse_nul(data)
+        if isinstance(data, dict):
+            for name in _integer_fields(cls):
+                value = data.get(name)
+                if type(value) is float and math.isfinite(value) and value.is_integer():
+                    data = {**data, name: int(value)}
         return data
+
+
+def _integer_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of `model` typed int or int | None (their JSON names)."""
+    import typing
+
+    out = []
+    for name, field in model.model_fields.items():
+        args = typing.get_args(field.annotation) or (field.annotation,)
+        if int in args and float not in args and bool not in args:
+            out.append(field.alias or name)
+    return tuple(out)
 
 
 def _recipe_field_doc() -> str:
@@ -231,7 +257,7 @@ class ArtifactOut(BaseModel):
     path: str
     step: int | None
     meta: dict[str, Any]
-    created_at: datetime
+    created_at: UtcDatetime
 
     @computed_field(description="whether the path is present where the API runs (workers and API share PLAB_HOME; "
                                 "a run keeps only its newest checkpoints, so older ones go); null for a URL")
@@ -257,9 +283,9 @@ class RunOut(BaseModel):
     external: bool
     status: Status
     cancel_requested: bool
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: UtcDatetime
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
     worker_host: str | None
     device_name: str | None
     gemm_backend: str | None
@@ -287,7 +313,7 @@ class ExperimentOut(BaseModel):
     recipes: list[Any]
     baseline: str
     eval_tasks: list[str]
-    created_at: datetime
+    created_at: UtcDatetime
     runs: list[RunOut] = Field(default_factory=list)
 
 
@@ -367,8 +393,8 @@ class EvaluationOut(BaseModel):
     status: str
     error_message: str | None
     lm_eval_version: str | None
-    created_at: datetime
-    finished_at: datetime | None
+    created_at: UtcDatetime
+    finished_at: UtcDatetime | None
     results: list[EvalResultOut] = Field(default_factory=list)
 
 
@@ -461,7 +487,7 @@ class GemmBenchmarkOut(BaseModel):
     status: str
     device_name: str | None
     error_message: str | None
-    created_at: datetime | None
+    created_at: UtcDatetime | None
     summary: dict[str, Any] = {}
 
 

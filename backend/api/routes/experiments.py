@@ -34,7 +34,7 @@ def get_experiment(experiment_id: ObjectId, session: SessionDep):
 def experiment_series(experiment_id: ObjectId, session: SessionDep,
                       keys: str = Query("train/loss", max_length=2000,
                                         description="comma-separated metric keys"),
-                      max_points: int = Query(2000, ge=4, le=100_000), x: str = Query("step"),
+                      max_points: int = Query(2000, ge=4, le=100_000), x: Literal["step", "tokens", "wall_time"] = Query("step"),
                       x_min: float | None = None, x_max: float | None = None):
     """Every run's series for the given keys, downsampled on the server from pre-computed min/max buckets
     (a one-step spike survives any zoom). An unknown key is an empty series."""

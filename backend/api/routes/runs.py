@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Path, Query, Request
 
 from backend.api.deps import WRITE, ObjectId, SessionDep
@@ -79,7 +81,8 @@ def read_numerics(run_id: ObjectId, session: SessionDep,
 
 @router.get("/{run_id}/metrics/{key:path}", response_model=Series)
 def read_series(run_id: ObjectId, session: SessionDep, key: str = Path(max_length=200),
-                max_points: int = Query(2000, ge=4, le=100_000), x: str = Query("step"),
+                max_points: int = Query(2000, ge=4, le=100_000),
+                x: Literal["step", "tokens", "wall_time"] = Query("step"),
                 x_min: float | None = None, x_max: float | None = None):
     q = SeriesQuery(max_points=max_points, x=x, x_min=x_min, x_max=x_max)
     return runs.run_series(session, run_id, key, q)
