@@ -98,3 +98,30 @@ def test_redis_restarted_without_persistence_loses_no_job(postgres_url, tmp_path
     finally:
         stack.down()
         redis_server.stop()
+
+
+def test_a_bad_status_payload_mid_run_is_a_422_and_the_run_goes_on_and_can_be_cancelled(stack):
+    """One malformed status update (the probe's `progress.step: "x"`) once froze a live run: now it is refused
+    with 422, nothing stored changes, training continues, and a cancel still reaches the loop."""
+    steps = 60
+    exp = stack.create(name="bad-status", **TINY, training=tiny_training(steps), recipes=["bf16", "fp8_tensorwise"])
+    first, second = (r["id"] for r in exp["runs"])
+    stack.wait(lambda: (stack.run(first).get("progress") or {}).get("step", 0) >= 5, 180, "training under way")
+    for bad in ({"progress": {"step": "x"}}, {"status": "running", "progress": {"step": 1.5}},
+                {"status": "nonsense"}, {"status": "running", "summary": "not an object"}):
+        r = stack.api.post(f"/runs/{first}/status", json=bad)
+        assert r.status_code == 422, (bad, r.status_code, r.text)
+        assert isinstance(r.json()["detail"], str) and r.json()["detail"]
+    run = stack.run(first)
+    assert run["status"] == "running" and isinstance(run["progress"]["step"], int)   # nothing of them was stored
+    before = run["progress"]["step"]
+    stack.wait(lambda: stack.run(first)["progress"]["step"] > before + 5, 120, "steps after the bad updates")
+    exp = stack.wait(lambda: stack.run(first)["status"] == "succeeded", 240, "the first run to finish")
+    _complete(stack, first, steps)
+    # The second run is cancelled while it trains, after a bad update to it too.
+    stack.wait(lambda: (stack.run(second).get("progress") or {}).get("step", 0) >= 3, 180, "the second run")
+    assert stack.api.post(f"/runs/{second}/status", json={"progress": {"step": "x"}}).status_code == 422
+    assert stack.api.post(f"/runs/{second}/cancel").status_code == 200
+    stack.wait(lambda: stack.run(second)["status"] == "cancelled", 120, "the cancel to land")
+    series = stack.series(second)
+    assert series["step"] == sorted(set(series["step"])) and series["step"][-1] < steps
