@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
@@ -265,8 +264,10 @@ class ArtifactOut(BaseModel):
     def exists(self) -> bool | None:
         if "://" in self.path:
             return None
+        from plab.settings import get_settings, home_path
+
         try:
-            return os.path.exists(self.path)
+            return home_path(self.path, get_settings().home).exists()
         except (OSError, ValueError):
             return False
 

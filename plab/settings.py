@@ -89,3 +89,19 @@ def _max_body() -> int:
     if not raw.isdigit() or int(raw) < 1024:
         raise SettingsError(f"PLAB_MAX_BODY_BYTES must be a whole number of bytes >= 1024, got {raw!r}")
     return int(raw)
+
+
+def portable_path(path, home: Path) -> str:
+    """`path` relative to PLAB_HOME `home` when it lies inside it (so the folder can move: set PLAB_HOME to its new
+    place), else absolute. The inverse is `home_path`."""
+    resolved = Path(path).resolve()
+    try:
+        return resolved.relative_to(Path(home).resolve()).as_posix()
+    except ValueError:
+        return str(resolved)
+
+
+def home_path(path: str, home: Path) -> Path:
+    """A path recorded by `portable_path`, on this machine: relative ones live under PLAB_HOME."""
+    p = Path(path)
+    return p if p.is_absolute() else Path(home) / p

@@ -221,7 +221,17 @@ def update_info(session: Session, run_id: int, body: RunInfoUpdate) -> Run:
 
 
 def add_artifact(session: Session, run_id: int, body: ArtifactIn) -> Artifact:
+    """One record per (run, kind, path): reporting the same artifact again (a final checkpoint announced by the
+    training loop and again with the result) updates its step and merges its meta."""
     get_run(session, run_id)
+    same = session.scalars(select(Artifact).where(Artifact.run_id == run_id, Artifact.kind == body.kind,
+                                                  Artifact.path == body.path)).first()
+    if same is not None:
+        if body.step is not None:
+            same.step = body.step
+        same.meta = {**(same.meta or {}), **(body.meta or {})}
+        session.flush()
+        return same
     art = Artifact(run_id=run_id, **body.model_dump())
     session.add(art)
     session.flush()

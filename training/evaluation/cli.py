@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -70,6 +71,7 @@ def main(argv: Sequence[str] | None = None, *, resolve_target: Callable[[str], s
         if not args.target:
             parser.error("give a checkpoint directory, or --list-tasks / --render-tasks / --compare")
         target = args.target
+        _check_output(args.output)  # before hours of evaluation, not after
         if resolve_target is not None and not Path(target).exists():
             target = resolve_target(target)
         result = evaluate_checkpoint(
@@ -87,10 +89,39 @@ def main(argv: Sequence[str] | None = None, *, resolve_target: Callable[[str], s
     except (EvaluationError, TaskConfigError, ValueError, OSError) as err:
         print(f"plab eval: error: {err}", file=sys.stderr)
         return 2
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=1))
     print(_format_results(result))
+    if args.output:
+        return _write_output(args.output, result)
     return 0
+
+
+def _check_output(output: str | None) -> None:
+    """An --output file can be written: its folder is made if missing; a folder or unwritable place is an
+    error (OSError) before anything is evaluated."""
+    if not output:
+        return
+    path = Path(output)
+    if path.is_dir():
+        raise OSError(f"--output {output} is a folder; give a file name such as {path / 'results.json'}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(path.parent, os.W_OK):
+        raise OSError(f"--output {output}: cannot write in {path.parent}")
+
+
+def _write_output(output: str, result: dict) -> int:
+    """The results as JSON in `output`; if that fails after all, in a temporary file, so nothing is lost."""
+    text = json.dumps(result, indent=1)
+    try:
+        Path(output).write_text(text)
+        return 0
+    except OSError as err:
+        import tempfile
+
+        fd, fallback = tempfile.mkstemp(prefix="plab-eval-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        print(f"plab eval: could not write {output} ({err}); the results are in {fallback}", file=sys.stderr)
+        return 1
 
 
 def _limit(text: str) -> int | float:

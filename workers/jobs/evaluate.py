@@ -82,7 +82,9 @@ def _evaluate(client: PlabClient, evaluation_id: int, job: dict) -> dict:
         client.post_evaluation_result(evaluation_id, task, result)
         posted.add(task)
 
-    result = evaluate_checkpoint(job["checkpoint"], job["tasks"], limit=job["limit"], heldout_text=heldout,
+    from plab.settings import home_path
+
+    result = evaluate_checkpoint(str(home_path(job["checkpoint"], get_settings().home)), job["tasks"], limit=job["limit"], heldout_text=heldout,
                                  on_task_done=post_once)
     # A group (e.g. plab_blimp) carries no per-document scores itself: its subtasks do, and the paired
     # comparison with BF16 needs them, so they are stored too.

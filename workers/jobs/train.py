@@ -40,7 +40,7 @@ class ApiSink(MetricSink):
                 self.client.update_run(self.run_id, conversion_report=report,
                                        gemm_backend=report.get("gemm_backend"))
             elif kind == "checkpoint":
-                self.client.add_artifact(self.run_id, "checkpoint", str(fields.get("path")), step=fields.get("step"),
+                self.client.add_artifact(self.run_id, "checkpoint", _portable(fields.get("path")), step=fields.get("step"),
                                          meta={k: v for k, v in fields.items() if k not in ("path", "step")})
         except (ApiError, OSError) as e:  # reporting must never kill a training job
             print(f"[plab] could not report {kind}: {e}", file=sys.stderr)
@@ -170,12 +170,19 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
 
+def _portable(path) -> str:
+    """Checkpoints under PLAB_HOME are recorded relative to it, so the folder can move."""
+    from plab.settings import portable_path
+
+    return portable_path(path, get_settings().home)
+
+
 def _report(client: PlabClient, run_id: int, result) -> None:
     summary = dict(result.summary or {})
     summary.update({"final_loss": result.final_loss, "final_val_loss": result.final_val_loss,
                     "steps": result.steps, "tokens": result.tokens})
     if result.checkpoint_dir:  # before the final status: a succeeded run may be evaluated at once
-        client.add_artifact(run_id, "checkpoint", str(result.checkpoint_dir), step=result.steps,
+        client.add_artifact(run_id, "checkpoint", _portable(result.checkpoint_dir), step=result.steps,
                             meta={"format": "hf", "final": True})
     client.set_status(run_id, result.status, diverged_step=result.diverged_step, summary=summary,
                       gemm_backend=result.gemm_backend, device_name=result.device_name)
