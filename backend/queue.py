@@ -13,7 +13,9 @@ def queue_for(spec: dict) -> str:
 def enqueue_train(run_id: int, spec: dict) -> str:
     """Sends the run's job; returns the message id (kept on the run, so a lost message can be found out)."""
     # The GPU count travels with the message: the worker picks torchrun or a single process without asking the API.
-    return send_task(TRAIN_TASK, [run_id], kwargs={"gpus": train_gpus(spec)}, queue=queue_for(spec))
+    nodes = int((spec.get("training") or {}).get("nodes") or 1)
+    kwargs = {"gpus": train_gpus(spec), **({"nodes": nodes} if nodes > 1 else {})}
+    return send_task(TRAIN_TASK, [run_id], kwargs=kwargs, queue=queue_for(spec))
 
 
 def enqueue_eval(evaluation_id: int) -> None:

@@ -13,9 +13,14 @@ if ! pg_isready -q -h 127.0.0.1 -p 5432; then
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql)" main start
 fi
 for _ in $(seq 30); do pg_isready -q -h 127.0.0.1 -p 5432 && redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && break; sleep 1; done
-# Headless Chromium for the dashboard's browser tests (Debian's package; Playwright drives it).
-if ! command -v chromium >/dev/null 2>&1; then
-  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null
+# Headless Chromium for the dashboard's browser tests (Debian's package; Playwright drives it), and a real Slurm
+# (slurmctld, slurmd, munge from Debian) for the cluster tests, which start their own daemons.
+need=()
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v slurmctld >/dev/null 2>&1 || need+=(slurm-wlm)
+command -v munged >/dev/null 2>&1 || need+=(munge)
+if [ ${#need[@]} -gt 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}") >/dev/null
 fi
 
 if [ -z "${PLAB_DATA_DIR:-}" ] && [ -d ../shared/data ]; then export PLAB_DATA_DIR="$(cd ../shared/data && pwd)"; fi

@@ -126,7 +126,7 @@ def numerics_identity(spec_dict: dict) -> dict:
     """The parts of a spec that decide the numbers a run produces (not how fast or where it runs)."""
     d = {k: v for k, v in spec_dict.items() if k != "training"}
     d["training"] = {k: v for k, v in spec_dict["training"].items()
-                     if k not in ("perf", "device", "gpus", "compile", "checkpoint_every", "queue", "parallel",
+                     if k not in ("perf", "device", "gpus", "nodes", "compile", "checkpoint_every", "queue", "parallel",
                                   "activation_checkpointing", "activation_checkpointing_every")}
     # A fused QKV projection changes the parameter list (and a recipe's scaling of it).
     d["training"]["perf.fuse_qkv"] = (spec_dict["training"].get("perf") or {}).get("fuse_qkv")

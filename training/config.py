@@ -123,7 +123,7 @@ LIMITS = {
     "training.steps": 10_000_000, "training.tokens": 10**14, "training.batch_size": 65_536,
     "training.grad_accum": 65_536, "training.warmup_steps": 10_000_000, "training.val_every": 10_000_000,
     "training.val_batches": 100_000, "training.checkpoint_every": 10_000_000, "training.numerics_every": 10_000_000,
-    "training.gpus": 1_024, "spec.seed": 2**31 - 1, "spec.bf16_first_layers": 1_024, "spec.bf16_last_layers": 1_024,
+    "training.gpus": 1_024, "training.nodes": 4_096, "spec.seed": 2**31 - 1, "spec.bf16_first_layers": 1_024, "spec.bf16_last_layers": 1_024,
 }
 DEFAULT_INT_LIMIT = 2**31 - 1  # any other integer: a 32-bit column's range
 
@@ -352,7 +352,8 @@ class TrainingSpec:
     param_dtype: str = "auto"
     numerics_every: int = 0
     device: str = "auto"
-    gpus: int = 1
+    gpus: int = 1                      # processes (GPUs) per node
+    nodes: int = 1                     # hosts; more than one needs a Slurm worker (workers/slurm.py)
     # The worker queue the job goes to (the hardware it asks for, e.g. "h100", "cpu"; None: "default"). Only
     # the dispatcher reads it; it does not change what is trained.
     queue: str | None = None
@@ -528,6 +529,7 @@ class RunSpec:
             numerics_every=_int(s, "numerics_every", d.get("numerics_every", base.numerics_every), minimum=0),
             device=device,
             gpus=_int(s, "gpus", d.get("gpus", base.gpus), minimum=1),
+            nodes=_int(s, "nodes", d.get("nodes", base.nodes), minimum=1),
             queue=_queue(d.get("queue")),
             perf=perf,
         )
@@ -535,10 +537,11 @@ class RunSpec:
 
     def _cross_check(self) -> None:
         t = self.training
-        per_step_split = t.grad_accum * t.gpus
+        per_step_split = t.grad_accum * t.gpus * t.nodes
         if t.batch_size % per_step_split:
-            raise SpecError(f"training.batch_size ({t.batch_size}) must be divisible by grad_accum x gpus "
-                            f"({t.grad_accum} x {t.gpus} = {per_step_split}): it is the global batch")
+            nodes = " x nodes" if t.nodes > 1 else ""
+            raise SpecError(f"training.batch_size ({t.batch_size}) must be divisible by grad_accum x gpus{nodes} "
+                            f"({per_step_split}): it is the global batch")
         if self.training.warmup_steps > self.total_steps:
             raise SpecError(f"training.warmup_steps ({t.warmup_steps}) exceeds the run length "
                             f"({self.total_steps} steps); lower warmup_steps")

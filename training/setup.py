@@ -86,11 +86,11 @@ def device_kind(spec: RunSpec) -> str:
 
 def join_processes(spec: RunSpec) -> DistContext:
     """This process's place among the ranks torchrun started; checks their number against `training.gpus`."""
-    gpus = spec.training.gpus
+    gpus, nodes = spec.training.gpus, spec.training.nodes
     ctx = init_distributed(device_kind(spec))
-    if ctx.world != 1 and ctx.world != gpus:
-        raise SpecError(f"the spec asks for training.gpus={gpus} but {ctx.world} processes were launched; "
-                        f"launch with torchrun --nproc-per-node {gpus}")
+    if ctx.world != 1 and ctx.world != gpus * nodes:
+        raise SpecError(f"the spec asks for training.gpus={gpus} on training.nodes={nodes} ({gpus * nodes} processes) "
+                        f"but {ctx.world} were launched; launch with torchrun --nnodes {nodes} --nproc-per-node {gpus}")
     if ctx.world == 1 and gpus > 1:
         raise SpecError(f"training.gpus={gpus} needs one process per GPU: launch with "
                         f"`torchrun --nproc-per-node {gpus} -m training SPEC.json --output-dir DIR`")

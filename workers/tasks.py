@@ -74,9 +74,12 @@ def _how_it_ended(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def placement_problem(gpus: int | None) -> str | None:
+def placement_problem(gpus: int | None, nodes: int | None = None) -> str | None:
     """Why this pool slot cannot run a job on `gpus` GPUs (None: it can). A CPU slot runs one process; a GPU slot
-    as many ranks as it has devices."""
+    as many ranks as it has devices; several nodes need a Slurm worker."""
+    if nodes and nodes > 1:
+        return (f"the run needs {nodes} nodes (training.nodes) but this worker runs jobs on its own host: send it to "
+                f"a Slurm worker (`plab worker --launcher slurm`, with training.queue naming its queue)")
     if not gpus or gpus <= 1:
         return None
     devices = os.environ.get(SLOT_ENV)
@@ -91,7 +94,13 @@ def placement_problem(gpus: int | None) -> str | None:
 def run_job(task: Task, job: Job, job_id: int, **options) -> int:
     """Run `job` in a child process and make sure its row ends with an outcome. Returns the child's exit code."""
     log.info("%s %s: starting job, attempt %s", job.KIND, job_id, task.request.retries + 1)
-    problem = placement_problem(options.get("gpus")) if job is train else None
+    if job is train and os.environ.get("PLAB_LAUNCHER") == "slurm":
+        from workers.slurm import run_train
+
+        env = job_env()
+        env.pop("CUDA_VISIBLE_DEVICES", None)  # Slurm allocates the GPUs of the job
+        return run_train(job_id, get_settings().max_attempts, env)
+    problem = placement_problem(options.get("gpus"), options.get("nodes")) if job is train else None
     if problem is not None:
         with PlabClient.from_env() as client:
             if job.status(client, job_id) in UNREPORTED:

@@ -153,11 +153,20 @@ def cancel_run(session: Session, run_id: int) -> Run:
     return run
 
 
-def _claim(run: Run, stale_s: float) -> None:
+def _slurm_job(holder: str | None) -> str | None:
+    """The Slurm job id of a worker_host written by a job in Slurm ("slurm job 123 (node1)")."""
+    if holder and holder.startswith("slurm job "):
+        return holder.split()[2]
+    return None
+
+
+def _claim(run: Run, stale_s: float, claimant: str | None = None) -> None:
     """A job starts a run by reporting `running`: refused while another job holds the run (a heartbeat younger
     than `stale_s`), so a duplicate or late-delivered message never trains a run twice at once. A record-only
-    (external) run is reported by its owner's own process, which may repeat `running`."""
-    if run.status == "running" and run.heartbeat_at is not None and not run.external:
+    (external) run is reported by its owner's own process, which may repeat `running`; so may the same Slurm job
+    restarted after a requeue (Slurm runs one incarnation of a job at a time)."""
+    same_slurm_job = _slurm_job(claimant) is not None and _slurm_job(claimant) == _slurm_job(run.worker_host)
+    if run.status == "running" and run.heartbeat_at is not None and not run.external and not same_slurm_job:
         age = (utcnow() - _aware(run.heartbeat_at)).total_seconds()
         if age < stale_s:
             raise Conflict(f"run {run.id} is being trained by another job (last heartbeat {age:.0f} s ago)")
@@ -186,7 +195,7 @@ def update_status(session: Session, run_id: int, body: StatusUpdate, stale_s: fl
         raise Conflict(f"run {run_id} cannot go from '{run.status}' to '{body.status}'"
                        + (" (it has already ended)" if run.status in FINAL_STATUSES else ""))
     if body.status == "running":
-        _claim(run, stale_s)
+        _claim(run, stale_s, body.worker_host)
         if run.status == "queued" or run.started_at is None:
             run.started_at = utcnow()
         run.attempts = (run.attempts or 0) + 1

@@ -57,6 +57,13 @@ def worker_plan(gpus: list[str], slots: int | None, multi_gpu: bool, queues: str
 
 
 def cmd_worker(args) -> int:
+    if args.launcher == "slurm":
+        _slurm_setup(args)
+        # The Slurm jobs use the cluster's nodes: this host only submits and watches them, one run per slot.
+        args.gpus, args.multi_gpu = None, False
+        args.device_kind = args.device_kind or "slurm"
+        # Only runs sent to it (training.queue: slurm): the single-host path stays the default for the others.
+        args.queues = args.queues or args.device_kind
     plan = worker_plan(parse_gpus(args.gpus), args.slots, args.multi_gpu, args.queues, args.device_kind)
     # Read by each pool process as it starts (workers.tasks pins slot i to the i-th entry).
     os.environ["PLAB_WORKER_SLOTS"] = ";".join(plan["slots"])
@@ -69,6 +76,24 @@ def cmd_worker(args) -> int:
     print(f"[plab] worker: {len(plan['slots'])} slot(s) {plan['slots']}, queues {plan['queues']}", flush=True)
     app.worker_main(argv)
     return 0
+
+
+def _slurm_setup(args) -> None:
+    """`--launcher slurm`: the Slurm client commands must be here; the options reach the pool processes."""
+    import shlex
+    import shutil
+
+    from workers.slurm import SlurmOptions
+
+    missing = [c for c in ("sbatch", "scontrol", "scancel") if shutil.which(c) is None]
+    if missing:
+        raise UsageError(f"--launcher slurm needs the Slurm client commands on this host ({', '.join(missing)} not "
+                         "found): install Slurm's client (Debian: slurm-client) and its configuration")
+    if args.slurm_poll_s <= 0:
+        raise UsageError("--slurm-poll-s must be a positive number of seconds")
+    opts = SlurmOptions(partition=args.partition, account=args.account, time_limit=args.time,
+                        gpus=not args.cpu_nodes, extra=shlex.split(args.sbatch_args or ""), poll_s=args.slurm_poll_s)
+    os.environ.update(opts.to_env())
 
 
 def cmd_flower(args) -> int:
@@ -112,6 +137,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--slots", type=int, help="concurrent CPU jobs when no GPU is given (default 1)")
     w.add_argument("--queues", help="comma-separated queues (default: 'default' and the device kind)")
     w.add_argument("--device-kind", help="queue name for this hardware, e.g. h100, b200 (default gpu/cpu)")
+    w.add_argument("--launcher", choices=("local", "slurm"), default="local",
+                   help="local: jobs run on this host (default); slurm: each training run is submitted as a Slurm "
+                        "job (training.nodes x training.gpus) and watched from here")
+    w.add_argument("--partition", help="Slurm partition (--launcher slurm)")
+    w.add_argument("--account", help="Slurm account (--launcher slurm)")
+    w.add_argument("--time", help="Slurm time limit, e.g. 04:00:00 (--launcher slurm; a run that reaches it is "
+                                  "requeued and resumes from its checkpoint)")
+    w.add_argument("--cpu-nodes", action="store_true", help="the Slurm nodes have no GPUs: no --gpus-per-node, gloo")
+    w.add_argument("--sbatch-args", help="more sbatch options, e.g. '--qos=high --constraint=h100'")
+    w.add_argument("--slurm-poll-s", type=float, default=5.0, help="seconds between looks at a Slurm job")
     w.add_argument("--hostname")
     w.add_argument("--log-level", default="info")
     w.set_defaults(func=cmd_worker)

@@ -53,6 +53,13 @@ class ApiSink(MetricSink):
         pass
 
 
+def holder() -> str:
+    """Who trains the run (its worker_host): this host, or the Slurm job (the same Slurm job restarted after a
+    requeue may claim the run again: Slurm runs one incarnation of a job at a time)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"slurm job {job} ({socket.gethostname()})" if job else socket.gethostname()
+
+
 def device_name() -> str:
     import torch
 
@@ -61,7 +68,7 @@ def device_name() -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
-def command(run_id: int, gpus: int | None = None) -> list[str]:
+def command(run_id: int, gpus: int | None = None, nodes: int | None = None) -> list[str]:
     """One process, or torchrun with one process per GPU. A message queued before the API sent `gpus` has none:
     the run's spec says."""
     if gpus is None:
@@ -103,7 +110,7 @@ def run(run_id: int) -> int:
     beat = None
     if rank == 0:
         try:  # the claim: refused (409) while another job holds the run
-            client.set_status(run_id, "running", worker_host=socket.gethostname(), device_name=device_name())
+            client.set_status(run_id, "running", worker_host=holder(), device_name=device_name())
         except ApiError as e:
             if e.status != 409:
                 raise
