@@ -39,9 +39,9 @@ def create_app(settings: Settings | None = None, *, migrate: bool | None = None)
 
     openapi.install(app)
 
-    from backend.api.routes import auth, evaluations, experiments, gemm, recipes, runs
+    from backend.api.routes import auth, evaluations, experiments, gemm, recipes, runs, workers
 
-    for module in (experiments, runs, gemm, recipes, auth):
+    for module in (experiments, runs, gemm, recipes, auth, workers):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(evaluations.router, prefix="/api/v1")
 

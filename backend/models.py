@@ -194,3 +194,16 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Worker(Base):
+    """A worker as it last described itself (`plab worker` registers every PLAB_WORKER_BEAT_S): the API checks
+    a run's GPU and node needs against the live workers of its queue."""
+    __tablename__ = "workers"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    queues: Mapped[list] = mapped_column(JSON)
+    slots: Mapped[int] = mapped_column(Integer)
+    gpus_per_slot: Mapped[int] = mapped_column(Integer)     # 0: CPU slots (one process per job)
+    launcher: Mapped[str] = mapped_column(String(16))       # local | slurm
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -109,6 +109,10 @@ class PlabClient:
         body = {"status": status, **{k: v for k, v in fields.items() if v is not None}}
         return self._request("POST", f"/runs/{run_id}/status", json=body)
 
+    def register_worker(self, name: str, queues: list[str], slots: int, gpus_per_slot: int, launcher: str) -> dict:
+        return self._request("PUT", f"/workers/{name}", json={"queues": queues, "slots": slots,
+                                                               "gpus_per_slot": gpus_per_slot, "launcher": launcher})
+
     def heartbeat(self, run_id: int) -> dict:
         return self._request("POST", f"/runs/{run_id}/heartbeat")
 

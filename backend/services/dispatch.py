@@ -84,6 +84,10 @@ def submit_experiment(session: Session, body: ExperimentCreate) -> Experiment:
     exp = runs.create_experiment(session, body)
     if not body.enqueue:
         return exp
+    from backend.services.workers import check_placement
+
+    for run in exp.runs:
+        check_placement(session, run.spec)
     failed, error = _send(session, [_train_job(session, run) for run in exp.runs])
     if failed:
         runs_failed = ("run " if len(failed) == 1 else "runs ") + ", ".join(str(i) for i in failed)

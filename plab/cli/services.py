@@ -70,12 +70,42 @@ def cmd_worker(args) -> int:
     os.environ.setdefault("PLAB_JOB_THREADS", str(plan["threads"]))
     from workers.celery_app import app
 
+    hostname = args.hostname or f"plab@{socket.gethostname()}"
     argv = ["worker", "--loglevel", args.log_level, "--pool", "prefork", "--concurrency", str(len(plan["slots"])),
-            "--queues", ",".join(plan["queues"]), "--hostname", args.hostname or f"plab@{socket.gethostname()}",
+            "--queues", ",".join(plan["queues"]), "--hostname", hostname,
             "--without-mingle", "--without-gossip"]
+    _register_with_api(hostname, plan, args.launcher)
     print(f"[plab] worker: {len(plan['slots'])} slot(s) {plan['slots']}, queues {plan['queues']}", flush=True)
     app.worker_main(argv)
     return 0
+
+
+def _register_with_api(name: str, plan: dict, launcher: str) -> None:
+    """Tell the API what this worker offers, now and every PLAB_WORKER_BEAT_S (30) seconds, from a thread; the
+    API refuses runs that no live worker of their queue can place. A worker the API cannot reach still works."""
+    import threading
+    import time
+
+    from workers.client import PlabClient
+
+    slot = plan["slots"][0]
+    gpus = 0 if slot == "cpu" else len(slot.split(","))
+    interval = float(os.environ.get("PLAB_WORKER_BEAT_S", "30"))
+
+    def beat():
+        warned = False
+        while True:
+            try:
+                with PlabClient.from_env(retries=0) as client:
+                    client.register_worker(name, plan["queues"], len(plan["slots"]), gpus, launcher)
+                warned = False
+            except Exception as e:  # noqa: BLE001 - registration is advisory
+                if not warned:
+                    print(f"[plab] worker: could not register with the API ({e}); retrying", flush=True)
+                    warned = True
+            time.sleep(interval)
+
+    threading.Thread(target=beat, daemon=True, name="plab-worker-register").start()
 
 
 def _slurm_setup(args) -> None:
