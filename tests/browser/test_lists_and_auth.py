@@ -103,3 +103,17 @@ def test_writes_use_the_token_pasted_into_the_page(server, tokenless_page, api_t
     # write (403); nothing else.
     assert len(page.console_log.errors) == 3, page.console_log.errors
     assert all(" 40" in e for e in page.console_log.errors), page.console_log.errors
+
+
+def test_a_run_waiting_on_slurm_shows_its_job_state_and_reason(server, page):
+    exp = server.create_experiment(["bf16"], name="slurm-pending")
+    run_id = exp["runs"][0]["id"]
+    r = server.http.patch(f"/api/v1/runs/{run_id}", json={"summary": {"slurm": {
+        "job_id": "4242", "state": "PENDING", "reason": "Priority", "requeues": 0}}})
+    assert r.status_code == 200, r.text
+    for url in (f"{server.base_url}/runs?status=queued", f"{server.base_url}/experiments/{exp['id']}"):
+        page.goto(url)
+        row = page.locator(f"tr[data-run-id='{run_id}']")
+        row.wait_for()
+        assert "Slurm job 4242: PENDING (Priority)" in row.inner_text()
+    assert page.console_log.errors == []

@@ -50,6 +50,15 @@ export function statusBadge(status) {
   return html`<span class="badge status-${s}" data-status="${s}">${s}</span>`;
 }
 
+// Where a run waits or runs on a Slurm cluster (summary.slurm, written by the Slurm worker): "Slurm job 42:
+// PENDING (Priority)"; empty for runs of local workers and for finished runs.
+export function slurmNote(run) {
+  const slurm = run && run.summary && run.summary.slurm;
+  if (!slurm || !["queued", "running"].includes(run.status)) return "";
+  const reason = slurm.reason && slurm.reason !== "None" ? ` (${slurm.reason})` : "";
+  return `Slurm job ${slurm.job_id}: ${slurm.state}${reason}`;
+}
+
 // Plotly renders trace names, category labels, titles and hover text as its own small subset of HTML: data
 // going there is escaped too (Plotly turns the entities back into the characters on screen).
 export const plotText = escapeHtml;

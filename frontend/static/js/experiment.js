@@ -1,7 +1,7 @@
 // Experiment page: loss curves of every run (one trace per run), relative difference to the baseline, speed
 // and memory bars, and the runs table; polls every 2 s while any run is queued or running.
 import { get, post, items, formatDate, showGlobalError, LIVE_STATUSES } from "./api.js";
-import { escapeHtml, html, joinHtml, plotText, setHTML, statusBadge } from "./dom.js";
+import { escapeHtml, html, joinHtml, plotText, setHTML, slurmNote, statusBadge } from "./dom.js";
 import {
   BASELINE, describeBest, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName, runLabel,
   tokensPerSecond,
@@ -411,7 +411,7 @@ function runRow(run, i) {
   const tps = runThroughput(run);
   const message = [
     run.status === "diverged" && run.diverged_step != null ? `diverged at step ${run.diverged_step}` : "",
-    run.error_message || "",
+    run.error_message || "", slurmNote(run),
   ].filter(Boolean).join(": ");
   const device = [run.device_name, run.worker_host].filter(Boolean).join(" @ ");
   const live = LIVE_STATUSES.has(run.status);

@@ -1,7 +1,7 @@
 // All runs across experiments, filtered by status, recipe and free text (the filters live in the URL so
 // a filtered view can be bookmarked or shared).
 import { get, items, formatDate, showGlobalError } from "./api.js";
-import { html, joinHtml, setHTML, statusBadge, urlPath } from "./dom.js";
+import { html, joinHtml, setHTML, slurmNote, statusBadge, urlPath } from "./dom.js";
 import { gemmBackend, runLabel } from "./summary.js";
 
 const PAGE = 50;
@@ -26,7 +26,7 @@ function query() {
 
 function row(run) {
   const message = [run.status === "diverged" && run.diverged_step != null ? `diverged at step ${run.diverged_step}` : "",
-    run.error_message || ""].filter(Boolean).join(": ");
+    run.error_message || "", slurmNote(run)].filter(Boolean).join(": ");
   return html`<tr data-run-id="${run.id}" data-status="${run.status}">
     <td>#${run.id} ${runLabel(run)}</td>
     <td><a href="${urlPath("experiments", run.experiment_id)}">experiment ${run.experiment_id}</a></td>
