@@ -25,4 +25,4 @@ fi
 
 if [ -z "${PLAB_DATA_DIR:-}" ] && [ -d ../shared/data ]; then export PLAB_DATA_DIR="$(cd ../shared/data && pwd)"; fi
 export PYTHONUNBUFFERED=1
-exec python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+exec python -m pytest -q -p no:cacheprovider --durations=40 "$@"

@@ -56,16 +56,27 @@ def _complete(stack, run_id: int, steps: int) -> None:
 @pytest.mark.slow
 def test_runs_train_cancel_and_resume_through_slurm(slurm_stack):
     stack = slurm_stack
-    two_nodes = dict(tiny_training(30, checkpoint_every=5), nodes=2, gpus=1, batch_size=4, queue="slurm")
-    exp = stack.create(name="slurm", **TINY, training=two_nodes, recipes=["bf16"])
-    run_id = exp["runs"][0]["id"]
-    job = _slurm_job(stack, run_id)
-    exp = stack.wait_final(exp["id"], timeout=300)
+    two_nodes = dict(tiny_training(16, checkpoint_every=5), nodes=2, gpus=1, batch_size=4, queue="slurm")
+    # Two runs at once (the worker has 2 slots, the cluster room for both): one trains through, the other is
+    # preempted mid-run.
+    plain = stack.create(name="slurm", **TINY, training=two_nodes, recipes=["bf16"])
+    requeued = stack.create(name="slurm-requeue", **TINY, training=dict(two_nodes, steps=30), recipes=["bf16"])
+    run_id, requeue_id = plain["runs"][0]["id"], requeued["runs"][0]["id"]
+    job, requeue_job = _slurm_job(stack, run_id), _slurm_job(stack, requeue_id)
+
+    # Preemption: Slurm requeues the running job (and would hold it 2 minutes; released at once here); the same
+    # Slurm job starts again, claims the run and resumes from its last checkpoint.
+    stack.wait(lambda: (stack.run(requeue_id).get("progress") or {}).get("step", 0) >= 12, 240, "a checkpoint or two")
+    assert "error" not in stack.slurm.scontrol("requeue", requeue_job).lower()
+    stack.wait(lambda: _job_state(stack, requeue_job) == "PENDING", 60, "the requeued job to wait for its begin time")
+    stack.slurm.scontrol("update", f"JobId={requeue_job}", "StartTime=now")
+
+    exp = stack.wait_final(plain["id"], timeout=300)
     run = exp["runs"][0]
     assert run["status"] == "succeeded", stack.log("worker") + stack.slurm.log()
     assert run["worker_host"].startswith(f"slurm job {job} ")
     assert run["summary"]["world_size"] == 2 and run["summary"]["slurm"]["job_id"] == job
-    _complete(stack, run_id, 30)
+    _complete(stack, run_id, 16)
     stack.wait(lambda: _job_state(stack, job) == "COMPLETED", 60, "the Slurm job to complete")
 
     def logs():
@@ -74,26 +85,17 @@ def test_runs_train_cancel_and_resume_through_slurm(slurm_stack):
     assert sorted(a["meta"]["rank"] for a in logs if a["meta"].get("rank") is not None) == [0, 1]
     assert all(a["exists"] and not a["path"].startswith("/") for a in logs)
 
-    # Preemption: Slurm requeues the running job (and would hold it 2 minutes; released at once here); the same
-    # Slurm job starts again, claims the run and resumes from its last checkpoint.
-    exp = stack.create(name="slurm-requeue", **TINY, training=dict(two_nodes, steps=40), recipes=["bf16"])
-    run_id = exp["runs"][0]["id"]
-    job = _slurm_job(stack, run_id)
-    stack.wait(lambda: (stack.run(run_id).get("progress") or {}).get("step", 0) >= 12, 240, "a checkpoint or two")
-    assert "error" not in stack.slurm.scontrol("requeue", job).lower()
-    stack.wait(lambda: _job_state(stack, job) == "PENDING", 60, "the requeued job to wait for its begin time")
-    stack.slurm.scontrol("update", f"JobId={job}", "StartTime=now")
-    exp = stack.wait_final(exp["id"], timeout=300)
+    # Cancel in the API (while the requeued run finishes): the Slurm job ends, the run is cancelled.
+    cancelled = stack.create(name="slurm-cancel", **TINY, training=dict(two_nodes, steps=400), recipes=["bf16"])
+    cancel_id = cancelled["runs"][0]["id"]
+    cancel_job = _slurm_job(stack, cancel_id)
+    stack.wait(lambda: stack.run(cancel_id)["status"] == "running", 120, "the run to start")
+    assert stack.api.post(f"/runs/{cancel_id}/cancel").status_code == 200
+    stack.wait(lambda: stack.run(cancel_id)["status"] == "cancelled", 120, "the cancel")
+    stack.wait(lambda: _job_state(stack, cancel_job) in ("CANCELLED", "COMPLETED"), 60, "the Slurm job to end")
+
+    exp = stack.wait_final(requeued["id"], timeout=300)
     run = exp["runs"][0]
     assert run["status"] == "succeeded", stack.log("worker") + stack.slurm.log()
     assert run["attempts"] >= 2
-    _complete(stack, run_id, 40)
-
-    # Cancel in the API: the Slurm job ends, the run is cancelled.
-    exp = stack.create(name="slurm-cancel", **TINY, training=dict(two_nodes, steps=400), recipes=["bf16"])
-    run_id = exp["runs"][0]["id"]
-    job = _slurm_job(stack, run_id)
-    stack.wait(lambda: stack.run(run_id)["status"] == "running", 120, "the run to start")
-    assert stack.api.post(f"/runs/{run_id}/cancel").status_code == 200
-    stack.wait(lambda: stack.run(run_id)["status"] == "cancelled", 120, "the cancel")
-    stack.wait(lambda: _job_state(stack, job) in ("CANCELLED", "COMPLETED"), 60, "the Slurm job to end")
+    _complete(stack, requeue_id, 30)

@@ -19,6 +19,7 @@ from training.train import train
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = ("bf16", "fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "mxfp8", "nvfp4")
+DDP_CHECKED = ("bf16", "fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "nvfp4")
 
 
 def _launch(nproc: int, jobs: list[dict], tmp: Path, name: str) -> None:
@@ -70,19 +71,22 @@ def test_fsdp_on_2_and_4_processes_trains_every_recipe_and_resumes_exactly_or_re
         sink = ListSink()
         train(spec(r, "ddp", 1), sink, cache_dir=cache_dir)
         single[r] = dict(sink.series("train/loss"))
+    # DDP on as many processes, for the exact first-step check, with one recipe of each kind of scaling (per
+    # tensor, delayed, per row, per block of 32 or 16 elements).
     _launch(2, [_job(spec(r, p, 2, checkpoint_every=ckpt(r)), tmp_path, f"{p}2_{r}", cache_dir)
-                for p in ("fsdp", "ddp") for r in RECIPES], tmp_path, "two")
+                for p in ("fsdp", "ddp") for r in RECIPES if p == "fsdp" or r in DDP_CHECKED], tmp_path, "two")
     _launch(4, [_job(spec(r, "fsdp", 4, checkpoint_every=ckpt(r)), tmp_path, f"fsdp4_{r}", cache_dir)
                 for r in RECIPES], tmp_path, "four")
 
     for r in RECIPES:
-        fsdp2, ddp2, fsdp4 = (_losses(tmp_path, f"{n}_{r}") for n in ("fsdp2", "ddp2", "fsdp4"))
+        fsdp2, fsdp4 = (_losses(tmp_path, f"{n}_{r}") for n in ("fsdp2", "fsdp4"))
         assert sorted(fsdp2) == sorted(fsdp4) == [1, 2, 3, 4]
         assert _result(tmp_path, f"fsdp4_{r}")["summary"]["parallel"] == "fsdp"
         assert _result(tmp_path, f"fsdp4_{r}")["summary"]["world_size"] == 4
         # Against DDP on as many processes, the first step is exact: a recipe that quantized a weight shard
         # instead of the gathered weight (another amax, another block grid) would differ here.
-        assert fsdp2[1] == pytest.approx(ddp2[1], abs=2e-6), r
+        if r in DDP_CHECKED:
+            assert fsdp2[1] == pytest.approx(_losses(tmp_path, f"ddp2_{r}")[1], abs=2e-6), r
         tol = TOLERANCE[r]
         for step in (1, 2, 3, 4):
             assert fsdp2[step] == pytest.approx(single[r][step], abs=tol), (r, 2, step)
