@@ -49,7 +49,7 @@ def _merge_rollup(session: Session, rows: list[dict]) -> None:
     if upsert is None:
         upsert = _UPSERTS[cache_key] = _rollup_upsert(session, pg, names)
     if pg:
-        session.connection().execute(upsert, {f"a_{n}": [r[n] for r in rows] for n in names})
+        _driver_execute(session, upsert, {f"a_{n}": [r[n] for r in rows] for n in names})
     else:
         session.connection().execute(upsert, rows)
 
@@ -87,7 +87,14 @@ def _rollup_upsert(session: Session, pg: bool, names: list[str]):
     for f in ("step", "tokens", "wall_time"):
         c = f"null_{f}"
         set_[c] = case((new_null, ex[c]), else_=t[c])
-    return stmt.on_conflict_do_update(index_elements=["run_id", "key", "level", "bucket"], set_=set_)
+    upsert = stmt.on_conflict_do_update(index_elements=["run_id", "key", "level", "bucket"], set_=set_)
+    if not pg:
+        return upsert
+    # PostgreSQL: the SQL text, its array parameters in the binary format (see _PG_INSERT).
+    sql = str(upsert.compile(dialect=session.get_bind().dialect))
+    for n in names:
+        sql = sql.replace(f"%(a_{n})s", f"%(a_{n})b")
+    return sql
 
 
 def _rollup_rows(run_id: int, key: str, points: Iterable[Point]) -> list[dict]:
@@ -98,12 +105,20 @@ def _rollup_rows(run_id: int, key: str, points: Iterable[Point]) -> list[dict]:
 # PostgreSQL: the whole batch as five array parameters of one statement. The multi-row VALUES form SQLAlchemy
 # builds instead has a placeholder per value, which the driver re-parses client-side for every batch (most of
 # the time of a 10,000-point request went there: ~8k points/s from one client on this machine).
-_PG_INSERT = text(
+# The arrays go in psycopg's binary format (%(name)b: dumped in C, where the text format quotes element by element).
+_PG_INSERT = (
     "INSERT INTO metric_points (run_id, key, step, value, tokens, wall_time) "
-    "SELECT :run_id, k, s, v, t, w FROM unnest(CAST(:keys AS varchar[]), CAST(:steps AS bigint[]), "
-    "CAST(:vals AS double precision[]), CAST(:toks AS bigint[]), CAST(:walls AS double precision[])) "
+    "SELECT %(run_id)b, k, s, v, t, w FROM unnest(CAST(%(keys)b AS varchar[]), CAST(%(steps)b AS bigint[]), "
+    "CAST(%(vals)b AS double precision[]), CAST(%(toks)b AS bigint[]), CAST(%(walls)b AS double precision[])) "
     "WITH ORDINALITY AS u(k, s, v, t, w, i) ORDER BY i "
     "ON CONFLICT (run_id, key, step) DO NOTHING RETURNING key, step")
+
+
+def _driver_execute(session: Session, sql: str, params: dict) -> list:
+    """`sql` on the session's own psycopg connection (inside its transaction), for binary parameters."""
+    with session.connection().connection.driver_connection.cursor() as cur:
+        cur.execute(sql, params)
+        return cur.fetchall() if cur.description else []
 
 
 def _insert_points(session: Session, run_id: int, rows: list[dict]):
@@ -112,7 +127,7 @@ def _insert_points(session: Session, run_id: int, rows: list[dict]):
     if session.get_bind().dialect.name == "postgresql":
         cols = {name: [r[field] for r in rows] for name, field in
                 (("keys", "key"), ("steps", "step"), ("vals", "value"), ("toks", "tokens"), ("walls", "wall_time"))}
-        return session.connection().execute(_PG_INSERT, {"run_id": run_id, **cols}).all()
+        return _driver_execute(session, _PG_INSERT, {"run_id": run_id, **cols})
     table = MetricPoint.__table__
     # Executed over the rows, the statement compiles once and SQLAlchemy sends it as multi-row VALUES batches
     # within the driver's parameter limits.
