@@ -117,11 +117,18 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         return proc.stdout + proc.stderr
 
     def down(self) -> None:
+        """Jobs cancelled, daemons stopped (killed after 3 s: their state is thrown away with the folder)."""
         subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True)
+        deadline = time.time() + 30  # let slurmd end the jobs' processes before it goes
+        while time.time() < deadline and subprocess.run(["squeue", "-h"], env=self.env, capture_output=True,
+                                                         text=True).stdout.strip():
+            time.sleep(0.5)
         for proc in reversed(self.procs):
             proc.terminate()
         for proc in self.procs:
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait(timeout=10)
+

@@ -33,7 +33,7 @@ def slurm_stack(stack, slurm):
     os.killpg(stack.procs["worker"].pid, signal.SIGKILL)
     stack.procs["worker"].wait(timeout=10)
     stack.env.update(slurm.env)
-    stack.start("worker", compose_command("worker") + ["--slots", "2", "--launcher", "slurm", "--cpu-nodes", "--queues", "slurm",
+    stack.start("worker", compose_command("worker") + ["--slots", "3", "--launcher", "slurm", "--cpu-nodes", "--queues", "slurm",
                                                        "--slurm-poll-s", "1"])
     stack.slurm = slurm
     return stack
@@ -57,12 +57,19 @@ def _complete(stack, run_id: int, steps: int) -> None:
 def test_runs_train_cancel_and_resume_through_slurm(slurm_stack):
     stack = slurm_stack
     two_nodes = dict(tiny_training(16, checkpoint_every=5), nodes=2, gpus=1, batch_size=4, queue="slurm")
-    # Two runs at once (the worker has 2 slots, the cluster room for both): one trains through, the other is
-    # preempted mid-run.
+    # Three runs at once (the worker has 3 slots, the cluster room for all): one trains through, one is preempted
+    # mid-run, one is cancelled.
     plain = stack.create(name="slurm", **TINY, training=two_nodes, recipes=["bf16"])
     requeued = stack.create(name="slurm-requeue", **TINY, training=dict(two_nodes, steps=30), recipes=["bf16"])
-    run_id, requeue_id = plain["runs"][0]["id"], requeued["runs"][0]["id"]
-    job, requeue_job = _slurm_job(stack, run_id), _slurm_job(stack, requeue_id)
+    cancelled = stack.create(name="slurm-cancel", **TINY, training=dict(two_nodes, steps=400), recipes=["bf16"])
+    run_id, requeue_id, cancel_id = (e["runs"][0]["id"] for e in (plain, requeued, cancelled))
+    job, requeue_job, cancel_job = (_slurm_job(stack, r) for r in (run_id, requeue_id, cancel_id))
+
+    # Cancel in the API: the Slurm job ends, the run is cancelled.
+    stack.wait(lambda: stack.run(cancel_id)["status"] == "running", 120, "the run to start")
+    assert stack.api.post(f"/runs/{cancel_id}/cancel").status_code == 200
+    stack.wait(lambda: stack.run(cancel_id)["status"] == "cancelled", 120, "the cancel")
+    stack.wait(lambda: _job_state(stack, cancel_job) in ("CANCELLED", "COMPLETED"), 60, "the Slurm job to end")
 
     # Preemption: Slurm requeues the running job (and would hold it 2 minutes; released at once here); the same
     # Slurm job starts again, claims the run and resumes from its last checkpoint.
@@ -85,17 +92,9 @@ def test_runs_train_cancel_and_resume_through_slurm(slurm_stack):
     assert sorted(a["meta"]["rank"] for a in logs if a["meta"].get("rank") is not None) == [0, 1]
     assert all(a["exists"] and not a["path"].startswith("/") for a in logs)
 
-    # Cancel in the API (while the requeued run finishes): the Slurm job ends, the run is cancelled.
-    cancelled = stack.create(name="slurm-cancel", **TINY, training=dict(two_nodes, steps=400), recipes=["bf16"])
-    cancel_id = cancelled["runs"][0]["id"]
-    cancel_job = _slurm_job(stack, cancel_id)
-    stack.wait(lambda: stack.run(cancel_id)["status"] == "running", 120, "the run to start")
-    assert stack.api.post(f"/runs/{cancel_id}/cancel").status_code == 200
-    stack.wait(lambda: stack.run(cancel_id)["status"] == "cancelled", 120, "the cancel")
-    stack.wait(lambda: _job_state(stack, cancel_job) in ("CANCELLED", "COMPLETED"), 60, "the Slurm job to end")
-
     exp = stack.wait_final(requeued["id"], timeout=300)
     run = exp["runs"][0]
     assert run["status"] == "succeeded", stack.log("worker") + stack.slurm.log()
     assert run["attempts"] >= 2
     _complete(stack, requeue_id, 30)
+    stack.wait(lambda: _job_state(stack, requeue_job) == "COMPLETED", 60, "the requeued job to complete")

@@ -216,18 +216,30 @@ def test_spec_validates_the_new_keys(make_spec):
 
 
 @pytest.mark.slow
-def test_plab_train_starts_the_processes_itself(make_spec, tmp_path):
-    """`plab train FILE` with training.gpus = 2 on a machine without GPUs: two gloo processes, one result."""
-    spec = make_spec(training={"steps": 3, "batch_size": 4, "gpus": 2, "parallel": "fsdp"})
+def test_plab_train_starts_the_processes_itself_and_two_train_like_one(make_spec, cache_dir, tmp_path):
+    """`plab train FILE` with training.gpus = 2 on a machine without GPUs: two gloo processes (DDP) under torchrun,
+    rank 0 alone reporting, training like one process with the same global batch."""
+    single = ListSink()
+    one = train(make_spec(training={"steps": 6, "batch_size": 8, "val_every": 3}), single, cache_dir=cache_dir)
+    spec = make_spec(training={"steps": 6, "batch_size": 8, "val_every": 3, "gpus": 2, "parallel": "ddp"})
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, PLAB_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "plab.cli", "train", str(tmp_path / "spec.json"),
-                           "--output", str(tmp_path / "out"), "--print-every", "1",
-                           "--result-json", str(tmp_path / "r.json")],
+                           "--output", str(tmp_path / "out"), "--print-every", "1", "--metrics",
+                           str(tmp_path / "m.jsonl"), "--result-json", str(tmp_path / "r.json")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "starting 2 processes (torchrun)" in proc.stdout
-    assert proc.stdout.count("step      3  loss") == 1        # rank 0 alone prints
+    assert proc.stdout.count("step      6  loss") == 1        # rank 0 alone prints
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    points = [x for x in lines if x["type"] == "metrics"]
+    two_loss = {x["step"]: x["metrics"]["train/loss"] for x in points if "train/loss" in x["metrics"]}
+    two_val = {x["step"]: x["metrics"]["val/loss"] for x in points if "val/loss" in x["metrics"]}
+    assert sorted(two_loss) == list(range(1, 7))      # each step exactly once
+    for step, loss in single.series("train/loss"):
+        assert two_loss[step] == pytest.approx(loss, abs=2e-5), step
+    for step, loss in single.series("val/loss"):
+        assert two_val[step] == pytest.approx(loss, abs=2e-5), step
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["status"] == "succeeded" and result["world_size"] == 2 and result["parallel"] == "fsdp"
-    assert (tmp_path / "out/checkpoints/step_00000003/dcp").is_dir()
+    assert result["status"] == "succeeded" and result["world_size"] == 2 and result["parallel"] == "ddp"
+    assert result["checkpoint"].endswith("step_00000006") and one.tokens == 6 * 8 * 32

@@ -1,4 +1,5 @@
-"""`python -m training` as one process (torchrun: test_multiprocess_ddp.py), and what it says about a bad spec."""
+"""`python -m training` as one process (several: test_fsdp.py, `plab train` under torchrun), and what it says
+about a bad spec."""
 import json
 import os
 import subprocess
