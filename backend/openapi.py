@@ -1,5 +1,6 @@
 """The OpenAPI document states every answer an operation can give, not only its success: the front door's
-401/403/413 (backend/guard.py), 404 for a path naming a missing object, and the error body every failure has
+401/403/413 (backend/guard.py), 404 for a path naming a missing object, 409 for a state that forbids the request,
+503 where a job is sent to the queue, and the error body every failure has
 (`{"detail": "<one readable sentence>"}`, backend/errors.py, not FastAPI's list of validation errors)."""
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ GUARD = {"401": "no credential, or one that is malformed, unknown or revoked (wh
 BODY = {"413": "the request body is over PLAB_MAX_BODY_BYTES"}
 INVALID = {"422": "the input breaks a rule of the schema or of the domain; `detail` says which and how to fix it"}
 MISSING = {"404": "the object the path names does not exist"}
+STATE = {"409": "the object's state does not allow it (e.g. a run that has ended, a transition not allowed)"}
+QUEUE = {"503": "stored, but the job queue refused the job: `detail` says what was stored and what to do"}
+# Operations that send jobs to the workers (backend/services/dispatch.py).
+DISPATCH = {("/api/v1/experiments", "post"), ("/api/v1/runs/{run_id}/evaluations", "post"),
+            ("/api/v1/gemm-benchmarks", "post"), ("/api/v1/runs/{run_id}/status", "post")}
 OPEN = {"/api/v1/health"}
 # Creations whose body names an existing object (the experiment of a run or a benchmark).
 REFERS = {("/api/v1/runs", "post"), ("/api/v1/gemm-benchmarks", "post")}
@@ -39,6 +45,10 @@ def install(app) -> None:
                     extra.update(INVALID)
                 if "{" in path or (path, method) in REFERS:
                     extra.update(MISSING)
+                if "{" in path:
+                    extra.update(STATE)
+                if (path, method) in DISPATCH:
+                    extra.update(QUEUE)
                 for code, description in extra.items():
                     documented = responses.get(code, {})
                     responses[code] = _error(documented.get("description") or description)

@@ -1,6 +1,7 @@
 """Pydantic schemas at the edge of the API: what comes in is validated here, what goes out is shaped here."""
 from __future__ import annotations
 
+import functools
 import math
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
@@ -71,8 +72,10 @@ class Strict(BaseModel):
         return data
 
 
+@functools.cache
 def _integer_fields(model: type[BaseModel]) -> tuple[str, ...]:
-    """The fields of `model` typed int or int | None (their JSON names)."""
+    """The fields of `model` typed int or int | None (their JSON names); once per model (it runs for every point
+    of a metric batch)."""
     import typing
 
     out = []

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from backend.errors import InvalidInput
 from backend.models import Worker, utcnow
+from backend.services.runs import _aware
 
 LIVE_S = 90.0  # a worker that has not registered for this long is not counted
 
@@ -30,11 +31,6 @@ def live(session: Session) -> list[Worker]:
     since = utcnow() - timedelta(seconds=LIVE_S)
     rows = session.scalars(select(Worker).order_by(Worker.name)).all()
     return [w for w in rows if _aware(w.last_seen) >= since]
-
-
-def _aware(t):
-    from datetime import timezone
-    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
 
 
 def can_place(worker: Worker, gpus: int, nodes: int) -> bool:

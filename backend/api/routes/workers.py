@@ -6,8 +6,10 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path
 from pydantic import BaseModel, Field
+from sqlalchemy import select
 
 from backend.api.deps import WRITE, SessionDep
+from backend.models import Worker
 from backend.schemas import Strict, UtcDatetime
 from backend.services import workers
 
@@ -49,9 +51,5 @@ def register_worker(session: SessionDep, body: WorkerIn,
 @router.get("", response_model=list[WorkerOut])
 def list_workers(session: SessionDep):
     """Every worker that ever registered, with whether it is live."""
-    from sqlalchemy import select
-
-    from backend.models import Worker
-
     live_names = {w.name for w in workers.live(session)}
     return [_out(w, live_names) for w in session.scalars(select(Worker).order_by(Worker.name))]
