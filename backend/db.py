@@ -1,8 +1,9 @@
 """Engine and sessions. SQLite (embedded default) and PostgreSQL (served mode) behind one URL."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from sqlalchemy import create_engine, event
@@ -10,6 +11,32 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 _engines: dict[str, Engine] = {}
+
+
+class FifoLock:
+    """A lock granted in arrival order. SQLite has one writer at a time; left to its busy handler, waiting
+    writers sleep in growing steps (up to 100 ms) and retry, so some wait far longer than others (20 concurrent
+    metric writers: p99 1.5 s while the median was 0.05 s). Queued here instead, each write waits exactly for
+    those before it."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._next = self._serving = 0
+
+    def __enter__(self):
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cond.wait()
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
+_write_locks: dict[str, FifoLock] = {}
 
 
 def get_engine(url: str) -> Engine:
@@ -33,6 +60,14 @@ def get_engine(url: str) -> Engine:
             engine = create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
         _engines[url] = engine
     return engine
+
+
+def write_lock(engine: Engine):
+    """What a writing request holds for its transaction: the engine's FIFO lock on SQLite, nothing on PostgreSQL
+    (row locks in a fixed order are enough there)."""
+    if engine.dialect.name != "sqlite":
+        return nullcontext()
+    return _write_locks.setdefault(str(engine.url), FifoLock())
 
 
 def session_factory(url: str) -> sessionmaker[Session]:

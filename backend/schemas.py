@@ -6,7 +6,8 @@ import math
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, WithJsonSchema,
+                      computed_field, field_validator, model_validator)
 
 from training.precision import catalog
 
@@ -19,6 +20,7 @@ def _utc(value: datetime) -> datetime:
 UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
 
 MAX_POINTS_PER_BATCH = 10_000
+METRIC_KEY_PATTERN = r"^[A-Za-z0-9_./:\-\[\]]+$"
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled", "diverged"]
 
 
@@ -220,7 +222,7 @@ class RunInfoUpdate(Strict):
 
 
 class MetricPointIn(Strict):
-    key: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_./:\-\[\]]+$")
+    key: str = Field(min_length=1, max_length=200, pattern=METRIC_KEY_PATTERN)
     step: int = Field(ge=0, le=2**62)
     value: float | None
     tokens: int | None = Field(default=None, ge=0, le=2**62)
@@ -234,7 +236,71 @@ class MetricPointIn(Strict):
 
 
 class MetricBatch(Strict):
+    """The row form: one object per point (readable; what scripts written by hand tend to send)."""
     points: list[MetricPointIn] = Field(max_length=MAX_POINTS_PER_BATCH)
+
+
+# A step or a token count: an integer, or a float without a fractional part (JSON Schema's "integer" admits 3.0).
+_Count = Annotated[Annotated[int, Field(strict=True, ge=0, le=2**62)] | Annotated[float, Field(strict=True, ge=0,
+                   le=2**62)], WithJsonSchema({"type": "integer", "minimum": 0, "maximum": 2**62})]
+# [step, value, tokens, wall_time]; a non-finite value or wall time is stored as NULL.
+MetricTuple = tuple[_Count, float | None, _Count | None, float | None]
+
+
+# Not a `Strict` model: its NUL walk is not needed (the key's pattern and the numbers cannot hold a NUL) and walking
+# 10,000 points in Python cost more than the rest of the request.
+class MetricSeriesIn(BaseModel):
+    """One key's points, each an array [step, value, tokens, wall_time] (value, tokens, wall_time may be null)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    key: str = Field(min_length=1, max_length=200, pattern=METRIC_KEY_PATTERN)
+    points: list[MetricTuple] = Field(min_length=1, max_length=MAX_POINTS_PER_BATCH)
+
+    @field_validator("points")
+    @classmethod
+    def _normalise(cls, points: list) -> list:
+        finite = math.isfinite
+        out = []
+        for p in points:
+            step, value, tokens, wall = p
+            if type(step) is float or type(tokens) is float:  # never from our client: it sends integers
+                for what, v in (("step", step), ("tokens", tokens)):
+                    if type(v) is float and not v.is_integer():
+                        raise ValueError(f"{what} must be an integer, got {v!r}")
+                step, tokens = int(step), None if tokens is None else int(tokens)
+                p = (step, value, tokens, wall)
+            if (value is not None and not finite(value)) or (wall is not None and not finite(wall)):
+                p = (step, value if value is None or finite(value) else None, tokens,
+                     wall if wall is None or finite(wall) else None)
+            out.append(p)
+        return out
+
+
+class MetricSeriesBatch(BaseModel):
+    """The compact form: points grouped by key, each point an array [step, value, tokens, wall_time]; the form
+    the metric client sends."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    series: list[MetricSeriesIn] = Field(max_length=MAX_POINTS_PER_BATCH)
+
+
+def _metric_form(value) -> str:
+    return "series" if isinstance(value, dict) and "series" in value else "points"
+
+
+MetricIngest = Annotated[Annotated[MetricBatch, Tag("points")] | Annotated[MetricSeriesBatch, Tag("series")],
+                         Discriminator(_metric_form)]
+METRIC_INGEST = TypeAdapter(MetricIngest)
+
+
+def metric_series(batch: MetricBatch | MetricSeriesBatch) -> dict[str, list[tuple]]:
+    """Either form as {key: [(step, value, tokens, wall_time), ...]} in arrival order (non-finite already None)."""
+    out: dict[str, list[tuple]] = {}
+    if isinstance(batch, MetricBatch):
+        for p in batch.points:
+            out.setdefault(p.key, []).append((p.step, p.value, p.tokens, p.wall_time))
+    else:
+        for s in batch.series:
+            out.setdefault(s.key, []).extend(s.points)
+    return out
 
 
 class MetricBatchResult(BaseModel):

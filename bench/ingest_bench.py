@@ -78,20 +78,37 @@ def _batch(keys: list[str], first_step: int, steps: int) -> list[dict]:
              "wall_time": 1.8e9 + i} for k in keys for i in range(steps)]
 
 
-def one_client(base: str, batches: int = 10, per_key: int = 2500) -> dict:
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as http:
+def one_client(base: str, batches: int = 10, per_key: int = 2500, form: str = "series") -> dict:
+    """`form` "series": through our metric client (`PlabClient.log_metrics`, the compact form the workers send,
+    its encoding timed); "points": the row form, bodies encoded before the clock starts."""
+    from workers.client import PlabClient
+
+    with PlabClient(base.removesuffix("/api/v1"), token=TOKEN, timeout=120) as client, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as http:
         run = _new_run(http)
-        http.post(f"/runs/{run}/metrics", json={"points": _batch(KEYS, 10**8, 10)}).raise_for_status()  # warm
+        client.log_metrics(run, _batch(KEYS, 10**8, 10))  # warm
         payloads = [_batch(KEYS, b * per_key, per_key) for b in range(batches)]
+        if form == "points":
+            bodies = [json.dumps({"points": body}).encode() for body in payloads]
         start = time.perf_counter()
-        for body in payloads:
-            http.post(f"/runs/{run}/metrics", json={"points": body}).raise_for_status()
+        for i, body in enumerate(payloads):
+            if form == "series":
+                client.log_metrics(run, body, retries=0)
+            else:
+                http.post(f"/runs/{run}/metrics", content=bodies[i],
+                          headers={"Content-Type": "application/json"}).raise_for_status()
         seconds = time.perf_counter() - start
+        stored = sum(k["points"] for k in http.get(f"/runs/{run}/metrics").json()["keys"])
     points = batches * per_key * len(KEYS)
-    return {"points": points, "seconds": seconds, "points_per_s": points / seconds, "batch_points": per_key * 4}
+    assert stored == points + 40, (stored, points)
+    return {"form": form, "points": points, "seconds": seconds, "points_per_s": points / seconds,
+            "batch_points": per_key * 4}
 
 
 def concurrent_writers(base: str, writers: int = 20, batches: int = 10, per_key: int = 50) -> dict:
+    """20 threads of our metric client, each its own key order (the compact form keeps it)."""
+    from workers.client import ApiError, PlabClient
+
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as http:
         run = _new_run(http)
     latencies, failures, lock = [], [], threading.Lock()
@@ -99,15 +116,19 @@ def concurrent_writers(base: str, writers: int = 20, batches: int = 10, per_key:
     def writer(w: int) -> None:
         keys = KEYS[:]
         random.Random(w).shuffle(keys)
-        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as http:
+        with PlabClient(base.removesuffix("/api/v1"), token=TOKEN, timeout=120) as client:
             for b in range(batches):
                 body = _batch(keys, (w * batches + b) * per_key, per_key)
                 t = time.perf_counter()
-                r = http.post(f"/runs/{run}/metrics", json={"points": body})
+                try:
+                    client.log_metrics(run, body, retries=0)
+                    failure = None
+                except (ApiError, httpx.HTTPError) as e:
+                    failure = f"{getattr(e, 'status', type(e).__name__)}: {str(e)[:200]}"
                 with lock:
                     latencies.append(time.perf_counter() - t)
-                    if r.status_code != 200:
-                        failures.append(f"{r.status_code}: {r.text[:200]}")
+                    if failure:
+                        failures.append(failure)
 
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
     start = time.perf_counter()
@@ -131,7 +152,8 @@ def concurrent_writers(base: str, writers: int = 20, batches: int = 10, per_key:
 def bench(db_url: str, home: Path) -> dict:
     proc, base = _server(db_url, home)
     try:
-        return {"one_client": one_client(base), "twenty_writers": concurrent_writers(base)}
+        return {"one_client": one_client(base), "one_client_row_form": one_client(base, form="points"),
+                "twenty_writers": concurrent_writers(base)}
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -166,7 +188,8 @@ def main() -> int:
     print(f"\n# ingest_bench on {out['host']} at {out['git_commit']} -> {path.relative_to(REPO)}")
     for db, r in out["results"].items():
         o, w = r["one_client"], r["twenty_writers"]
-        print(f"{db:<11} one client {o['points_per_s']:>9,.0f} points/s | 20 writers: {w['failed_requests']} failed, "
+        print(f"{db:<11} one client {o['points_per_s']:>9,.0f} points/s (row form "
+              f"{r['one_client_row_form']['points_per_s']:,.0f}) | 20 writers: {w['failed_requests']} failed, "
               f"{w['deadlocks']} deadlocks, {w['lost_or_extra']} lost/extra, p50 {w['p50_s']:.3f} s, "
               f"p99 {w['p99_s']:.3f} s")
     return 0

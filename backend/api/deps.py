@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request
 from sqlalchemy.orm import Session
 
-from backend.db import transaction
+from backend.db import transaction, write_lock
 from plab.settings import Settings
 
 # Ids are 32-bit in the database; larger numbers are refused before they reach it.
@@ -20,8 +21,11 @@ def get_settings(request: Request) -> Settings:
 
 def get_session(request: Request) -> Iterator[Session]:
     """A session committed when the route returns. Routes use it with scope="function", so the commit happens
-    before the response is sent: a client that reads right after a write sees it."""
-    with transaction(request.app.state.sessionmaker) as session:
+    before the response is sent: a client that reads right after a write sees it. A writing request (any method
+    but GET/HEAD) holds the database's write lock (`backend.db.write_lock`) for its transaction."""
+    factory = request.app.state.sessionmaker
+    writes = request.method not in ("GET", "HEAD", "OPTIONS")
+    with write_lock(factory.kw["bind"]) if writes else nullcontext(), transaction(factory) as session:
         yield session
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
+import numpy as np
+
 # Level 4 (16 steps) is the finest: ranges narrower than 16 * max_points / 2 steps are read raw (at most
 # 8 * max_points rows). Level 24 (16.7 M steps) is the coarsest: coarser answers merge its rows in Python.
 MIN_LEVEL = 4
@@ -126,9 +128,66 @@ def coarsen(buckets: dict[int, Agg], by: int) -> dict[int, Agg]:
     return out
 
 
+def bucketize_columns(steps, values, tokens, walls, shift: int) -> dict[int, Agg]:
+    """`bucketize` for points given as columns (None where a value, token count or wall time is missing), in
+    numpy: the same buckets, ties and sums (up to the rounding of `sum_value`) at ~0.2 us a point instead of
+    ~3 us, which was a fifth of a metric batch's ingest time."""
+    n = len(steps)
+    if n == 0:
+        return {}
+    step = np.asarray(steps, dtype=np.int64)
+    order = np.argsort(step, kind="stable")  # stable: among equal steps the first sent wins, as in Agg.add
+    step = step[order]
+    value = np.array(values, dtype=np.float64)[order]  # None -> nan
+    has = ~np.isnan(value)
+    tok_known = np.array([t is not None for t in tokens], dtype=bool)[order]
+    token = np.array([0 if t is None else t for t in tokens], dtype=np.int64)[order]
+    bucket = step >> shift
+    starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
+    ends = np.r_[starts[1:], n]
+    idx = np.arange(n)
+
+    def first(mask):  # the first index of each bucket where mask holds, n where none
+        return np.minimum.reduceat(np.where(mask, idx, n), starts)
+
+    sums = {"n_value": np.add.reduceat(has.astype(np.int64), starts),
+            "sum_value": np.add.reduceat(np.where(has, value, 0.0), starts),
+            "sum_step": np.add.reduceat(np.where(has, step, 0).astype(np.float64), starts),
+            "n_tokens": np.add.reduceat((has & tok_known).astype(np.int64), starts),
+            "sum_tokens": np.add.reduceat(np.where(has & tok_known, token, 0).astype(np.float64), starts)}
+    seg = np.repeat(np.arange(len(starts)), ends - starts)
+    lo = np.minimum.reduceat(np.where(has, value, np.inf), starts)
+    hi = np.maximum.reduceat(np.where(has, value, -np.inf), starts)
+    i_min, i_max, i_null = first(has & (value == lo[seg])), first(has & (value == hi[seg])), first(~has)
+
+    def point(i: int) -> Point | None:
+        if i == n:
+            return None
+        j = int(order[i])
+        return Point(int(step[i]), tokens[j], walls[j], values[j])
+
+    out: dict[int, Agg] = {}
+    for g, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())):
+        a = Agg.__new__(Agg)
+        a.n_points, a.first_step, a.last_step = e - s, int(step[s]), int(step[e - 1])
+        a.n_value, a.n_tokens = int(sums["n_value"][g]), int(sums["n_tokens"][g])
+        a.sum_value, a.sum_step = float(sums["sum_value"][g]), float(sums["sum_step"][g])
+        a.sum_tokens = float(sums["sum_tokens"][g])
+        a.min, a.max, a.null = point(int(i_min[g])), point(int(i_max[g])), point(int(i_null[g]))
+        out[int(bucket[s])] = a
+    return out
+
+
 def rollup_levels(points: Iterable[Point]) -> dict[int, dict[int, Agg]]:
     """Every level's buckets for a set of points: level 4 from the points, each next level from the previous."""
-    levels = {MIN_LEVEL: bucketize(points, MIN_LEVEL)}
+    pts = list(points)
+    return rollup_levels_columns([p.step for p in pts], [p.value for p in pts], [p.tokens for p in pts],
+                                 [p.wall_time for p in pts])
+
+
+def rollup_levels_columns(steps, values, tokens, walls) -> dict[int, dict[int, Agg]]:
+    """`rollup_levels` for points given as columns."""
+    levels = {MIN_LEVEL: bucketize_columns(steps, values, tokens, walls, MIN_LEVEL)}
     for lv in LEVELS[1:]:
         levels[lv] = coarsen(levels[lv - 1], 1)
     return levels

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from backend.errors import Conflict, InvalidInput, NotFound
 from backend.models import BASELINE_RECIPE, FINAL_STATUSES, Artifact, Experiment, Run, utcnow
-from backend.schemas import (ArtifactIn, ExperimentCreate, MetricBatchResult, MetricPointIn, RecipeRequest, RunCreate,
+from backend.schemas import (ArtifactIn, ExperimentCreate, MetricBatchResult, RecipeRequest, RunCreate,
                              RunInfoUpdate, Series, SeriesQuery, StatusUpdate)
 from backend.services import metrics
 
@@ -252,17 +252,19 @@ def list_artifacts(session: Session, run_id: int) -> list[Artifact]:
     return list(session.scalars(select(Artifact).where(Artifact.run_id == run_id).order_by(Artifact.id)))
 
 
-def ingest_metrics(session: Session, run_id: int, points: Sequence[MetricPointIn]) -> MetricBatchResult:
-    """A batch of points (idempotent on run, key, step); the highest `train/loss` step seen is the run's progress.
-    The answer carries the run's status and `cancel_requested`, which is how a worker learns of a cancel."""
+def ingest_metrics(session: Session, run_id: int, series: dict[str, list[tuple]]) -> MetricBatchResult:
+    """A batch of points ({key: [(step, value, tokens, wall_time)]}, idempotent on run, key, step); the highest
+    `train/loss` step seen is the run's progress. The answer carries the run's status and `cancel_requested`,
+    which is how a worker learns of a cancel."""
     run = get_run(session, run_id)
-    inserted, duplicates = metrics.ingest(session, run_id, points)
-    loss_steps = [p.step for p in points if p.key == "train/loss"]
+    inserted, duplicates = metrics.ingest(session, run_id, series)
+    loss_steps = series.get("train/loss")
     if loss_steps:
         total = (run.spec.get("training") or {}).get("steps")
         known = (run.progress or {}).get("step") if isinstance(run.progress, dict) else None
         # A row stored before progress was validated may hold anything: only an integer step counts.
-        step = max(max(loss_steps), known if isinstance(known, int) and not isinstance(known, bool) else -1)
+        step = max(max(p[0] for p in loss_steps), known if isinstance(known, int) and not isinstance(known, bool)
+                   else -1)
         run.progress = {"step": step, "total": total}
     return MetricBatchResult(inserted=inserted, duplicates=duplicates, run_status=run.status,
                              cancel_requested=run.cancel_requested)

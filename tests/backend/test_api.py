@@ -116,6 +116,47 @@ def test_non_finite_values_are_stored_as_gaps(api):
     assert api.get(f"/api/v1/runs/{run['id']}/metrics/train/loss").json()["value"] == [None, 1.5]
 
 
+def test_the_compact_series_form_stores_what_the_row_form_stores(api):
+    exp = create(api)
+    rows_run, series_run = exp["runs"][0]["id"], exp["runs"][1]["id"]
+    pts = [(s, 5.0 - s / 100 if s % 7 else None, s * 1024, 1.8e9 + s) for s in range(300)]
+    rows = [{"key": k, "step": s, "value": v, "tokens": t, "wall_time": w} for k in ("train/loss", "lr")
+            for s, v, t, w in pts]
+    series = [{"key": k, "points": [list(p) for p in pts]} for k in ("lr", "train/loss")]  # another key order
+    assert api.post(f"/api/v1/runs/{rows_run}/metrics", json={"points": rows}).json()["inserted"] == 600
+    first = api.post(f"/api/v1/runs/{series_run}/metrics", json={"series": series}).json()
+    assert (first["inserted"], first["duplicates"]) == (600, 0)
+    again = api.post(f"/api/v1/runs/{series_run}/metrics", json={"series": series[:1]}).json()
+    assert (again["inserted"], again["duplicates"]) == (0, 300)
+    for key in ("train/loss", "lr"):
+        a, b = (api.get(f"/api/v1/runs/{r}/metrics/{key}?max_points=1000").json() for r in (rows_run, series_run))
+        assert {k: v for k, v in a.items() if k != "run_id"} == {k: v for k, v in b.items() if k != "run_id"}
+    assert api.get(f"/api/v1/runs/{series_run}").json()["progress"]["step"] == 299
+
+
+@pytest.mark.parametrize("point, fragment", [
+    ([1.5, 1.0, None, None], "step must be an integer"), (["1", 1.0, None, None], "integer"),
+    ([True, 1.0, None, None], "integer"), ([1, "2", None, None], "number"), ([1, 1.0, None], "series.0.points.0.3: Field required"),
+    ([-1, 1.0, None, None], "greater than or equal to 0"), ([2**63, 1.0, None, None], "less than or equal to"),
+])
+def test_the_series_form_is_validated_like_the_row_form(api, point, fragment):
+    run = create(api)["runs"][0]["id"]
+    r = api.post(f"/api/v1/runs/{run}/metrics", json={"series": [{"key": "k", "points": [point]}]})
+    assert r.status_code == 422 and fragment in r.json()["detail"], r.text
+    assert api.get(f"/api/v1/runs/{run}/metrics").json()["keys"] == []
+
+
+def test_the_series_form_takes_integral_floats_and_stores_non_finite_values_as_gaps(api):
+    run = create(api)["runs"][0]["id"]
+    body = '{"series": [{"key": "train/loss", "points": [[3.0, NaN, 8.0, Infinity], [4, 1.5, null, 2.0]]}]}'
+    r = api.post(f"/api/v1/runs/{run}/metrics", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["inserted"] == 2, r.text
+    got = api.get(f"/api/v1/runs/{run}/metrics/train/loss").json()
+    assert (got["step"], got["value"], got["tokens"], got["wall_time"]) == ([3, 4], [None, 1.5], [8, None], [None, 2.0])
+    assert api.post(f"/api/v1/runs/{run}/metrics", content=b"{", headers={"content-type": "application/json"}
+                    ).status_code == 422
+
+
 def test_status_machine_and_cancel(api):
     exp = create(api)
     a, b, c = (r["id"] for r in exp["runs"])

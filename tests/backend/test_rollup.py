@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from backend.services.rollup import (LEVELS, MAX_LEVEL, MIN_LEVEL, ROLLUP_COLUMNS, Agg, Point, bucketize, coarsen,
+from backend.services.rollup import (LEVELS, MAX_LEVEL, MIN_LEVEL, ROLLUP_COLUMNS, Agg, Point, bucketize,
+                                     bucketize_columns, coarsen,
                                      downsample, rollup_levels, shift_for)
 from tests.conftest import REPO
 
@@ -166,3 +167,24 @@ def test_the_arithmetic_imports_no_database_library():
            "('sqlalchemy', 'psycopg', 'sqlite3', 'fastapi')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_columnar_bucketing_equals_the_point_by_point_one(seed):
+    """Ingest buckets with numpy (`bucketize_columns`); `bucketize` (Agg by Agg) is the definition. Unsorted input,
+    repeated steps (first sent wins), missing tokens and NULL values included."""
+    rng = random.Random(seed)
+    pts = [Point(s, None if rng.random() < 0.1 else t, w, v) for s, t, w, v in random_series(700, seed=seed)]
+    pts += [Point(p.step, p.tokens, p.wall_time, 99.0) for p in rng.sample(pts, 20)]  # repeats, sent later
+    rng.shuffle(pts)
+    for shift in (0, 4, 7):
+        got = bucketize_columns([p.step for p in pts], [p.value for p in pts], [p.tokens for p in pts],
+                                [p.wall_time for p in pts], shift)
+        want = bucketize(sorted(pts, key=lambda p: p.step), shift)  # a stable sort: the same first-sent order
+        assert got.keys() == want.keys()
+        for b in want:
+            g, w = got[b], want[b]
+            assert g.sum_value == pytest.approx(w.sum_value, rel=1e-12, abs=1e-12)
+            assert [getattr(g, f) for f in Agg.__slots__ if f != "sum_value"] == \
+                   [getattr(w, f) for f in Agg.__slots__ if f != "sum_value"], (shift, b)
+    assert bucketize_columns([], [], [], [], 4) == {}

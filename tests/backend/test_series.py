@@ -14,7 +14,7 @@ from sqlalchemy import text
 
 from backend.db import session_factory
 from backend.migrate import upgrade
-from backend.schemas import MetricPointIn
+from backend.schemas import MetricBatch, MetricPointIn, metric_series
 from backend.services import metrics
 from backend.services.rollup import LEVELS
 from tests.backend.test_api import create, make_client
@@ -33,8 +33,10 @@ def env(database_url, tmp_path):
     session.close()
 
 
-def as_in(pts, key=KEY) -> list[MetricPointIn]:
-    return [MetricPointIn(key=key, step=s, tokens=t, wall_time=w, value=v) for s, t, w, v in pts]
+def as_in(pts, key=KEY) -> dict[str, list[tuple]]:
+    """Points through the API's row-form schema, as the route hands them to the service."""
+    rows = [MetricPointIn(key=key, step=s, tokens=t, wall_time=w, value=v) for s, t, w, v in pts]
+    return metric_series(MetricBatch(points=rows))
 
 
 def ingest(session, run_id, pts, key=KEY, batch=1000):
@@ -111,6 +113,32 @@ def test_re_sent_and_overlapping_batches_are_not_counted_twice(env):
     session.commit()
     assert (inserted, dupes) == (100, 500)
     assert_rollup_matches(session, run, pts + [(s, s * 1024, 0.0, 1.0) for s in range(2000, 2100)])
+
+
+def test_two_writers_of_the_same_steps_at_once_store_each_point_once(env, database_url):
+    """The second writer's insert meets the first's uncommitted rows: it waits, then stores only what is left
+    (on PostgreSQL through the ON CONFLICT fallback after the unique key refused its plain insert)."""
+    import threading
+
+    _, first, (run, _, _) = env
+    pts = random_series(300, seed=11)
+    metrics.ingest(first, run, as_in(pts[:200]))  # not committed yet
+    second = session_factory(database_url)()
+    result = {}
+
+    def write():
+        result["counts"] = metrics.ingest(second, run, as_in(pts[100:]))
+        second.commit()
+
+    t = threading.Thread(target=write)
+    t.start()
+    t.join(timeout=1.0)
+    assert t.is_alive(), "the second writer should wait for the first's transaction"
+    first.commit()
+    t.join(timeout=30)
+    second.close()
+    assert result["counts"] == (100, 100)
+    assert_rollup_matches(first, run, pts)
 
 
 @pytest.mark.parametrize("max_points", [4, 10, 64, 500, 2999, 5000])

@@ -25,9 +25,10 @@ class Api:
 
             def do_POST(self):  # noqa: N802 - http.server's name
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if api.status == 200:
-                    api.stored += [(p["key"], p["step"]) for p in body["points"]]
-                    answer = {"inserted": len(body["points"]), "duplicates": 0, "run_status": "running",
+                if api.status == 200:  # the compact form the client sends: {"series": [{key, points}]}
+                    got = [(s["key"], p[0]) for s in body["series"] for p in s["points"]]
+                    api.stored += got
+                    answer = {"inserted": len(got), "duplicates": 0, "run_status": "running",
                               "cancel_requested": False}
                 else:
                     answer = {"detail": "down"}

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from backend.api.deps import WRITE, ObjectId, SessionDep
-from backend.schemas import (ArtifactIn, ArtifactOut, HeartbeatOut, MetricBatch, MetricBatchResult, Page, RunCreate,
-                             RunDetail, RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate)
+from backend.schemas import (ArtifactIn, ArtifactOut, HeartbeatOut, METRIC_INGEST, MetricBatchResult, Page, RunCreate,
+                             RunDetail, RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate, metric_series)
 from backend.services import dispatch, runs
 
 router = APIRouter(prefix="/runs", tags=["runs"])
@@ -58,10 +60,25 @@ def update_run_info(run_id: ObjectId, body: RunInfoUpdate, session: SessionDep):
     return RunOut.model_validate(runs.update_info(session, run_id, body))
 
 
-@router.post("/{run_id}/metrics", response_model=MetricBatchResult, dependencies=WRITE)
-def ingest_metrics(run_id: ObjectId, body: MetricBatch, session: SessionDep):
-    """Batch ingest, at most 10,000 points; idempotent on (run, key, step)."""
-    return runs.ingest_metrics(session, run_id, body.points)
+async def metric_batch(request: Request) -> dict[str, list[tuple]]:
+    """The body, validated straight from its bytes in compiled code (FastAPI's own path parses with the json
+    module and validates the Python objects: three times the cost for a 10,000-point batch)."""
+    try:
+        return metric_series(METRIC_INGEST.validate_json(await request.body()))
+    except ValidationError as e:  # the locations without the union's tag ("series.series.0..." -> "series.0...")
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"][1:])} for err in e.errors()]) from None
+
+
+@router.post("/{run_id}/metrics", response_model=MetricBatchResult, dependencies=WRITE,
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"$ref": "#/components/schemas/MetricIngest"}}}}})
+def ingest_metrics(series: Annotated[dict[str, list[tuple]], Depends(metric_batch)], run_id: ObjectId,
+                   session: SessionDep):
+    """Batch ingest, idempotent on (run, key, step). Two forms: `{"points": [{key, step, value, tokens,
+    wall_time}, ...]}` (at most 10,000 points) or `{"series": [{"key": K, "points": [[step, value, tokens,
+    wall_time], ...]}, ...]}` (the compact form the metric client sends; at most 10,000 points per key). The body
+    is read and validated before the session (and SQLite's write lock) is taken."""
+    return runs.ingest_metrics(session, run_id, series)
 
 
 @router.get("/{run_id}/metrics")
