@@ -110,6 +110,74 @@ def clip_sharded(params: list[torch.Tensor], clip: float, device: torch.device) 
     return norm
 
 
+class OverlappedShardedStep:
+    """FSDP2's counterpart of `training.optim.OverlappedOptimizerStep`: torch's fused AdamW over the FP32 shards,
+    run on a side CUDA stream one FSDP unit at a time in forward order, so the next step's forward starts while
+    later units are still being updated. Without it the whole update (~28 bytes per parameter, ~11 ms for 1.14B
+    on an H100) sat between the backward and the next forward, which is most of what one-process FSDP2 cost
+    against the unwrapped run (0.884x).
+
+    Ordering: FSDP2 all-gathers a unit's shards on its own copy-in stream. The root unit (embeddings, final norm,
+    LM head: gathered at the root's pre-forward) is updated first and handed to FSDP2 as its post-optimizer
+    event; every block gets a forward pre-hook, run before FSDP2's own, that makes the copy-in stream wait for
+    that block's update. Gradients are marked as used by the side stream, so the memory `zero_grad` frees is not
+    handed to the next forward before the update has read it. `synchronize()` joins the side stream into the
+    compute stream (validation, checkpoints, the end).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, root: torch.nn.Module, blocks: list[torch.nn.Module]):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        units = [(root, [p for p in params if id(p) not in in_blocks])]
+        units += [(b, [p for p in b.parameters() if p.requires_grad]) for b in blocks]
+        if sum(len(ps) for _, ps in units) != len(params):
+            raise ValueError("the optimizer's parameters must be the root's and the blocks' own")
+        self.optimizer = optimizer
+        self.root = root
+        self.units = [(m, {id(p) for p in ps}) for m, ps in units]
+        self.stream = torch.cuda.Stream(device=params[0].device)
+        self.events: dict[int, torch.cuda.Event] = {}
+        self.handles = [b.register_forward_pre_hook(self._waiter(i + 1), prepend=True)
+                        for i, b in enumerate(blocks)]
+
+    def _waiter(self, i: int):
+        def hook(module, args):
+            event = self.events.pop(i, None)
+            if event is not None:
+                # Private FSDP2 state: the stream that casts and packs this unit's shards for its all-gather.
+                module._get_fsdp_state()._comm_ctx.all_gather_copy_in_stream.wait_event(event)
+        return hook
+
+    @torch.no_grad()
+    def step(self) -> None:
+        opt, groups = self.optimizer, self.optimizer.param_groups
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for i, (_, ids) in enumerate(self.units):
+                opt.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in ids]} for g in groups]
+                try:
+                    opt.step()
+                finally:
+                    opt.param_groups = groups
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                self.events[i] = event
+        self.root.set_post_optim_event(self.events.pop(0))
+        for g in groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    local(p.grad).record_stream(self.stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.events.clear()
+
+    def remove(self) -> None:
+        self.synchronize()
+        for h in self.handles:
+            h.remove()
+
+
 # ---------------------------------------------------------------------------------------------------
 # activation checkpointing
 _SAVED_OPS = None

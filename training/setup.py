@@ -22,7 +22,7 @@ from training.flops import flops_per_token
 from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, compile_layers, count_parameters,
                             fuse_gate_up, fuse_qkv, llama_config)
 from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
-from training.parallel import apply_activation_checkpointing, resolve_parallel, shard_model
+from training.parallel import OverlappedShardedStep, apply_activation_checkpointing, resolve_parallel, shard_model
 from training.sink import MetricSink
 
 
@@ -44,7 +44,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     net: torch.nn.Module               # what a step calls: the loss module, under DDP / torch.compile
     eval_net: torch.nn.Module          # what validation calls: the loss module, compiled when `net` is
-    stepper: OverlappedOptimizerStep | None
+    stepper: OverlappedOptimizerStep | OverlappedShardedStep | None
     parallel: str                      # "single" | "ddp" | "fsdp" (training.parallel, resolved)
     activation_checkpointing: dict     # what training.parallel.apply_activation_checkpointing did
     fused_qkv: bool
@@ -132,9 +132,15 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     if parallel != "fsdp":
         net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=overlap, parallel=parallel)
     stepper = OverlappedOptimizerStep(optimizer, _forward_buckets(model, params)) if overlap else None
+    hooks = list(getattr(report, "hooks", []) or [])
+    # Under FSDP2 the update overlaps the next forward unless a recipe hook reads the weights right after it
+    # (tensorwise FP8's scale pass for the FP8 all-gather, delayed scaling's history).
+    if parallel == "fsdp" and on_cuda and t.perf.overlap_optimizer and not any(
+            hasattr(h, "post_optimizer_step") for h in hooks):
+        stepper = OverlappedShardedStep(optimizer, net, list(model.model.layers))
     return Run(spec=spec, ctx=ctx, device=device, device_name=device_name, param_dtype=param_dtype,
                autocast=autocast, tokenizer=tokenizer, dataset=dataset, model=model, report=report,
-               hooks=list(getattr(report, "hooks", []) or []), params=params,
+               hooks=hooks, params=params,
                optimizer=optimizer, net=net, eval_net=eval_net, stepper=stepper, parallel=parallel,
                activation_checkpointing=ac, fused_qkv=fused_qkv,
                flops_per_token=flops_per_token(model.config, spec.data.seq_len),
