@@ -117,12 +117,12 @@ class OverlappedShardedStep:
     on an H100) sat between the backward and the next forward, which is most of what one-process FSDP2 cost
     against the unwrapped run (0.884x).
 
-    Ordering: FSDP2 all-gathers a unit's shards on its own copy-in stream. The root unit (embeddings, final norm,
-    LM head: gathered at the root's pre-forward) is updated first and handed to FSDP2 as its post-optimizer
-    event; every block gets a forward pre-hook, run before FSDP2's own, that makes the copy-in stream wait for
-    that block's update. Gradients are marked as used by the side stream, so the memory `zero_grad` frees is not
-    handed to the next forward before the update has read it. `synchronize()` joins the side stream into the
-    compute stream (validation, checkpoints, the end).
+    Ordering: every unit (the root first - embeddings, final norm, LM head, gathered at the root's pre-forward -
+    then each block) gets a forward pre-hook, run before FSDP2's own, that makes both the compute stream and
+    FSDP2's all-gather copy-in stream wait for that unit's update: with several ranks FSDP2 casts and packs the
+    shards on the copy-in stream, with one rank it casts them on the compute stream. Gradients are marked as used
+    by the side stream, so the memory `zero_grad` frees is not handed to the next forward before the update has
+    read it. `synchronize()` joins the side stream into the compute stream (validation, checkpoints, the end).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, root: torch.nn.Module, blocks: list[torch.nn.Module]):
@@ -133,17 +133,17 @@ class OverlappedShardedStep:
         if sum(len(ps) for _, ps in units) != len(params):
             raise ValueError("the optimizer's parameters must be the root's and the blocks' own")
         self.optimizer = optimizer
-        self.root = root
         self.units = [(m, {id(p) for p in ps}) for m, ps in units]
         self.stream = torch.cuda.Stream(device=params[0].device)
         self.events: dict[int, torch.cuda.Event] = {}
-        self.handles = [b.register_forward_pre_hook(self._waiter(i + 1), prepend=True)
-                        for i, b in enumerate(blocks)]
+        self.handles = [m.register_forward_pre_hook(self._waiter(i), prepend=True)
+                        for i, (m, _) in enumerate(units)]
 
     def _waiter(self, i: int):
         def hook(module, args):
             event = self.events.pop(i, None)
             if event is not None:
+                torch.cuda.current_stream().wait_event(event)
                 # Private FSDP2 state: the stream that casts and packs this unit's shards for its all-gather.
                 module._get_fsdp_state()._comm_ctx.all_gather_copy_in_stream.wait_event(event)
         return hook
@@ -162,7 +162,6 @@ class OverlappedShardedStep:
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 self.events[i] = event
-        self.root.set_post_optim_event(self.events.pop(0))
         for g in groups:
             for p in g["params"]:
                 if p.grad is not None:
