@@ -25,4 +25,9 @@ fi
 
 if [ -z "${PLAB_DATA_DIR:-}" ] && [ -d ../shared/data ]; then export PLAB_DATA_DIR="$(cd ../shared/data && pwd)"; fi
 export PYTHONUNBUFFERED=1
-exec python -m pytest -q -p no:cacheprovider --durations=40 "$@"
+# With several pytest workers on this many cores, one intra-op thread per process (a second one spins against
+# the other worker's).
+if [ "${PLAB_TEST_WORKERS:-2}" -gt 1 ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
+# Two pytest workers: the CPU-bound tests run one torch thread each (tests/training, tests/precision conftests),
+# and the service and browser tests spend much of their time waiting on other processes.
+exec python -m pytest -q -p no:cacheprovider --durations=40 -n "${PLAB_TEST_WORKERS:-2}" --dist worksteal "$@"
