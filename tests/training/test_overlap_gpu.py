@@ -39,3 +39,18 @@ def test_regional_compile_matches_eager_closely():
     compiled, _, _ = _losses({"overlap_optimizer": True}, compile_=True)
     for a, b in zip(eager, compiled):
         assert b == pytest.approx(a, rel=2e-2)
+
+
+def test_fsdp_update_overlapped_with_the_next_forward_trains_exactly_like_the_plain_step():
+    """FSDP2 on one process (training.parallel fsdp): the per-unit update on a side stream, each unit's
+    forward waiting for its own update, gives the losses of the update run between backward and forward."""
+    def fsdp(overlap: bool):
+        spec = _spec({"overlap_optimizer": overlap}, False)
+        spec["training"]["parallel"] = "fsdp"
+        sink = ListSink()
+        result = train(spec, sink)
+        assert result.status == "succeeded" and result.summary.get("parallel") == "fsdp"
+        assert result.summary.get("overlap_optimizer") is overlap
+        return [v for _, v in sink.series("train/loss")], dict(sink.series("val/loss"))
+
+    assert fsdp(True) == fsdp(False)
