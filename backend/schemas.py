@@ -99,16 +99,27 @@ def check_recipe(name: str, options: dict[str, Any]) -> None:
     catalog.get(name).resolve_options(options)
 
 
+# Seed replicates: at most this many seeds per recipe, and this many runs per experiment in all.
+MAX_SEEDS = 16
+MAX_RUNS_PER_EXPERIMENT = 256
+
+
 class RecipeRequest(Strict):
     name: str = Field(description=_recipe_field_doc())
     options: dict[str, Any] = Field(default_factory=dict, description=OPTIONS_DOC)
     bf16_first_layers: Annotated[int, Field(ge=0, le=1000)] = 0
     bf16_last_layers: Annotated[int, Field(ge=0, le=1000)] = 0
     label: str | None = Field(default=None, max_length=200)
+    seeds: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_SEEDS,
+        description="train this recipe once per seed (seed replicates); default: the experiment's `seeds` for the "
+                    "baseline (and for every recipe with replicate='all'), else the experiment's `seed` alone")
 
     @model_validator(mode="after")
     def known_recipe_and_options(self) -> "RecipeRequest":
         check_recipe(self.name, self.options)
+        if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds of {self.name} repeat ({self.seeds}): give each seed once")
         return self
 
 
@@ -124,6 +135,20 @@ class ExperimentCreate(Strict):
                                                description="recipe names or objects with options")
     eval_tasks: list[str] = Field(default_factory=list, max_length=200)
     enqueue: bool = True
+    # -- the verdict (backend/services/verdict.py) ------------------------------------------------------------------
+    seeds: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        default=None, min_length=2, max_length=MAX_SEEDS,
+        description="seed replicates, e.g. [0, 1, 2]: the baseline (or every recipe, with replicate='all') is "
+                    "trained once per seed, and BF16's seed-to-seed spread becomes the band the verdict uses; "
+                    "must include `seed`, which the other recipes train with")
+    replicates: int | None = Field(default=None, ge=2, le=MAX_SEEDS,
+                                   description="shorthand for seeds = [seed, seed + 1, ..., seed + replicates - 1]")
+    replicate: Literal["baseline", "all"] = Field(
+        default="baseline", description="which recipes `seeds`/`replicates` apply to")
+    verdict_tolerance_pct: float = Field(
+        default=1.0, gt=0, le=100,
+        description="with one BF16 seed, a recipe matches BF16 when its final validation loss is within this many "
+                    "percent of BF16's (with seed replicates, BF16's own seed band is used instead)")
 
     @field_validator("recipes", mode="before")
     @classmethod
@@ -131,6 +156,29 @@ class ExperimentCreate(Strict):
         if isinstance(v, list):
             return [{"name": r} if isinstance(r, str) else r for r in v]
         return v
+
+    @model_validator(mode="after")
+    def seed_replicates(self) -> "ExperimentCreate":
+        if self.seeds is not None and self.replicates is not None:
+            raise ValueError("give either seeds (a list) or replicates (a count), not both")
+        if self.replicates is not None:
+            if self.seed + self.replicates - 1 > INT32_MAX:
+                raise ValueError(f"seed {self.seed} + {self.replicates} replicates passes {INT32_MAX}; use a smaller seed")
+            self.seeds, self.replicates = [self.seed + i for i in range(self.replicates)], None
+        if self.seeds is not None:
+            if len(set(self.seeds)) != len(self.seeds):
+                raise ValueError(f"seeds repeat ({self.seeds}): give each seed once")
+            # The reference run (the experiment's seed) first: the comparisons pair it with the other recipes,
+            # which share its initial weights and batch order.
+            self.seeds = [self.seed] + [s for s in self.seeds if s != self.seed] if self.seed in self.seeds else self.seeds
+        for i, r in enumerate(self.recipes):
+            if isinstance(r, RecipeRequest) and r.seeds is not None and self.seed not in r.seeds:
+                raise ValueError(f"recipes[{i}] ({r.name}): seeds {r.seeds} must include the experiment's seed "
+                                 f"{self.seed}, the run every comparison pairs with the other recipes")
+        if self.seeds is not None and self.seed not in self.seeds:
+            raise ValueError(f"seeds {self.seeds} must include the experiment's seed {self.seed} (the other recipes "
+                             f"train with it); add it, or set seed to one of them")
+        return self
 
 
 class RunCreate(Strict):
@@ -284,6 +332,7 @@ class RunOut(BaseModel):
     bf16_first_layers: int
     bf16_last_layers: int
     label: str
+    seed: int | None = Field(description="the seed the run trains with (seed replicates differ only in it)")
     external: bool
     status: Status
     cancel_requested: bool
@@ -312,11 +361,12 @@ class ExperimentOut(BaseModel):
     description: str
     model: Any = Field(validation_alias="model_config_")
     data: dict[str, Any] = Field(validation_alias="data_config")
-    training: dict[str, Any] = Field(validation_alias="training_config")
+    training: dict[str, Any] = Field(validation_alias="training_spec")
     seed: int
     recipes: list[Any]
     baseline: str
     eval_tasks: list[str]
+    verdict_tolerance_pct: float = Field(description="the stated tolerance of the one-seed verdict rule, percent")
     created_at: UtcDatetime
     runs: list[RunOut] = Field(default_factory=list)
 

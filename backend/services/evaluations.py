@@ -7,6 +7,7 @@ from sqlalchemy.orm import Session
 from backend.models import Artifact, EvalResult, Evaluation, Run, utcnow
 from backend.schemas import EvalResultOut, EvaluationOut, EvaluationStatusUpdate, EvalTaskResultIn
 from backend.errors import Conflict, NotFound
+from backend.services.comparison import baseline_run
 from backend.services.runs import get_experiment, get_run
 
 EVAL_TRANSITIONS = {"queued": {"running", "failed"}, "running": {"running", "succeeded", "failed"}}
@@ -110,15 +111,44 @@ def latest_results(session: Session, run_id: int) -> dict[str, dict]:
     return out
 
 
-def accuracy_table(session: Session, experiment_id: int, *, method: str = "bootstrap", n_boot: int = 2000) -> dict:
+# Accuracy tables by what they were computed from (experiment, method, every stored result row): a table costs a
+# bootstrap of DEFAULT_N_BOOT resamples per task and run, and the page and the verdict ask for it on every poll.
+_TABLES: dict[tuple, dict] = {}
+_TABLES_KEPT = 32
+
+
+def _results_signature(session: Session, experiment_id: int, method: str) -> tuple:
+    rows = session.execute(
+        select(EvalResult.id, EvalResult.evaluation_id, Evaluation.status).join(Evaluation)
+        .join(Run, Run.id == EvalResult.run_id).where(Run.experiment_id == experiment_id)
+        .order_by(EvalResult.id)).all()
+    runs = session.execute(select(Run.id, Run.status).where(Run.experiment_id == experiment_id)
+                           .order_by(Run.id)).all()
+    return (str(session.get_bind().url), experiment_id, method, tuple(map(tuple, rows)), tuple(map(tuple, runs)))
+
+
+def accuracy_table(session: Session, experiment_id: int, *, method: str = "bootstrap") -> dict:
     """Tasks x recipes: value ± stderr, and per run the paired delta to the experiment's baseline run (BF16) with
-    its 95% interval, under the key `vs_bf16` that the dashboard reads."""
-    from training.evaluation.stats import compare_results
+    its 95% interval and its Holm-corrected significance (over the run's tasks), under the key `vs_bf16` that the
+    dashboard reads. Conflict (409) when a run and the baseline scored different documents (the reason says which
+    task and how): a paired test on different documents would measure the documents."""
+    get_experiment(session, experiment_id)
+    key = _results_signature(session, experiment_id, method)
+    if key not in _TABLES:
+        if len(_TABLES) >= _TABLES_KEPT:
+            _TABLES.pop(next(iter(_TABLES)))
+        _TABLES[key] = _accuracy_table(session, experiment_id, method)
+    return _TABLES[key]
+
+
+def _accuracy_table(session: Session, experiment_id: int, method: str) -> dict:
+    from training.evaluation.stats import DEFAULT_N_BOOT, PairingError, compare_results
 
     exp = get_experiment(session, experiment_id)
     runs: list[Run] = list(exp.runs)
     per_run = {r.id: latest_results(session, r.id) for r in runs}
-    base = next((r for r in runs if r.recipe == exp.baseline and r.status == "succeeded" and per_run[r.id]), None)
+    # The reference is the one the loss comparison uses (the baseline's first seed), when it was evaluated.
+    base = baseline_run([r for r in runs if per_run[r.id]], exp.baseline)
     table = []
     for r in runs:
         res = per_run[r.id]
@@ -130,8 +160,17 @@ def accuracy_table(session: Session, experiment_id: int, *, method: str = "boots
         if base is not None and r.id != base.id and res:
             shared = [t for t in shown if t in per_run[base.id]]
             if shared:
-                comparison = compare_results(per_run[base.id], res, tasks=shared, method=method, n_boot=n_boot)
+                try:
+                    comparison = compare_results(per_run[base.id], res, tasks=shared, method=method,
+                                                 n_boot=DEFAULT_N_BOOT)
+                except PairingError as e:
+                    raise Conflict(f"run {r.id} ({r.label}) cannot be paired with the {exp.baseline} run {base.id}: "
+                                   f"{e}") from e
         table.append({"run_id": r.id, "recipe": r.recipe, "label": r.label, "status": r.status,
                       "gemm_backend": r.gemm_backend, "tasks": values, "vs_bf16": comparison})
     return {"experiment_id": exp.id, "baseline_run_id": base.id if base else None, "method": method,
-            "confidence": 0.95, "runs": table}
+            "confidence": 0.95, "n_boot": DEFAULT_N_BOOT, "correction": "holm",
+            "seed_replicates": len([r for r in runs if r.recipe == exp.baseline and per_run[r.id]]) > 1,
+            "interval_covers": "the sampling of documents for these checkpoints; seed-to-seed variation only where "
+                               "the baseline has seed replicates (their spread is shown beside each difference)",
+            "runs": table}
