@@ -100,6 +100,7 @@ def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None
         "rule": rule, "tolerance_pct": tol, "band_pct": band,
         "rule_text": _rule_text(rule, band, tol, len([r for r in base_runs if _finite(r.final_val_loss) is not None])),
         "recipes": entries,
+        "runs": [_run_entry(r, ref_loss, base_tps, spread) for r in runs],
     }
     out["best"], out["summary"] = _summary(out, ref, ref_loss)
     return out
@@ -144,6 +145,19 @@ def _variant_entry(name: str, members: list[RunFacts], ref_loss, base_tps, band,
         "outcome": outcome, "matches": None if outcome is None else outcome in ("matches", "better"),
         "accuracy": [_accuracy_row(row) for row in first.accuracy],
     }
+
+
+def _run_entry(r: RunFacts, ref_loss, base_tps, spread: dict) -> dict:
+    """One run of the decision table: its own figures against the reference (no pooling over seeds)."""
+    final, tps = _finite(r.final_val_loss), _finite(r.tokens_per_s)
+    rows = [_accuracy_row(row) for row in r.accuracy]
+    for row in rows:
+        row["baseline_seed_spread"] = spread.get((row["task"], row["metric"]))
+    return {"run_id": r.run_id, "variant": r.variant, "recipe": r.recipe, "seed": r.seed, "status": r.status,
+            "is_baseline": r.is_baseline, "emulated": r.emulated, "final_val_loss": final,
+            "min_val_loss": _finite(r.min_val_loss), "val_delta_pct": _pct(final, ref_loss),
+            "tokens_per_s": tps, "speedup": tps / base_tps if tps is not None and base_tps else None,
+            "accuracy": rows}
 
 
 def _accuracy_row(row: dict) -> dict:
