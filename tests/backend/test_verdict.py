@@ -50,6 +50,14 @@ def test_the_verdict_follows_validation_loss_and_the_stated_tolerance(api):
     assert v["summary"].startswith("fp8_tensorwise matches BF16 at +0.30% final validation loss, 0.70×")
     assert "slowdown" in v["summary"] and "±0.5%" in v["summary"]
     assert api.get("/api/v1/experiments/999999/verdict").status_code == 404
+    # `plab demo` prints the same verdict: its table reads the endpoint's answer.
+    from plab.cli.demo import _summary_table
+
+    table = _summary_table(api.get(f"/api/v1/experiments/{exp['id']}").json(), v).splitlines()
+    fp8_line = next(line for line in table if line.startswith("fp8_tensorwise"))
+    assert fp8_line.split()[3:] == ["2.0060", "+0.30%", "700", "0.70x", "slowdown", "matches"]
+    assert next(line for line in table if line.startswith("bf16")).endswith("reference")
+    assert table[-2] == f"Verdict: {v['summary']}"
 
 
 def test_seed_replicates_make_one_run_per_seed_and_the_verdict_uses_bf16s_seed_band(api):
