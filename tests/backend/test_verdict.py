@@ -178,3 +178,22 @@ def test_the_pure_verdict_without_validation_loss_says_what_is_missing():
     assert v["recipes"][0]["speedup"] == 2.0 and v["recipes"][0]["speed_word"] == "speedup"
     with pytest.raises(ValueError, match="tolerance"):
         experiment_verdict(facts, reference_run_id=1, tolerance_pct=-1)
+
+
+def test_accuracy_deltas_come_with_bf16s_seed_to_seed_spread(api, database_url):
+    exp = create(api, replicates=2)
+    b0, b1, fp8, _ = (r["id"] for r in exp["runs"])
+    for run in (b0, b1, fp8):
+        finish(api, run)
+        assert api.post(f"/api/v1/runs/{run}/artifacts", json={"kind": "checkpoint", "path": f"/c/{run}"}).status_code == 201
+    # 40 documents: BF16 seed 0 gets 20 right, seed 1 gets 22 (+5 pp), fp8 gets 19 (-2.5 pp).
+    store_evaluation(database_url, b0, {"plab_piqa": task("h" * 64, [1.0] * 20 + [0.0] * 20)})
+    store_evaluation(database_url, b1, {"plab_piqa": task("h" * 64, [1.0] * 22 + [0.0] * 18)})
+    store_evaluation(database_url, fp8, {"plab_piqa": task("h" * 64, [1.0] * 19 + [0.0] * 21)})
+    v = verdict(api, exp["id"])
+    assert v["reference_run_id"] == b0 and v["accuracy_error"] is None
+    row = next(e for e in v["recipes"] if e["recipe"] == "fp8_tensorwise")["accuracy"][0]
+    assert row["delta"] == pytest.approx(-0.025) and row["significant"] is False
+    assert row["baseline_seed_spread"] == pytest.approx([0.0, 0.05])
+    table = api.get(f"/api/v1/experiments/{exp['id']}/accuracy").json()
+    assert table["baseline_run_id"] == b0 and table["seed_replicates"] is True

@@ -121,3 +121,21 @@ def test_decision_table_sort_and_filter_are_kept_in_the_url(server, page):
     page.wait_for_url(re.compile(r"sort=val_delta&dir=asc"))
     assert page.evaluate(order) == [runs["bf16"], runs["fp8_rowwise"], runs["fp8_tensorwise"]]
     assert page.console_log.errors == []
+
+
+def test_the_form_asks_for_bf16_seed_replicates_and_a_verdict_tolerance(server, page):
+    page.goto(f"{server.base_url}/experiments/new")
+    page.fill("#field-name", "form-seeds")
+    page.fill("#field-steps", "20")
+    page.check("input[name=recipes][value=fp8_tensorwise]")
+    page.fill("#field-seed", "5")
+    page.fill("#field-replicates", "3")
+    page.fill("#field-tolerance", "0.5")
+    page.uncheck("#field-enqueue")
+    page.click("#experiment-submit")
+    page.wait_for_url(re.compile(r"/experiments/\d+$"))
+    exp = server.http.get(f"/api/v1/experiments/{page.url.rsplit('/', 1)[1]}").json()
+    assert [(r["recipe"], r["seed"]) for r in exp["runs"]] == [("bf16", 5), ("bf16", 6), ("bf16", 7),
+                                                               ("fp8_tensorwise", 5)]
+    assert exp["verdict_tolerance_pct"] == 0.5
+    assert page.console_log.errors == []
