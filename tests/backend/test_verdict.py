@@ -183,7 +183,8 @@ def test_the_pure_verdict_without_validation_loss_says_what_is_missing():
 def test_accuracy_deltas_come_with_bf16s_seed_to_seed_spread(api, database_url):
     exp = create(api, replicates=2)
     b0, b1, fp8, _ = (r["id"] for r in exp["runs"])
-    for run in (b0, b1, fp8):
+    for run, loss in ((b0, 2.0), (b1, 2.01), (fp8, 2.005)):
+        send(api, run, val_and_noisy_train(loss))
         finish(api, run)
         assert api.post(f"/api/v1/runs/{run}/artifacts", json={"kind": "checkpoint", "path": f"/c/{run}"}).status_code == 201
     # 40 documents: BF16 seed 0 gets 20 right, seed 1 gets 22 (+5 pp), fp8 gets 19 (-2.5 pp).
@@ -195,5 +196,12 @@ def test_accuracy_deltas_come_with_bf16s_seed_to_seed_spread(api, database_url):
     row = next(e for e in v["recipes"] if e["recipe"] == "fp8_tensorwise")["accuracy"][0]
     assert row["delta"] == pytest.approx(-0.025) and row["significant"] is False
     assert row["baseline_seed_spread"] == pytest.approx([0.0, 0.05])
+    assert "+0.25% final validation loss, speed not measured, no significant accuracy loss on 1 evaluated task;" \
+        in v["summary"]
+    facts = [RunFacts(1, "bf16", "bf16", "succeeded", 0, True, 2.0, 2.0, 10.0),
+             RunFacts(2, "fp8", "fp8", "succeeded", 0, False, 2.01, 2.0, 15.0, accuracy=(
+                 {"task": "piqa", "metric": "acc", "delta": -0.1, "significant": True, "improved": False},
+                 {"task": "arc", "metric": "acc", "delta": -0.01, "significant": False, "improved": None}))]
+    assert ", but accuracy significantly worse on piqa;" in experiment_verdict(facts, reference_run_id=1)["summary"]
     table = api.get(f"/api/v1/experiments/{exp['id']}/accuracy").json()
     assert table["baseline_run_id"] == b0 and table["seed_replicates"] is True

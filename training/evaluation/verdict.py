@@ -207,5 +207,16 @@ def _summary(out: dict, ref: RunFacts | None, ref_loss: float | None) -> tuple[d
         speed += " on emulated GEMMs, not the format's hardware speed"
     word = "beats" if best["outcome"] == "better" else "matches"
     return ({"variant": best["variant"], "run_ids": best["run_ids"]},
-            f"{best['variant']} {word} BF16 at {best['val_delta_pct']:+.2f}% final validation loss, {speed}; "
-            f"rule: {out['rule_text']}")
+            f"{best['variant']} {word} BF16 at {best['val_delta_pct']:+.2f}% final validation loss, {speed}"
+            f"{_accuracy_clause(best['accuracy'])}; rule: {out['rule_text']}")
+
+
+def _accuracy_clause(rows: Sequence[dict]) -> str:
+    """What the paired accuracy comparison adds to the verdict line (Holm-corrected significance)."""
+    tasks = sorted({r["task"] for r in rows})
+    if not tasks:
+        return ""
+    worse = sorted({r["task"] for r in rows if r.get("significant") and r.get("improved") is False})
+    if worse:
+        return f", but accuracy significantly worse on {', '.join(worse)}"
+    return f", no significant accuracy loss on {len(tasks)} evaluated task{'s' if len(tasks) > 1 else ''}"
