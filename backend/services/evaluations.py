@@ -1,6 +1,8 @@
 """lm-eval jobs on run checkpoints, their per-task results, and the paired comparison against BF16."""
 from __future__ import annotations
 
+import threading
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -115,6 +117,7 @@ def latest_results(session: Session, run_id: int) -> dict[str, dict]:
 # bootstrap of DEFAULT_N_BOOT resamples per task and run, and the page and the verdict ask for it on every poll.
 _TABLES: dict[tuple, dict] = {}
 _TABLES_KEPT = 32
+_TABLES_LOCK = threading.Lock()  # FastAPI runs sync routes on a thread pool
 
 
 def _results_signature(session: Session, experiment_id: int, method: str) -> tuple:
@@ -134,11 +137,15 @@ def accuracy_table(session: Session, experiment_id: int, *, method: str = "boots
     task and how): a paired test on different documents would measure the documents."""
     get_experiment(session, experiment_id)
     key = _results_signature(session, experiment_id, method)
-    if key not in _TABLES:
-        if len(_TABLES) >= _TABLES_KEPT:
-            _TABLES.pop(next(iter(_TABLES)))
-        _TABLES[key] = _accuracy_table(session, experiment_id, method)
-    return _TABLES[key]
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+    if table is None:
+        table = _accuracy_table(session, experiment_id, method)
+        with _TABLES_LOCK:
+            if len(_TABLES) >= _TABLES_KEPT:
+                _TABLES.pop(next(iter(_TABLES)))
+            _TABLES[key] = table
+    return table
 
 
 def _accuracy_table(session: Session, experiment_id: int, method: str) -> dict:

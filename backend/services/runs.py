@@ -105,7 +105,8 @@ def _with_seeds(body: ExperimentCreate, recipe: RecipeRequest) -> RecipeRequest:
     """The recipe with the seeds it trains with: its own, else the experiment's `seeds` where they apply."""
     if recipe.seeds is not None or body.seeds is None:
         return recipe
-    if body.replicate == "all" or recipe.name == BASELINE_RECIPE:
+    baseline = recipe.name == BASELINE_RECIPE and not recipe.bf16_first_layers and not recipe.bf16_last_layers
+    if body.replicate == "all" or baseline:
         return recipe.model_copy(update={"seeds": list(body.seeds)})
     return recipe
 

@@ -76,6 +76,10 @@ def test_seed_replicates_make_one_run_per_seed_and_the_verdict_uses_bf16s_seed_b
     # +1.0% is outside a ±0.5% tolerance... but inside what BF16 does by changing its seed.
     assert by["fp8_tensorwise"]["outcome"] == "matches" and by["nvfp4"]["outcome"] == "worse"
     assert "seed band [-0.50%, +1.50%] (min–max over 3 seeds)" in v["summary"]
+    ablation = create(api, name="ablation", replicates=2, recipes=["bf16", {"name": "bf16", "bf16_last_layers": 1}])
+    # Only the baseline itself is replicated; a BF16 run with layers kept apart is a recipe like any other.
+    assert [(r["label"], r["seed"]) for r in ablation["runs"]] == [("bf16 seed=0", 0), ("bf16 seed=1", 1),
+                                                                   ("bf16 bf16_last=1", 0)]
     replicated = create(api, name="all", replicates=2, replicate="all")
     assert sorted((r["recipe"], r["seed"]) for r in replicated["runs"]) == sorted(
         (rec, s) for rec in ("bf16", "fp8_tensorwise", "nvfp4") for s in (0, 1))
