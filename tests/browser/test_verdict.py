@@ -86,6 +86,9 @@ def test_bf16_seed_band_is_drawn_on_the_relative_chart_and_decides_the_verdict(s
     assert text.startswith("fp8_tensorwise matches BF16 at +1.20% final validation loss, 1.40×")
     assert "seed band [-0.50%, +1.50%] (min–max over 3 seeds)" in text
     assert page.locator(f"#decision-table tr[data-verdict-run-id='{fp8}'] .outcome-matches").count() == 1
+    verdicts = [page.locator(f"#decision-table tr[data-verdict-run-id='{r['id']}'] td:last-child").inner_text()
+                for r in bf16]
+    assert verdicts == ["reference", "BF16 seed replicate", "BF16 seed replicate"]
     assert page.console_log.errors == []
 
 

@@ -181,7 +181,8 @@ function accuracyCell(row, col) {
 
 function outcomeOf(verdict, row) {
   const entry = (verdict.recipes || []).find((e) => e.run_ids.includes(row.run.id));
-  if (!entry) return row.facts.is_baseline ? html`<span class="muted">reference</span>` : "";
+  if (row.run.id === verdict.reference_run_id) return html`<span class="muted">reference</span>`;
+  if (!entry) return row.facts.is_baseline ? html`<span class="muted">BF16 seed replicate</span>` : "";
   return entry.outcome ? html`<span class="outcome-${entry.outcome}">${OUTCOME_TEXT[entry.outcome]}</span>` : "";
 }
 
