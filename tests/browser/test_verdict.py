@@ -142,3 +142,41 @@ def test_the_form_asks_for_bf16_seed_replicates_and_a_verdict_tolerance(server, 
                                                                ("fp8_tensorwise", 5)]
     assert exp["verdict_tolerance_pct"] == 0.5
     assert page.console_log.errors == []
+
+
+def test_accuracy_deltas_in_the_decision_table_sit_next_to_bf16s_seed_spread(server, page):
+    from tests.browser.test_accuracy_panel import N_DOCS, piqa_entry, start_evaluation, worker_posts
+
+    exp = server.create_experiment(["bf16", "fp8_tensorwise", "mxfp8"], name="verdict-accuracy", replicates=2)
+    runs = {(r["recipe"], r["seed"]): r["id"] for r in exp["runs"]}
+    # Of 200 documents BF16 seed 0 gets 120 right, seed 1 gets 126 (+3 pp), fp8 gets 100 (-10 pp: significant
+    # after Holm over its two metrics), mxfp8 121 (+0.5 pp, not significant).
+    right = {("bf16", 0): 120, ("bf16", 1): 126, ("fp8_tensorwise", 0): 100, ("mxfp8", 0): 121}
+    for key, run_id in runs.items():
+        plant(server, run_id, train=2.0, val=2.1)
+        finish(server, run_id, 1000.0)
+        assert server.http.post(f"/api/v1/runs/{run_id}/artifacts",
+                                json={"kind": "checkpoint", "path": "/tmp/x"}).status_code == 201
+        ev = start_evaluation(server, run_id, ["plab_piqa"])
+        worker_posts(server, ev["id"], {"plab_piqa": piqa_entry(set(range(right[key])))})
+    assert N_DOCS == 200
+
+    page.goto(f"{server.base_url}/experiments/{exp['id']}?sort=acc:plab_piqa|acc&dir=asc")
+    page.wait_for_selector("#decision-table td[data-task='plab_piqa']")
+    cell = page.locator(f"#decision-table tr[data-verdict-run-id='{runs[('fp8_tensorwise', 0)]}'] "
+                        "td[data-task='plab_piqa']")
+    assert cell.get_attribute("data-significant") == "true"
+    assert cell.inner_text().split("\n")[0].strip() == "−10.0 pp ▼"
+    assert "BF16 seeds [±0.0 pp, +3.0 pp]" in cell.inner_text()
+    assert "after Holm" in cell.get_attribute("title")
+    mx = page.locator(f"#decision-table tr[data-verdict-run-id='{runs[('mxfp8', 0)]}'] td[data-task='plab_piqa']")
+    assert mx.get_attribute("data-significant") == "false" and "n.s." in mx.inner_text()
+    # Both recipes match BF16's validation loss at the same speed: the verdict names the one without an accuracy loss.
+    assert page.locator("#experiment-summary").inner_text().startswith(
+        "mxfp8 matches BF16 at +0.00% final validation loss, 1.00× BF16's throughput (speedup), no significant "
+        "accuracy loss on 1 evaluated task")
+    order = page.evaluate("() => [...document.querySelectorAll('#decision-table tbody tr')]"
+                          ".map(tr => Number(tr.dataset.verdictRunId))")
+    # Sorted by the accuracy difference, ascending; the reference has no difference to itself and sorts last.
+    assert order == [runs[("fp8_tensorwise", 0)], runs[("mxfp8", 0)], runs[("bf16", 1)], runs[("bf16", 0)]]
+    assert page.console_log.errors == []

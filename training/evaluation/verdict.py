@@ -200,7 +200,9 @@ def _summary(out: dict, ref: RunFacts | None, ref_loss: float | None) -> tuple[d
     good = [e for e in judged if e["matches"]]
     if not good:
         return None, f"no recipe matches BF16's validation loss ({out['rule_text']})"
-    best = max(good, key=lambda e: e["speedup"] if e["speedup"] is not None else -1.0)
+    # The fastest of the matching recipes, preferring one whose accuracy is not significantly worse anywhere.
+    best = max(good, key=lambda e: (not _worse_tasks(e["accuracy"]),
+                                    e["speedup"] if e["speedup"] is not None else -1.0))
     speed = ("speed not measured" if best["speedup"] is None
              else f"{best['speedup']:.2f}× BF16's throughput ({best['speed_word']})")
     if best["emulated"] and best["speedup"] is not None:
@@ -211,12 +213,16 @@ def _summary(out: dict, ref: RunFacts | None, ref_loss: float | None) -> tuple[d
             f"{_accuracy_clause(best['accuracy'])}; rule: {out['rule_text']}")
 
 
+def _worse_tasks(rows: Sequence[dict]) -> list[str]:
+    return sorted({r["task"] for r in rows if r.get("significant") and r.get("improved") is False})
+
+
 def _accuracy_clause(rows: Sequence[dict]) -> str:
     """What the paired accuracy comparison adds to the verdict line (Holm-corrected significance)."""
     tasks = sorted({r["task"] for r in rows})
     if not tasks:
         return ""
-    worse = sorted({r["task"] for r in rows if r.get("significant") and r.get("improved") is False})
+    worse = _worse_tasks(rows)
     if worse:
         return f", but accuracy significantly worse on {', '.join(worse)}"
     return f", no significant accuracy loss on {len(tasks)} evaluated task{'s' if len(tasks) > 1 else ''}"

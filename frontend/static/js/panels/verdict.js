@@ -173,7 +173,7 @@ function accuracyCell(row, col) {
   const spread = a.baseline_seed_spread;
   const title = `${a.method}, n = ${a.n}; p = ${finite(a.p_value) ? a.p_value.toPrecision(2) : "?"} uncorrected, `
     + `${finite(a.p_holm) ? a.p_holm.toPrecision(2) : "?"} after Holm`;
-  return html`<td class="num" data-task="${col.task}" data-significant="${a.significant}" title="${title}">${""
+  return html`<td class="num" data-task="${col.task}" data-significant="${String(Boolean(a.significant))}" title="${title}">${""
     }${formatAccDelta(a.metric, a.delta)} <span class="acc-marker">${mark}</span>${spread && html`<span ${""
     }class="spread muted" title="BF16 seed-to-seed spread">BF16 seeds [${formatAccDelta(a.metric, spread[0])}, ${""
     }${formatAccDelta(a.metric, spread[1])}]</span>`}</td>`;
