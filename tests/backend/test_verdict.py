@@ -209,3 +209,17 @@ def test_accuracy_deltas_come_with_bf16s_seed_to_seed_spread(api, database_url):
     assert ", but accuracy significantly worse on piqa;" in experiment_verdict(facts, reference_run_id=1)["summary"]
     table = api.get(f"/api/v1/experiments/{exp['id']}/accuracy").json()
     assert table["baseline_run_id"] == b0 and table["seed_replicates"] is True
+
+
+def test_runs_still_training_are_shown_but_not_judged():
+    def facts(base_status, other_status):
+        return [RunFacts(1, "bf16", "bf16", base_status, 0, True, 2.0, 2.0, 10.0),
+                RunFacts(2, "bf16", "bf16", "running", 1, True, 2.5, 2.5, 10.0),  # an early val loss: no band
+                RunFacts(3, "mxfp8", "mxfp8", other_status, 0, False, 2.3, 2.3, 12.0)]
+    v = experiment_verdict(facts("succeeded", "running"), reference_run_id=1)
+    assert v["rule"] == "tolerance" and v["band_pct"] is None
+    assert v["recipes"][0]["outcome"] is None and v["summary"] == "no recipe has finished with a validation loss yet"
+    assert v["runs"][2]["val_delta_pct"] == pytest.approx(15.0)  # the table still shows where it is now
+    assert experiment_verdict(facts("running", "succeeded"), reference_run_id=1)["summary"] == (
+        "BF16 is running: the verdict waits for its final validation loss")
+    assert experiment_verdict(facts("succeeded", "succeeded"), reference_run_id=1)["recipes"][0]["outcome"] == "worse"

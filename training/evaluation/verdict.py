@@ -3,7 +3,8 @@
 What matters is the *validation* loss (held-out tokens, the same batches for every recipe), not the last noisy
 training-loss sample. Per recipe variant (a recipe with its options and kept layers; its seed replicates pooled):
 
-- ``val_delta_pct``: ``100 * (mean final val loss of the variant - reference) / reference``, where the reference
+- ``val_delta_pct``: ``100 * (mean final val loss of the variant's finished seeds - reference) / reference``
+  (runs still training are shown but not judged), where the reference
   is the final validation loss of the baseline's reference run (its first seed: the run every chart compares with);
   ``min_val_delta_pct`` the same for the lowest validation loss over the run;
 - ``speedup``: mean tokens/s of the variant over the baseline's mean (a value < 1 is called a slowdown);
@@ -79,8 +80,9 @@ def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None
     tol = check_tolerance(tolerance_pct)
     base_runs = [r for r in runs if r.is_baseline]
     ref = next((r for r in base_runs if r.run_id == reference_run_id), None)
-    ref_loss = _finite(ref.final_val_loss) if ref else None
-    band = _seed_band(base_runs, ref_loss)
+    # Only finished runs are judged: a run still training has the validation loss of an earlier point of training.
+    ref_loss = _finite(ref.final_val_loss) if ref and ref.status == "succeeded" else None
+    band = _seed_band([r for r in base_runs if r.status == "succeeded"], ref_loss)
     rule = "seed_band" if band is not None else "tolerance"
     base_tps = _mean(r.tokens_per_s for r in base_runs if r.status == "succeeded") or _mean(
         r.tokens_per_s for r in base_runs)
@@ -88,7 +90,9 @@ def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None
     for r in runs:
         if not r.is_baseline:
             variants.setdefault(r.variant, []).append(r)
-    entries = [_variant_entry(name, members, ref_loss, base_tps, band, tol) for name, members in variants.items()]
+    ref_seed = ref.seed if ref else None
+    entries = [_variant_entry(name, members, ref_loss, ref_seed, base_tps, band, tol)
+               for name, members in variants.items()]
     spread = _accuracy_spread(base_runs, reference_run_id)
     for e in entries:
         for row in e["accuracy"]:
@@ -98,7 +102,8 @@ def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None
         "baseline": {"run_ids": [r.run_id for r in base_runs], "seeds": sorted({r.seed for r in base_runs}),
                      "final_val_loss": ref_loss, "tokens_per_s": base_tps},
         "rule": rule, "tolerance_pct": tol, "band_pct": band,
-        "rule_text": _rule_text(rule, band, tol, len([r for r in base_runs if _finite(r.final_val_loss) is not None])),
+        "rule_text": _rule_text(rule, band, tol, len([r for r in base_runs if r.status == "succeeded"
+                                                      and _finite(r.final_val_loss) is not None])),
         "recipes": entries,
         "runs": [_run_entry(r, ref_loss, base_tps, spread) for r in runs],
     }
@@ -124,16 +129,17 @@ def classify(delta_pct: float | None, band: list[float] | None, tolerance_pct: f
     return "worse" if delta_pct > high + 1e-9 else "matches"
 
 
-def _variant_entry(name: str, members: list[RunFacts], ref_loss, base_tps, band, tol) -> dict:
-    done = [r for r in members if _finite(r.final_val_loss) is not None]
-    final = _mean(r.final_val_loss for r in done)
+def _variant_entry(name: str, members: list[RunFacts], ref_loss, ref_seed, base_tps, band, tol) -> dict:
+    """A recipe variant's figures (its finished seeds pooled) and its outcome by the rule."""
+    final = _mean(r.final_val_loss for r in members if r.status == "succeeded")
     lowest = min((v for v in (_finite(r.min_val_loss) for r in members) if v is not None), default=None)
     tps = _mean(r.tokens_per_s for r in members if r.status == "succeeded") or _mean(r.tokens_per_s for r in members)
     speedup = tps / base_tps if tps is not None and base_tps else None
     delta = _pct(final, ref_loss)
     diverged = [r.run_id for r in members if r.status == "diverged"]
     outcome = "diverged" if diverged else classify(delta, band, tol)
-    first = min(members, key=lambda r: r.seed)
+    # Its accuracy is the run paired with the reference: the same seed (initial weights and batch order).
+    first = next((r for r in members if r.seed == ref_seed), min(members, key=lambda r: r.run_id))
     return {
         "variant": name, "recipe": first.recipe, "run_ids": [r.run_id for r in members],
         "seeds": sorted({r.seed for r in members}), "statuses": sorted({r.status for r in members}),
@@ -192,11 +198,13 @@ def _summary(out: dict, ref: RunFacts | None, ref_loss: float | None) -> tuple[d
     entries = out["recipes"]
     if ref is None:
         return None, "no BF16 run to compare with"
+    if ref.status != "succeeded":
+        return None, f"BF16 is {ref.status}: the verdict waits for its final validation loss"
     if ref_loss is None:
-        return None, "BF16 has no validation loss yet: the verdict needs val/loss (set training.val_every)"
+        return None, "BF16 has no validation loss: the verdict needs val/loss (set training.val_every)"
     judged = [e for e in entries if e["outcome"] is not None]
     if not judged:
-        return None, "no recipe has a validation loss yet"
+        return None, "no recipe has finished with a validation loss yet"
     good = [e for e in judged if e["matches"]]
     if not good:
         return None, f"no recipe matches BF16's validation loss ({out['rule_text']})"
