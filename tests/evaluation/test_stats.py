@@ -158,6 +158,6 @@ def test_cli_compare_prints_holm_next_to_the_uncorrected_p_and_refuses_different
         files[name].write_text(json.dumps(res))
     assert main(["--compare", str(files["base"]), str(files["cand"])]) == 0
     out = capsys.readouterr().out
-    assert "p Holm" in out.splitlines()[0] and "Holm's correction over the 1 rows" in out
+    assert "p Holm" in out.splitlines()[0] and "Holm's correction over the 1 row (" in out
     assert main(["--compare", str(files["base"]), str(files["other"])]) == 2
     assert "scored different documents or prompts (task hash aaaaaaaaaaaa… vs bbbbbbbbbbbb…)" in capsys.readouterr().err

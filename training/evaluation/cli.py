@@ -187,8 +187,9 @@ def _format_comparison(rows: list[dict]) -> str:
             f"{_fmt(r['delta']):>9} {ci:>22} {_fmt(r['p_value'], 3):>7} {_fmt(r['p_holm'], 3):>7}  {r['method']}{mark}"
         )
     if rows:
-        lines.append(f"* significant after Holm's correction over the {len(rows)} rows (family-wise alpha "
-                     f"{rows[0]['alpha']:g}); intervals cover document sampling of these two checkpoints, not seeds")
+        n = f"{len(rows)} row{'s' if len(rows) != 1 else ''}"
+        lines.append(f"* significant after Holm's correction over the {n} (family-wise alpha {rows[0]['alpha']:g}); "
+                     "intervals cover document sampling of these two checkpoints, not seeds")
     return "\n".join(lines)
 
 
