@@ -452,6 +452,91 @@ class EvaluationOut(BaseModel):
     results: list[EvalResultOut] = Field(default_factory=list)
 
 
+# -- verdict (training.evaluation.verdict) ----------------------------------------------------------------------------
+class VerdictAccuracyRow(BaseModel):
+    task: str
+    metric: str
+    delta: float | None
+    ci_low: float | None
+    ci_high: float | None
+    p_value: float | None = Field(description="uncorrected")
+    p_holm: float | None = Field(description="Holm-adjusted over the run's tasks and metrics")
+    significant: bool | None = Field(description="p_holm < 0.05")
+    significant_uncorrected: bool | None
+    improved: bool | None
+    higher_is_better: bool | None
+    n: int | None = Field(description="paired documents")
+    method: str | None
+    baseline_seed_spread: list[float] | None = Field(
+        description="[min, max] of BF16's own seed replicates' deltas to the reference (0 included); null with one "
+                    "seed")
+
+
+class VerdictRecipe(BaseModel):
+    variant: str = Field(description="the recipe with its options and kept layers (its seed replicates pooled)")
+    recipe: str
+    run_ids: list[int]
+    seeds: list[int]
+    statuses: list[str]
+    emulated: bool
+    final_val_loss: float | None = Field(description="mean over its finished seeds")
+    min_val_loss: float | None
+    val_delta_pct: float | None
+    min_val_delta_pct: float | None
+    tokens_per_s: float | None
+    speedup: float | None
+    speed_word: Literal["speedup", "slowdown"] | None
+    outcome: Literal["matches", "better", "worse", "diverged"] | None = Field(
+        description="null until it has finished with a validation loss")
+    matches: bool | None = Field(description="outcome is matches or better")
+    accuracy: list[VerdictAccuracyRow]
+
+
+class VerdictRun(BaseModel):
+    run_id: int
+    variant: str
+    recipe: str
+    seed: int
+    status: str
+    is_baseline: bool
+    emulated: bool
+    final_val_loss: float | None
+    min_val_loss: float | None
+    val_delta_pct: float | None
+    tokens_per_s: float | None
+    speedup: float | None
+    accuracy: list[VerdictAccuracyRow]
+
+
+class VerdictBaseline(BaseModel):
+    run_ids: list[int]
+    seeds: list[int]
+    final_val_loss: float | None
+    tokens_per_s: float | None
+
+
+class VerdictBest(BaseModel):
+    variant: str
+    run_ids: list[int]
+
+
+class VerdictOut(BaseModel):
+    experiment_id: int
+    baseline_recipe: str
+    metric: str = Field(description="the metric judged: val/loss")
+    reference_run_id: int | None = Field(description="the baseline run every difference is measured against")
+    baseline: VerdictBaseline
+    rule: Literal["seed_band", "tolerance"]
+    rule_text: str
+    band_pct: list[float] | None = Field(description="[min, max] of BF16's seed replicates, with 2+ seeds")
+    tolerance_pct: float
+    recipes: list[VerdictRecipe]
+    runs: list[VerdictRun]
+    best: VerdictBest | None
+    summary: str = Field(description="the one-line verdict")
+    accuracy_error: str | None = Field(description="why accuracy was not paired (different documents), if so")
+
+
 # -- GEMM benchmarks --------------------------------------------------------------------------------------------------
 class GemmShape(BaseModel):
     """One GEMM of a stored benchmark result: the dashboard shows these numbers, so they must be numbers."""

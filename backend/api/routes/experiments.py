@@ -7,7 +7,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from backend.api.deps import WRITE, ObjectId, SessionDep
-from backend.schemas import ExperimentCreate, ExperimentOut, Page, SeriesQuery
+from backend.schemas import ExperimentCreate, ExperimentOut, Page, SeriesQuery, VerdictOut
 from backend.services import comparison, dispatch, runs, verdict
 
 router = APIRouter(prefix="/experiments", tags=["experiments"])
@@ -62,7 +62,7 @@ def experiment_comparison(experiment_id: ObjectId, session: SessionDep,
                                          final_n=final_n)
 
 
-@router.get("/{experiment_id}/verdict")
+@router.get("/{experiment_id}/verdict", response_model=VerdictOut)
 def experiment_verdict(experiment_id: ObjectId, session: SessionDep):
     """Per recipe: final (and lowest) validation-loss difference to BF16, speedup (a value < 1 is a slowdown),
     accuracy differences (paired, Holm-corrected) and real/emulated GEMMs, and whether it matches BF16 by the rule
