@@ -229,7 +229,8 @@ export function render() {
     tasks.map((c) => header(`acc:${c.task}|${c.metric}`, `${c.task} Δ`, view, `${c.metric}, recipe − BF16`))}${""
     }<th>Verdict</th></tr>`);
   setHTML(panel.querySelector("tbody"), shown.length ? joinHtml(shown.map((r) => bodyRow(verdict, r, tasks)))
-    : html`<tr class="placeholder"><td colspan="${8 + tasks.length}">No run matches the filters.</td></tr>`);
+    : html`<tr class="placeholder"><td colspan="${8 + tasks.length}">${all.length
+      ? "No run matches the filters." : "This experiment has no runs."}</td></tr>`);
 }
 
 // ---------------------------------------------------------------- BF16's seed band on the relative-loss chart
