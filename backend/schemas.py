@@ -163,21 +163,22 @@ class ExperimentCreate(Strict):
             raise ValueError("give either seeds (a list) or replicates (a count), not both")
         if self.replicates is not None:
             if self.seed + self.replicates - 1 > INT32_MAX:
-                raise ValueError(f"seed {self.seed} + {self.replicates} replicates passes {INT32_MAX}; use a smaller seed")
+                raise ValueError(f"seed {self.seed} + {self.replicates} replicates passes {INT32_MAX}; use a smaller "
+                                 "seed")
             self.seeds, self.replicates = [self.seed + i for i in range(self.replicates)], None
         if self.seeds is not None:
             if len(set(self.seeds)) != len(self.seeds):
                 raise ValueError(f"seeds repeat ({self.seeds}): give each seed once")
+            if self.seed not in self.seeds:
+                raise ValueError(f"seeds {self.seeds} must include the experiment's seed {self.seed} (the other "
+                                 "recipes train with it); add it, or set seed to one of them")
             # The reference run (the experiment's seed) first: the comparisons pair it with the other recipes,
             # which share its initial weights and batch order.
-            self.seeds = [self.seed] + [s for s in self.seeds if s != self.seed] if self.seed in self.seeds else self.seeds
+            self.seeds = [self.seed] + [s for s in self.seeds if s != self.seed]
         for i, r in enumerate(self.recipes):
             if isinstance(r, RecipeRequest) and r.seeds is not None and self.seed not in r.seeds:
                 raise ValueError(f"recipes[{i}] ({r.name}): seeds {r.seeds} must include the experiment's seed "
                                  f"{self.seed}, the run every comparison pairs with the other recipes")
-        if self.seeds is not None and self.seed not in self.seeds:
-            raise ValueError(f"seeds {self.seeds} must include the experiment's seed {self.seed} (the other recipes "
-                             f"train with it); add it, or set seed to one of them")
         return self
 
 

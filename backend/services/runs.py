@@ -10,8 +10,8 @@ from sqlalchemy.orm import Session, selectinload
 
 from backend.errors import Conflict, InvalidInput, NotFound
 from backend.models import BASELINE_RECIPE, FINAL_STATUSES, Artifact, Experiment, Run, utcnow
-from backend.schemas import (MAX_RUNS_PER_EXPERIMENT, ArtifactIn, ExperimentCreate, MetricBatchResult, MetricPointIn, RecipeRequest, RunCreate,
-                             RunInfoUpdate, Series, SeriesQuery, StatusUpdate)
+from backend.schemas import (MAX_RUNS_PER_EXPERIMENT, ArtifactIn, ExperimentCreate, MetricBatchResult, MetricPointIn,
+                             RecipeRequest, RunCreate, RunInfoUpdate, Series, SeriesQuery, StatusUpdate)
 from backend.services import metrics
 
 # Which status a run may move to from which: a worker retried after a crash re-announces `running`.
