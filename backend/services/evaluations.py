@@ -113,21 +113,25 @@ def latest_results(session: Session, run_id: int) -> dict[str, dict]:
     return out
 
 
-# Accuracy tables by what they were computed from (experiment, method, every stored result row): a table costs a
-# bootstrap of DEFAULT_N_BOOT resamples per task and run, and the page and the verdict ask for it on every poll.
+# Accuracy tables by everything they are computed from (the experiment's baseline, its runs' recipe, label, status
+# and backend, every evaluation and stored result row, the method): a table costs a bootstrap of DEFAULT_N_BOOT
+# resamples per task and run, and the page and the verdict ask for it on every poll.
 _TABLES: dict[tuple, dict] = {}
 _TABLES_KEPT = 32
 _TABLES_LOCK = threading.Lock()  # FastAPI runs sync routes on a thread pool
 
 
-def _results_signature(session: Session, experiment_id: int, method: str) -> tuple:
-    rows = session.execute(
-        select(EvalResult.id, EvalResult.evaluation_id, Evaluation.status).join(Evaluation)
-        .join(Run, Run.id == EvalResult.run_id).where(Run.experiment_id == experiment_id)
-        .order_by(EvalResult.id)).all()
-    runs = session.execute(select(Run.id, Run.status).where(Run.experiment_id == experiment_id)
-                           .order_by(Run.id)).all()
-    return (str(session.get_bind().url), experiment_id, method, tuple(map(tuple, rows)), tuple(map(tuple, runs)))
+def _table_signature(session: Session, exp, method: str) -> tuple:
+    results = session.execute(
+        select(EvalResult.id, EvalResult.evaluation_id).join(Run, Run.id == EvalResult.run_id)
+        .where(Run.experiment_id == exp.id).order_by(EvalResult.id)).all()
+    evals = session.execute(
+        select(Evaluation.id, Evaluation.status).join(Run, Run.id == Evaluation.run_id)
+        .where(Run.experiment_id == exp.id).order_by(Evaluation.id)).all()
+    runs = tuple((r.id, r.recipe, r.label, r.status, r.gemm_backend, r.bf16_first_layers, r.bf16_last_layers)
+                 for r in exp.runs)
+    return (str(session.get_bind().url), exp.id, exp.baseline, method, runs, tuple(map(tuple, results)),
+            tuple(map(tuple, evals)))
 
 
 def accuracy_table(session: Session, experiment_id: int, *, method: str = "bootstrap") -> dict:
@@ -135,8 +139,7 @@ def accuracy_table(session: Session, experiment_id: int, *, method: str = "boots
     its 95% interval and its Holm-corrected significance (over the run's tasks), under the key `vs_bf16` that the
     dashboard reads. Conflict (409) when a run and the baseline scored different documents (the reason says which
     task and how): a paired test on different documents would measure the documents."""
-    get_experiment(session, experiment_id)
-    key = _results_signature(session, experiment_id, method)
+    key = _table_signature(session, get_experiment(session, experiment_id), method)
     with _TABLES_LOCK:
         table = _TABLES.get(key)
     if table is None:

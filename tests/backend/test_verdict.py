@@ -3,6 +3,7 @@ comparison: pairing refused on different documents (409), Holm's correction agai
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import text
 
 from tests.backend.test_api import create
 from tests.backend.test_comparison import api, finish, send  # noqa: F401 - `api` is a fixture
@@ -145,6 +146,13 @@ def test_pairing_is_refused_with_409_when_the_task_hashes_or_document_counts_dif
     assert table["n_boot"] == 10_000 and table["correction"] == "holm"
     row = next(r for r in table["runs"] if r["run_id"] == fp8)["vs_bf16"][0]
     assert row["delta"] == 0 and row["p_holm"] == 1.0 and row["significant"] is False
+    # The table is kept between requests, but not past a change of what it shows (here a run's label).
+    from backend.db import session_scope
+
+    with session_scope(database_url) as session:
+        session.execute(text("UPDATE runs SET label = 'renamed' WHERE id = :r"), {"r": fp8})
+    table = api.get(f"/api/v1/experiments/{exp['id']}/accuracy").json()
+    assert next(r for r in table["runs"] if r["run_id"] == fp8)["label"] == "renamed"
 
 
 def test_holm_adjustment_matches_a_hand_computation():
