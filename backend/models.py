@@ -40,6 +40,22 @@ class Experiment(Base):
     runs: Mapped[list[Run]] = relationship(back_populates="experiment", order_by="Run.id",
                                            cascade="all, delete-orphan")
 
+    # The verdict's stated tolerance is kept in training_config under VERDICT_KEY (a setting of the comparison,
+    # not of any run; a column of its own would need a migration). `training_spec` is the training section
+    # without it, as the runs' specs have it.
+    VERDICT_KEY = "verdict"
+
+    @property
+    def training_spec(self) -> dict:
+        return {k: v for k, v in (self.training_config or {}).items() if k != self.VERDICT_KEY}
+
+    @property
+    def verdict_tolerance_pct(self) -> float:
+        from training.evaluation.verdict import DEFAULT_TOLERANCE_PCT
+
+        return float(((self.training_config or {}).get(self.VERDICT_KEY) or {}).get("tolerance_pct",
+                                                                                   DEFAULT_TOLERANCE_PCT))
+
 
 class Run(Base):
     __tablename__ = "runs"
@@ -74,6 +90,12 @@ class Run(Base):
     dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
     experiment: Mapped[Experiment] = relationship(back_populates="runs")
+
+    @property
+    def seed(self) -> int | None:
+        """The seed the run trains with (its spec's; seed replicates of a recipe differ only in it)."""
+        seed = (self.spec or {}).get("seed")
+        return seed if isinstance(seed, int) else None
 
 
 class MetricPoint(Base):

@@ -101,16 +101,27 @@ def check_recipe(name: str, options: dict[str, Any]) -> None:
     catalog.get(name).resolve_options(options)
 
 
+# Seed replicates: at most this many seeds per recipe, and this many runs per experiment in all.
+MAX_SEEDS = 16
+MAX_RUNS_PER_EXPERIMENT = 256
+
+
 class RecipeRequest(Strict):
     name: str = Field(description=_recipe_field_doc())
     options: dict[str, Any] = Field(default_factory=dict, description=OPTIONS_DOC)
     bf16_first_layers: Annotated[int, Field(ge=0, le=1000)] = 0
     bf16_last_layers: Annotated[int, Field(ge=0, le=1000)] = 0
     label: str | None = Field(default=None, max_length=200)
+    seeds: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_SEEDS,
+        description="train this recipe once per seed (seed replicates); default: the experiment's `seeds` for the "
+                    "baseline (and for every recipe with replicate='all'), else the experiment's `seed` alone")
 
     @model_validator(mode="after")
     def known_recipe_and_options(self) -> "RecipeRequest":
         check_recipe(self.name, self.options)
+        if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds of {self.name} repeat ({self.seeds}): give each seed once")
         return self
 
 
@@ -126,6 +137,20 @@ class ExperimentCreate(Strict):
                                                description="recipe names or objects with options")
     eval_tasks: list[str] = Field(default_factory=list, max_length=200)
     enqueue: bool = True
+    # -- the verdict (backend/services/verdict.py) ------------------------------------------------------------------
+    seeds: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        default=None, min_length=2, max_length=MAX_SEEDS,
+        description="seed replicates, e.g. [0, 1, 2]: the baseline (or every recipe, with replicate='all') is "
+                    "trained once per seed, and BF16's seed-to-seed spread becomes the band the verdict uses; "
+                    "must include `seed`, which the other recipes train with")
+    replicates: int | None = Field(default=None, ge=2, le=MAX_SEEDS,
+                                   description="shorthand for seeds = [seed, seed + 1, ..., seed + replicates - 1]")
+    replicate: Literal["baseline", "all"] = Field(
+        default="baseline", description="which recipes `seeds`/`replicates` apply to")
+    verdict_tolerance_pct: float = Field(
+        default=1.0, gt=0, le=100,
+        description="with one BF16 seed, a recipe matches BF16 when its final validation loss is within this many "
+                    "percent of BF16's (with seed replicates, BF16's own seed band is used instead)")
 
     @field_validator("recipes", mode="before")
     @classmethod
@@ -133,6 +158,30 @@ class ExperimentCreate(Strict):
         if isinstance(v, list):
             return [{"name": r} if isinstance(r, str) else r for r in v]
         return v
+
+    @model_validator(mode="after")
+    def seed_replicates(self) -> "ExperimentCreate":
+        if self.seeds is not None and self.replicates is not None:
+            raise ValueError("give either seeds (a list) or replicates (a count), not both")
+        if self.replicates is not None:
+            if self.seed + self.replicates - 1 > INT32_MAX:
+                raise ValueError(f"seed {self.seed} + {self.replicates} replicates passes {INT32_MAX}; use a smaller "
+                                 "seed")
+            self.seeds, self.replicates = [self.seed + i for i in range(self.replicates)], None
+        if self.seeds is not None:
+            if len(set(self.seeds)) != len(self.seeds):
+                raise ValueError(f"seeds repeat ({self.seeds}): give each seed once")
+            if self.seed not in self.seeds:
+                raise ValueError(f"seeds {self.seeds} must include the experiment's seed {self.seed} (the other "
+                                 "recipes train with it); add it, or set seed to one of them")
+            # The reference run (the experiment's seed) first: the comparisons pair it with the other recipes,
+            # which share its initial weights and batch order.
+            self.seeds = [self.seed] + [s for s in self.seeds if s != self.seed]
+        for i, r in enumerate(self.recipes):
+            if isinstance(r, RecipeRequest) and r.seeds is not None and self.seed not in r.seeds:
+                raise ValueError(f"recipes[{i}] ({r.name}): seeds {r.seeds} must include the experiment's seed "
+                                 f"{self.seed}, the run every comparison pairs with the other recipes")
+        return self
 
 
 class RunCreate(Strict):
@@ -350,6 +399,7 @@ class RunOut(BaseModel):
     bf16_first_layers: int
     bf16_last_layers: int
     label: str
+    seed: int | None = Field(description="the seed the run trains with (seed replicates differ only in it)")
     external: bool
     status: Status
     cancel_requested: bool
@@ -378,11 +428,12 @@ class ExperimentOut(BaseModel):
     description: str
     model: Any = Field(validation_alias="model_config_")
     data: dict[str, Any] = Field(validation_alias="data_config")
-    training: dict[str, Any] = Field(validation_alias="training_config")
+    training: dict[str, Any] = Field(validation_alias="training_spec")
     seed: int
     recipes: list[Any]
     baseline: str
     eval_tasks: list[str]
+    verdict_tolerance_pct: float = Field(description="the stated tolerance of the one-seed verdict rule, percent")
     created_at: UtcDatetime
     runs: list[RunOut] = Field(default_factory=list)
 
@@ -466,6 +517,91 @@ class EvaluationOut(BaseModel):
     created_at: UtcDatetime
     finished_at: UtcDatetime | None
     results: list[EvalResultOut] = Field(default_factory=list)
+
+
+# -- verdict (training.evaluation.verdict) ----------------------------------------------------------------------------
+class VerdictAccuracyRow(BaseModel):
+    task: str
+    metric: str
+    delta: float | None
+    ci_low: float | None
+    ci_high: float | None
+    p_value: float | None = Field(description="uncorrected")
+    p_holm: float | None = Field(description="Holm-adjusted over the run's tasks and metrics")
+    significant: bool | None = Field(description="p_holm < 0.05")
+    significant_uncorrected: bool | None
+    improved: bool | None
+    higher_is_better: bool | None
+    n: int | None = Field(description="paired documents")
+    method: str | None
+    baseline_seed_spread: list[float] | None = Field(
+        description="[min, max] of BF16's own seed replicates' deltas to the reference (0 included); null with one "
+                    "seed")
+
+
+class VerdictRecipe(BaseModel):
+    variant: str = Field(description="the recipe with its options and kept layers (its seed replicates pooled)")
+    recipe: str
+    run_ids: list[int]
+    seeds: list[int]
+    statuses: list[str]
+    emulated: bool
+    final_val_loss: float | None = Field(description="mean over its finished seeds")
+    min_val_loss: float | None
+    val_delta_pct: float | None
+    min_val_delta_pct: float | None
+    tokens_per_s: float | None
+    speedup: float | None
+    speed_word: Literal["speedup", "slowdown"] | None
+    outcome: Literal["matches", "better", "worse", "diverged"] | None = Field(
+        description="null until it has finished with a validation loss")
+    matches: bool | None = Field(description="outcome is matches or better")
+    accuracy: list[VerdictAccuracyRow]
+
+
+class VerdictRun(BaseModel):
+    run_id: int
+    variant: str
+    recipe: str
+    seed: int
+    status: str
+    is_baseline: bool
+    emulated: bool
+    final_val_loss: float | None
+    min_val_loss: float | None
+    val_delta_pct: float | None
+    tokens_per_s: float | None
+    speedup: float | None
+    accuracy: list[VerdictAccuracyRow]
+
+
+class VerdictBaseline(BaseModel):
+    run_ids: list[int]
+    seeds: list[int]
+    final_val_loss: float | None
+    tokens_per_s: float | None
+
+
+class VerdictBest(BaseModel):
+    variant: str
+    run_ids: list[int]
+
+
+class VerdictOut(BaseModel):
+    experiment_id: int
+    baseline_recipe: str
+    metric: str = Field(description="the metric judged: val/loss")
+    reference_run_id: int | None = Field(description="the baseline run every difference is measured against")
+    baseline: VerdictBaseline
+    rule: Literal["seed_band", "tolerance"]
+    rule_text: str
+    band_pct: list[float] | None = Field(description="[min, max] of BF16's seed replicates, with 2+ seeds")
+    tolerance_pct: float
+    recipes: list[VerdictRecipe]
+    runs: list[VerdictRun]
+    best: VerdictBest | None
+    summary: str = Field(description="the one-line verdict")
+    accuracy_error: str | None = Field(description="why accuracy was not paired (different documents), if so")
 
 
 # -- GEMM benchmarks --------------------------------------------------------------------------------------------------

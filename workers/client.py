@@ -90,6 +90,9 @@ class PlabClient:
     def get_experiment(self, experiment_id: int) -> dict:
         return self._request("GET", f"/experiments/{experiment_id}")
 
+    def get_verdict(self, experiment_id: int) -> dict:
+        return self._request("GET", f"/experiments/{experiment_id}/verdict")
+
     def list_experiments(self, limit: int = 50) -> dict:
         return self._request("GET", "/experiments", params={"limit": limit})
 

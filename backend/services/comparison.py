@@ -97,7 +97,7 @@ def final_value(session: Session, run_id: int, key: str, last_n: int) -> float |
     return statistics.fmean(r[0] for r in rows) if rows else None
 
 
-def _throughput(session: Session, run: Run) -> float | None:
+def throughput(session: Session, run: Run) -> float | None:
     tps = (run.summary or {}).get("tokens_per_s")
     if isinstance(tps, (int, float)) and math.isfinite(tps) and tps > 0:
         return float(tps)
@@ -144,12 +144,12 @@ def compare_experiment(session: Session, experiment_id: int, *, key: str = "trai
                        f"with {exp.baseline!r} among their recipes)")
     bx, by = comparison_points(session, base.id, key, x, max_points)
     base_final = final_value(session, base.id, key, final_n)
-    base_tps = _throughput(session, base)
+    base_tps = throughput(session, base)
     runs_out = []
     for run in exp.runs:
         is_base = run.id == base.id
         final = final_value(session, run.id, key, final_n)
-        tps = _throughput(session, run)
+        tps = throughput(session, run)
         summary = run.summary or {}
         entry = {
             "run_id": run.id, "recipe": run.recipe, "label": run.label, "status": run.status,

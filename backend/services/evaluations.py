@@ -1,12 +1,15 @@
 """lm-eval jobs on run checkpoints, their per-task results, and the paired comparison against BF16."""
 from __future__ import annotations
 
+import threading
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from backend.models import Artifact, EvalResult, Evaluation, Run, utcnow
 from backend.schemas import EvalResultOut, EvaluationOut, EvaluationStatusUpdate, EvalTaskResultIn
 from backend.errors import Conflict, NotFound
+from backend.services.comparison import baseline_run
 from backend.services.runs import get_experiment, get_run
 
 EVAL_TRANSITIONS = {"queued": {"running", "failed"}, "running": {"running", "succeeded", "failed"}}
@@ -110,15 +113,52 @@ def latest_results(session: Session, run_id: int) -> dict[str, dict]:
     return out
 
 
-def accuracy_table(session: Session, experiment_id: int, *, method: str = "bootstrap", n_boot: int = 2000) -> dict:
+# Accuracy tables by everything they are computed from (the experiment's baseline, its runs' recipe, label, status
+# and backend, every evaluation and stored result row, the method): a table costs a bootstrap of DEFAULT_N_BOOT
+# resamples per task and run, and the page and the verdict ask for it on every poll.
+_TABLES: dict[tuple, dict] = {}
+_TABLES_KEPT = 32
+_TABLES_LOCK = threading.Lock()  # FastAPI runs sync routes on a thread pool
+
+
+def _table_signature(session: Session, exp, method: str) -> tuple:
+    results = session.execute(
+        select(EvalResult.id, EvalResult.evaluation_id).join(Run, Run.id == EvalResult.run_id)
+        .where(Run.experiment_id == exp.id).order_by(EvalResult.id)).all()
+    evals = session.execute(
+        select(Evaluation.id, Evaluation.status).join(Run, Run.id == Evaluation.run_id)
+        .where(Run.experiment_id == exp.id).order_by(Evaluation.id)).all()
+    runs = tuple((r.id, r.recipe, r.label, r.status, r.gemm_backend, r.bf16_first_layers, r.bf16_last_layers)
+                 for r in exp.runs)
+    return (str(session.get_bind().url), exp.id, exp.baseline, method, runs, tuple(map(tuple, results)),
+            tuple(map(tuple, evals)))
+
+
+def accuracy_table(session: Session, experiment_id: int, *, method: str = "bootstrap") -> dict:
     """Tasks x recipes: value ± stderr, and per run the paired delta to the experiment's baseline run (BF16) with
-    its 95% interval, under the key `vs_bf16` that the dashboard reads."""
-    from training.evaluation.stats import compare_results
+    its 95% interval and its Holm-corrected significance (over the run's tasks), under the key `vs_bf16` that the
+    dashboard reads. Conflict (409) when a run and the baseline scored different documents (the reason says which
+    task and how): a paired test on different documents would measure the documents."""
+    key = _table_signature(session, get_experiment(session, experiment_id), method)
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+    if table is None:
+        table = _accuracy_table(session, experiment_id, method)
+        with _TABLES_LOCK:
+            if len(_TABLES) >= _TABLES_KEPT:
+                _TABLES.pop(next(iter(_TABLES)))
+            _TABLES[key] = table
+    return table
+
+
+def _accuracy_table(session: Session, experiment_id: int, method: str) -> dict:
+    from training.evaluation.stats import DEFAULT_N_BOOT, PairingError, compare_results
 
     exp = get_experiment(session, experiment_id)
     runs: list[Run] = list(exp.runs)
     per_run = {r.id: latest_results(session, r.id) for r in runs}
-    base = next((r for r in runs if r.recipe == exp.baseline and r.status == "succeeded" and per_run[r.id]), None)
+    # The reference is the one the loss comparison uses (the baseline's first seed), when it was evaluated.
+    base = baseline_run([r for r in runs if per_run[r.id]], exp.baseline)
     table = []
     for r in runs:
         res = per_run[r.id]
@@ -130,8 +170,17 @@ def accuracy_table(session: Session, experiment_id: int, *, method: str = "boots
         if base is not None and r.id != base.id and res:
             shared = [t for t in shown if t in per_run[base.id]]
             if shared:
-                comparison = compare_results(per_run[base.id], res, tasks=shared, method=method, n_boot=n_boot)
+                try:
+                    comparison = compare_results(per_run[base.id], res, tasks=shared, method=method,
+                                                 n_boot=DEFAULT_N_BOOT)
+                except PairingError as e:
+                    raise Conflict(f"run {r.id} ({r.label}) cannot be paired with the {exp.baseline} run {base.id}: "
+                                   f"{e}") from e
         table.append({"run_id": r.id, "recipe": r.recipe, "label": r.label, "status": r.status,
                       "gemm_backend": r.gemm_backend, "tasks": values, "vs_bf16": comparison})
     return {"experiment_id": exp.id, "baseline_run_id": base.id if base else None, "method": method,
-            "confidence": 0.95, "runs": table}
+            "confidence": 0.95, "n_boot": DEFAULT_N_BOOT, "correction": "holm",
+            "seed_replicates": len([r for r in runs if r.recipe == exp.baseline and per_run[r.id]]) > 1,
+            "interval_covers": "the sampling of documents for these checkpoints; seed-to-seed variation only where "
+                               "the baseline has seed replicates (their spread is shown beside each difference)",
+            "runs": table}

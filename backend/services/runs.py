@@ -10,8 +10,8 @@ from sqlalchemy.orm import Session, selectinload
 
 from backend.errors import Conflict, InvalidInput, NotFound
 from backend.models import BASELINE_RECIPE, FINAL_STATUSES, Artifact, Experiment, Run, utcnow
-from backend.schemas import (ArtifactIn, ExperimentCreate, MetricBatchResult, RecipeRequest, RunCreate,
-                             RunInfoUpdate, Series, SeriesQuery, StatusUpdate)
+from backend.schemas import (MAX_RUNS_PER_EXPERIMENT, ArtifactIn, ExperimentCreate, MetricBatchResult, RecipeRequest,
+                             RunCreate, RunInfoUpdate, Series, SeriesQuery, StatusUpdate)
 from backend.services import metrics
 
 # Which status a run may move to from which: a worker retried after a crash re-announces `running`.
@@ -33,9 +33,10 @@ def run_label(recipe: RecipeRequest) -> str:
     return " ".join(parts)
 
 
-def build_spec(body: ExperimentCreate, recipe: RecipeRequest) -> dict:
+def build_spec(body: ExperimentCreate, recipe: RecipeRequest, seed: int | None = None) -> dict:
     """The run spec of docs/INTERFACES.md, validated by the training library itself."""
-    spec = {"model": body.model, "data": body.data, "training": body.training, "seed": body.seed,
+    spec = {"model": body.model, "data": body.data, "training": body.training,
+            "seed": body.seed if seed is None else seed,
             "recipe": recipe.name, "recipe_options": recipe.options,
             "bf16_first_layers": recipe.bf16_first_layers, "bf16_last_layers": recipe.bf16_last_layers}
     from plab.settings import get_settings
@@ -79,16 +80,35 @@ def create_experiment(session: Session, body: ExperimentCreate) -> Experiment:
     if dupes:
         raise InvalidInput(f"recipes repeat with identical settings: {', '.join(dupes)}; give each a distinct "
                            "option set or a distinct 'label'")
+    recipes = [_with_seeds(body, r) for r in recipes]
+    n_runs = sum(len(r.seeds or [body.seed]) for r in recipes)
+    if n_runs > MAX_RUNS_PER_EXPERIMENT:
+        raise InvalidInput(f"{n_runs} runs (recipes x seeds) is more than {MAX_RUNS_PER_EXPERIMENT} in one "
+                           "experiment; use fewer seeds or replicate only the baseline (replicate='baseline')")
     specs = [build_spec(body, r) for r in recipes]
+    training_config = {**body.training, Experiment.VERDICT_KEY: {"tolerance_pct": body.verdict_tolerance_pct}}
     exp = Experiment(name=body.name, description=body.description, model_config_=body.model, data_config=body.data,
-                     training_config=body.training, seed=body.seed,
+                     training_config=training_config, seed=body.seed,
                      recipes=[r.model_dump() for r in recipes], baseline=BASELINE_RECIPE, eval_tasks=body.eval_tasks)
     for r, label, spec in zip(recipes, labels, specs):
-        exp.runs.append(Run(recipe=r.name, recipe_options=r.options, bf16_first_layers=r.bf16_first_layers,
-                            bf16_last_layers=r.bf16_last_layers, label=label, spec=spec, status="queued"))
+        # Seed replicates of a recipe: the same validated spec, only the seed differs.
+        for seed in r.seeds or [body.seed]:
+            exp.runs.append(Run(recipe=r.name, recipe_options=r.options, bf16_first_layers=r.bf16_first_layers,
+                                bf16_last_layers=r.bf16_last_layers, label=f"{label} seed={seed}" if r.seeds else label,
+                                spec={**spec, "seed": seed}, status="queued"))
     session.add(exp)
     session.flush()
     return exp
+
+
+def _with_seeds(body: ExperimentCreate, recipe: RecipeRequest) -> RecipeRequest:
+    """The recipe with the seeds it trains with: its own, else the experiment's `seeds` where they apply."""
+    if recipe.seeds is not None or body.seeds is None:
+        return recipe
+    baseline = recipe.name == BASELINE_RECIPE and not recipe.bf16_first_layers and not recipe.bf16_last_layers
+    if body.replicate == "all" or baseline:
+        return recipe.model_copy(update={"seeds": list(body.seeds)})
+    return recipe
 
 
 def create_external_run(session: Session, body: RunCreate) -> Run:

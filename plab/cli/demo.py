@@ -62,20 +62,26 @@ def _stop(proc: subprocess.Popen, timeout: float = 15) -> None:
             pass
 
 
-def _summary_table(exp: dict) -> str:
-    runs, baseline = exp["runs"], exp["baseline"]
-    base = next((r for r in runs if r["recipe"] == baseline and r["status"] == "succeeded"), None)
-    base_loss = (base or {}).get("summary", {}).get("final_loss")
-    base_tps = (base or {}).get("summary", {}).get("tokens_per_s")
-    lines = [f"{'run':<28} {'status':<10} {'GEMMs':<9} {'final loss':>10} {'vs ' + baseline:>8} {'tok/s':>9} {'speed':>6}"]
-    for r in runs:
-        s = r.get("summary") or {}
-        loss, tps = s.get("final_loss"), s.get("tokens_per_s")
-        d = f"{100 * (loss - base_loss) / base_loss:+.2f}%" if loss is not None and base_loss else "-"
-        sp = f"{tps / base_tps:.2f}x" if tps and base_tps else "-"
+def _pct(value) -> str:
+    return f"{value:+.2f}%" if value is not None else "-"
+
+
+def _summary_table(exp: dict, verdict: dict) -> str:
+    """One line per run from the experiment's verdict (GET /experiments/{id}/verdict, the dashboard's verdict):
+    final validation loss, its difference to BF16, speedup (a value < 1 is a slowdown), then the verdict line."""
+    facts = {r["run_id"]: r for r in verdict["runs"]}
+    outcome = {rid: e["outcome"] for e in verdict["recipes"] for rid in e["run_ids"]}
+    lines = [f"{'run':<28} {'status':<10} {'GEMMs':<9} {'val loss':>9} {'vs bf16':>8} {'tok/s':>9} {'speed':>14} "
+             "verdict"]
+    for r in exp["runs"]:
+        f = facts.get(r["id"], {})
+        loss, tps, sp = f.get("final_val_loss"), f.get("tokens_per_s"), f.get("speedup")
+        speed = "-" if sp is None else f"{sp:.2f}x" + (" slowdown" if sp < 1 else "")
+        word = "reference" if r["id"] == verdict["reference_run_id"] else (outcome.get(r["id"]) or "-")
         lines.append(f"{r['label'][:28]:<28} {r['status']:<10} {(r.get('gemm_backend') or '-'):<9} "
-                     f"{(f'{loss:.4f}' if loss is not None else '-'):>10} {d:>8} "
-                     f"{(f'{tps:,.0f}' if tps else '-'):>9} {sp:>6}")
+                     f"{(f'{loss:.4f}' if loss is not None else '-'):>9} {_pct(f.get('val_delta_pct')):>8} "
+                     f"{(f'{tps:,.0f}' if tps else '-'):>9} {speed:>14} {word}")
+    lines.append(f"Verdict: {verdict['summary']}")
     lines.append("Throughput of emulated recipes is not a speed claim: emulation runs BF16/FP32 GEMMs on "
                  "dequantized values.")
     return "\n".join(lines)
@@ -157,7 +163,7 @@ def cmd_demo(args) -> int:
         page = f"{url}/experiments/{exp['id']}"
         print(f"[plab] experiment {exp['id']} with {len(exp['runs'])} runs; dashboard: {page}", flush=True)
         exp = _follow(client, exp["id"], worker, logs / "worker.log")
-        print(_summary_table(exp), flush=True)
+        print(_summary_table(exp, client.get_verdict(exp["id"])), flush=True)
         ok = all(r["status"] == "succeeded" for r in exp["runs"])
         if args.no_serve:
             return 0 if ok else 1

@@ -139,3 +139,25 @@ def test_comparing_evaluation_results_aligns_documents_and_finds_an_injected_cha
     assert mcnemar[("plab_piqa", "acc")]["method"] == "mcnemar"
     assert mcnemar[("plab_heldout_bpb", "bits_per_byte")]["method"] == "bootstrap"
     assert math.isfinite(mcnemar[("plab_lambada_openai", "perplexity")]["delta"])
+
+
+def test_cli_compare_prints_holm_next_to_the_uncorrected_p_and_refuses_different_documents(tmp_path, capsys):
+    import json
+
+    from training.evaluation.cli import main
+
+    def result(acc, hash_="a" * 64):
+        return {"tasks": {"t": {"kind": "task", "aggregation": {"acc": "mean"}, "higher_is_better": {"acc": True},
+                                "task_hash": hash_, "n_samples": len(acc),
+                                "samples": {"doc_id": list(range(len(acc))), "acc": acc}}}}
+
+    files = {}
+    for name, res in (("base", result([0.0, 1.0] * 50)), ("cand", result([1.0] * 100)),
+                      ("other", result([1.0] * 100, "b" * 64))):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(res))
+    assert main(["--compare", str(files["base"]), str(files["cand"])]) == 0
+    out = capsys.readouterr().out
+    assert "p Holm" in out.splitlines()[0] and "Holm's correction over the 1 row (" in out
+    assert main(["--compare", str(files["base"]), str(files["other"])]) == 2
+    assert "scored different documents or prompts (task hash aaaaaaaaaaaa… vs bbbbbbbbbbbb…)" in capsys.readouterr().err

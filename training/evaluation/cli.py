@@ -177,14 +177,19 @@ def _format_results(result: dict) -> str:
 
 
 def _format_comparison(rows: list[dict]) -> str:
-    lines = [f"{'task':<32} {'metric':<16} {'baseline':>10} {'candidate':>10} {'delta':>9} {'95% CI':>22} {'p':>7}  method"]
+    lines = [f"{'task':<32} {'metric':<16} {'baseline':>10} {'candidate':>10} {'delta':>9} {'95% CI':>22} {'p':>7} "
+             f"{'p Holm':>7}  method"]
     for r in rows:
         ci = f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]"
         mark = " *" if r["significant"] else ""
         lines.append(
             f"{r['task']:<32} {r['metric']:<16} {_fmt(r['baseline']):>10} {_fmt(r['candidate']):>10} "
-            f"{_fmt(r['delta']):>9} {ci:>22} {_fmt(r['p_value'], 3):>7}  {r['method']}{mark}"
+            f"{_fmt(r['delta']):>9} {ci:>22} {_fmt(r['p_value'], 3):>7} {_fmt(r['p_holm'], 3):>7}  {r['method']}{mark}"
         )
+    if rows:
+        n = f"{len(rows)} row{'s' if len(rows) != 1 else ''}"
+        lines.append(f"* significant after Holm's correction over the {n} (family-wise alpha {rows[0]['alpha']:g}); "
+                     "intervals cover document sampling of these two checkpoints, not seeds")
     return "\n".join(lines)
 
 

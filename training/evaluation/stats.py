@@ -30,6 +30,21 @@ Statistics (how per-document values turn into the task's number, as lm-eval aggr
 ``[loglikelihood, weight]`` pairs; ``exp(-sum ll / sum w)`` and ``-sum ll / sum w / ln 2``).
 
 Identical inputs give delta 0, interval [0, 0], p-value 1 and "not significant".
+
+Pairing and multiple comparisons (:func:`compare_results`)
+----------------------------------------------------------
+A pair is only made when both runs scored the same documents: the same lm-eval task hash
+(a digest of every document, prompt and target, independent of the model) and the same
+documents; otherwise :class:`PairingError` says why (a paired test on different documents
+would measure the documents, not the recipe). One candidate-vs-baseline comparison tests
+every shared task and metric, so its rows form one family: each row keeps its uncorrected
+``p_value`` and gets the Holm-adjusted ``p_holm``; ``significant`` is ``p_holm < alpha``
+(family-wise error rate alpha), ``significant_uncorrected`` the single-test decision. The
+intervals are per-row (1 - alpha) intervals, not simultaneous ones.
+
+What the interval covers: the sampling of *documents* for these two checkpoints. Two
+trainings of one recipe with different seeds give different checkpoints; that variation is
+only measured by seed replicates, never by this interval.
 """
 
 from __future__ import annotations
@@ -42,6 +57,14 @@ import numpy as np
 
 STATISTICS = ("mean", "perplexity", "weighted_perplexity", "bits_per_byte")
 METHODS = ("bootstrap", "mcnemar")
+# The one resample count of the paired bootstrap (API, dashboard and `plab eval --compare`): with 10,000
+# resamples the smallest nonzero p-value is 1e-4, so a Holm adjustment over tens of tasks (p x m) can still
+# reach 0.05, and the 2.5% percentile rests on 250 resamples (its Monte-Carlo error is ~1% of the width).
+DEFAULT_N_BOOT = 10_000
+
+
+class PairingError(ValueError):
+    """The two runs did not score the same documents, so no paired difference exists."""
 
 # Resampled index matrices are built in chunks of at most this many entries (~40 MB of int64).
 _CHUNK_ENTRIES = 5_000_000
@@ -53,7 +76,7 @@ def paired_difference(
     *,
     method: str = "bootstrap",
     statistic: str = "mean",
-    n_boot: int = 10_000,
+    n_boot: int = DEFAULT_N_BOOT,
     seed: int = 0,
     alpha: float = 0.05,
     strata: Sequence | None = None,
@@ -104,18 +127,20 @@ def compare_results(
     *,
     tasks: Sequence[str] | None = None,
     method: str = "bootstrap",
-    n_boot: int = 10_000,
+    n_boot: int = DEFAULT_N_BOOT,
     seed: int = 0,
     alpha: float = 0.05,
 ) -> list[dict]:
     """Accuracy table rows: every task and metric both evaluations share, candidate vs baseline.
 
     ``baseline``/``candidate`` are :func:`training.evaluation.evaluate_checkpoint` results
-    (or just their ``"tasks"`` dicts). Documents are matched by ``doc_id``; only documents
-    both runs scored are compared (``n`` says how many). ``method="mcnemar"`` applies to the
-    binary metrics; the others use the bootstrap (each row names its method). Rows:
-    ``{"task", "metric", "higher_is_better", "improved", **paired_difference(...)}`` where
-    ``improved`` says whether the candidate is better (by ``higher_is_better``).
+    (or just their ``"tasks"`` dicts). Documents are matched by ``doc_id``; both runs must
+    have scored the same documents (same task hash, same document count, same doc_ids), else
+    :class:`PairingError`. ``method="mcnemar"`` applies to the binary metrics; the others use
+    the bootstrap (each row names its method). Rows: ``{"task", "metric", "higher_is_better",
+    "improved", **paired_difference(...), "p_holm", "significant_uncorrected", "family_size"}``
+    where ``significant`` is Holm-corrected over the rows (see the module docstring) and
+    ``improved`` says whether the candidate is significantly better (by ``higher_is_better``).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -128,6 +153,7 @@ def compare_results(
             missing = "baseline" if name not in base_tasks else "candidate"
             raise ValueError(f"task {name!r} is not in the {missing} results; evaluate it there first")
         base, cand = base_tasks[name], cand_tasks[name]
+        check_same_documents(name, base, cand)
         for metric, agg in base.get("aggregation", {}).items():
             if agg not in STATISTICS or metric not in cand.get("aggregation", {}):
                 continue
@@ -142,11 +168,45 @@ def compare_results(
                 a, b, method=row_method, statistic=agg, n_boot=n_boot, seed=seed, alpha=alpha, strata=strata
             )
             higher = base.get("higher_is_better", {}).get(metric)
-            improved = None
-            if diff["significant"] and higher is not None:
-                improved = (diff["delta"] > 0) == bool(higher)
-            rows.append({"task": name, "metric": metric, "higher_is_better": higher, "improved": improved, **diff})
+            rows.append({"task": name, "metric": metric, "higher_is_better": higher, **diff})
+    for row, p_holm in zip(rows, holm_adjust([r["p_value"] for r in rows])):
+        row["significant_uncorrected"] = row["significant"]
+        row["p_holm"] = p_holm
+        row["significant"] = bool(p_holm < alpha)
+        row["family_size"] = len(rows)
+        higher = row["higher_is_better"]
+        row["improved"] = (row["delta"] > 0) == bool(higher) if row["significant"] and higher is not None else None
     return rows
+
+
+def holm_adjust(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input order: sorted ascending p_(1) <= ... <= p_(m), the
+    adjusted p_(i) = max_{j <= i} min(1, (m - j + 1) p_(j)). Rejecting where the adjusted p < alpha keeps the
+    probability of any false rejection among the m tests <= alpha (Holm 1979), without Bonferroni's loss of power."""
+    p = [float(v) for v in p_values]
+    if any(not 0 <= v <= 1 for v in p):
+        raise ValueError(f"p-values must lie in [0, 1], got {p}")
+    m = len(p)
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(sorted(range(m), key=lambda k: p[k])):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def check_same_documents(name: str, base: dict, cand: dict) -> None:
+    """PairingError unless both runs' results of task `name` come from the same documents: equal lm-eval task
+    hashes (where both have one) and equal document counts."""
+    bh, ch = base.get("task_hash"), cand.get("task_hash")
+    if bh and ch and bh != ch:
+        raise PairingError(f"task {name!r}: the two runs scored different documents or prompts (task hash "
+                           f"{bh[:12]}… vs {ch[:12]}…); evaluate both checkpoints with the same task version and "
+                           "the same --limit, then compare")
+    bn, cn = base.get("n_samples"), cand.get("n_samples")
+    if bn is not None and cn is not None and bn != cn:
+        raise PairingError(f"task {name!r}: the baseline scored {bn} documents and the candidate {cn}; evaluate "
+                           "both with the same --limit (a paired test needs the same documents)")
 
 
 # --------------------------------------------------------------------------- internals
@@ -158,6 +218,7 @@ def _aligned(name, metric, base, cand, base_tasks, cand_tasks):
         a_all, b_all, strata = [], [], []
         for sub in base.get("subtasks", []):
             if sub in base_tasks and sub in cand_tasks:
+                check_same_documents(sub, base_tasks[sub], cand_tasks[sub])
                 a, b, _ = _aligned(sub, metric, base_tasks[sub], cand_tasks[sub], base_tasks, cand_tasks)
                 a_all += a
                 b_all += b
@@ -165,7 +226,12 @@ def _aligned(name, metric, base, cand, base_tasks, cand_tasks):
         return a_all, b_all, strata
     a_map = dict(zip(base["samples"]["doc_id"], base["samples"][metric]))
     b_map = dict(zip(cand["samples"]["doc_id"], cand["samples"][metric]))
-    common = [d for d in base["samples"]["doc_id"] if d in b_map]
+    if a_map.keys() != b_map.keys():
+        only = sorted(a_map.keys() ^ b_map.keys())
+        raise PairingError(f"task {name!r}: {len(only)} documents were scored by only one of the two runs (doc_id "
+                           f"{', '.join(map(str, only[:5]))}{'…' if len(only) > 5 else ''}); evaluate both on the "
+                           "same documents")
+    common = base["samples"]["doc_id"]
     return [a_map[d] for d in common], [b_map[d] for d in common], None
 
 

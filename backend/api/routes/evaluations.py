@@ -46,5 +46,7 @@ def store_task_result(evaluation_id: ObjectId, body: EvalTaskResultIn, session: 
 def accuracy(experiment_id: ObjectId, session: SessionDep,
              method: str = Query("bootstrap", pattern="^(bootstrap|mcnemar)$")):
     """Tasks x recipes with stderr, and each recipe's paired difference to BF16 with a 95% interval
-    (paired bootstrap over documents, or exact McNemar for 0/1 metrics)."""
+    (paired bootstrap over documents, or exact McNemar for 0/1 metrics), its uncorrected p and Holm-corrected
+    significance over the run's tasks. 409 with the reason when a run and BF16 scored different documents
+    (task hashes or document counts differ)."""
     return evaluations.accuracy_table(session, experiment_id, method=method)

@@ -7,8 +7,8 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from backend.api.deps import WRITE, ObjectId, SessionDep
-from backend.schemas import ExperimentCreate, ExperimentOut, Page, SeriesQuery
-from backend.services import comparison, dispatch, runs
+from backend.schemas import ExperimentCreate, ExperimentOut, Page, SeriesQuery, VerdictOut
+from backend.services import comparison, dispatch, runs, verdict
 
 router = APIRouter(prefix="/experiments", tags=["experiments"])
 
@@ -60,3 +60,12 @@ def experiment_comparison(experiment_id: ObjectId, session: SessionDep,
     409 when the experiment has no BF16 run; an unknown key gives empty curves."""
     return comparison.compare_experiment(session, experiment_id, key=key, x=x, max_points=max_points,
                                          final_n=final_n)
+
+
+@router.get("/{experiment_id}/verdict", response_model=VerdictOut)
+def experiment_verdict(experiment_id: ObjectId, session: SessionDep):
+    """Per recipe: final (and lowest) validation-loss difference to BF16, speedup (a value < 1 is a slowdown),
+    accuracy differences (paired, Holm-corrected) and real/emulated GEMMs, and whether it matches BF16 by the rule
+    named in `rule`: inside BF16's own seed band when BF16 has seed replicates, else within the experiment's
+    `verdict_tolerance_pct`. `summary` is the one-line verdict the dashboard and `plab demo` print."""
+    return verdict.experiment_verdict(session, experiment_id)

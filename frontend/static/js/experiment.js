@@ -3,7 +3,7 @@
 import { get, post, items, formatDate, showGlobalError, LIVE_STATUSES } from "./api.js";
 import { escapeHtml, html, joinHtml, plotText, setHTML, slurmNote, statusBadge } from "./dom.js";
 import {
-  BASELINE, describeBest, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName, runLabel,
+  BASELINE, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName, runLabel,
   tokensPerSecond,
 } from "./summary.js";
 import { cleanPoints, ema, median, relativeDifference, relativeWallTime } from "./series.js";
@@ -11,6 +11,7 @@ import { BASELINE_COLOR, colorAt, loadPlotly, PLOT_CONFIG } from "./plot.js";
 import { poke, register } from "./poller.js";
 import { mount as mountAccuracy } from "./panels/accuracy.js";
 import { mount as mountGemm } from "./panels/gemm.js";
+import { mount as mountVerdict, seedBandTraces } from "./panels/verdict.js";
 
 const root = document.getElementById("experiment-root");
 const experimentId = root.dataset.experimentId;
@@ -200,6 +201,12 @@ function drawRelative() {
       line: { color: colorOf(run, idx), width: 1.6 }, meta: { run_id: run.id },
     };
   });
+  // BF16's seed replicates draw its seed band; with one seed, the experiment's stated tolerance is the band.
+  const replicates = state.runs.filter((r) => r !== base && recipeName(r) === BASELINE
+    && !r.bf16_first_layers && !r.bf16_last_layers);
+  const smooth = (y) => (state.smoothing > 0 ? ema(y, state.smoothing) : y);
+  const band = seedBandTraces(base, replicates, (run) => xy(pointsOf(run, "train/loss")), smooth);
+  const tol = state.experiment?.verdict_tolerance_pct ?? 1;
   const layout = {
     title: { text: base ? "Train loss difference to BF16 (%)" : "No BF16 run to compare with", font: { size: 14 } },
     margin: { l: 60, r: 20, t: 40, b: 45 },
@@ -210,11 +217,11 @@ function drawRelative() {
     annotations: emptyNote(traces.some((t) => t.x.length), base
       ? "no comparable points yet (needs a BF16 run and another recipe with train/loss)"
       : "no BF16 run in this experiment"),
-    shapes: [{ type: "rect", xref: "paper", x0: 0, x1: 1, yref: "y", y0: -1, y1: 1,
+    shapes: band.length ? [] : [{ type: "rect", xref: "paper", x0: 0, x1: 1, yref: "y", y0: -tol, y1: tol,
       fillcolor: "rgba(44,160,44,0.12)", line: { width: 0 }, layer: "below" }],
     uirevision: `rel|${useTokens}`,
   };
-  Plotly.react("relative-chart", traces, layout, PLOT_CONFIG);
+  Plotly.react("relative-chart", [...band, ...traces], layout, PLOT_CONFIG);
 }
 
 function runThroughput(run) {
@@ -357,7 +364,6 @@ function renderHeader() {
   ].filter(([, v]) => v !== undefined && v !== null && v !== "");
   setHTML(document.getElementById("experiment-meta"),
     joinHtml(entries.map(([k, v]) => html`<div><dt>${k}</dt><dd>${v}</dd></div>`)));
-  document.getElementById("experiment-summary").textContent = describeBest(state.runs);
 }
 
 function eta(run, fraction) {
@@ -621,6 +627,7 @@ document.getElementById("export-html").addEventListener("click", () => {
 
 // ---------------------------------------------------------------- start
 register({ name: "runs", refresh: refreshRuns, live: () => !state.gone && (isLive() || state.failed) });
+mountVerdict();
 mountGemm();
 mountAccuracy();
 // Tests and curious users can read the page's state from the console.

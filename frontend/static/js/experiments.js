@@ -1,7 +1,8 @@
-// Experiments list: name, created, recipes, run status counts and the one-line verdict.
+// Experiments list: name, created, recipes, run status counts and the one-line verdict (GET .../verdict, the same
+// verdict as the experiment page and `plab demo`), filled in per row once the list is on screen.
 import { get, items, formatDate, showGlobalError } from "./api.js";
 import { html, joinHtml, setHTML, statusBadge, urlPath } from "./dom.js";
-import { describeBest, recipeName, statusCounts } from "./summary.js";
+import { recipeName, statusCounts } from "./summary.js";
 
 const PAGE = 50;
 let offset = 0;
@@ -19,14 +20,13 @@ function row(exp, runs) {
   const countsHtml = Object.entries(counts)
     .filter(([, n]) => n > 0)
     .map(([status, n]) => html`${statusBadge(status)} <span class="count">${n}</span>`);
-  const summary = exp.summary_line ?? describeBest(runs);
   return html`<tr data-experiment-id="${exp.id}">
     <td><a class="experiment-link" href="${urlPath("experiments", exp.id)}">${exp.name}</a>
       ${exp.description && html`<div class="muted">${exp.description}</div>`}</td>
     <td>${formatDate(exp.created_at)}</td>
     <td>${joinHtml(experimentRecipes(exp, runs).map((r) => html`<code>${r}</code>`), " ")}</td>
     <td class="status-counts">${joinHtml(countsHtml, " ")}</td>
-    <td class="summary">${summary}</td>
+    <td class="summary" data-verdict-for="${exp.id}"></td>
   </tr>`;
 }
 
@@ -41,6 +41,7 @@ async function load() {
       ? joinHtml(details.map((exp) => row(exp, Array.isArray(exp.runs) ? exp.runs : [])))
       : html`<tr class="placeholder"><td colspan="5">No experiments yet:
            <a href="/experiments/new">create one</a>, or run <code>plab demo</code>.</td></tr>`);
+    fillVerdicts(details);
     document.getElementById("experiments-prev").disabled = offset === 0;
     document.getElementById("experiments-next").disabled = list.length < PAGE;
     showGlobalError("");
@@ -48,6 +49,24 @@ async function load() {
     setHTML(body, html`<tr class="placeholder"><td colspan="5">Could not load experiments.</td></tr>`);
     showGlobalError(err.message);
   }
+}
+
+// Each experiment's verdict, a few requests at a time (the server computes each from its runs' metrics); a row
+// whose verdict cannot be had says so and the rest of the list is unaffected.
+async function fillVerdicts(experiments) {
+  const queue = experiments.filter((exp) => Array.isArray(exp.runs) && exp.runs.length);
+  const worker = async () => {
+    for (let exp = queue.shift(); exp; exp = queue.shift()) {
+      const cell = document.querySelector(`td[data-verdict-for="${CSS.escape(String(exp.id))}"]`);
+      try {
+        const verdict = await get(`/api/v1/experiments/${encodeURIComponent(exp.id)}/verdict`);
+        if (cell) cell.textContent = verdict.summary || "";
+      } catch (err) {
+        if (cell) cell.textContent = `verdict unavailable: ${err.message}`;
+      }
+    }
+  };
+  await Promise.all([worker(), worker(), worker()]);
 }
 
 document.getElementById("experiments-prev").addEventListener("click", () => {

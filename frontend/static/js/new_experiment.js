@@ -94,6 +94,15 @@ export function buildRequest() {
   }
 
   const evalTasks = value("eval_tasks").split(/[\s,]+/).filter(Boolean);
+  const replicates = integer("replicates", "Seed replicates", { min: 1 });
+  if (replicates > 16) throw new FormError("replicates", `Seed replicates: at most 16 (got ${replicates})`);
+  const tolerance = Number(value("verdict_tolerance_pct"));
+  if (!Number.isFinite(tolerance) || tolerance <= 0 || tolerance > 100) {
+    throw new FormError("verdict_tolerance_pct",
+      `Verdict tolerance must be a percentage above 0 and at most 100, e.g. 1 (got "${value("verdict_tolerance_pct")}")`);
+  }
+  const seeds = replicates > 1
+    ? { replicates, replicate: form.elements.namedItem("replicate_all").checked ? "all" : "baseline" } : {};
   return {
     name,
     description: value("description"),
@@ -103,6 +112,8 @@ export function buildRequest() {
     seed: integer("seed", "Seed"),
     recipes,
     eval_tasks: evalTasks,
+    ...seeds,
+    verdict_tolerance_pct: tolerance,
     enqueue: form.elements.namedItem("enqueue").checked,
   };
 }

@@ -75,39 +75,3 @@ export function statusCounts(runs) {
   for (const run of runs) counts[run.status] = (counts[run.status] || 0) + 1;
   return counts;
 }
-
-// The experiment's one-line verdict: the fastest recipe whose final loss is within `tolerancePct` of
-// BF16's (the threshold the relative-loss chart draws as a band).
-export function bestSpeedup(runs, tolerancePct = 1) {
-  const base = runs.find((r) => recipeName(r) === BASELINE && r.status === "succeeded");
-  if (!base) return null;
-  const baseLoss = finalLoss(base), baseTps = tokensPerSecond(base);
-  if (baseLoss == null || !baseTps) return null;
-  let best = null;
-  for (const run of runs) {
-    if (run === base || run.status !== "succeeded") continue;
-    const loss = finalLoss(run), tps = tokensPerSecond(run);
-    if (loss == null || tps == null) continue;
-    const deltaPct = ((loss - baseLoss) / baseLoss) * 100;
-    if (Math.abs(deltaPct) > tolerancePct) continue;
-    const speedup = tps / baseTps;
-    if (!best || speedup > best.speedup) {
-      best = { run, label: runLabel(run), speedup, deltaPct, emulated: gemmBackend(run) === "emulated" };
-    }
-  }
-  return best;
-}
-
-export function describeBest(runs) {
-  const best = bestSpeedup(runs);
-  if (best) {
-    const sign = best.deltaPct >= 0 ? "+" : "";
-    return `${best.label}: ${best.speedup.toFixed(2)}× BF16 at ${sign}${best.deltaPct.toFixed(2)}% final loss`
-      + (best.emulated ? " (emulated GEMMs)" : "");
-  }
-  // Say "none" only when there was something to compare: a finished BF16 loss and another finished recipe.
-  const base = runs.find((r) => recipeName(r) === BASELINE && r.status === "succeeded");
-  const compared = runs.some((r) => recipeName(r) !== BASELINE && r.status === "succeeded" && finalLoss(r) != null);
-  const done = runs.every((r) => !["queued", "running"].includes(r.status));
-  return done && base && finalLoss(base) != null && compared ? "no recipe within 1% of BF16's final loss" : "";
-}

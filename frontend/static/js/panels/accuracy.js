@@ -16,13 +16,19 @@ const panel = document.getElementById("accuracy-panel");
 const MAIN_METRICS = ["acc", "bits_per_byte", "perplexity", "acc_norm", "byte_perplexity", "word_perplexity"];
 const LOWER_IS_BETTER = new Set(["bits_per_byte", "perplexity", "byte_perplexity", "word_perplexity"]);
 const METHOD_NOTES = {
-  bootstrap: "Δ = recipe − BF16 on the documents both runs scored. The 95% interval is a paired percentile "
-    + "bootstrap over documents (the same documents resampled for both runs, 2,000 resamples; within each subtask "
-    + "for groups); a difference is significant when its interval excludes 0.",
-  mcnemar: "Δ = recipe − BF16 on the documents both runs scored. For 0/1 metrics: exact McNemar test on the "
-    + "documents exactly one of the two runs got right (significant when p < 0.05), with the Wald interval of the "
-    + "paired difference; other metrics (perplexity, bits per byte) use the paired bootstrap over documents.",
+  bootstrap: (n) => "Δ = recipe − BF16 on the documents both runs scored (the same documents, checked by lm-eval's "
+    + "task hash). The 95% interval is a paired percentile bootstrap over documents (the same documents resampled "
+    + `for both runs, ${n.toLocaleString("en-US")} resamples; within each subtask for groups).`,
+  mcnemar: () => "Δ = recipe − BF16 on the documents both runs scored (the same documents, checked by lm-eval's "
+    + "task hash). For 0/1 metrics: exact McNemar test on the documents exactly one of the two runs got right, with "
+    + "the Wald interval of the paired difference; other metrics (perplexity, bits per byte) use the paired "
+    + "bootstrap over documents.",
 };
+// What every table's significance and interval mean, whatever the method.
+const SIGNIFICANCE_NOTE = "▲/▼ mark differences significant after Holm's correction over the recipe's tasks "
+  + "(family-wise α = 0.05; the uncorrected p is in the tooltip). The interval covers the sampling of documents "
+  + "for these two checkpoints; variation between training seeds is measured only by seed replicates (the verdict "
+  + "table shows BF16's seed spread beside each difference where the experiment has them).";
 const CONVENTION_NOTE = "Every recipe keeps the LM head and the embeddings (and norms) in BF16, by convention: "
   + "differences come from the transformer blocks' low-precision GEMMs.";
 
@@ -73,7 +79,7 @@ function formatBound(metric, x) {
 // ▲/▼ say which way the number moved; the colour says whether that is better (`improved` from the API, which
 // knows each metric's direction). An interval covering 0 is "n.s." whatever the sign of Δ.
 export function significance(row) {
-  if (!row || !row.significant) return { mark: "n.s.", cls: "acc-ns", title: "not significant at 95%" };
+  if (!row || !row.significant) return { mark: "n.s.", cls: "acc-ns", title: "not significant (Holm-corrected)" };
   const mark = row.delta > 0 ? "▲" : "▼";
   if (row.improved === true) return { mark, cls: "acc-better", title: "significantly better than BF16" };
   if (row.improved === false) return { mark, cls: "acc-worse", title: "significantly worse than BF16" };
@@ -199,7 +205,8 @@ function cell(table, run, task, metric) {
     if (row) {
       const sig = significance(row);
       const title = `${sig.title}; ${row.method}, n = ${row.n} paired documents${
-        finite(row.p_value) ? `, p = ${row.p_value.toPrecision(2)}` : ""}`;
+        finite(row.p_value) ? `, p = ${row.p_value.toPrecision(2)} uncorrected` : ""}${
+        finite(row.p_holm) ? `, ${row.p_holm.toPrecision(2)} after Holm over ${row.family_size} comparisons` : ""}`;
       parts.push(html`<span class="acc-delta" data-significant="${row.significant}" title="${title}">${""
         }Δ ${formatDelta(metric, row.delta)} [${formatBound(metric, row.ci_low)}, ${formatBound(metric, row.ci_high)}] ${""
         }<span class="acc-marker ${sig.cls}">${sig.mark}</span></span>`);
@@ -297,7 +304,8 @@ function render() {
   const anyEvaluation = [...accuracyState.evaluations.values()].some((list) => list.length);
   document.getElementById("accuracy-empty").hidden = anyEvaluation;
   document.getElementById("accuracy-result").hidden = !hasResults;
-  document.getElementById("accuracy-method-note").textContent = METHOD_NOTES[accuracyState.method] + (
+  document.getElementById("accuracy-method-note").textContent = METHOD_NOTES[accuracyState.method](
+    table?.n_boot ?? 10000) + ` ${SIGNIFICANCE_NOTE}` + (
     hasResults && table.baseline_run_id == null ? " No BF16 run has finished an evaluation yet: evaluate it to see differences." : "");
   if (!hasResults) return;
   renderTable(table);

@@ -1,0 +1,236 @@
+"""The verdict of an experiment: for every recipe, does it match BF16 on what matters, and at what speed?
+
+What matters is the *validation* loss (held-out tokens, the same batches for every recipe), not the last noisy
+training-loss sample. Per recipe variant (a recipe with its options and kept layers; its seed replicates pooled):
+
+- ``val_delta_pct``: ``100 * (mean final val loss of the variant's finished seeds - reference) / reference``
+  (runs still training are shown but not judged), where the reference
+  is the final validation loss of the baseline's reference run (its first seed: the run every chart compares with);
+  ``min_val_delta_pct`` the same for the lowest validation loss over the run;
+- ``speedup``: mean tokens/s of the variant over the baseline's mean (a value < 1 is called a slowdown);
+- accuracy differences to the baseline where evaluated (paired, Holm-corrected: training.evaluation.stats).
+
+The rule that says "matches BF16":
+
+- ``seed_band`` when the baseline has at least two seed replicates with a validation loss: the band is
+  ``[min, max]`` of the replicates' own ``val_delta_pct`` to the reference (the reference's 0 included), i.e. how
+  far BF16 moves when only the seed changes; a recipe matches when its delta lies inside it, is *better* below it
+  and *worse* above it;
+- ``tolerance`` otherwise: a recipe matches when ``|val_delta_pct| <= tolerance_pct`` (the experiment's stated
+  tolerance, 1% unless set), better below ``-tolerance_pct``, worse above ``+tolerance_pct``.
+
+This module is pure (plain data in, plain data out): the API's verdict service feeds it from the database, and
+anything else (a script on exported JSON) can call it the same way.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_TOLERANCE_PCT = 1.0
+RULES = ("seed_band", "tolerance")
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the verdict needs of one run. `variant` names the recipe with its options and kept layers, the same for
+    every seed replicate of it; `accuracy` holds the run's paired rows against the baseline's reference run
+    (training.evaluation.stats.compare_results), empty where it was not evaluated."""
+    run_id: int
+    variant: str
+    recipe: str
+    status: str
+    seed: int
+    is_baseline: bool
+    final_val_loss: float | None = None
+    min_val_loss: float | None = None
+    tokens_per_s: float | None = None
+    emulated: bool = False
+    accuracy: Sequence[dict] = field(default_factory=tuple)
+
+
+def _finite(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _pct(value: float | None, ref: float | None) -> float | None:
+    return None if value is None or not ref else 100.0 * (value - ref) / ref
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in (_finite(x) for x in values) if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def check_tolerance(tolerance_pct) -> float:
+    """The stated tolerance as a float in (0, 100], or a ValueError that says what is wrong."""
+    tol = _finite(tolerance_pct)
+    if tol is None or not 0 < tol <= 100:
+        raise ValueError(f"the verdict tolerance must be a number of percent in (0, 100], e.g. 1.0 for ±1% of BF16's "
+                         f"validation loss; got {tolerance_pct!r}")
+    return tol
+
+
+def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None,
+                       tolerance_pct: float = DEFAULT_TOLERANCE_PCT) -> dict:
+    """The verdict of one experiment (see the module docstring): the baseline's reference and seed band, the rule
+    used, one entry per non-baseline variant, and a one-line summary."""
+    tol = check_tolerance(tolerance_pct)
+    base_runs = [r for r in runs if r.is_baseline]
+    ref = next((r for r in base_runs if r.run_id == reference_run_id), None)
+    # Only finished runs are judged: a run still training has the validation loss of an earlier point of training.
+    ref_loss = _finite(ref.final_val_loss) if ref and ref.status == "succeeded" else None
+    band = _seed_band([r for r in base_runs if r.status == "succeeded"], ref_loss)
+    rule = "seed_band" if band is not None else "tolerance"
+    base_tps = _mean(r.tokens_per_s for r in base_runs if r.status == "succeeded") or _mean(
+        r.tokens_per_s for r in base_runs)
+    variants: dict[str, list[RunFacts]] = {}
+    for r in runs:
+        if not r.is_baseline:
+            variants.setdefault(r.variant, []).append(r)
+    ref_seed = ref.seed if ref else None
+    entries = [_variant_entry(name, members, ref_loss, ref_seed, base_tps, band, tol)
+               for name, members in variants.items()]
+    spread = _accuracy_spread(base_runs, reference_run_id)
+    for e in entries:
+        for row in e["accuracy"]:
+            row["baseline_seed_spread"] = spread.get((row["task"], row["metric"]))
+    out = {
+        "reference_run_id": ref.run_id if ref else None,
+        "baseline": {"run_ids": [r.run_id for r in base_runs], "seeds": sorted({r.seed for r in base_runs}),
+                     "final_val_loss": ref_loss, "tokens_per_s": base_tps},
+        "rule": rule, "tolerance_pct": tol, "band_pct": band,
+        "rule_text": _rule_text(rule, band, tol, len([r for r in base_runs if r.status == "succeeded"
+                                                      and _finite(r.final_val_loss) is not None])),
+        "recipes": entries,
+        "runs": [_run_entry(r, ref_loss, base_tps, spread) for r in runs],
+    }
+    out["best"], out["summary"] = _summary(out, ref, ref_loss)
+    return out
+
+
+def _seed_band(base_runs: Sequence[RunFacts], ref_loss: float | None) -> list[float] | None:
+    """[min, max] of the baseline replicates' final val-loss deltas to the reference, with 2+ replicates."""
+    deltas = [_pct(_finite(r.final_val_loss), ref_loss) for r in base_runs]
+    deltas = [d for d in deltas if d is not None]
+    return [min(deltas), max(deltas)] if len(deltas) >= 2 else None
+
+
+def classify(delta_pct: float | None, band: list[float] | None, tolerance_pct: float) -> str | None:
+    """"matches", "better" (lower loss beyond the band) or "worse"; None without a delta."""
+    if delta_pct is None:
+        return None
+    low, high = band if band is not None else (-tolerance_pct, tolerance_pct)
+    # A rounding hair outside the band (1e-9 %) is inside: the band's own ends are replicates' deltas.
+    if delta_pct < low - 1e-9:
+        return "better"
+    return "worse" if delta_pct > high + 1e-9 else "matches"
+
+
+def _variant_entry(name: str, members: list[RunFacts], ref_loss, ref_seed, base_tps, band, tol) -> dict:
+    """A recipe variant's figures (its finished seeds pooled) and its outcome by the rule."""
+    final = _mean(r.final_val_loss for r in members if r.status == "succeeded")
+    lowest = min((v for v in (_finite(r.min_val_loss) for r in members) if v is not None), default=None)
+    tps = _mean(r.tokens_per_s for r in members if r.status == "succeeded") or _mean(r.tokens_per_s for r in members)
+    speedup = tps / base_tps if tps is not None and base_tps else None
+    delta = _pct(final, ref_loss)
+    diverged = [r.run_id for r in members if r.status == "diverged"]
+    outcome = "diverged" if diverged else classify(delta, band, tol)
+    # Its accuracy is the run paired with the reference: the same seed (initial weights and batch order).
+    first = next((r for r in members if r.seed == ref_seed), min(members, key=lambda r: r.run_id))
+    return {
+        "variant": name, "recipe": first.recipe, "run_ids": [r.run_id for r in members],
+        "seeds": sorted({r.seed for r in members}), "statuses": sorted({r.status for r in members}),
+        "emulated": any(r.emulated for r in members),
+        "final_val_loss": final, "min_val_loss": lowest,
+        "val_delta_pct": delta, "min_val_delta_pct": _pct(lowest, ref_loss),
+        "tokens_per_s": tps, "speedup": speedup,
+        "speed_word": None if speedup is None else ("speedup" if speedup >= 1 else "slowdown"),
+        "outcome": outcome, "matches": None if outcome is None else outcome in ("matches", "better"),
+        "accuracy": [_accuracy_row(row) for row in first.accuracy],
+    }
+
+
+def _run_entry(r: RunFacts, ref_loss, base_tps, spread: dict) -> dict:
+    """One run of the decision table: its own figures against the reference (no pooling over seeds)."""
+    final, tps = _finite(r.final_val_loss), _finite(r.tokens_per_s)
+    rows = [_accuracy_row(row) for row in r.accuracy]
+    for row in rows:
+        row["baseline_seed_spread"] = spread.get((row["task"], row["metric"]))
+    return {"run_id": r.run_id, "variant": r.variant, "recipe": r.recipe, "seed": r.seed, "status": r.status,
+            "is_baseline": r.is_baseline, "emulated": r.emulated, "final_val_loss": final,
+            "min_val_loss": _finite(r.min_val_loss), "val_delta_pct": _pct(final, ref_loss),
+            "tokens_per_s": tps, "speedup": tps / base_tps if tps is not None and base_tps else None,
+            "accuracy": rows}
+
+
+def _accuracy_row(row: dict) -> dict:
+    keys = ("task", "metric", "delta", "ci_low", "ci_high", "p_value", "p_holm", "significant",
+            "significant_uncorrected", "improved", "higher_is_better", "n", "method")
+    return {k: row.get(k) for k in keys}
+
+
+def _accuracy_spread(base_runs: Sequence[RunFacts], reference_run_id) -> dict:
+    """(task, metric) -> [min, max] of the baseline replicates' accuracy deltas to the reference (its own 0
+    included): the seed-to-seed spread an accuracy difference of a recipe is read against. Only with 2+ seeds."""
+    deltas: dict[tuple, list[float]] = {}
+    for r in base_runs:
+        if r.run_id == reference_run_id:
+            continue
+        for row in r.accuracy:
+            d = _finite(row.get("delta"))
+            if d is not None:
+                deltas.setdefault((row.get("task"), row.get("metric")), [0.0]).append(d)
+    return {k: [min(v), max(v)] for k, v in deltas.items()}
+
+
+def _rule_text(rule: str, band, tol: float, n_seeds: int) -> str:
+    if rule == "seed_band":
+        return (f"matches BF16 when its final validation-loss difference lies inside BF16's own seed band "
+                f"[{band[0]:+.2f}%, {band[1]:+.2f}%] (min–max over {n_seeds} seeds)")
+    return (f"one BF16 seed: matches BF16 when its final validation-loss difference is within ±{tol:g}% "
+            f"(the experiment's stated tolerance)")
+
+
+def _summary(out: dict, ref: RunFacts | None, ref_loss: float | None) -> tuple[dict | None, str]:
+    entries = out["recipes"]
+    if ref is None:
+        return None, "no BF16 run to compare with"
+    if ref.status != "succeeded":
+        return None, f"BF16 is {ref.status}: the verdict waits for its final validation loss"
+    if ref_loss is None:
+        return None, "BF16 has no validation loss: the verdict needs val/loss (set training.val_every)"
+    judged = [e for e in entries if e["outcome"] is not None]
+    if not judged:
+        return None, "no recipe has finished with a validation loss yet"
+    good = [e for e in judged if e["matches"]]
+    if not good:
+        return None, f"no recipe matches BF16's validation loss ({out['rule_text']})"
+    # The fastest of the matching recipes, preferring one whose accuracy is not significantly worse anywhere.
+    best = max(good, key=lambda e: (not _worse_tasks(e["accuracy"]),
+                                    e["speedup"] if e["speedup"] is not None else -1.0))
+    speed = ("speed not measured" if best["speedup"] is None
+             else f"{best['speedup']:.2f}× BF16's throughput ({best['speed_word']})")
+    if best["emulated"] and best["speedup"] is not None:
+        speed += " on emulated GEMMs, not the format's hardware speed"
+    word = "beats" if best["outcome"] == "better" else "matches"
+    return ({"variant": best["variant"], "run_ids": best["run_ids"]},
+            f"{best['variant']} {word} BF16 at {best['val_delta_pct']:+.2f}% final validation loss, {speed}"
+            f"{_accuracy_clause(best['accuracy'])}; rule: {out['rule_text']}")
+
+
+def _worse_tasks(rows: Sequence[dict]) -> list[str]:
+    return sorted({r["task"] for r in rows if r.get("significant") and r.get("improved") is False})
+
+
+def _accuracy_clause(rows: Sequence[dict]) -> str:
+    """What the paired accuracy comparison adds to the verdict line (Holm-corrected significance)."""
+    tasks = sorted({r["task"] for r in rows})
+    if not tasks:
+        return ""
+    worse = _worse_tasks(rows)
+    if worse:
+        return f", but accuracy significantly worse on {', '.join(worse)}"
+    return f", no significant accuracy loss on {len(tasks)} evaluated task{'s' if len(tasks) > 1 else ''}"
