@@ -8,6 +8,7 @@ asked for.
 """
 from __future__ import annotations
 
+import fnmatch
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -133,6 +134,7 @@ class RecipeReport:
     options: dict = field(default_factory=dict)
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
+    keep_bf16: list = field(default_factory=list)
     backend_requested: str = "auto"
     device: str = "cpu"
     notes: list = field(default_factory=list)
@@ -147,6 +149,7 @@ class RecipeReport:
             "options": dict(self.options),
             "bf16_first_layers": self.bf16_first_layers,
             "bf16_last_layers": self.bf16_last_layers,
+            "keep_bf16": list(self.keep_bf16),
             "converted_layers": sum(1 for layer in self.layers if layer["converted"]),
             "total_layers": len(self.layers),
             "layers": [dict(layer) for layer in self.layers],
@@ -161,12 +164,8 @@ class RecipeReport:
 
 
 def _transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    inner = getattr(model, "model", None)
-    blocks = getattr(inner, "layers", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError("apply_recipe expects a transformers LlamaForCausalLM-like model with its blocks "
-                         f"at model.model.layers; got {type(model).__name__}")
-    return blocks
+    from training.model import decoder_blocks
+    return decoder_blocks(model)
 
 
 def _check_count(name: str, value) -> int:
@@ -176,12 +175,16 @@ def _check_count(name: str, value) -> int:
 
 
 def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf16_last_layers: int = 0,
-                 backend: str = "auto", fsdp: bool = False, **options) -> RecipeReport:
-    """Convert the linear layers of `model.model.layers[i]` to recipe `name`, in place.
+                 keep_bf16=(), backend: str = "auto", fsdp: bool = False, **options) -> RecipeReport:
+    """Convert the nn.Linear layers inside the model's decoder blocks to recipe `name`, in place.
 
-    Embeddings, norms and the LM head stay in high precision. Blocks `i < bf16_first_layers` and
-    `i >= n - bf16_last_layers` stay BF16. `backend`: "auto" (real kernels where the GPU has them,
-    exact emulation elsewhere), "real" (error if unavailable) or "emulated". Returns a RecipeReport.
+    The blocks are found by structure (training.model.decoder_blocks), their linears by module type, so any
+    transformers decoder converts, not only Llama. Embeddings, norms and the LM head stay in high precision.
+    Blocks `i < bf16_first_layers` and `i >= n - bf16_last_layers` stay BF16, and so do the linears whose
+    report name ("layers.<i>.<path>") matches a glob of `keep_bf16`. The report lists every linear of the
+    model with its reason: the LM head and embeddings, and weights in a block that are not nn.Linear modules
+    (an MoE's batched experts, its router). `backend`: "auto" (real kernels where the GPU has them, exact
+    emulation elsewhere), "real" (error if unavailable) or "emulated". Returns a RecipeReport.
     Call it before building the optimizer and before torch.compile. `fsdp`: the model will be sharded with
     FSDP2 (recipes with a sharding-aware form use it: torchao's FP8 all-gather); not a recipe option.
     """
@@ -190,6 +193,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     first = _check_count("bf16_first_layers", bf16_first_layers)
     last = _check_count("bf16_last_layers", bf16_last_layers)
+    keep = _check_patterns(keep_bf16)
     resolved = recipe.resolve_options(options)
     blocks = _transformer_blocks(model)
     n = len(blocks)
@@ -204,7 +208,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     except StopIteration:
         device = torch.device("cpu")
     report = RecipeReport(recipe=name, options=resolved, bf16_first_layers=first, bf16_last_layers=last,
-                          backend_requested=backend, device=str(device))
+                          backend_requested=backend, device=str(device), keep_bf16=list(keep))
     real = False
     if name != catalog.BASELINE:
         unavailable = recipe.real_unavailable(device, resolved)
@@ -216,18 +220,24 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
 
     converted: list[tuple[str, nn.Module]] = []
     backends_used = set()
+    matched = set()
     for i, block in enumerate(blocks):
         linears = [(child, mod) for child, mod in block.named_modules() if type(mod) is nn.Linear]
         for child, linear in linears:
             full = f"layers.{i}.{child}"
             entry = {"name": full, "block": i, "in_features": linear.in_features,
                      "out_features": linear.out_features, "converted": False, "backend": "bf16"}
+            rule = next((p for p in keep if fnmatch.fnmatchcase(full, p)), None)
+            if rule is not None:
+                matched.add(rule)
             if name == catalog.BASELINE:
                 entry["reason"] = "bf16 baseline: high-precision GEMM"
             elif i < first:
                 entry["reason"] = f"kept in BF16: block {i} < bf16_first_layers={first}"
             elif i >= n - last:
                 entry["reason"] = f"kept in BF16: block {i} is among the last bf16_last_layers={last}"
+            elif rule is not None:
+                entry["reason"] = f"kept in BF16: matches keep_bf16 rule {rule!r}"
             else:
                 skip = recipe.skip_reason(linear, real)
                 if skip:
@@ -244,7 +254,60 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                     converted.append((full, new))
                     report.probe.add_layer(full, new, quantizer)
             report.layers.append(entry)
+        report.layers += _unconverted_block_weights(block, i)
+    unmatched = [p for p in keep if p not in matched]
+    if unmatched:
+        names = [layer["name"] for layer in report.layers if layer["block"] == 0][:4]
+        raise ValueError(f"keep_bf16 pattern(s) {unmatched} match no linear layer of the model's blocks; "
+                         f"names look like {names}")
+    report.layers += _outside_blocks(model, blocks)
     if backends_used:
         report.gemm_backend = "emulated" if "emulated" in backends_used else "real"
     report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
     return report
+
+
+def _check_patterns(value) -> list[str]:
+    if isinstance(value, str) or not all(isinstance(p, str) and p for p in value):
+        raise ValueError(f"keep_bf16 must be a list of glob patterns such as ['*.mlp.gate'], got {value!r}")
+    return list(value)
+
+
+def _unconverted_block_weights(block: nn.Module, i: int) -> list[dict]:
+    """Report entries for the matmul weights of block `i` that are not nn.Linear modules: an MoE's experts kept
+    as one batched 3-D tensor, a router that calls F.linear on its own weight. Recipes swap nn.Linear modules
+    for quantized ones; these GEMMs run in BF16."""
+    out = []
+    for path, module in block.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)) or getattr(module, "_plab_converted", False):
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dim() < 2:
+                continue
+            kind = "batched expert weights (one GEMM per expert)" if p.dim() == 3 else "a matmul weight"
+            out.append({"name": f"layers.{i}.{path + '.' if path else ''}{pname}", "block": i,
+                        "in_features": p.shape[-1], "out_features": p.shape[-2], "converted": False,
+                        "backend": "bf16", "reason": f"kept in BF16: {kind} of {type(module).__name__}, not an "
+                        f"nn.Linear; the recipes convert nn.Linear layers only"})
+    return out
+
+
+def _outside_blocks(model: nn.Module, blocks: nn.ModuleList) -> list[dict]:
+    """Report entries for the LM head and the embeddings: high precision by convention (the NVFP4 and FP8
+    recipes of the papers keep them so; the head's GEMM is a small share and its errors reach every token)."""
+    out = []
+    getters = (("LM head", "get_output_embeddings"), ("embeddings", "get_input_embeddings"))
+    seen = set()
+    for what, getter in getters:
+        module = getattr(model, getter, lambda: None)()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        name = next((n for n, m in model.named_modules() if m is module), what)
+        weight = module.weight
+        tied = what == "embeddings" and any(weight is getattr(m, "weight", None) for m in
+                                            [getattr(model, "get_output_embeddings", lambda: None)()])
+        out.append({"name": name, "block": None, "in_features": weight.shape[1], "out_features": weight.shape[0],
+                    "converted": False, "backend": "bf16",
+                    "reason": f"kept in BF16 by convention: {what}" + (" (tied to the LM head)" if tied else "")})
+    return out
