@@ -178,12 +178,11 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                  keep_bf16=(), backend: str = "auto", fsdp: bool = False, **options) -> RecipeReport:
     """Convert the nn.Linear layers inside the model's decoder blocks to recipe `name`, in place.
 
-    The blocks are found by structure (training.model.decoder_blocks), their linears by module type, so any
-    transformers decoder converts, not only Llama. Embeddings, norms and the LM head stay in high precision.
-    Blocks `i < bf16_first_layers` and `i >= n - bf16_last_layers` stay BF16, and so do the linears whose
-    report name ("layers.<i>.<path>") matches a glob of `keep_bf16`. The report lists every linear of the
-    model with its reason: the LM head and embeddings, and weights in a block that are not nn.Linear modules
-    (an MoE's batched experts, its router). `backend`: "auto" (real kernels where the GPU has them, exact
+    Blocks found by structure (training.model.decoder_blocks), linears by module type: any transformers
+    decoder converts. Embeddings, norms and the LM head stay high precision; so do blocks `i < bf16_first_layers`
+    and `i >= n - bf16_last_layers` and linears whose name ("layers.<i>.<path>") matches a `keep_bf16` glob.
+    The report lists every linear with its reason, the head, embeddings and non-nn.Linear block weights (an
+    MoE's batched experts, its router) included. `backend`: "auto" (real kernels where the GPU has them, exact
     emulation elsewhere), "real" (error if unavailable) or "emulated". Returns a RecipeReport.
     Call it before building the optimizer and before torch.compile. `fsdp`: the model will be sharded with
     FSDP2 (recipes with a sharding-aware form use it: torchao's FP8 all-gather); not a recipe option.
@@ -202,7 +201,6 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     for module_name, module in model.named_modules():
         if getattr(module, "_plab_converted", False):
             raise ValueError(f"model is already converted ({module_name}); build a fresh model to apply another recipe")
-
     try:
         device = next(model.parameters()).device
     except StopIteration:
@@ -230,31 +228,22 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
             rule = next((p for p in keep if fnmatch.fnmatchcase(full, p)), None)
             if rule is not None:
                 matched.add(rule)
-            if name == catalog.BASELINE:
-                entry["reason"] = "bf16 baseline: high-precision GEMM"
-            elif i < first:
-                entry["reason"] = f"kept in BF16: block {i} < bf16_first_layers={first}"
-            elif i >= n - last:
-                entry["reason"] = f"kept in BF16: block {i} is among the last bf16_last_layers={last}"
-            elif rule is not None:
-                entry["reason"] = f"kept in BF16: matches keep_bf16 rule {rule!r}"
+            skip = _kept_reason(name, i, n, first, last, rule) or recipe.skip_reason(linear, real)
+            if skip:
+                entry["reason"] = skip
             else:
-                skip = recipe.skip_reason(linear, real)
-                if skip:
-                    entry["reason"] = skip
-                else:
-                    new, quantizer, how = recipe.convert(linear, full, {**resolved, "fsdp": fsdp}, real)
-                    new._plab_converted = True
-                    parent_path, _, attr = child.rpartition(".")
-                    parent = block.get_submodule(parent_path) if parent_path else block
-                    setattr(parent, attr, new)
-                    layer_backend = "real" if real else "emulated"
-                    entry.update(converted=True, backend=layer_backend, reason=how)
-                    backends_used.add(layer_backend)
-                    converted.append((full, new))
-                    report.probe.add_layer(full, new, quantizer)
+                new, quantizer, how = recipe.convert(linear, full, {**resolved, "fsdp": fsdp}, real)
+                new._plab_converted = True
+                parent_path, _, attr = child.rpartition(".")
+                parent = block.get_submodule(parent_path) if parent_path else block
+                setattr(parent, attr, new)
+                layer_backend = "real" if real else "emulated"
+                entry.update(converted=True, backend=layer_backend, reason=how)
+                backends_used.add(layer_backend)
+                converted.append((full, new))
+                report.probe.add_layer(full, new, quantizer)
             report.layers.append(entry)
-        report.layers += _unconverted_block_weights(block, i)
+        report.layers += _unconverted_block_weights(block, i, keep, matched)
     unmatched = [p for p in keep if p not in matched]
     if unmatched:
         names = [layer["name"] for layer in report.layers if layer["block"] == 0][:4]
@@ -267,20 +256,35 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     return report
 
 
+def _kept_reason(name: str, i: int, n: int, first: int, last: int, rule) -> str | None:
+    """Why block `i`'s linear stays BF16 by the run's choice (baseline, first/last blocks, a keep_bf16 rule)."""
+    if name == catalog.BASELINE:
+        return "bf16 baseline: high-precision GEMM"
+    if i < first:
+        return f"kept in BF16: block {i} < bf16_first_layers={first}"
+    if i >= n - last:
+        return f"kept in BF16: block {i} is among the last bf16_last_layers={last}"
+    if rule is not None:
+        return f"kept in BF16: matches keep_bf16 rule {rule!r}"
+    return None
+
+
 def _check_patterns(value) -> list[str]:
     if isinstance(value, str) or not all(isinstance(p, str) and p for p in value):
         raise ValueError(f"keep_bf16 must be a list of glob patterns such as ['*.mlp.gate'], got {value!r}")
     return list(value)
 
 
-def _unconverted_block_weights(block: nn.Module, i: int) -> list[dict]:
+def _unconverted_block_weights(block: nn.Module, i: int, keep: list, matched: set) -> list[dict]:
     """Report entries for the matmul weights of block `i` that are not nn.Linear modules: an MoE's experts kept
     as one batched 3-D tensor, a router that calls F.linear on its own weight. Recipes swap nn.Linear modules
-    for quantized ones; these GEMMs run in BF16."""
+    for quantized ones; these GEMMs run in BF16 (a keep_bf16 rule naming the module, e.g. "*.mlp.gate" for a
+    router, counts as matched)."""
     out = []
     for path, module in block.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)) or getattr(module, "_plab_converted", False):
             continue
+        matched.update(p for p in keep if fnmatch.fnmatchcase(f"layers.{i}.{path}", p))
         for pname, p in module.named_parameters(recurse=False):
             if p.dim() < 2:
                 continue
