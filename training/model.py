@@ -72,14 +72,20 @@ def model_config(model: ModelSpec, vocab_size: int, seq_len: int):
     except (OSError, ValueError, KeyError) as exc:
         raise SpecError(f"model.{'config' if model.source == 'config' else 'init_from'}: cannot read "
                         f"{str(path)!r} as a transformers config: {exc}") from None
-    cls = causal_lm_class(config)
-    config.use_cache = False
-    # SDPA (FlashAttention/cuDNN kernels on GPU) wherever the architecture implements it.
-    config._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    prepare_for_training(config)
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and seq_len > limit:
         raise SpecError(f"data.seq_len ({seq_len}) exceeds the model's max_position_embeddings ({limit}) from "
                         f"{str(path)!r}; lower data.seq_len")
+    return config
+
+
+def prepare_for_training(config):
+    """`config` (any causal-LM architecture) set up for training, in place: no KV cache, SDPA attention
+    (FlashAttention/cuDNN kernels on GPU) wherever the architecture implements it. Returns it."""
+    cls = causal_lm_class(config)
+    config.use_cache = False
+    config._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     return config
 
 

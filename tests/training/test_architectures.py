@@ -1,0 +1,155 @@
+"""Any transformers causal-LM architecture, from a config.json or a checkpoint folder (tiny random configs built
+here, nothing downloaded): training under every recipe, the conversion report, FLOPs and GEMM shapes against a
+count of the matmuls actually run, HF export and reload, continued pre-training from a checkpoint."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from tests.training.tiny_architectures import ARCHITECTURES, VOCAB, tiny_config, write_config
+from training.config import RunSpec, SpecError
+from training.train import train
+
+RECIPES = ("bf16", "fp8_tensorwise", "fp8_delayed", "mxfp8", "nvfp4")
+ARCHS = list(ARCHITECTURES)
+
+
+def arch_spec(model: dict, recipe: str = "bf16", **training) -> dict:
+    return {"model": model, "recipe": recipe, "seed": 3,
+            "data": {"corpus": "tinyshakespeare", "vocab_size": VOCAB, "seq_len": 16, "val_fraction": 0.05},
+            "training": {"steps": 20, "batch_size": 2, "lr": 3e-3, "warmup_steps": 2, "val_every": 0,
+                         "val_batches": 2, "device": "cpu", **training}}
+
+
+@pytest.fixture(scope="module")
+def config_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("configs")
+    return {arch: write_config(arch, root / arch) for arch in ARCHS}
+
+
+# ------------------------------------------------------------------------------------------------ training
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_trains_20_steps_under_every_recipe(arch, recipe, config_dirs, cache_dir):
+    result = train(arch_spec({"config": config_dirs[arch]}, recipe), cache_dir=cache_dir)
+    assert result.status == "succeeded" and result.steps == 20
+    # From ln(512) = 6.24 at initialisation: every recipe learns on every architecture.
+    assert result.final_loss < 0.93 * torch.log(torch.tensor(float(VOCAB))).item()
+    info = result.summary["model"]
+    assert info["architecture"] == type(tiny_config(arch)).__name__.replace("Config", "ForCausalLM")
+    assert info["source"] == "config" and info["origin"] == config_dirs[arch] and info["params"] > 0
+    converted = [layer for layer in result.conversion_report if layer["converted"]]
+    assert (len(converted) > 0) == (recipe != "bf16")
+
+
+# ------------------------------------------------------------------------------------ conversion report
+def config_ties(arch: str) -> bool:
+    return bool(tiny_config(arch).tie_word_embeddings)
+
+
+def _fresh(arch: str, **overrides):
+    from training.model import build_model, prepare_for_training
+    config = prepare_for_training(tiny_config(arch))
+    for key, value in overrides.items():  # e.g. the eager attention whose matmuls a counter sees
+        setattr(config, key, value)
+    return build_model(config, seed=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_conversion_report_lists_every_linear_with_its_reason(arch):
+    from training.model import decoder_blocks
+    from training.precision import apply_recipe
+    model = _fresh(arch)
+    block_linears = [f"layers.{i}.{path}" for i, block in enumerate(decoder_blocks(model))
+                     for path, m in block.named_modules() if type(m) is nn.Linear]
+    keep = ["*.mlp.shared_expert_gate", "*.mlp.gate"] if arch == "qwen2_moe" else []
+    report = apply_recipe(model, "mxfp8", bf16_last_layers=1, keep_bf16=keep)
+    by_name = {layer["name"]: layer for layer in report.layers}
+    assert set(block_linears) <= set(by_name)
+    blocks = decoder_blocks(model)
+    for name in block_linears:
+        layer = by_name[name]
+        module = blocks[layer["block"]].get_submodule(name.split(".", 2)[2])
+        assert layer["converted"] == (type(module) is not nn.Linear)
+        if layer["block"] == 1:
+            assert not layer["converted"] and "bf16_last_layers=1" in layer["reason"]
+        elif "shared_expert_gate" in name:
+            assert layer["reason"] == "kept in BF16: matches keep_bf16 rule '*.mlp.shared_expert_gate'"
+        else:
+            assert layer["converted"], layer
+    outside = [layer for layer in report.layers if layer["block"] is None]
+    assert [layer["reason"] for layer in outside] == [
+        "kept in BF16 by convention: LM head",
+        "kept in BF16 by convention: embeddings" + (" (tied to the LM head)" if config_ties(arch) else "")]
+    assert not any(layer["converted"] for layer in outside)
+    if arch == "qwen2_moe":  # experts are batched 3-D tensors in transformers 5: kept, and said why
+        experts = [layer for layer in report.layers if ".experts." in layer["name"]]
+        assert {layer["name"] for layer in experts} == {"layers.1.mlp.experts.gate_up_proj",
+                                                        "layers.1.mlp.experts.down_proj"}
+        assert all("batched expert weights" in layer["reason"] and not layer["converted"] for layer in experts)
+        router = by_name["layers.1.mlp.gate.weight"]
+        assert "Qwen2MoeTopKRouter, not an nn.Linear" in router["reason"]
+
+
+def test_a_keep_bf16_rule_that_matches_nothing_is_refused_with_the_names_it_could_match():
+    from training.precision import apply_recipe
+    with pytest.raises(ValueError, match=r"keep_bf16 pattern\(s\) \['\*\.mlp\.gat'\] match no linear.*layers\.0\."):
+        apply_recipe(_fresh("llama"), "mxfp8", keep_bf16=["*.mlp.gat"])
+    with pytest.raises(SpecError, match="keep_bf16 must be a list of glob patterns"):
+        RunSpec.from_dict({"keep_bf16": "*.mlp.gate"})
+    assert RunSpec.from_dict({"keep_bf16": ["*.mlp.gate"]}).to_dict()["keep_bf16"] == ["*.mlp.gate"]
+    assert "keep_bf16" not in RunSpec.from_dict({}).to_dict()  # specs stored before the option stay equal
+
+
+# ------------------------------------------------------------------------------ FLOPs and GEMM shapes
+class _MatmulShapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every 2-D matmul that runs, as (m, k, n)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func._overloadpacket
+        if packet is torch.ops.aten.mm:
+            self.shapes.append((args[0].shape[0], args[0].shape[1], args[1].shape[1]))
+        elif packet is torch.ops.aten.addmm:
+            self.shapes.append((args[1].shape[0], args[1].shape[1], args[2].shape[1]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flops_and_gemm_shapes_equal_the_matmuls_of_one_forward_and_backward(arch):
+    from training.flops import flops_per_token
+    from training.gemm import gemm_shapes
+    from training.model import CausalLMLoss, fuse_gate_up, fuse_qkv
+    micro_batch, seq = 2, 16
+    model = _fresh(arch, _attn_implementation="eager", _experts_implementation="eager")
+    if arch == "llama":  # a Llama config's GEMMs are those of the fused QKV and gate/up of a GPU run
+        fuse_qkv(model), fuse_gate_up(model)
+    ids = torch.randint(0, VOCAB, (micro_batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    loss_module = CausalLMLoss(model, fused_loss=False)
+    with FlopCounterMode(display=False) as counter, _MatmulShapes() as seen:
+        loss_module(ids[:, :-1], ids[:, 1:]).backward()
+    # The formula is derived from a config (built on the meta device), not from the model that ran.
+    config = tiny_config(arch)
+    assert flops_per_token(config, seq) * micro_batch * seq == counter.get_total_flops()
+    shapes = gemm_shapes(config, micro_batch, seq)
+    assert sum(s.flops * s.count for s in shapes) == 2 * sum(m * k * n for m, k, n in seen.shapes)
+    if arch != "qwen2_moe":  # an MoE's per-expert rows depend on the routing; their sum does not
+        expected = sorted((s.m, s.k, s.n) for s in shapes for _ in range(s.count))
+        assert sorted(seen.shapes) == expected
+
+
+def test_gemm_shapes_of_a_llama_config_are_its_fused_modules():
+    """The Llama formula (QKV and gate/up as one GEMM each) is what a model with fuse_qkv and fuse_gate_up runs."""
+    from training.gemm import gemm_shapes
+    from training.gemm.shapes import model_gemm_shapes
+    from training.model import fuse_gate_up, fuse_qkv, meta_model
+    config = tiny_config("llama")
+    model = meta_model(config)
+    fuse_qkv(model), fuse_gate_up(model)
+    by_formula = sorted((s.gemm, s.m, s.k, s.n, s.count) for s in gemm_shapes(config, 2, 16))
+    assert by_formula == sorted((s.gemm, s.m, s.k, s.n, s.count) for s in model_gemm_shapes(model, 2, 16))
