@@ -455,7 +455,10 @@ def _fused_parts(config: LlamaConfig):
 
 def split_fused(state: dict, config: LlamaConfig) -> dict:
     """State-dict names of a fused model -> HF names: `...self_attn.qkv_proj.X` becomes q/k/v_proj.X and
-    `...mlp.gate_up_proj.X` becomes gate_proj.X and up_proj.X."""
+    `...mlp.gate_up_proj.X` becomes gate_proj.X and up_proj.X. Only Llama models are fused here: another
+    architecture's own `qkv_proj` / `gate_up_proj` (Phi-3's) are its HF names and stay as they are."""
+    if getattr(config, "model_type", None) != "llama":
+        return dict(state)
     fused = _fused_parts(config)
     out = {}
     for name, value in state.items():
@@ -472,6 +475,8 @@ def split_fused(state: dict, config: LlamaConfig) -> dict:
 
 def join_fused(weights: dict, name: str) -> torch.Tensor:
     """The tensor for parameter `name` of a (possibly fused) model from HF-named `weights`."""
+    if name in weights:  # unfused, or an architecture whose own HF name it is (Phi-3's qkv_proj)
+        return weights[name]
     for marker, names in FUSED_PROJECTIONS:
         if marker in name:
             prefix, suffix = name.split(marker)

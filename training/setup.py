@@ -217,7 +217,7 @@ def _model_with_recipe(spec: RunSpec, config, device: torch.device, param_dtype:
         model = build_model(config, spec.seed, init_on).to(device)
     llama = type(model).__name__ == "LlamaForCausalLM"
     fused_qkv = t.perf.fuse_qkv if t.perf.fuse_qkv is not None else (on_cuda and llama)
-    _check_llama_only(model, fused_qkv=fused_qkv, fuse_gate_up=t.perf.fuse_gate_up)
+    _check_llama_only(model, fuse_qkv=fused_qkv, fuse_gate_up=t.perf.fuse_gate_up)
     if fused_qkv:
         fuse_qkv(model)
     if t.perf.fuse_gate_up:

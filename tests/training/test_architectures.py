@@ -153,3 +153,137 @@ def test_gemm_shapes_of_a_llama_config_are_its_fused_modules():
     fuse_qkv(model), fuse_gate_up(model)
     by_formula = sorted((s.gemm, s.m, s.k, s.n, s.count) for s in gemm_shapes(config, 2, 16))
     assert by_formula == sorted((s.gemm, s.m, s.k, s.n, s.count) for s in model_gemm_shapes(model, 2, 16))
+
+
+# ------------------------------------------------------------------------------ export, reload, resume
+def _short_run(model: dict, output_dir, cache_dir, recipe: str = "bf16", steps: int = 3):
+    return train(arch_spec(model, recipe, steps=steps, warmup_steps=1), output_dir=output_dir, cache_dir=cache_dir)
+
+
+def _prepared_run(spec_dict: dict, cache_dir):
+    from training.setup import join_processes, setup_run
+    from training.sink import NullSink
+    spec = RunSpec.from_dict(spec_dict)
+    ctx = join_processes(spec)
+    return spec, ctx, setup_run(spec, ctx, NullSink(), cache_dir=cache_dir)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_exported_checkpoint_loads_with_plain_transformers_and_gives_the_same_logits(arch, config_dirs,
+                                                                                         cache_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from training.checkpoint import Checkpointer, TrainState
+    from training.sink import NullSink
+    result = _short_run({"config": config_dirs[arch]}, tmp_path, cache_dir)
+    hf, info = AutoModelForCausalLM.from_pretrained(result.checkpoint_dir, dtype=torch.float32,
+                                                    output_loading_info=True)
+    assert type(hf).__name__ == result.summary["model"]["architecture"]
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    # The run's own model, given the checkpoint's weights by the loop's resume path.
+    spec, ctx, run = _prepared_run(arch_spec({"config": config_dirs[arch]}, steps=3, warmup_steps=1), cache_dir)
+    Checkpointer(tmp_path, spec=spec, ctx=ctx, sink=NullSink(), model=run.model, optimizer=run.optimizer).resume(
+        TrainState())
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(run.model.eval()(input_ids=ids).logits, hf.eval()(input_ids=ids).logits)
+
+
+def test_a_low_precision_moe_checkpoint_holds_the_master_weights(config_dirs, cache_dir, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    result = _short_run({"config": config_dirs["qwen2_moe"]}, tmp_path, cache_dir, recipe="nvfp4")
+    hf = AutoModelForCausalLM.from_pretrained(result.checkpoint_dir, dtype=torch.float32)
+    saved = load_file(f"{result.checkpoint_dir}/model.safetensors")
+    state = hf.state_dict()
+    assert saved.keys() <= state.keys() and all(torch.equal(state[k], v) for k, v in saved.items())
+    initial = _fresh("qwen2_moe").state_dict()  # training moved every weight, converted layers' included
+    assert not torch.equal(state["model.layers.0.mlp.down_proj.weight"], initial["model.layers.0.mlp.down_proj.weight"])
+
+
+def _step0_val_loss(spec_dict: dict, cache_dir):
+    from training.validation import ValidationLoss
+    spec, ctx, run = _prepared_run(spec_dict, cache_dir)
+    t = spec.training
+    validation = ValidationLoss(run.eval_net, run.model, run.dataset.val_windows(t.val_batches * t.batch_size),
+                                micro_batch=run.micro_batch, device=run.device, ctx=ctx, autocast=run.autocast,
+                                settle=run.settle)
+    weights = {n: (p.dequantize() if hasattr(p, "dequantize") else p).detach().clone()
+               for n, p in run.model.named_parameters()}
+    return validation.loss(), weights, run
+
+
+def test_init_from_a_checkpoint_starts_every_recipe_from_its_weights_and_its_validation_loss(
+        config_dirs, cache_dir, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    first = _short_run({"config": config_dirs["qwen2"]}, tmp_path / "first", cache_dir)
+    # The same checkpoint re-saved in shards (model.safetensors.index.json): a folder as users have them.
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(first.checkpoint_dir).save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    saved = load_file(f"{first.checkpoint_dir}/model.safetensors")
+    for folder in (first.checkpoint_dir, str(sharded)):
+        starts = {}
+        for recipe in RECIPES:
+            spec = arch_spec({"init_from": folder}, recipe, steps=3, warmup_steps=1)
+            loss, weights, run = _step0_val_loss(spec, cache_dir)
+            starts[recipe] = weights
+            assert run.model_info["source"] == "checkpoint" and run.model_info["origin"] == folder
+            if recipe == "bf16":
+                assert loss == first.final_val_loss  # the checkpoint's own validation loss, exactly
+        for recipe, weights in starts.items():
+            assert all(torch.equal(weights[k], v) for k, v in saved.items() if k in weights), recipe
+            assert weights.keys() == starts["bf16"].keys()
+    resumed = train(arch_spec({"init_from": first.checkpoint_dir}, "mxfp8", steps=3, warmup_steps=1),
+                    cache_dir=cache_dir)
+    assert resumed.status == "succeeded" and resumed.summary["model"]["source"] == "checkpoint"
+    assert resumed.final_val_loss < first.final_val_loss + 0.5
+
+
+# ----------------------------------------------------------------------------------------- refusals
+def test_llama_only_perf_switches_are_refused_on_other_architectures(config_dirs, cache_dir):
+    for switch in ("fuse_qkv", "fuse_gate_up"):
+        with pytest.raises(SpecError, match=rf"training.perf.{switch} .* works on Llama models only, and this "
+                                            r"model is Qwen2ForCausalLM; set training.perf.\w+ to false"):
+            train(arch_spec({"config": config_dirs["qwen2"]}, steps=2, warmup_steps=1, perf={switch: True}),
+                  cache_dir=cache_dir)
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(tmp_path, cache_dir):
+    tiny_config("qwen3", vocab_size=400).save_pretrained(tmp_path)
+    with pytest.raises(SpecError, match=r"the tokenizer has 512 tokens but the model's vocabulary is only 400 "
+                                        r"\(Qwen3Config\); use a tokenizer of at most 400 tokens"):
+        train(arch_spec({"config": str(tmp_path)}), cache_dir=cache_dir)
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"config": "no/such/dir"}, r"model.config 'no/such/dir': .* does not exist; give a config.json"),
+    ({"init_from": "tinyshakespeare"}, r"is not a Hugging Face checkpoint folder \(no config.json in it\)"),
+    ({"config": "x", "hidden_size": 64}, "model as a file takes exactly one key"),
+    ({"config": "x", "init_from": "y"}, "model as a file takes exactly one key"),
+    ({"config": 3}, "model.config must be a path"),
+])
+def test_bad_model_paths_are_refused_with_a_fix(model, message):
+    with pytest.raises(SpecError, match=message):
+        RunSpec.from_dict({"model": model})
+
+
+def test_model_paths_from_the_api_are_confined(tmp_path):
+    from training.config import confine_spec_paths
+    inside = tmp_path / "models" / "qwen"
+    inside.mkdir(parents=True)
+    confine_spec_paths({"model": {"init_from": str(inside)}}, [tmp_path])
+    for key in ("config", "init_from"):
+        with pytest.raises(SpecError, match=f"model.{key} must be a name or path inside the data directory"):
+            confine_spec_paths({"model": {key: str(tmp_path / ".." / "elsewhere")}}, [tmp_path])
+
+
+def test_a_config_without_a_causal_lm_class_is_refused(tmp_path):
+    from transformers import ViTConfig
+
+    from training.model import model_config
+    ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64).save_pretrained(tmp_path)
+    spec = RunSpec.from_dict({"model": {"config": str(tmp_path)}})
+    with pytest.raises(SpecError, match="model type 'vit' has no causal-LM class"):
+        model_config(spec.model, 512, 16)
