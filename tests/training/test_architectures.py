@@ -287,3 +287,17 @@ def test_a_config_without_a_causal_lm_class_is_refused(tmp_path):
     spec = RunSpec.from_dict({"model": {"config": str(tmp_path)}})
     with pytest.raises(SpecError, match="model type 'vit' has no causal-LM class"):
         model_config(spec.model, 512, 16)
+
+
+@pytest.mark.slow  # ~30 s, most of it importing lm-eval
+def test_plab_eval_runs_on_a_non_llama_checkpoint(config_dirs, cache_dir, tmp_path):
+    import json
+    import math
+
+    from plab.cli.evaluate import cmd_eval
+    result = _short_run({"config": config_dirs["gpt_neox"]}, tmp_path / "run", cache_dir)
+    out = tmp_path / "eval.json"
+    assert cmd_eval([result.checkpoint_dir, "--tasks", "plab_lambada_openai", "--limit", "3", "--device", "cpu",
+                     "--output", str(out)]) == 0
+    metrics = json.loads(out.read_text())["tasks"]["plab_lambada_openai"]["metrics"]
+    assert metrics and all(math.isfinite(m["value"]) for m in metrics.values())
