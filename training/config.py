@@ -7,7 +7,7 @@ spec reproduces the run even if defaults change later.
 
 Format (docs/INTERFACES.md)::
 
-    {"model": "tiny" | {custom dims},
+    {"model": "tiny" | {custom dims} | {"config": PATH} | {"init_from": PATH},
      "data": {"corpus", "vocab_size", "seq_len", "val_fraction"},
      "training": {"steps" | "tokens", "batch_size", "grad_accum", "lr", ..., "perf": {...}},
      "seed", "recipe", "recipe_options", "bf16_first_layers", "bf16_last_layers"}
