@@ -301,3 +301,19 @@ def test_plab_eval_runs_on_a_non_llama_checkpoint(config_dirs, cache_dir, tmp_pa
                      "--output", str(out)]) == 0
     metrics = json.loads(out.read_text())["tasks"]["plab_lambada_openai"]["metrics"]
     assert metrics and all(math.isfinite(m["value"]) for m in metrics.values())
+
+
+# --------------------------------------------------------------------- perf switches on other architectures
+@pytest.mark.parametrize("arch", ["gpt_neox", "qwen2_moe", "gemma2"])
+def test_activation_checkpointing_changes_no_number_on_other_architectures(arch, config_dirs, cache_dir):
+    runs = [train(arch_spec({"config": config_dirs[arch]}, steps=4, warmup_steps=1, activation_checkpointing=mode),
+                  cache_dir=cache_dir) for mode in ("none", "full")]
+    assert runs[0].final_loss == runs[1].final_loss and runs[1].summary["activation_checkpointing"]["blocks"] == 2
+
+
+@pytest.mark.slow  # ~75 s of inductor compilation on CPU
+def test_per_layer_compilation_trains_a_non_llama_model_like_eager(config_dirs, cache_dir):
+    eager, compiled = (train(arch_spec({"config": config_dirs["qwen3"]}, steps=4, warmup_steps=1, **extra),
+                             cache_dir=cache_dir)
+                       for extra in ({}, {"compile": True, "perf": {"compile_scope": "layers"}}))
+    assert compiled.status == "succeeded" and compiled.final_loss == pytest.approx(eager.final_loss, rel=1e-5)
