@@ -317,3 +317,14 @@ def test_per_layer_compilation_trains_a_non_llama_model_like_eager(config_dirs, 
                              cache_dir=cache_dir)
                        for extra in ({}, {"compile": True, "perf": {"compile_scope": "layers"}}))
     assert compiled.status == "succeeded" and compiled.final_loss == pytest.approx(eager.final_loss, rel=1e-5)
+
+
+def test_the_gemm_benchmark_times_the_gemms_of_a_config_file_of_any_architecture(config_dirs):
+    from training.gemm import gemm_shapes, run_gemm_benchmark
+    config_file = f"{config_dirs['qwen2_moe']}/config.json"
+    result = run_gemm_benchmark(config_file, micro_batch=1, seq_len=16, formats="bf16", device="cpu",
+                                repeats=1, warmup=0)
+    timed = {(r["layer"], r["gemm"], r["m"], r["k"], r["n"]) for r in result["results"]}
+    expected = {(s.layer, s.gemm, s.m, s.k, s.n) for s in gemm_shapes(tiny_config("qwen2_moe"), 1, 16)}
+    assert timed == expected and ("mlp.experts.gate_up_proj", "fprop", 32, 64, 64) in timed  # 16 tokens x top-2
+    assert all(r["time_s"] and r["time_s"] > 0 for r in result["results"])
