@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.training.tiny_architectures import ARCHITECTURES, VOCAB, tiny_config, write_config
+from tests.training.tiny_architectures import ARCHITECTURES, MORE_ARCHITECTURES, VOCAB, tiny_config, write_config
 from training.config import RunSpec, SpecError
 from training.train import train
 
@@ -57,14 +57,14 @@ def _fresh(arch: str, **overrides):
     return build_model(config, seed=0)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + list(MORE_ARCHITECTURES))
 def test_conversion_report_lists_every_linear_with_its_reason(arch):
     from training.model import decoder_blocks
     from training.precision import apply_recipe
     model = _fresh(arch)
     block_linears = [f"layers.{i}.{path}" for i, block in enumerate(decoder_blocks(model))
                      for path, m in block.named_modules() if type(m) is nn.Linear]
-    keep = ["*.mlp.shared_expert_gate", "*.mlp.gate"] if arch == "qwen2_moe" else []
+    keep = {"qwen2_moe": ["*.mlp.shared_expert_gate", "*.mlp.gate"], "mixtral": ["*.mlp.gate"]}.get(arch, [])
     report = apply_recipe(model, "mxfp8", bf16_last_layers=1, keep_bf16=keep)
     by_name = {layer["name"]: layer for layer in report.layers}
     assert set(block_linears) <= set(by_name)
@@ -84,13 +84,14 @@ def test_conversion_report_lists_every_linear_with_its_reason(arch):
         "kept in BF16 by convention: LM head",
         "kept in BF16 by convention: embeddings" + (" (tied to the LM head)" if config_ties(arch) else "")]
     assert not any(layer["converted"] for layer in outside)
-    if arch == "qwen2_moe":  # experts are batched 3-D tensors in transformers 5: kept, and said why
+    if arch in ("qwen2_moe", "mixtral"):  # experts are batched 3-D tensors in transformers 5: kept, and said why
+        moe_blocks = [1] if arch == "qwen2_moe" else [0, 1]  # Qwen2-MoE's block 0 is dense (mlp_only_layers)
         experts = [layer for layer in report.layers if ".experts." in layer["name"]]
-        assert {layer["name"] for layer in experts} == {"layers.1.mlp.experts.gate_up_proj",
-                                                        "layers.1.mlp.experts.down_proj"}
+        assert {layer["name"] for layer in experts} == {f"layers.{i}.mlp.experts.{w}" for i in moe_blocks
+                                                        for w in ("gate_up_proj", "down_proj")}
         assert all("batched expert weights" in layer["reason"] and not layer["converted"] for layer in experts)
-        router = by_name["layers.1.mlp.gate.weight"]
-        assert "Qwen2MoeTopKRouter, not an nn.Linear" in router["reason"]
+        router = by_name[f"layers.{moe_blocks[0]}.mlp.gate.weight"]
+        assert "TopKRouter, not an nn.Linear" in router["reason"]
 
 
 def test_a_keep_bf16_rule_that_matches_nothing_is_refused_with_the_names_it_could_match():
@@ -120,7 +121,7 @@ class _MatmulShapes(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + list(MORE_ARCHITECTURES))
 def test_flops_and_gemm_shapes_equal_the_matmuls_of_one_forward_and_backward(arch):
     from training.flops import flops_per_token
     from training.gemm import gemm_shapes
@@ -138,7 +139,7 @@ def test_flops_and_gemm_shapes_equal_the_matmuls_of_one_forward_and_backward(arc
     assert flops_per_token(config, seq) * micro_batch * seq == counter.get_total_flops()
     shapes = gemm_shapes(config, micro_batch, seq)
     assert sum(s.flops * s.count for s in shapes) == 2 * sum(m * k * n for m, k, n in seen.shapes)
-    if arch != "qwen2_moe":  # an MoE's per-expert rows depend on the routing; their sum does not
+    if arch not in ("qwen2_moe", "mixtral"):  # an MoE's per-expert rows depend on the routing; their sum does not
         expected = sorted((s.m, s.k, s.n) for s in shapes for _ in range(s.count))
         assert sorted(seen.shapes) == expected
 

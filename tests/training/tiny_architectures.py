@@ -28,9 +28,16 @@ ARCHITECTURES = {
 }
 
 
+# Also counted (FLOPs, GEMM shapes, conversion report) but not trained in every recipe, to keep the suite short.
+MORE_ARCHITECTURES = {
+    "gemma3_text": ("Gemma3TextConfig", _llama_like(head_dim=16, query_pre_attn_scalar=16, sliding_window=8)),
+    "mixtral": ("MixtralConfig", _llama_like(num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
 def tiny_config(arch: str, **overrides):
     import transformers
-    name, kwargs = ARCHITECTURES[arch]
+    name, kwargs = {**ARCHITECTURES, **MORE_ARCHITECTURES}[arch]
     return getattr(transformers, name)(**{**kwargs, **overrides})
 
 
