@@ -329,3 +329,21 @@ def test_the_gemm_benchmark_times_the_gemms_of_a_config_file_of_any_architecture
     expected = {(s.layer, s.gemm, s.m, s.k, s.n) for s in gemm_shapes(tiny_config("qwen2_moe"), 1, 16)}
     assert timed == expected and ("mlp.experts.gate_up_proj", "fprop", 32, 64, 64) in timed  # 16 tokens x top-2
     assert all(r["time_s"] and r["time_s"] > 0 for r in result["results"])
+
+
+@pytest.mark.slow  # two gloo processes per architecture
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_moe"])
+def test_fsdp_on_2_processes_shards_and_exports_a_non_llama_model(arch, config_dirs, cache_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.training.test_fsdp import _job, _launch, _result
+    spec = arch_spec({"config": config_dirs[arch]}, "bf16", steps=3, warmup_steps=1, batch_size=4,
+                     gpus=2, parallel="fsdp")
+    _launch(2, [_job(spec, tmp_path, "fsdp", cache_dir)], tmp_path, "fsdp")
+    sharded = _result(tmp_path, "fsdp")
+    single = train(arch_spec({"config": config_dirs[arch]}, "bf16", steps=3, warmup_steps=1, batch_size=4),
+                   cache_dir=cache_dir)
+    assert sharded["status"] == "succeeded" and sharded["summary"]["parallel"] == "fsdp"
+    assert sharded["final_loss"] == pytest.approx(single.final_loss, abs=1e-5)
+    hf = AutoModelForCausalLM.from_pretrained(sharded["checkpoint_dir"])
+    assert type(hf).__name__ == sharded["summary"]["model"]["architecture"]
