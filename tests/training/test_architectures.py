@@ -347,3 +347,17 @@ def test_fsdp_on_2_processes_shards_and_exports_a_non_llama_model(arch, config_d
     assert sharded["final_loss"] == pytest.approx(single.final_loss, abs=1e-5)
     hf = AutoModelForCausalLM.from_pretrained(sharded["checkpoint_dir"])
     assert type(hf).__name__ == sharded["summary"]["model"]["architecture"]
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_not_filled_at_random(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from training.model import load_pretrained, model_config
+    _fresh("qwen3").save_pretrained(tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    spec = RunSpec.from_dict({"model": {"init_from": str(tmp_path)}})
+    config = model_config(spec.model, 512, 16)
+    with pytest.raises(SpecError, match=r"lacks weights \['model.layers.1.mlp.down_proj.weight'\]"):
+        load_pretrained(spec.model.checkpoint_dir(), config, seed=0)
