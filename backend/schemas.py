@@ -111,6 +111,10 @@ class RecipeRequest(Strict):
     options: dict[str, Any] = Field(default_factory=dict, description=OPTIONS_DOC)
     bf16_first_layers: Annotated[int, Field(ge=0, le=1000)] = 0
     bf16_last_layers: Annotated[int, Field(ge=0, le=1000)] = 0
+    keep_bf16: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        default_factory=list, max_length=256,
+        description='glob patterns of block linears kept in BF16, e.g. ["*.mlp.gate"] (names as in the '
+                    'conversion report: layers.<block>.<path>)')
     label: str | None = Field(default=None, max_length=200)
     seeds: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
         default=None, min_length=1, max_length=MAX_SEEDS,
@@ -128,7 +132,10 @@ class RecipeRequest(Strict):
 class ExperimentCreate(Strict):
     name: str = Field(min_length=1, max_length=200)
     description: str = Field(default="", max_length=10_000)
-    model: str | dict[str, Any] = Field(default="tiny", description="preset name or custom dimensions")
+    model: str | dict[str, Any] = Field(default="tiny", description='preset name, custom Llama dimensions, '
+                                        '{"config": PATH} (a config.json of any transformers causal LM, random '
+                                        'init) or {"init_from": PATH} (a checkpoint folder); paths inside the '
+                                        'data directory or PLAB_ALLOWED_PATHS')
     data: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0

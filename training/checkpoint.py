@@ -34,7 +34,7 @@ from training.config import RunSpec, SpecError
 
 
 def hf_state_dict(model: torch.nn.Module, optimizer=None) -> dict[str, torch.Tensor]:
-    """Plain FP32 CPU tensors under the names a fresh `LlamaForCausalLM` expects.
+    """Plain FP32 CPU tensors under the names a fresh model of the same architecture expects.
 
     With an optimizer that keeps FP32 master weights (training.optim.MasterAdamW, BF16 parameters), the
     masters are written, not the BF16 parameters rounded from them.
@@ -60,7 +60,7 @@ def save_checkpoint(output_dir, step: int, *, model, optimizer, tokenizer=None, 
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:08d}-", dir=root))
     try:
         config = model.config
-        config.architectures = ["LlamaForCausalLM"]
+        config.architectures = [type(model).__name__]
         config.save_pretrained(tmp)
         save_file(hf_state_dict(model, optimizer), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:

@@ -38,9 +38,16 @@ def _hf_tensors(state: dict, config, expected: set, masters: dict | None = None)
 
 
 def hf_expected_names(config) -> set:
-    from transformers import LlamaForCausalLM
-    with torch.device("meta"):
-        return set(LlamaForCausalLM(config).state_dict())
+    """The tensor names a fresh model of `config`'s architecture loads, a tied weight (an LM head sharing the
+    embedding) once, under its first name: from_pretrained ties the other to it, and the value written is
+    the one the optimizer updates (its master, for BF16 parameters)."""
+    from training.model import meta_model
+    names, seen = set(), set()
+    for name, tensor in meta_model(config).state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            names.add(name)
+    return names
 
 
 def _rng_state() -> dict:

@@ -7,7 +7,7 @@ spec reproduces the run even if defaults change later.
 
 Format (docs/INTERFACES.md)::
 
-    {"model": "tiny" | {custom dims},
+    {"model": "tiny" | {custom dims} | {"config": PATH} | {"init_from": PATH},
      "data": {"corpus", "vocab_size", "seq_len", "val_fraction"},
      "training": {"steps" | "tokens", "batch_size", "grad_accum", "lr", ..., "perf": {...}},
      "seed", "recipe", "recipe_options", "bf16_first_layers", "bf16_last_layers"}
@@ -51,6 +51,7 @@ MODEL_PRESETS: dict[str, dict] = {
 MODEL_PRESET_NAMES = tuple(MODEL_PRESETS)
 CUSTOM_MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "vocab_size")
+MODEL_PATH_KEYS = ("config", "init_from")  # model given by a file: {"config": PATH} or {"init_from": PATH}
 
 
 class SpecError(ValueError):
@@ -98,6 +99,21 @@ def confine_spec_paths(spec: dict, roots: list[Path]) -> None:
     corpus = (spec.get("data") or {}).get("corpus")
     if isinstance(corpus, str) and corpus and corpus != RANDOM_CORPUS:
         confine(corpus, "data.corpus", roots)
+    model = spec.get("model")
+    if isinstance(model, dict):
+        for key in MODEL_PATH_KEYS:
+            if isinstance(model.get(key), str) and model[key]:
+                confine(model[key], f"model.{key}", roots)
+
+
+def keep_bf16_patterns(value) -> list[str]:
+    """`keep_bf16`: a list of glob patterns (fnmatch) naming block linears a recipe keeps in BF16."""
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise SpecError(f"keep_bf16 must be a list of glob patterns over layer names, e.g. [\"*.mlp.gate\", "
+                        f"\"layers.0.*\"], got {value!r}")
+    if len(value) > 256 or any(len(v) > 200 for v in value):
+        raise SpecError("keep_bf16 takes at most 256 patterns of at most 200 characters each")
+    return list(value)
 
 
 def plab_home() -> Path:
@@ -176,7 +192,9 @@ def _bool(section: str, name: str, value) -> bool:
 
 @dataclass
 class ModelSpec:
-    """Either a preset name or custom dims (vocab_size None ⇒ taken from data.vocab_size)."""
+    """The model: a preset name, custom Llama dims (vocab_size None ⇒ taken from data.vocab_size), a local
+    `config.json` of any transformers causal-LM architecture (`config`: randomly initialised from the run's
+    seed) or a local Hugging Face checkpoint folder (`init_from`: its weights, for continued pre-training)."""
     preset: str | None = "tiny"
     hidden_size: int | None = None
     intermediate_size: int | None = None
@@ -185,16 +203,28 @@ class ModelSpec:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     vocab_size: int | None = None
+    config: str | None = None
+    init_from: str | None = None
+
+    @property
+    def source(self) -> str:
+        """Where the model comes from: "preset" (a preset or custom dims), "config" or "checkpoint"."""
+        if self.init_from is not None:
+            return "checkpoint"
+        return "config" if self.config is not None else "preset"
 
     @classmethod
-    def from_value(cls, value) -> "ModelSpec":
+    def from_value(cls, value, *, check_paths: bool = False) -> "ModelSpec":
         if isinstance(value, str):
             if value not in MODEL_PRESET_NAMES:
-                raise SpecError(f"unknown model preset {value!r}; use one of {list(MODEL_PRESET_NAMES)} "
-                                f"or a dict with custom dims {list(CUSTOM_MODEL_KEYS)}")
+                raise SpecError(f"unknown model preset {value!r}; use one of {list(MODEL_PRESET_NAMES)}, "
+                                f"a dict with custom dims {list(CUSTOM_MODEL_KEYS)}, {{\"config\": PATH}} or "
+                                f"{{\"init_from\": PATH}}")
             return cls(preset=value)
         if not isinstance(value, dict):
             raise SpecError(f"model must be a preset name or a dict of dims, got {value!r}")
+        if any(k in value for k in MODEL_PATH_KEYS):
+            return cls._from_path(value, check_paths=check_paths)
         _check_keys("model", value, CUSTOM_MODEL_KEYS)
         required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if value.get(k) is None]
@@ -218,9 +248,60 @@ class ModelSpec:
             raise SpecError("model.vocab_size must be >= 2")
         return cls(preset=None, **dims)
 
+    @classmethod
+    def _from_path(cls, value: dict, *, check_paths: bool) -> "ModelSpec":
+        """`{"config": PATH}` or `{"init_from": PATH}` (exactly one key): the model's dims come from the file."""
+        given = [k for k in MODEL_PATH_KEYS if k in value]
+        if len(value) != 1 or len(given) != 1:
+            raise SpecError(f"model as a file takes exactly one key, 'config' (a config.json or a folder holding "
+                            f"one: random initialisation) or 'init_from' (a checkpoint folder: its weights), and "
+                            f"nothing else (the dims come from the file); got keys {sorted(value)}")
+        key = given[0]
+        path = value[key]
+        if not isinstance(path, str) or not path.strip():
+            raise SpecError(f"model.{key} must be a path (a string), got {path!r}")
+        spec = cls(preset=None, **{key: path})
+        if check_paths:
+            spec.config_file() if key == "config" else spec.checkpoint_dir()
+        return spec
+
+    def _resolved(self, key: str) -> Path:
+        """model.<key> as a path: confined to the allowed roots in a worker's job, else relative to the data
+        directory unless absolute (like data.corpus)."""
+        value = getattr(self, key)
+        if os.environ.get(CONFINE_ENV) == "1":
+            return confine(value, f"model.{key}", allowed_roots())
+        p = Path(value)
+        return p if p.is_absolute() else data_root() / p
+
+    def config_file(self) -> Path:
+        """The config.json that model.config names (the file itself, or the one in the folder it names)."""
+        path = self._resolved("config")
+        found = path / "config.json" if path.is_dir() else path
+        if not found.is_file():
+            raise SpecError(f"model.config {self.config!r}: {str(found)!r} does not exist; give a config.json "
+                            f"(or a folder holding one) under PLAB_DATA_DIR ({data_root()}) or an absolute path")
+        return found
+
+    def checkpoint_dir(self) -> Path:
+        """The Hugging Face checkpoint folder that model.init_from names, checked to hold a config and weights."""
+        path = self._resolved("init_from")
+        if not (path / "config.json").is_file():
+            raise SpecError(f"model.init_from {self.init_from!r}: {str(path)!r} is not a Hugging Face checkpoint "
+                            f"folder (no config.json in it); give the folder that from_pretrained would load")
+        weights = [p for p in ("model.safetensors", "model.safetensors.index.json") if (path / p).is_file()]
+        if not weights:
+            raise SpecError(f"model.init_from {self.init_from!r}: no model.safetensors or "
+                            f"model.safetensors.index.json in {str(path)!r}; the lab loads safetensors weights "
+                            f"only (convert a pytorch_model.bin with save_pretrained(safe_serialization=True))")
+        return path
+
     def to_value(self):
         if self.preset is not None:
             return self.preset
+        for key in MODEL_PATH_KEYS:
+            if getattr(self, key) is not None:
+                return {key: getattr(self, key)}
         return {k: getattr(self, k) for k in CUSTOM_MODEL_KEYS}
 
 
@@ -370,6 +451,9 @@ class RunSpec:
     recipe_options: dict = field(default_factory=dict)
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
+    # Glob patterns (fnmatch, over the conversion report's names such as "layers.3.mlp.gate") of block
+    # linears the recipe leaves in BF16, e.g. ["*.mlp.gate"] for an MoE router.
+    keep_bf16: list = field(default_factory=list)
 
     # ---- derived quantities -------------------------------------------------------------------
     @property
@@ -394,7 +478,7 @@ class RunSpec:
         that does not hold the data)."""
         top_keys = [f.name for f in fields(cls)]
         _check_keys("run spec", d, top_keys)
-        model = ModelSpec.from_value(d.get("model", "tiny"))
+        model = ModelSpec.from_value(d.get("model", "tiny"), check_paths=check_paths)
         data = cls._parse_data(d.get("data", {}), check_paths=check_paths)
         training = cls._parse_training(d.get("training", {}))
         seed = _int("spec", "seed", d.get("seed", 0), minimum=0)
@@ -414,7 +498,8 @@ class RunSpec:
         first = _int("spec", "bf16_first_layers", d.get("bf16_first_layers", 0), minimum=0)
         last = _int("spec", "bf16_last_layers", d.get("bf16_last_layers", 0), minimum=0)
         spec = cls(model=model, data=data, training=training, seed=seed, recipe=recipe,
-                   recipe_options=dict(recipe_options), bf16_first_layers=first, bf16_last_layers=last)
+                   recipe_options=dict(recipe_options), bf16_first_layers=first, bf16_last_layers=last,
+                   keep_bf16=keep_bf16_patterns(d.get("keep_bf16", [])))
         spec._cross_check()
         return spec
 
@@ -549,7 +634,8 @@ class RunSpec:
             layers = self.model.num_hidden_layers
         else:
             layers = MODEL_PRESETS[self.model.preset]["num_hidden_layers"]
-        if self.bf16_first_layers + self.bf16_last_layers > layers:
+        # A model given by a file is checked against its blocks when it is built (apply_recipe).
+        if layers is not None and self.bf16_first_layers + self.bf16_last_layers > layers:
             raise SpecError(f"bf16_first_layers + bf16_last_layers ({self.bf16_first_layers} + "
                             f"{self.bf16_last_layers}) exceeds the model's {layers} layers")
         if self.model.vocab_size is not None and self.data.corpus != RANDOM_CORPUS \
@@ -568,4 +654,6 @@ class RunSpec:
             "recipe_options": dict(self.recipe_options),
             "bf16_first_layers": self.bf16_first_layers,
             "bf16_last_layers": self.bf16_last_layers,
+            # Only when set: specs stored (and checkpoints written) before the option existed stay equal.
+            **({"keep_bf16": list(self.keep_bf16)} if self.keep_bf16 else {}),
         }

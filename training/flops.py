@@ -5,9 +5,11 @@ appendix B) that nanoGPT's `estimate_mfu` and torchtitan also use:
 
     flops_per_token = 6 * N_matmul + 12 * L * T * (n_heads * head_dim)
 
-* `N_matmul`: weights of every linear layer, LM head included (q, k, v, o, gate, up, down per block,
-  plus hidden x vocab for the head). Embeddings are excluded (a lookup, no matmul); norms are excluded
-  (no matmul, negligible). 6 = 2 (multiply-add) x 3 (forward, grad w.r.t. input, grad w.r.t. weight).
+* `N_matmul`: weights of every linear layer, LM head included (for Llama q, k, v, o, gate, up, down per
+  block, plus hidden x vocab for the head), read from the model's own modules, so any architecture counts
+  exactly (fused projections, biases' matmuls, an MoE's router and the top-k experts each token goes
+  through). Embeddings are excluded (a lookup, no matmul); norms are excluded (no matmul, negligible).
+  6 = 2 (multiply-add) x 3 (forward, grad w.r.t. input, grad w.r.t. weight).
 * Attention scores and the weighted sum of values: per layer and token, Q·Kᵀ and P·V are each
   2·T·(n_heads·head_dim) FLOPs forward, x3 for training ⇒ 12·T·n_heads·head_dim, T = sequence length.
 * **Causal masking is NOT halved**: we count the full T x T score matrix, like PaLM and nanoGPT, so our
@@ -70,23 +72,36 @@ def peak_tflops(device_name: str | None, dtype: str = "bf16") -> float | None:
     return PEAK_TFLOPS[key][dtype] if key else None
 
 
-def matmul_params(config) -> int:
-    """Weights of all linear layers (attention q/k/v/o, MLP gate/up/down, LM head); embeddings excluded."""
-    h = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q = config.num_attention_heads * head_dim
-    kv = (config.num_key_value_heads or config.num_attention_heads) * head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
-    return config.num_hidden_layers * per_layer + h * config.vocab_size
+def _as_model(model_or_config):
+    """The model whose modules are counted: a model as given, a config built on the meta device."""
+    import torch
+    if isinstance(model_or_config, torch.nn.Module):
+        return model_or_config
+    from training.model import meta_model
+    return meta_model(model_or_config)
 
 
-def flops_per_token(config, seq_len: int) -> int:
-    """Training FLOPs per token: 6·N_matmul + 12·L·T·(heads·head_dim), causal masking not halved."""
+def matmul_params(model_or_config) -> int:
+    """Weights each token is multiplied by, over every linear layer (attention and MLP projections, an MoE's
+    router, the top-k experts a token goes through, the LM head), counted on the model's own modules
+    (training.model.matmul_layers; a config is built on the meta device); embeddings excluded."""
+    from training.model import matmul_layers
+    return sum(m.fan_in * m.fan_out * m.rows_per_token * m.count for m in matmul_layers(_as_model(model_or_config)))
+
+
+def flops_per_token(model_or_config, seq_len: int) -> int:
+    """Training FLOPs per token: 6·N_matmul + 12·L·T·(heads·head_dim), causal masking not halved.
+
+    `model_or_config`: a transformers causal LM (counted as built: pass an unconverted one) or its config (any
+    architecture; built on the meta device)."""
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    model = _as_model(model_or_config)
+    config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attn = 12 * config.num_hidden_layers * seq_len * config.num_attention_heads * head_dim
-    return 6 * matmul_params(config) + attn
+    from training.model import decoder_blocks
+    attn = 12 * len(decoder_blocks(model)) * seq_len * config.num_attention_heads * head_dim
+    return 6 * matmul_params(model) + attn
 
 
 def mfu(flops_per_token_: float, tokens_per_s: float, *, device_name: str | None, n_gpus: int = 1) -> float | None:

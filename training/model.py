@@ -1,10 +1,16 @@
-"""Llama-style decoder models through transformers `LlamaForCausalLM` (SDPA attention, untied LM head).
+"""The models the lab trains: Llama presets and custom dims through transformers `LlamaForCausalLM` (SDPA
+attention, untied LM head), or any transformers causal-LM architecture from a config.json (`model_config`,
+`build_model`) or a checkpoint folder (`load_pretrained`). Code that needs the model's parts finds them by
+structure (`decoder_blocks`, `decoder_body`, the head through `get_output_embeddings`), not by Llama names;
+the fused QKV / gate-up projections below are Llama's own (`LLAMA_ONLY` in training.setup refuses them elsewhere).
 
 Presets (`PRESETS`, dims in training.config.MODEL_PRESETS): `1b` is the 1.14B shape (hidden 2048, 16 blocks,
 16 heads / 8 KV heads, FFN 8192) that bench/train_bench.py times against the reference HF Llama stack; `tiny`
 is for CPU tests.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -53,8 +59,51 @@ def llama_config(model: str | dict | ModelSpec, vocab_size: int, seq_len: int) -
     return cfg
 
 
-def build_model(config: LlamaConfig, seed: int, device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """FP32 model, initialised from `seed` only, on CPU unless another `device` is given.
+def model_config(model: ModelSpec, vocab_size: int, seq_len: int):
+    """The transformers config of the spec's model: `llama_config` for a preset or custom dims, else the
+    config.json that `model.config` or `model.init_from` names (any causal-LM architecture transformers
+    knows), set up for training (no KV cache, SDPA attention where the architecture has it)."""
+    if model.source == "preset":
+        return llama_config(model, vocab_size, seq_len)
+    from transformers import AutoConfig
+    path = model.config_file() if model.source == "config" else model.checkpoint_dir() / "config.json"
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpecError(f"model.{'config' if model.source == 'config' else 'init_from'}: cannot read "
+                        f"{str(path)!r} as a transformers config: {exc}") from None
+    prepare_for_training(config)
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise SpecError(f"data.seq_len ({seq_len}) exceeds the model's max_position_embeddings ({limit}) from "
+                        f"{str(path)!r}; lower data.seq_len")
+    return config
+
+
+def prepare_for_training(config):
+    """`config` (any causal-LM architecture) set up for training, in place: no KV cache, SDPA attention
+    (FlashAttention/cuDNN kernels on GPU) wherever the architecture implements it. Returns it."""
+    cls = causal_lm_class(config)
+    config.use_cache = False
+    config._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    return config
+
+
+def causal_lm_class(config):
+    """The transformers causal-LM class of `config` (SpecError naming the supported types if none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise SpecError(f"model type {getattr(config, 'model_type', type(config).__name__)!r} has no causal-LM class "
+                        f"in transformers {__import__('transformers').__version__}; the lab trains decoder-only "
+                        f"causal LMs (llama, mistral, qwen2, qwen3, gemma2, phi3, olmo2, gpt_neox, mixtral, "
+                        f"qwen2_moe, ...); for a multimodal checkpoint give its text model's config") from None
+
+
+def build_model(config, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """FP32 causal LM of `config`'s architecture, initialised from `seed` only, on CPU unless another
+    `device` is given.
 
     Initialising on CPU in FP32 (then moving) makes the initial weights independent of the device and
     of the recipe applied afterwards, so every recipe of an experiment starts from the same point; on a GPU
@@ -62,12 +111,110 @@ def build_model(config: LlamaConfig, seed: int, device: torch.device | str = "cp
     The global RNG is forked so that building a model does not perturb the caller's random stream.
     """
     device = torch.device(device)
+    cls = causal_lm_class(config)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         with device:
-            model = LlamaForCausalLM(config)
+            model = cls(config)
     model.to(torch.float32)
     return model
+
+
+def load_pretrained(path, config, seed: int) -> torch.nn.Module:
+    """The FP32 CPU model of the Hugging Face checkpoint folder `path` (safetensors; a sharded index too), for
+    continued pre-training: every recipe starts from these same weights. A weight the checkpoint lacks is an
+    error (it would be initialised at random, differently from the checkpoint's model); the RNG is forked and
+    seeded anyway so nothing the loader draws depends on the caller's stream."""
+    cls = causal_lm_class(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model, info = cls.from_pretrained(str(path), config=config, dtype=torch.float32, local_files_only=True,
+                                          use_safetensors=True, output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise SpecError(f"model.init_from {str(path)!r} lacks weights {missing[:5]} of its own config's "
+                        f"{cls.__name__}; give a complete checkpoint (save_pretrained writes one)")
+    model.to(torch.float32)
+    return model
+
+
+def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder's blocks, found by structure rather than by one architecture's attribute names: the
+    shallowest nn.ModuleList of the model whose length is config.num_hidden_layers (`model.layers` in Llama,
+    Qwen, Mistral, Gemma, Phi-3, OLMo-2; `gpt_neox.layers` in GPT-NeoX)."""
+    config = getattr(model, "config", None)
+    n = getattr(config, "num_hidden_layers", None)
+    found = [(name.count("."), name, module) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and len(module) > 0 and (n is None or len(module) == n)]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no list of {n if n is not None else 'decoder'} blocks "
+                         f"(an nn.ModuleList) to convert; the lab trains decoder-only transformers")
+    return min(found, key=lambda f: f[:2])[2]
+
+
+def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder without its LM head (`model.model` in Llama; `model.gpt_neox` in GPT-NeoX)."""
+    return getattr(model, model.base_model_prefix)
+
+
+@dataclass(frozen=True)
+class MatmulLayer:
+    """The weight of one GEMM of the forward, found in a model's modules (`matmul_layers`)."""
+    role: str                # its path inside a block, block index dropped ("self_attn.q_proj"), or "lm_head"
+    fan_in: int
+    fan_out: int
+    rows_per_token: int = 1  # GEMM rows each token contributes: 1, or top-k for an MoE's experts
+    count: int = 1           # how many times the model has it (blocks holding it)
+
+
+def meta_model(config) -> torch.nn.Module:
+    """`config`'s causal LM on the meta device: its real modules, no memory."""
+    with torch.device("meta"):
+        return causal_lm_class(config)(config)
+
+
+def matmul_layers(model: torch.nn.Module) -> list[MatmulLayer]:
+    """Every weight the forward multiplies activations by, from the model's modules (build it with
+    `meta_model`; a recipe's converted modules are not nn.Linear): nn.Linear modules, 2-D weights a module
+    applies itself (an MoE router's F.linear), 3-D batched expert weights (each token goes through
+    config.num_experts_per_tok of them), and the LM head; embeddings are lookups, not GEMMs. Grouped by role
+    and shape, in model order."""
+    blocks = decoder_blocks(model)
+    head = model.get_output_embeddings()
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    found: dict[tuple, int] = {}
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    places = [(f"{i}", b) for i, b in enumerate(blocks)] + [("", model)]
+    for prefix, root in places:
+        for path, module in root.named_modules():
+            if (prefix == "" and id(module) in in_blocks) or isinstance(module, torch.nn.Embedding):
+                continue
+            role = "lm_head" if module is head else path
+            if isinstance(module, torch.nn.Linear):
+                key = (role, module.in_features, module.out_features, 1)
+                found[key] = found.get(key, 0) + 1
+                continue
+            for pname, p in module.named_parameters(recurse=False):
+                if p.dim() == 3:
+                    if not isinstance(top_k, int):
+                        raise ValueError(f"{type(module).__name__}.{pname} holds batched expert weights but "
+                                         f"the config has no num_experts_per_tok to count their GEMMs by")
+                    key = (f"{role}.{pname}", p.shape[2], p.shape[1], top_k)
+                elif p.dim() == 2:
+                    key = (f"{role}.{pname}", p.shape[1], p.shape[0], 1)
+                else:
+                    continue
+                found[key] = found.get(key, 0) + 1
+    return [MatmulLayer(role, fi, fo, rows, count) for (role, fi, fo, rows), count in found.items()]
+
+
+def describe_model(model: torch.nn.Module, spec: ModelSpec) -> dict:
+    """What the run trains, for its metadata: architecture, parameters and where the model came from."""
+    source = spec.source
+    origin = {"preset": spec.preset or "custom", "config": spec.config, "checkpoint": spec.init_from}[source]
+    return {"architecture": type(model).__name__, "model_type": getattr(model.config, "model_type", None),
+            "params": count_parameters(model), "source": source, "origin": origin,
+            "blocks": len(decoder_blocks(model)), "vocab_size": model.config.vocab_size}
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -132,14 +279,24 @@ def compiled_ce_chunk():
     return _compiled_ce_chunk
 
 
+# Config fields by which an architecture's forward changes the logits after the LM head (Gemma 2/3 soft-cap
+# them, Cohere and Granite scale them): such models compute the loss from their own forward's logits.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def logit_transform(config) -> str | None:
+    """The LOGIT_TRANSFORMS field `config` sets (None: the logits are exactly the LM head's output)."""
+    return next((f for f in LOGIT_TRANSFORMS if getattr(config, f, None) not in (None, 1, 1.0)), None)
+
+
 class CausalLMLoss(torch.nn.Module):
-    """Wraps a LlamaForCausalLM so that forward(input_ids, targets) returns the mean next-token loss.
+    """Wraps a causal LM so that forward(input_ids, targets) returns the mean next-token loss.
 
     One module around the whole computation so DDP and torch.compile see the loss too (compiling the
     cross-entropy with the model lets inductor fuse the FP32 upcast into the softmax).
     """
 
-    def __init__(self, model: LlamaForCausalLM, *, fused_loss: bool = True, chunk_tokens: int = 2048,
+    def __init__(self, model: torch.nn.Module, *, fused_loss: bool = True, chunk_tokens: int = 2048,
                  compute_dtype: torch.dtype | None = None):
         """`compute_dtype`: the dtype of the LM-head matmuls in the fused loss (BF16 when the caller runs
         under BF16 autocast; None = the hidden states' dtype). Fixed here rather than queried from the
@@ -147,20 +304,26 @@ class CausalLMLoss(torch.nn.Module):
         super().__init__()
         self.compute_dtype = compute_dtype
         self.model = model
+        # Logits transformed after the head (soft-capping) go through the model's own forward.
+        self.plain_head = logit_transform(model.config) is None
         # A recipe that replaced the LM head (none should: it stays BF16 by convention) keeps the
-        # standard path, since the fused loss reads lm_head.weight directly.
-        self.fused = fused_loss and type(model.lm_head) is torch.nn.Linear
+        # standard path, since the fused loss reads the head's weight directly.
+        self.fused = fused_loss and self.plain_head and type(model.get_output_embeddings()) is torch.nn.Linear
         self.chunk_tokens = chunk_tokens
         self.chunk_fn = None  # None = eager `_ce_chunk` (traced into the graph when the whole model is compiled)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.model(input_ids=input_ids).last_hidden_state
+        if not self.plain_head:
+            logits = self.model(input_ids=input_ids).logits
+            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        hidden = decoder_body(self.model)(input_ids=input_ids).last_hidden_state
+        head = self.model.get_output_embeddings()
         # Without autograd (validation) the fused path would still form gradients: use the plain one.
         if self.fused and torch.is_grad_enabled():
             dtype = self.compute_dtype or hidden.dtype
-            return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, 1), self.model.lm_head.weight,
+            return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, 1), head.weight,
                                                     targets.flatten(), self.chunk_tokens, dtype, self.chunk_fn)
-        logits = self.model.lm_head(hidden)
+        logits = head(hidden)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
@@ -168,7 +331,7 @@ def compile_layers(loss_module: "CausalLMLoss", mode: str | None = None) -> None
     """Regional compilation: each decoder layer's forward compiled on its own (the same code for every
     layer, so it compiles once and is reused), plus the fused loss's chunk math. Module hooks then run
     between layers (the overlapped optimizer step waits there), and compile time drops several-fold."""
-    for layer in loss_module.model.model.layers:
+    for layer in decoder_blocks(loss_module.model):
         layer.forward = torch.compile(layer.forward, mode=mode)
     loss_module.chunk_fn = compiled_ce_chunk()
 
@@ -177,10 +340,10 @@ def _to_bf16(module, inputs, output):
     return output.to(torch.bfloat16)
 
 
-def carry_residual_in_bf16(model: LlamaForCausalLM):
+def carry_residual_in_bf16(model: torch.nn.Module):
     """Cast the embedding output to BF16 so the residual stream that starts there stays BF16 (see
     PerfOptions.bf16_residual). Returns the hook handle (`.remove()` undoes it)."""
-    return model.model.embed_tokens.register_forward_hook(_to_bf16)
+    return model.get_input_embeddings().register_forward_hook(_to_bf16)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -292,7 +455,10 @@ def _fused_parts(config: LlamaConfig):
 
 def split_fused(state: dict, config: LlamaConfig) -> dict:
     """State-dict names of a fused model -> HF names: `...self_attn.qkv_proj.X` becomes q/k/v_proj.X and
-    `...mlp.gate_up_proj.X` becomes gate_proj.X and up_proj.X."""
+    `...mlp.gate_up_proj.X` becomes gate_proj.X and up_proj.X. Only Llama models are fused here: another
+    architecture's own `qkv_proj` / `gate_up_proj` (Phi-3's) are its HF names and stay as they are."""
+    if getattr(config, "model_type", None) != "llama":
+        return dict(state)
     fused = _fused_parts(config)
     out = {}
     for name, value in state.items():
@@ -309,6 +475,8 @@ def split_fused(state: dict, config: LlamaConfig) -> dict:
 
 def join_fused(weights: dict, name: str) -> torch.Tensor:
     """The tensor for parameter `name` of a (possibly fused) model from HF-named `weights`."""
+    if name in weights:  # unfused, or an architecture whose own HF name it is (Phi-3's qkv_proj)
+        return weights[name]
     for marker, names in FUSED_PROJECTIONS:
         if marker in name:
             prefix, suffix = name.split(marker)

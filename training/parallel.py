@@ -59,7 +59,8 @@ def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool) -> None:
           else MixedPrecisionPolicy())
     import torch.distributed as dist
 
-    layers = list(loss_module.model.model.layers)
+    from training.model import decoder_blocks
+    layers = list(decoder_blocks(loss_module.model))
     # One process has no peers to shard across: it keeps its gathered (cast) weights from the forward to the
     # backward instead of casting them twice, unless those BF16 copies would take a tenth of the GPU.
     alone = dist.get_world_size() == 1 and _bf16_copy_is_small(loss_module)
@@ -220,7 +221,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int
     done, for the run's metadata."""
     from torch.utils.checkpoint import checkpoint
 
-    layers = model.model.layers
+    from training.model import decoder_blocks
+    layers = decoder_blocks(model)
     chosen = checkpointed_blocks(len(layers), mode, every)
     context_fn = _ops_context if mode == "ops" else None
     for i in chosen:

@@ -10,7 +10,7 @@ FP32 on CPU, torch's fused AdamW.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,7 +20,8 @@ from training.data import TokenDataset
 from training.distributed import DistContext, init_distributed, init_single_process_group
 from training.flops import flops_per_token
 from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, compile_layers, count_parameters,
-                            fuse_gate_up, fuse_qkv, llama_config)
+                            decoder_blocks, decoder_body, describe_model, fuse_gate_up, fuse_qkv, load_pretrained,
+                            meta_model, model_config)
 from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
 from training.parallel import OverlappedShardedStep, apply_activation_checkpointing, resolve_parallel, shard_model
 from training.sink import MetricSink
@@ -37,7 +38,7 @@ class Run:
     autocast: contextlib.AbstractContextManager
     tokenizer: object | None           # None for the synthetic "random" corpus
     dataset: TokenDataset
-    model: torch.nn.Module             # the LlamaForCausalLM, converted by the recipe
+    model: torch.nn.Module             # the transformers causal LM, converted by the recipe
     report: object                     # the recipe's RecipeReport
     hooks: list                        # the recipe's hooks (post_optimizer_step, post_backward, state)
     params: list[torch.Tensor]         # trainable parameters, in model order
@@ -50,6 +51,7 @@ class Run:
     fused_qkv: bool
     flops_per_token: float
     micro_batch: int
+    model_info: dict = field(default_factory=dict)  # training.model.describe_model: architecture, params, source
 
     @property
     def on_cuda(self) -> bool:
@@ -72,7 +74,8 @@ class Run:
     def info(self) -> dict:
         """What the run is, for the `run_info` event and the result's summary."""
         t = self.spec.training
-        return {"params": count_parameters(self.model), "flops_per_token": self.flops_per_token,
+        return {"params": count_parameters(self.model), "model": dict(self.model_info),
+                "flops_per_token": self.flops_per_token,
                 "world_size": self.ctx.world, "param_dtype": self.param_dtype, "fused_qkv": self.fused_qkv,
                 "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer,
                 "parallel": self.parallel, "activation_checkpointing": self.activation_checkpointing}
@@ -112,12 +115,12 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda and param_dtype != "bf16"
                 else contextlib.nullcontext())
 
+    config = model_config(spec.model, spec.vocab_size, spec.data.seq_len)
     tokenizer, dataset = load_data(spec, ctx, cache_dir)
-    if tokenizer is not None and len(tokenizer) > spec.vocab_size:
-        raise SpecError(f"the tokenizer has {len(tokenizer)} tokens but the model only {spec.vocab_size}; raise "
-                        f"model.vocab_size or lower data.vocab_size")
-    parallel = resolve_parallel(t.parallel, ctx.world, _parameter_count(spec), device)
-    model, report, fused_qkv, ac = _model_with_recipe(spec, device, param_dtype, sink, fsdp=parallel == "fsdp")
+    check_vocabulary(spec, config, tokenizer)
+    parallel = resolve_parallel(t.parallel, ctx.world, count_parameters(meta_model(config)), device)
+    model, report, fused_qkv, ac = _model_with_recipe(spec, config, device, param_dtype, sink,
+                                                      fsdp=parallel == "fsdp")
     if parallel == "fsdp":
         # Sharded before the optimizer exists: its state is built on the FP32 shards.
         net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=False, parallel=parallel,
@@ -144,16 +147,25 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                optimizer=optimizer, net=net, eval_net=eval_net, stepper=stepper, parallel=parallel,
                activation_checkpointing=ac, fused_qkv=fused_qkv,
                flops_per_token=flops_per_token(model.config, spec.data.seq_len),
-               micro_batch=t.batch_size // (t.grad_accum * ctx.world))
+               micro_batch=t.batch_size // (t.grad_accum * ctx.world),
+               model_info=describe_model(model, spec.model))
 
 
-def _parameter_count(spec: RunSpec) -> int:
-    """Parameters of the spec's model, counted on the meta device (nothing allocated)."""
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(llama_config(spec.model, spec.vocab_size, spec.data.seq_len))
-    return count_parameters(model)
+def check_vocabulary(spec: RunSpec, config, tokenizer) -> None:
+    """Before anything trains: every token id the data can hold must index the model's embedding. The data's
+    vocabulary is the tokenizer's (or data.vocab_size for the synthetic random corpus)."""
+    model_vocab = config.vocab_size
+    data_vocab = len(tokenizer) if tokenizer is not None else spec.vocab_size
+    if data_vocab <= model_vocab:
+        return
+    where = {"preset": "raise model.vocab_size or lower data.vocab_size",
+             "random": "lower data.vocab_size (the range of the random tokens)",
+             "config": f"use a tokenizer of at most {model_vocab} tokens or raise vocab_size in model.config's "
+                       f"config.json",
+             "checkpoint": f"use the checkpoint's own tokenizer (or one of at most {model_vocab} tokens)"}
+    what = "the tokenizer has" if tokenizer is not None else "the random corpus draws from"
+    raise SpecError(f"{what} {data_vocab} tokens but the model's vocabulary is only {model_vocab} "
+                    f"({type(config).__name__}); {where['random' if tokenizer is None else spec.model.source]}")
 
 
 def _resolve_device(requested: str, ctx: DistContext) -> torch.device:
@@ -198,28 +210,52 @@ def load_data(spec: RunSpec, ctx: DistContext, cache_dir: Path):
     return tokenizer, dataset
 
 
-def _model_with_recipe(spec: RunSpec, device: torch.device, param_dtype: str, sink: MetricSink, *,
+def _model_with_recipe(spec: RunSpec, config, device: torch.device, param_dtype: str, sink: MetricSink, *,
                        fsdp: bool = False):
-    """(model, recipe report, fused_qkv, activation checkpointing): the seeded model on `device`, fused,
-    converted and checkpointed as the spec asks; reports the conversion to the sink."""
+    """(model, recipe report, fused_qkv, activation checkpointing): the seeded (or loaded) model on `device`,
+    fused, converted and checkpointed as the spec asks; reports the conversion to the sink."""
     t = spec.training
     on_cuda = device.type == "cuda"
-    init_on = device if t.init_device == "device" else "cpu"
-    model = build_model(llama_config(spec.model, spec.vocab_size, spec.data.seq_len), spec.seed, init_on).to(device)
-    fused_qkv = t.perf.fuse_qkv if t.perf.fuse_qkv is not None else on_cuda
+    if spec.model.source == "checkpoint":
+        model = load_pretrained(spec.model.checkpoint_dir(), config, spec.seed).to(device)
+    else:
+        init_on = device if t.init_device == "device" else "cpu"
+        model = build_model(config, spec.seed, init_on).to(device)
+    llama = type(model).__name__ == "LlamaForCausalLM"
+    fused_qkv = t.perf.fuse_qkv if t.perf.fuse_qkv is not None else (on_cuda and llama)
+    _check_llama_only(model, fuse_qkv=fused_qkv, fuse_gate_up=t.perf.fuse_gate_up)
     if fused_qkv:
         fuse_qkv(model)
     if t.perf.fuse_gate_up:
         fuse_gate_up(model)
     from training.precision import apply_recipe
-    report = apply_recipe(model, spec.recipe, bf16_first_layers=spec.bf16_first_layers,
-                          bf16_last_layers=spec.bf16_last_layers, fsdp=fsdp, **spec.recipe_options)
+    try:
+        report = apply_recipe(model, spec.recipe, bf16_first_layers=spec.bf16_first_layers,
+                              bf16_last_layers=spec.bf16_last_layers, keep_bf16=spec.keep_bf16, fsdp=fsdp,
+                              **spec.recipe_options)
+    except ValueError as exc:  # a layer count or keep_bf16 rule the model's blocks do not satisfy
+        raise SpecError(str(exc)) from None
     sink.event("conversion_report", report=report.to_dict())
     if on_cuda and t.perf.bf16_residual and param_dtype != "bf16":
         carry_residual_in_bf16(model)
     ac = apply_activation_checkpointing(model, t.activation_checkpointing, t.activation_checkpointing_every)
     model.train()
     return model, report, fused_qkv, ac
+
+
+# Switches that rewrite Llama's own modules (the attention and MLP forwards of transformers' Llama).
+LLAMA_ONLY = {"fuse_qkv": "one QKV GEMM replacing LlamaAttention's q/k/v_proj",
+              "fuse_gate_up": "one gate/up GEMM replacing LlamaMLP's gate_proj and up_proj"}
+
+
+def _check_llama_only(model: torch.nn.Module, **asked: bool) -> None:
+    if type(model).__name__ == "LlamaForCausalLM":
+        return
+    for name, on in asked.items():
+        if on:
+            raise SpecError(f"training.perf.{name} ({LLAMA_ONLY[name]}) works on Llama models only, and this model "
+                            f"is {type(model).__name__}; set training.perf.{name} to false (Phi-3 and GPT-NeoX "
+                            f"already have fused projections of their own)")
 
 
 def _optimizer(model: torch.nn.Module, spec: RunSpec, param_dtype: str, *, sharded: bool = False):
@@ -280,10 +316,17 @@ def _forward_buckets(model, params) -> list:
     """(module, its parameters) in the order the forward uses them: embeddings, each decoder layer, then the
     final norm with the LM head (the fused loss reads lm_head.weight right after the final norm). Anything
     else trainable joins the first bucket, so it is updated before the forward can touch it."""
-    inner = model.model
-    buckets = [(inner.embed_tokens, list(inner.embed_tokens.parameters()))]
-    buckets += [(layer, list(layer.parameters())) for layer in inner.layers]
-    buckets.append((inner.norm, list(inner.norm.parameters()) + list(model.lm_head.parameters())))
+    embed, blocks, head = model.get_input_embeddings(), decoder_blocks(model), model.get_output_embeddings()
+    buckets = [(embed, list(embed.parameters()))]
+    buckets += [(layer, list(layer.parameters())) for layer in blocks]
+    # The last bucket: the decoder's parameters outside the blocks and the embeddings (its final norm, whatever
+    # its name) with the head's, keyed on that norm, which runs right before the fused loss reads the head's
+    # weight (the head module itself is not called then). A tied head's weight is the embeddings'.
+    early = {id(p) for _, ps in buckets for p in ps}
+    body = decoder_body(model)
+    final = [p for p in body.parameters() if id(p) not in early]
+    after = [m for m in body.children() if m is not embed and m is not blocks and any(True for _ in m.parameters())]
+    buckets.append((after[-1] if after else head, final + [p for p in head.parameters() if id(p) not in early]))
     trainable = {id(p) for p in params}
     buckets = [(m, [p for p in ps if id(p) in trainable]) for m, ps in buckets]
     seen = {id(p) for _, ps in buckets for p in ps}

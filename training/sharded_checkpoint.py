@@ -54,7 +54,7 @@ def save_sharded(root: Path, step: int, *, ctx, model, optimizer, tokenizer=None
     if ctx.is_main:
         try:
             config = model.config
-            config.architectures = ["LlamaForCausalLM"]
+            config.architectures = [type(model).__name__]
             config.save_pretrained(tmp)
             save_file(export_hf_from_dcp(tmp / DCP_DIR, config), str(tmp / "model.safetensors"),
                       metadata={"format": "pt"})

@@ -29,6 +29,8 @@ def run_label(recipe: RecipeRequest) -> str:
         parts.append(f"bf16_first={recipe.bf16_first_layers}")
     if recipe.bf16_last_layers:
         parts.append(f"bf16_last={recipe.bf16_last_layers}")
+    if recipe.keep_bf16:
+        parts.append(f"keep_bf16={','.join(recipe.keep_bf16)}")
     parts += [f"{k}={v}" for k, v in sorted(recipe.options.items())]
     return " ".join(parts)
 
@@ -38,7 +40,8 @@ def build_spec(body: ExperimentCreate, recipe: RecipeRequest, seed: int | None =
     spec = {"model": body.model, "data": body.data, "training": body.training,
             "seed": body.seed if seed is None else seed,
             "recipe": recipe.name, "recipe_options": recipe.options,
-            "bf16_first_layers": recipe.bf16_first_layers, "bf16_last_layers": recipe.bf16_last_layers}
+            "bf16_first_layers": recipe.bf16_first_layers, "bf16_last_layers": recipe.bf16_last_layers,
+            "keep_bf16": list(recipe.keep_bf16)}
     from plab.settings import get_settings
     from training.config import RunSpec, SpecError, confine_spec_paths
 

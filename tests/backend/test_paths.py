@@ -68,3 +68,30 @@ def test_the_worker_sets_confinement_and_the_default_data_dir_for_its_jobs(monke
 def test_confine_resolves_dotdot_inside_the_root(data):
     root, _ = data
     assert confine("corpus/../corpus", "data.corpus", [root.resolve()]) == (root / "corpus").resolve()
+
+
+def test_the_api_confines_model_paths_and_stores_keep_bf16(tmp_path, data):
+    root, outside = data
+    api = make_client(f"sqlite:///{tmp_path / 'plab.sqlite'}", tmp_path)
+    for key in ("config", "init_from"):
+        for path in (str(outside), "escape", "../secret"):
+            r = api.post("/api/v1/experiments", json={**EXPERIMENT, "model": {key: path}})
+            assert r.status_code == 422 and f"model.{key} must be a name or path inside" in r.text, (key, path, r.text)
+    body = {**EXPERIMENT, "model": {"init_from": "models/qwen"},
+            "recipes": [{"name": "mxfp8", "keep_bf16": ["*.mlp.gate"]}]}
+    r = api.post("/api/v1/experiments", json=body)
+    assert r.status_code == 201, r.text
+    mx = next(run for run in r.json()["runs"] if run["recipe"] == "mxfp8")
+    run = api.get(f"/api/v1/runs/{mx['id']}").json()
+    assert run["spec"]["model"] == {"init_from": "models/qwen"} and run["spec"]["keep_bf16"] == ["*.mlp.gate"]
+    assert run["label"] == "mxfp8 keep_bf16=*.mlp.gate"
+
+
+def test_a_workers_job_confines_model_paths_again(data, monkeypatch):
+    from training.config import ModelSpec
+    _, outside = data
+    monkeypatch.setenv(CONFINE_ENV, "1")
+    with pytest.raises(SpecError, match="model.init_from must be a name or path inside the data directory"):
+        ModelSpec(preset=None, init_from="escape").checkpoint_dir()
+    with pytest.raises(SpecError, match="model.config must be a name or path inside the data directory"):
+        ModelSpec(preset=None, config=str(outside)).config_file()

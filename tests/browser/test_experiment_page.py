@@ -75,3 +75,18 @@ def test_missing_experiment_shows_the_api_message_and_stops_polling(server, page
     assert page.locator("#live-status").get_attribute("data-polling") == "false"
     # The only console line is the browser's own report of the 404 response.
     assert all("404" in e for e in page.console_log.errors)
+
+
+def test_the_header_shows_the_model_a_run_built_and_where_it_came_from(server, page, charts):
+    exp = server.create_experiment(["bf16"], name="from-checkpoint", model={"init_from": "tinyshakespeare"})
+    run = exp["runs"][0]
+    server.set_status(run["id"], "running", device_name="cpu (test)")
+    server.log_loss_curve(run["id"], steps=5, start=4.0)
+    model = {"architecture": "Qwen2ForCausalLM", "model_type": "qwen2", "params": 1_234_567,
+             "source": "checkpoint", "origin": "tinyshakespeare", "blocks": 2, "vocab_size": 512}
+    server.set_status(run["id"], "succeeded", summary={"final_loss": 1.6, "model": model})
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    charts.wait_for_traces("loss-chart", 1)
+    meta = page.locator("#experiment-meta").inner_text()
+    assert "Qwen2ForCausalLM · 1.2M parameters · from checkpoint tinyshakespeare" in meta
+    assert page.console_log.errors == []

@@ -290,7 +290,7 @@ def test_compiled_training_cast_equals_the_eager_one():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "7b"], "--model must be one of tiny, 125m, 350m, 1b or a JSON object"),
+    (["--model", "7b"], "--model must be one of tiny, 125m, 350m, 1b, a config.json (or its folder) or a JSON object"),
     (["--model", "{bad json"], "--model JSON does not parse"),
     (["--model", '{"hidden_size": 64}'], "lacks intermediate_size"),
     (["--shapes", "64x128"], "write M x K x N"),

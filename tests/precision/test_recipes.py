@@ -39,13 +39,17 @@ def test_report_lists_every_block_linear_and_keeps_the_last_block_in_bf16(recipe
     model = tiny_model()
     report = apply_recipe(model, recipe, bf16_last_layers=1)
     names = [layer["name"] for layer in report.layers]
-    assert names == [f"layers.{i}.{lin}" for i in range(4) for lin in BLOCK_LINEARS]
+    assert names == [f"layers.{i}.{lin}" for i in range(4) for lin in BLOCK_LINEARS] + ["lm_head",
+                                                                                       "model.embed_tokens"]
+    outside = report.layers[-2:]
+    assert all(not layer["converted"] and "by convention" in layer["reason"] and layer["block"] is None
+               for layer in outside)
     converted = {layer["name"] for layer in report.layers if layer["converted"]}
     expected = {f"layers.{i}.{lin}" for i in range(3) for lin in BLOCK_LINEARS}
     if recipe == "fp8_blockwise":  # k/v_proj are 128 -> 64 in the tiny model: not tileable by 128
         expected -= {f"layers.{i}.self_attn.{p}" for i in range(3) for p in ("k_proj", "v_proj")}
     assert converted == expected
-    for layer in report.layers:
+    for layer in report.layers[:-2]:
         module = model.model.layers[layer["block"]].get_submodule(layer["name"].split(".", 2)[2])
         if layer["converted"]:
             assert layer["backend"] == "emulated" and isinstance(module, QuantizedLinear)

@@ -185,11 +185,26 @@ def _shape_plan(model, shapes, *, micro_batch, seq_len, gated_mlp, no_gqa, vocab
         return shape_list, {"shapes": "custom"}, None, ",".join(f"{s.m}x{s.k}x{s.n}" for s in shape_list)
     if model is None:
         raise ValueError("give a model (preset name, dims dict or LlamaConfig) or shapes='MxKxN,...'")
+    if isinstance(model, Path) or (isinstance(model, str) and model.endswith(".json")):
+        model = _config_file(model)
+    if getattr(model, "model_type", "llama") != "llama":  # any other architecture: the GEMMs of its modules
+        shape_list = gemm_shapes(model, micro_batch, seq_len)
+        config.update(model=model.model_type, tokens_per_micro_batch=micro_batch * seq_len)
+        return shape_list, config, model.model_type, None
     dims = resolve_model(model, seq_len=seq_len, vocab_size=vocab_size, no_gqa=no_gqa)
     shape_list = gemm_shapes(dims, micro_batch, seq_len, gated_mlp=gated_mlp)
     config.update(model=model if isinstance(model, str) else "custom", dims=dims,
                   tokens_per_micro_batch=micro_batch * seq_len)
     return shape_list, config, model if isinstance(model, str) else dims, None
+
+
+def _config_file(path):
+    """The transformers config in a config.json (or a folder holding one), for the GEMMs of any architecture."""
+    from transformers import AutoConfig
+    path = Path(path)
+    if not (path / "config.json" if path.is_dir() else path).is_file():
+        raise ValueError(f"model {str(path)!r}: no config.json there; give a preset, a dims dict or a config.json")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
 def _empty_record(shape, fmt: str) -> dict:

@@ -25,8 +25,10 @@ def _model_arg(text: str):
         if not isinstance(dims, dict):
             raise argparse.ArgumentTypeError("--model JSON must be an object of Llama dims")
         return dims
+    if text.endswith(".json") or Path(text).is_dir():  # a config.json of any transformers causal LM
+        return Path(text)
     raise argparse.ArgumentTypeError(
-        f"--model must be one of {', '.join(PRESET_NAMES)} or a JSON object such as "
+        f"--model must be one of {', '.join(PRESET_NAMES)}, a config.json (or its folder) or a JSON object such as "
         '\'{"hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 24, '
         '"num_attention_heads": 32, "vocab_size": 128}\', got ' + repr(text))
 

@@ -1,4 +1,4 @@
-"""The GEMMs of one Llama training step, derived from the model config.
+"""The GEMMs of one training step: a Llama's derived from its config, any other model's from its modules.
 
 For a linear layer y = x·Wᵀ with `in` inputs, `out` outputs and T = micro_batch·seq_len tokens the three
 GEMMs of a training step are (C[m×n] = A[m×k]·B[k×n]):
@@ -95,12 +95,15 @@ def model_dims(config: Any) -> dict:
 def gemm_shapes(config: Any, micro_batch: int, seq_len: int, *, gated_mlp: bool = True) -> list[GemmShape]:
     """All linear-layer GEMMs of one micro-batch training step, per layer and pass, with their counts.
 
-    `config`: a `LlamaConfig` or a dict with `hidden_size`, `intermediate_size`, `num_hidden_layers`,
+    `config`: a transformers causal LM or the config of any non-Llama architecture: the GEMMs of its real
+    modules (`model_gemm_shapes`). A `LlamaConfig` or a dict with `hidden_size`, `intermediate_size`, `num_hidden_layers`,
     `num_attention_heads`, `vocab_size`, optional `num_key_value_heads` (default: no GQA) and `head_dim`
     (default hidden_size / num_attention_heads). Attention score/value BMMs are not linear layers and are
     not included. The dgrad of the first layer is counted although its input is the embedding output:
     the embedding needs that gradient.
     """
+    if _is_model(config) or getattr(config, "model_type", "llama") != "llama":
+        return model_gemm_shapes(config, micro_batch, seq_len)
     dims = model_dims(config)
     micro_batch = _positive_int("micro_batch", micro_batch)
     seq_len = _positive_int("seq_len", seq_len)
@@ -122,6 +125,31 @@ def gemm_shapes(config: Any, micro_batch: int, seq_len: int, *, gated_mlp: bool 
         shapes += [GemmShape(layer, "fprop", tokens, fan_in, fan_out, count),
                    GemmShape(layer, "dgrad", tokens, fan_out, fan_in, count),
                    GemmShape(layer, "wgrad", fan_out, tokens, fan_in, count)]
+    return shapes
+
+
+def _is_model(obj) -> bool:
+    import torch
+    return isinstance(obj, torch.nn.Module)
+
+
+def model_gemm_shapes(model_or_config: Any, micro_batch: int, seq_len: int) -> list[GemmShape]:
+    """The GEMMs of one micro-batch training step of any transformers causal LM, read from its modules
+    (training.model.matmul_layers; a config is built on the meta device). `layer` is the weight's role in a
+    block ("self_attn.q_proj", "mlp.experts.gate_up_proj") or "lm_head". An MoE's experts are one grouped GEMM
+    per pass whose rows are the tokens times top-k: their row counts per expert depend on the routing, their
+    sum (and so the FLOPs) does not."""
+    from training.model import matmul_layers, meta_model
+    micro_batch = _positive_int("micro_batch", micro_batch)
+    seq_len = _positive_int("seq_len", seq_len)
+    model = model_or_config if _is_model(model_or_config) else meta_model(model_or_config)
+    tokens = micro_batch * seq_len
+    shapes = []
+    for m in matmul_layers(model):
+        rows = tokens * m.rows_per_token
+        shapes += [GemmShape(m.role, "fprop", rows, m.fan_in, m.fan_out, m.count),
+                   GemmShape(m.role, "dgrad", rows, m.fan_out, m.fan_in, m.count),
+                   GemmShape(m.role, "wgrad", m.fan_out, rows, m.fan_in, m.count)]
     return shapes
 
 

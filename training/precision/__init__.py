@@ -9,9 +9,9 @@ GEMM format, `gemm_ops(device)` (gemm_ops.py: the GEMM benchmark's quantizers an
 in its "with quantization" mode). A recipe module is imported the first time the recipe is asked for; adding a
 recipe is a catalog entry plus one module (docs/EXTENDING.md).
 
-`apply_recipe(model, name, *, bf16_first_layers=0, bf16_last_layers=0, backend="auto", **options)`
-converts the nn.Linear layers inside `model.model.layers[i]` (q/k/v/o_proj, gate/up/down_proj) of a
-transformers LlamaForCausalLM; embeddings, norms and the LM head stay high precision. Blocks
+`apply_recipe(model, name, *, bf16_first_layers=0, bf16_last_layers=0, keep_bf16=(), backend="auto", **options)`
+converts the nn.Linear layers inside the decoder blocks of any transformers causal LM (blocks found by
+structure, linears by type); embeddings, norms and the LM head stay high precision. Blocks
 `i < bf16_first_layers` and `i >= n - bf16_last_layers` stay BF16 (the NVFP4 paper keeps the last 4).
 It returns a `RecipeReport`: `.layers` (every block linear, converted or skipped and why), `.gemm_backend`
 ("real", "emulated" or "bf16"), `.hooks` (call `post_optimizer_step(model)` after each optimizer step and, where a hook has it,

@@ -8,6 +8,7 @@ asked for.
 """
 from __future__ import annotations
 
+import fnmatch
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -133,6 +134,7 @@ class RecipeReport:
     options: dict = field(default_factory=dict)
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
+    keep_bf16: list = field(default_factory=list)
     backend_requested: str = "auto"
     device: str = "cpu"
     notes: list = field(default_factory=list)
@@ -147,6 +149,7 @@ class RecipeReport:
             "options": dict(self.options),
             "bf16_first_layers": self.bf16_first_layers,
             "bf16_last_layers": self.bf16_last_layers,
+            "keep_bf16": list(self.keep_bf16),
             "converted_layers": sum(1 for layer in self.layers if layer["converted"]),
             "total_layers": len(self.layers),
             "layers": [dict(layer) for layer in self.layers],
@@ -161,12 +164,8 @@ class RecipeReport:
 
 
 def _transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    inner = getattr(model, "model", None)
-    blocks = getattr(inner, "layers", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError("apply_recipe expects a transformers LlamaForCausalLM-like model with its blocks "
-                         f"at model.model.layers; got {type(model).__name__}")
-    return blocks
+    from training.model import decoder_blocks
+    return decoder_blocks(model)
 
 
 def _check_count(name: str, value) -> int:
@@ -176,12 +175,15 @@ def _check_count(name: str, value) -> int:
 
 
 def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf16_last_layers: int = 0,
-                 backend: str = "auto", fsdp: bool = False, **options) -> RecipeReport:
-    """Convert the linear layers of `model.model.layers[i]` to recipe `name`, in place.
+                 keep_bf16=(), backend: str = "auto", fsdp: bool = False, **options) -> RecipeReport:
+    """Convert the nn.Linear layers inside the model's decoder blocks to recipe `name`, in place.
 
-    Embeddings, norms and the LM head stay in high precision. Blocks `i < bf16_first_layers` and
-    `i >= n - bf16_last_layers` stay BF16. `backend`: "auto" (real kernels where the GPU has them,
-    exact emulation elsewhere), "real" (error if unavailable) or "emulated". Returns a RecipeReport.
+    Blocks found by structure (training.model.decoder_blocks), linears by module type: any transformers
+    decoder converts. Embeddings, norms and the LM head stay high precision; so do blocks `i < bf16_first_layers`
+    and `i >= n - bf16_last_layers` and linears whose name ("layers.<i>.<path>") matches a `keep_bf16` glob.
+    The report lists every linear with its reason, the head, embeddings and non-nn.Linear block weights (an
+    MoE's batched experts, its router) included. `backend`: "auto" (real kernels where the GPU has them, exact
+    emulation elsewhere), "real" (error if unavailable) or "emulated". Returns a RecipeReport.
     Call it before building the optimizer and before torch.compile. `fsdp`: the model will be sharded with
     FSDP2 (recipes with a sharding-aware form use it: torchao's FP8 all-gather); not a recipe option.
     """
@@ -190,6 +192,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     first = _check_count("bf16_first_layers", bf16_first_layers)
     last = _check_count("bf16_last_layers", bf16_last_layers)
+    keep = _check_patterns(keep_bf16)
     resolved = recipe.resolve_options(options)
     blocks = _transformer_blocks(model)
     n = len(blocks)
@@ -198,13 +201,12 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     for module_name, module in model.named_modules():
         if getattr(module, "_plab_converted", False):
             raise ValueError(f"model is already converted ({module_name}); build a fresh model to apply another recipe")
-
     try:
         device = next(model.parameters()).device
     except StopIteration:
         device = torch.device("cpu")
     report = RecipeReport(recipe=name, options=resolved, bf16_first_layers=first, bf16_last_layers=last,
-                          backend_requested=backend, device=str(device))
+                          backend_requested=backend, device=str(device), keep_bf16=list(keep))
     real = False
     if name != catalog.BASELINE:
         unavailable = recipe.real_unavailable(device, resolved)
@@ -216,35 +218,100 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
 
     converted: list[tuple[str, nn.Module]] = []
     backends_used = set()
+    matched = set()
     for i, block in enumerate(blocks):
         linears = [(child, mod) for child, mod in block.named_modules() if type(mod) is nn.Linear]
         for child, linear in linears:
             full = f"layers.{i}.{child}"
             entry = {"name": full, "block": i, "in_features": linear.in_features,
                      "out_features": linear.out_features, "converted": False, "backend": "bf16"}
-            if name == catalog.BASELINE:
-                entry["reason"] = "bf16 baseline: high-precision GEMM"
-            elif i < first:
-                entry["reason"] = f"kept in BF16: block {i} < bf16_first_layers={first}"
-            elif i >= n - last:
-                entry["reason"] = f"kept in BF16: block {i} is among the last bf16_last_layers={last}"
+            rule = next((p for p in keep if fnmatch.fnmatchcase(full, p)), None)
+            if rule is not None:
+                matched.add(rule)
+            skip = _kept_reason(name, i, n, first, last, rule) or recipe.skip_reason(linear, real)
+            if skip:
+                entry["reason"] = skip
             else:
-                skip = recipe.skip_reason(linear, real)
-                if skip:
-                    entry["reason"] = skip
-                else:
-                    new, quantizer, how = recipe.convert(linear, full, {**resolved, "fsdp": fsdp}, real)
-                    new._plab_converted = True
-                    parent_path, _, attr = child.rpartition(".")
-                    parent = block.get_submodule(parent_path) if parent_path else block
-                    setattr(parent, attr, new)
-                    layer_backend = "real" if real else "emulated"
-                    entry.update(converted=True, backend=layer_backend, reason=how)
-                    backends_used.add(layer_backend)
-                    converted.append((full, new))
-                    report.probe.add_layer(full, new, quantizer)
+                new, quantizer, how = recipe.convert(linear, full, {**resolved, "fsdp": fsdp}, real)
+                new._plab_converted = True
+                parent_path, _, attr = child.rpartition(".")
+                parent = block.get_submodule(parent_path) if parent_path else block
+                setattr(parent, attr, new)
+                layer_backend = "real" if real else "emulated"
+                entry.update(converted=True, backend=layer_backend, reason=how)
+                backends_used.add(layer_backend)
+                converted.append((full, new))
+                report.probe.add_layer(full, new, quantizer)
             report.layers.append(entry)
+        report.layers += _unconverted_block_weights(block, i, keep, matched)
+    unmatched = [p for p in keep if p not in matched]
+    if unmatched:
+        names = [layer["name"] for layer in report.layers if layer["block"] == 0][:4]
+        raise ValueError(f"keep_bf16 pattern(s) {unmatched} match no linear layer of the model's blocks; "
+                         f"names look like {names}")
+    report.layers += _outside_blocks(model, blocks)
     if backends_used:
         report.gemm_backend = "emulated" if "emulated" in backends_used else "real"
     report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
     return report
+
+
+def _kept_reason(name: str, i: int, n: int, first: int, last: int, rule) -> str | None:
+    """Why block `i`'s linear stays BF16 by the run's choice (baseline, first/last blocks, a keep_bf16 rule)."""
+    if name == catalog.BASELINE:
+        return "bf16 baseline: high-precision GEMM"
+    if i < first:
+        return f"kept in BF16: block {i} < bf16_first_layers={first}"
+    if i >= n - last:
+        return f"kept in BF16: block {i} is among the last bf16_last_layers={last}"
+    if rule is not None:
+        return f"kept in BF16: matches keep_bf16 rule {rule!r}"
+    return None
+
+
+def _check_patterns(value) -> list[str]:
+    if isinstance(value, str) or not all(isinstance(p, str) and p for p in value):
+        raise ValueError(f"keep_bf16 must be a list of glob patterns such as ['*.mlp.gate'], got {value!r}")
+    return list(value)
+
+
+def _unconverted_block_weights(block: nn.Module, i: int, keep: list, matched: set) -> list[dict]:
+    """Report entries for the matmul weights of block `i` that are not nn.Linear modules: an MoE's experts kept
+    as one batched 3-D tensor, a router that calls F.linear on its own weight. Recipes swap nn.Linear modules
+    for quantized ones; these GEMMs run in BF16 (a keep_bf16 rule naming the module, e.g. "*.mlp.gate" for a
+    router, counts as matched)."""
+    out = []
+    for path, module in block.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)) or getattr(module, "_plab_converted", False):
+            continue
+        matched.update(p for p in keep if fnmatch.fnmatchcase(f"layers.{i}.{path}", p))
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dim() < 2:
+                continue
+            kind = "batched expert weights (one GEMM per expert)" if p.dim() == 3 else "a matmul weight"
+            out.append({"name": f"layers.{i}.{path + '.' if path else ''}{pname}", "block": i,
+                        "in_features": p.shape[-1], "out_features": p.shape[-2], "converted": False,
+                        "backend": "bf16", "reason": f"kept in BF16: {kind} of {type(module).__name__}, not an "
+                        f"nn.Linear; the recipes convert nn.Linear layers only"})
+    return out
+
+
+def _outside_blocks(model: nn.Module, blocks: nn.ModuleList) -> list[dict]:
+    """Report entries for the LM head and the embeddings: high precision by convention (the NVFP4 and FP8
+    recipes of the papers keep them so; the head's GEMM is a small share and its errors reach every token)."""
+    out = []
+    getters = (("LM head", "get_output_embeddings"), ("embeddings", "get_input_embeddings"))
+    seen = set()
+    for what, getter in getters:
+        module = getattr(model, getter, lambda: None)()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        name = next((n for n, m in model.named_modules() if m is module), what)
+        weight = module.weight
+        tied = what == "embeddings" and any(weight is getattr(m, "weight", None) for m in
+                                            [getattr(model, "get_output_embeddings", lambda: None)()])
+        out.append({"name": name, "block": None, "in_features": weight.shape[1], "out_features": weight.shape[0],
+                    "converted": False, "backend": "bf16",
+                    "reason": f"kept in BF16 by convention: {what}" + (" (tied to the LM head)" if tied else "")})
+    return out

@@ -3,7 +3,7 @@
 import { get, post, items, formatDate, showGlobalError, LIVE_STATUSES } from "./api.js";
 import { escapeHtml, html, joinHtml, plotText, setHTML, slurmNote, statusBadge } from "./dom.js";
 import {
-  BASELINE, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName, runLabel,
+  BASELINE, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName, runLabel, runSummary,
   tokensPerSecond,
 } from "./summary.js";
 import { cleanPoints, ema, median, relativeDifference, relativeWallTime } from "./series.js";
@@ -337,9 +337,28 @@ async function drawNumerics({ force = false } = {}) {
 }
 
 // ---------------------------------------------------------------- page text and table
-function describeModel(model) {
-  if (typeof model === "string") return model;
+// The experiment's model: what its spec names (a preset, custom dims, a config.json or a checkpoint folder) and,
+// once a run has built it, the architecture and parameter count it reported (summary.model).
+function describeModel(model, runs = []) {
+  const built = runs.map((run) => runSummary(run).model).find((m) => m && typeof m === "object");
+  const named = describeModelSpec(model);
+  if (!built) return named;
+  const params = Number.isFinite(built.params) ? ` · ${formatParams(built.params)} parameters` : "";
+  return `${built.architecture || "model"}${params} · ${named}`;
+}
+
+function formatParams(n) {
+  for (const [div, unit] of [[1e9, "B"], [1e6, "M"], [1e3, "k"]]) {
+    if (n >= div) return `${(n / div).toFixed(n >= 10 * div ? 0 : 1)}${unit}`;
+  }
+  return String(n);
+}
+
+function describeModelSpec(model) {
+  if (typeof model === "string") return `preset ${model}`;
   if (!model || typeof model !== "object") return "";
+  if (typeof model.config === "string") return `random init from config ${model.config}`;
+  if (typeof model.init_from === "string") return `from checkpoint ${model.init_from}`;
   const dims = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "intermediate_size"].filter((k) => model[k] != null).map((k) => `${k}=${model[k]}`);
   return `custom (${dims.join(", ")})`;
@@ -353,7 +372,7 @@ function renderHeader() {
   const data = exp.data || {}, training = exp.training || {};
   const evalTasks = Array.isArray(exp.eval_tasks) ? exp.eval_tasks.join(", ") : "";
   const entries = [
-    ["model", describeModel(exp.model)],
+    ["model", describeModel(exp.model, state.runs)],
     ["corpus", data.corpus],
     ["budget", training.steps != null ? `${training.steps} steps` : (training.tokens != null ? `${training.tokens} tokens` : "")],
     ["batch × seq", training.batch_size != null ? `${training.batch_size} × ${data.seq_len ?? "?"}` : ""],
