@@ -46,6 +46,13 @@ def _load(path: Path, st: os.stat_result) -> tuple[bytes, bytes | None, str]:
     return raw, packed, etag
 
 
+def prepare(path: Path) -> None:
+    """Compress `path` now, from a background thread: gzipping plotly.js takes about a second on a busy 2-core
+    machine, which the first page view would otherwise wait for (measured: plotly.js took 1.4 s to arrive on a
+    fresh server, 0.2 s after)."""
+    threading.Thread(target=lambda: _load(path, path.stat()), daemon=True, name="plab-gzip-assets").start()
+
+
 def _accepts_gzip(headers) -> bool:
     value = headers.get("accept-encoding", "")
     return any(part.split(";")[0].strip().lower() == "gzip" and "q=0" not in part.replace(" ", "")

@@ -30,7 +30,7 @@ from fastapi.templating import Jinja2Templates
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.models import BASELINE_RECIPE, Experiment, Run
-from frontend.assets import VENDOR_CACHE, CompressedStaticFiles, asset_response
+from frontend.assets import VENDOR_CACHE, CompressedStaticFiles, asset_response, prepare
 
 FRONTEND_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = FRONTEND_DIR / "templates"
@@ -69,6 +69,7 @@ def mount(app: FastAPI) -> None:
         raise TypeError(f"mount() needs the FastAPI application, got {type(app).__name__}")
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
     plotly_js = plotly_js_path()
+    prepare(plotly_js)
 
     def render(request: Request, template: str, status_code: int = 200, **context) -> HTMLResponse:
         return templates.TemplateResponse(request, template, {"plotly_url": PLOTLY_URL, **context},

@@ -141,6 +141,9 @@ def test_metric_explorer_overlays_grad_norm_of_two_runs_with_the_raw_curve_behin
     page.fill("#explorer-run-id", str(other["runs"][0]["id"]))
     page.click("#explorer-add")
     charts.wait_for_traces("explore-train_grad_norm", 3)
+    # No chart offers Plotly's cloud upload ("Edit in Chart Studio").
+    assert page.locator(".modebar-btn[data-title*='Chart Studio'], .modebar-btn[data-title*='Cloud']").count() == 0
+    assert page.locator(".modebar-btn").count() > 0  # the mode bars are there, without those buttons
     assert page.console_log.errors == []
 
 

@@ -93,6 +93,7 @@ async function refresh() {
     // Navigation start to loss curves, comparison charts and runs table drawn (bench/dashboard_bench.py).
     performance.mark("plab:first-render");
     state.firstRenderMs = performance.now();
+    document.dispatchEvent(new Event("plab:first-render"));
   }
   if (needsPerfSeries()) {
     // Throughput/memory curves only feed the bars (a median) of runs whose worker has not sent its final

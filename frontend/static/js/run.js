@@ -1,11 +1,11 @@
 // Run page: the run's spec (every default filled in) and how it differs from the BF16 run's, the conversion
 // report, events and errors, checkpoints (downloaded through the API, which serves only the run's own folder),
 // evaluations and one chart per logged metric. Polls while a worker-trained run is queued or running.
-import { get, formatDate, LIVE_STATUSES, showGlobalError } from "./api.js";
+import { get, formatDate, LIVE_STATUSES, post, showGlobalError } from "./api.js";
 import { html, joinHtml, plotText, setHTML, statusBadge, urlPath } from "./dom.js";
 import { mountHousekeeping } from "./housekeeping.js";
 import { DEFAULT_SMOOTHING, loadPlotly, PLOT_CONFIG, smoothedTraces } from "./plot.js";
-import { register } from "./poller.js";
+import { poke, register } from "./poller.js";
 import { ema } from "./series.js";
 import { gemmBackend, runLabel } from "./summary.js";
 
@@ -190,6 +190,7 @@ function renderHeader() {
   link.textContent = state.experiment ? `experiment: ${state.experiment.name}` : `experiment ${run.experiment_id}`;
   link.hidden = false;
   document.getElementById("run-record-only").hidden = !run.external;
+  document.getElementById("run-cancel").hidden = run.external || !LIVE_STATUSES.has(run.status) || run.cancel_requested;
   const entries = [["recipe", run.recipe], ["GEMMs", gemmBackend(run)], ["device", run.device_name],
     ["worker", run.worker_host], ["attempts", run.attempts || ""], ["created", formatDate(run.created_at)],
     ["finished", formatDate(run.finished_at)]].filter(([, v]) => v !== "" && v != null);
@@ -228,6 +229,18 @@ housekeeping = mountHousekeeping(document.getElementById("run-housekeeping"), {
   kind: "runs", nameField: "label", hasDescription: false, describe: (r) => `run ${r.id} (${runLabel(r)})`,
   onSaved: (saved) => { state.run = { ...state.run, ...saved }; renderHeader(); },
   onDeleted: () => { window.location.assign(urlPath("experiments", state.run.experiment_id)); },
+});
+document.getElementById("run-cancel").addEventListener("click", async (event) => {
+  if (!window.confirm(`Cancel ${runLabel(state.run)}? A running job stops at its next step; a queued one never starts.`)) return;
+  event.target.disabled = true;
+  try {
+    await post(`${api("runs", runId)}/cancel`);
+    showGlobalError("");
+  } catch (err) {
+    showGlobalError(`Cancel failed: ${err.message}`);
+  }
+  event.target.disabled = false;
+  poke();
 });
 document.getElementById("run-smoothing").addEventListener("input", (event) => {
   state.smoothing = Number(event.target.value);

@@ -107,10 +107,17 @@ function renderCharts() {
   }
 }
 
+// The loss curves and the runs table come first: the explorer's requests wait until they are drawn.
+function firstRender() {
+  if (window.plabExperiment?.firstRenderMs != null) return Promise.resolve();
+  return new Promise((resolve) => document.addEventListener("plab:first-render", resolve, { once: true }));
+}
+
 async function refresh(experimentId) {
   if (explorer.loading) return explorer.loading;
   explorer.loading = (async () => {
     try {
+      await firstRender();
       await fetchAll(experimentId);
       await loadPlotly();
       renderControls();
