@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session, selectinload
 
 from backend.errors import Conflict
 from backend.models import Experiment, MetricPoint, MetricRollup, Run, utcnow
-from backend.schemas import ExperimentUpdate, Housekeeping
-from backend.services.runs import get_experiment, get_run
+from backend.schemas import ExperimentUpdate, Housekeeping, RunInfoUpdate
+from backend.services.runs import get_experiment, get_run, update_info
 
 LIVE = ("queued", "running")
 
@@ -38,6 +38,15 @@ def update_experiment(session: Session, experiment_id: int, body: ExperimentUpda
     apply(exp, body)
     session.flush()
     return exp
+
+
+def update_run(session: Session, run_id: int, body: RunInfoUpdate) -> Run:
+    """PATCH /runs/{id}: the worker's informational fields and the user's label, tags, notes and archive flag."""
+    run = update_info(session, run_id, body)
+    if body.label is not None:
+        run.label = body.label
+    apply(run, body)
+    return run
 
 
 def _like(text: str) -> str:
@@ -66,6 +75,22 @@ def list_experiments(session: Session, *, limit: int, offset: int, q: str | None
     total = session.scalar(select(func.count()).select_from(stmt.subquery()))
     items = session.scalars(stmt.options(selectinload(Experiment.runs)).order_by(Experiment.id.desc())
                             .limit(limit).offset(offset)).all()
+    return total, list(items)
+
+
+def list_runs(session: Session, *, experiment_id: int | None, status: str | None, recipe: str | None,
+              q: str | None, limit: int, offset: int, tag: str | None = None,
+              archived: bool = False) -> tuple[int, list[Run]]:
+    """Newest first, with the housekeeping filters of `runs_filter`."""
+    stmt = runs_filter(select(Run), q=q, tag=tag, archived=archived)
+    if experiment_id is not None:
+        stmt = stmt.where(Run.experiment_id == experiment_id)
+    if status:
+        stmt = stmt.where(Run.status == status)
+    if recipe:
+        stmt = stmt.where(Run.recipe == recipe)
+    total = session.scalar(select(func.count()).select_from(stmt.subquery()))
+    items = session.scalars(stmt.order_by(Run.id.desc()).limit(limit).offset(offset)).all()
     return total, list(items)
 
 

@@ -5,7 +5,7 @@ import re
 from collections.abc import Sequence
 from datetime import timezone
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from backend.errors import Conflict, InvalidInput, NotFound
@@ -116,23 +116,6 @@ def get_run(session: Session, run_id: int) -> Run:
     return run
 
 
-def list_runs(session: Session, *, experiment_id: int | None, status: str | None, recipe: str | None,
-              q: str | None, limit: int, offset: int, tag: str | None = None,
-              archived: bool = False) -> tuple[int, list[Run]]:
-    from backend.services.housekeeping import runs_filter
-
-    stmt = runs_filter(select(Run), q=q, tag=tag, archived=archived)
-    if experiment_id is not None:
-        stmt = stmt.where(Run.experiment_id == experiment_id)
-    if status:
-        stmt = stmt.where(Run.status == status)
-    if recipe:
-        stmt = stmt.where(Run.recipe == recipe)
-    total = session.scalar(select(func.count()).select_from(stmt.subquery()))
-    items = session.scalars(stmt.order_by(Run.id.desc()).limit(limit).offset(offset)).all()
-    return total, list(items)
-
-
 def cancel_run(session: Session, run_id: int) -> Run:
     run = get_run(session, run_id)
     if run.status in FINAL_STATUSES:
@@ -209,12 +192,9 @@ def update_status(session: Session, run_id: int, body: StatusUpdate, stale_s: fl
 
 
 def update_info(session: Session, run_id: int, body: RunInfoUpdate) -> Run:
-    from backend.services.housekeeping import apply
-
+    """The worker's informational fields; the user's (label, tags, notes, archived) are
+    `housekeeping.update_run`'s, which calls this."""
     run = get_run(session, run_id)
-    apply(run, body)
-    if body.label is not None:
-        run.label = body.label
     if body.device_name is not None:
         run.device_name = body.device_name
     if body.gemm_backend is not None:

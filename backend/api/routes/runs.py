@@ -23,7 +23,7 @@ def list_runs(session: SessionDep, experiment_id: int | None = Query(None, ge=1,
               archived: bool = Query(False, description="list archived runs (or runs of archived experiments) "
                                                         "instead"),
               limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**31)):
-    total, items = runs.list_runs(session, experiment_id=experiment_id, status=status, recipe=recipe, q=q, tag=tag,
+    total, items = housekeeping.list_runs(session, experiment_id=experiment_id, status=status, recipe=recipe, q=q, tag=tag,
                                   archived=archived, limit=limit, offset=offset)
     return Page(total=total, items=[RunOut.model_validate(r) for r in items])
 
@@ -70,7 +70,7 @@ def heartbeat(run_id: ObjectId, session: SessionDep):
 def update_run_info(run_id: ObjectId, body: RunInfoUpdate, session: SessionDep):
     """Informational fields (conversion report, GEMM backend, device, summary) and the user's (label, tags, notes,
     `archived`) without a status change."""
-    return RunOut.model_validate(runs.update_info(session, run_id, body))
+    return RunOut.model_validate(housekeeping.update_run(session, run_id, body))
 
 
 @router.post("/{run_id}/metrics", response_model=MetricBatchResult, dependencies=WRITE)

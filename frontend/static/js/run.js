@@ -12,8 +12,10 @@ import { gemmBackend, runLabel } from "./summary.js";
 const root = document.getElementById("run-root");
 const runId = root.dataset.runId;
 const api = (...parts) => `/api/v1${urlPath(...parts)}`;
+// While the run is live, its charts are re-read every METRICS_EVERY_MS (one request per key), the rest every poll.
+const METRICS_EVERY_MS = 10_000;
 const state = { run: null, baseline: null, experiment: null, keys: [], smoothing: DEFAULT_SMOOTHING, gone: false,
-  drawn: new Map() };
+  drawn: new Map(), metricsAt: 0 };
 
 // ------------------------------------------------------------------ spec and its difference to BF16
 export function flatten(value, prefix = "", out = {}) {
@@ -159,6 +161,9 @@ async function drawMetrics() {
     grid.dataset.keys = wanted;
   }
   if (!keys.length) return;
+  const fresh = Date.now() - state.metricsAt < METRICS_EVERY_MS && keys.every((k) => state.drawn.has(k.key));
+  if (fresh) return;
+  state.metricsAt = Date.now();
   await loadPlotly();
   await Promise.all(keys.map(async (k) => {
     const s = await get(`${api("runs", runId, "metrics")}/${k.key.split("/").map(encodeURIComponent).join("/")}?max_points=1000`);
