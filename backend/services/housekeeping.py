@@ -12,7 +12,7 @@ from sqlalchemy import String, cast, delete, func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from backend.errors import Conflict
-from backend.models import Experiment, MetricPoint, MetricRollup, Run, utcnow
+from backend.models import Evaluation, Experiment, MetricPoint, MetricRollup, Run, utcnow
 from backend.schemas import ExperimentUpdate, Housekeeping, RunInfoUpdate
 from backend.services.runs import get_experiment, get_run, update_info
 
@@ -122,18 +122,24 @@ def _delete_run_rows(session: Session, run: Run) -> None:
     session.delete(run)  # artifacts, evaluations and their results go by the foreign keys' ON DELETE CASCADE
 
 
-def _refuse_live(runs: list[Run], what: str) -> None:
+def _refuse_live(session: Session, runs: list[Run], what: str) -> None:
+    """Conflict while a worker may still write to one of `runs`: a queued or running run, or an evaluation of one."""
     live = [r for r in runs if r.status in LIVE and not r.external]
     if live:
         ids = ", ".join(str(r.id) for r in live)
         raise Conflict(f"{what} has runs still queued or running ({ids}); cancel them first (POST "
                        "/api/v1/runs/<id>/cancel) and delete once they have stopped")
+    evals = session.scalars(select(Evaluation.id).where(Evaluation.run_id.in_([r.id for r in runs]),
+                                                        Evaluation.status.in_(LIVE))).all()
+    if evals:
+        raise Conflict(f"{what} has evaluations still queued or running ({', '.join(map(str, evals))}); delete "
+                       "once they have ended")
 
 
 def delete_run(session: Session, run_id: int, home: Path) -> None:
     """The run, its metrics, artifacts and evaluations, then its folder (after the rows, which can roll back)."""
     run = get_run(session, run_id)
-    _refuse_live([run], f"run {run_id}")
+    _refuse_live(session, [run], f"run {run_id}")
     _delete_run_rows(session, run)
     session.flush()
     shutil.rmtree(run_folder(home, run_id), ignore_errors=True)
@@ -141,7 +147,7 @@ def delete_run(session: Session, run_id: int, home: Path) -> None:
 
 def delete_experiment(session: Session, experiment_id: int, home: Path) -> None:
     exp = get_experiment(session, experiment_id)
-    _refuse_live(list(exp.runs), f"experiment {experiment_id}")
+    _refuse_live(session, list(exp.runs), f"experiment {experiment_id}")
     run_ids = [r.id for r in exp.runs]
     for run in list(exp.runs):
         _delete_run_rows(session, run)

@@ -126,6 +126,18 @@ def test_delete_needs_a_write_token_and_removes_metrics_and_files(api):
                      headers=_bearer(read["token"])).status_code == 403
     assert api.get(f"/api/v1/runs/{other['id']}").status_code == 200 and folder.exists()
 
+    # An evaluation still running on the run (stored as a worker's job would leave it): a worker would write into it.
+    from backend.models import Evaluation
+
+    with api.app.state.sessionmaker() as session:
+        ev = Evaluation(run_id=other["id"], tasks=["plab_piqa"], status="running")
+        session.add(ev)
+        session.commit()
+        ev_id = ev.id
+    r = api.delete(f"/api/v1/runs/{other['id']}", headers=_bearer(write["token"]))
+    assert r.status_code == 409 and "evaluations" in r.json()["detail"] and str(ev_id) in r.json()["detail"]
+    r = api.post(f"/api/v1/evaluations/{ev_id}/status", json={"status": "failed"}, headers=_bearer(ADMIN))
+    assert r.status_code == 200, r.text
     assert api.delete(f"/api/v1/runs/{other['id']}", headers=_bearer(write["token"])).status_code == 204
     assert api.get(f"/api/v1/runs/{other['id']}").status_code == 404
     assert api.get(f"/api/v1/runs/{other['id']}/metrics/train/loss").status_code == 404
