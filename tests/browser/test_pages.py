@@ -309,6 +309,11 @@ def test_emulated_bars_and_their_legend_entries_have_visible_hatched_pixels(serv
     result = run_gemm_benchmark(model="tiny", micro_batch=2, seq_len=16, vocab_size=256,
                                 formats=["bf16", "fp8_tensorwise", "nvfp4"], device="cpu", repeats=1, warmup=0,
                                 compile_quant=False)
+    # Bars of a known height (CPU timings of a tiny model are noise: a bar may be 2 px tall), so the test is
+    # about drawing, not about this machine's speed.
+    for rec in result["results"]:
+        if rec["format"] != "bf16" and rec.get("speedup_vs_bf16") is not None:
+            rec["speedup_vs_bf16"] = 1.5
     r = server.http.post("/api/v1/gemm-benchmarks", json={"result": result, "experiment_id": exp["id"], "name": "hatch"})
     assert r.status_code == 201, r.text
     blank = page.context.new_page()
