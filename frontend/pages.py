@@ -6,13 +6,16 @@ so the dashboard works on a machine with no internet access. The JavaScript is p
 static/js (no build step).
 
 Pages and the element ids tests rely on:
-  /                    experiments list: #experiments-table (rows tr[data-experiment-id]), .status-counts, .summary
+  /                    experiments list: #experiments-table (rows tr[data-experiment-id]), .status-counts, .summary,
+                       #experiment-search (#search-q, #search-tag, #search-archived; mirrored in the URL)
   /experiments/new     #experiment-form, #form-error (the API's 4xx message), #field-* inputs, #field-ablation
   /experiments/{id}    #loss-chart, #val-loss-chart (one trace per run), #relative-chart (one per non-BF16 run),
                        #throughput-chart, #memory-chart, #numerics-chart, #runs-table (tr[data-run-id][data-status],
                        button.cancel-run), #x-axis, #smoothing, #log-scale, #live-status[data-polling],
-                       #export-json/#export-csv/#export-html; `window.plabExperiment` holds the page state
-                       (firstRenderMs, tableReadyMs for bench/dashboard_bench.py)
+                       #export-json/#export-csv (links to the API's full export)/#export-html, #explorer-panel
+                       (#explore-<key with / as _> charts, #explorer-key, #explorer-run-id), #experiment-housekeeping
+                       (#hk-edit, #hk-archive, #hk-delete, #hk-tags, #hk-notes); `window.plabExperiment` holds the
+                       page state (firstRenderMs, tableReadyMs for bench/dashboard_bench.py)
   /runs                #runs-list, #filter-status, #filter-recipe, #filter-q, #filter-tag, #filter-archived
                        (filters mirrored in the URL)
   /runs/{id}           #run-name, #run-spec, #run-spec-diff, #conversion-report, #run-events, #run-checkpoints
