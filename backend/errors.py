@@ -25,6 +25,10 @@ class NotFound(LookupError):
     """A referenced object that does not exist (answered with 404)."""
 
 
+class Forbidden(PermissionError):
+    """A request for something the API never hands out, whoever asks (answered with 403)."""
+
+
 class Conflict(RuntimeError):
     """A request that contradicts the stored state (answered with 409)."""
 
@@ -71,6 +75,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NotFound)
     async def _not_found(_req: Request, exc: NotFound):
         return _error(404, str(exc))
+
+    @app.exception_handler(Forbidden)
+    async def _forbidden(_req: Request, exc: Forbidden):
+        return _error(403, str(exc))
 
     @app.exception_handler(Conflict)
     async def _conflict(_req: Request, exc: Conflict):

@@ -36,6 +36,10 @@ class Experiment(Base):
     baseline: Mapped[str] = mapped_column(String(32), default=BASELINE_RECIPE)
     eval_tasks: Mapped[list] = mapped_column(JSON, default=list)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Housekeeping (the user's own words about it): free tags, notes, and archiving (hidden from lists by default).
+    tags: Mapped[list] = mapped_column(JSON, default=list)
+    notes: Mapped[str] = mapped_column(Text, default="")
+    archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, index=True)
 
     runs: Mapped[list[Run]] = relationship(back_populates="experiment", order_by="Run.id",
                                            cascade="all, delete-orphan")
@@ -88,6 +92,9 @@ class Run(Base):
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     dispatch_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    tags: Mapped[list] = mapped_column(JSON, default=list)
+    notes: Mapped[str] = mapped_column(Text, default="")
+    archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, index=True)
 
     experiment: Mapped[Experiment] = relationship(back_populates="runs")
 

@@ -6,7 +6,8 @@ import math
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, WithJsonSchema,
+from pydantic import Tag as UnionTag
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, TypeAdapter, WithJsonSchema,
                       computed_field, field_validator, model_validator)
 
 from training.precision import catalog
@@ -265,7 +266,46 @@ class HeartbeatOut(BaseModel):
     cancel_requested: bool
 
 
-class RunInfoUpdate(Strict):
+def _distinct_tags(tags: list[str] | None) -> list[str] | None:
+    """Tags as given, trailing blanks dropped, each once (first spelling wins, compared case-insensitively)."""
+    if tags is None:
+        return None
+    seen, out = set(), []
+    for tag in (t.rstrip() for t in tags):
+        if tag.lower() not in seen:
+            seen.add(tag.lower())
+            out.append(tag)
+    return out
+
+
+Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^,\s][^,\x00-\x1f]*$",
+                           description="free text up to 64 characters: no comma, no control character, not "
+                                       "starting with a blank")]
+MAX_NOTES = 20_000
+
+
+class Housekeeping(Strict):
+    """The user's own words about an experiment or a run (PATCH; a field left out is left as it is)."""
+    tags: list[Tag] | None = Field(default=None, max_length=32, description="replaces the tags (at most 32)")
+    notes: str | None = Field(default=None, max_length=MAX_NOTES, description="Markdown (a safe subset is rendered)")
+    archived: bool | None = Field(default=None, description="true archives (hidden from lists unless asked for), "
+                                                            "false restores")
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, v):
+        return _distinct_tags(v)
+
+
+class ExperimentUpdate(Housekeeping):
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    description: str | None = Field(default=None, max_length=10_000, description="Markdown (a safe subset is rendered)")
+
+
+class RunInfoUpdate(Housekeeping):
+    """A worker's informational fields (device, GEMM backend, summary, conversion report) and the user's (label,
+    tags, notes, archived); none changes the run's status."""
+    label: str | None = Field(default=None, min_length=1, max_length=200)
     device_name: str | None = Field(default=None, max_length=200)
     summary: dict[str, Any] | None = None
     gemm_backend: Literal["real", "emulated", "bf16"] | None = None
@@ -342,7 +382,7 @@ def _metric_form(value) -> str:
     return "series" if isinstance(value, dict) and "series" in value else "points"
 
 
-MetricIngest = Annotated[Annotated[MetricBatch, Tag("points")] | Annotated[MetricSeriesBatch, Tag("series")],
+MetricIngest = Annotated[Annotated[MetricBatch, UnionTag("points")] | Annotated[MetricSeriesBatch, UnionTag("series")],
                          Discriminator(_metric_form)]
 METRIC_INGEST = TypeAdapter(MetricIngest)
 
@@ -421,6 +461,9 @@ class RunOut(BaseModel):
     progress: dict[str, Any]
     summary: dict[str, Any]
     attempts: int
+    tags: list[str] = Field(default_factory=list)
+    notes: str = ""
+    archived_at: UtcDatetime | None = None
 
 
 class RunDetail(RunOut):
@@ -442,6 +485,9 @@ class ExperimentOut(BaseModel):
     eval_tasks: list[str]
     verdict_tolerance_pct: float = Field(description="the stated tolerance of the one-seed verdict rule, percent")
     created_at: UtcDatetime
+    tags: list[str] = Field(default_factory=list)
+    notes: str = ""
+    archived_at: UtcDatetime | None = None
     runs: list[RunOut] = Field(default_factory=list)
 
 

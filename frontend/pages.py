@@ -6,26 +6,34 @@ so the dashboard works on a machine with no internet access. The JavaScript is p
 static/js (no build step).
 
 Pages and the element ids tests rely on:
-  /                    experiments list: #experiments-table (rows tr[data-experiment-id]), .status-counts, .summary
+  /                    experiments list: #experiments-table (rows tr[data-experiment-id]), .status-counts, .summary,
+                       #experiment-search (#search-q, #search-tag, #search-archived; mirrored in the URL)
   /experiments/new     #experiment-form, #form-error (the API's 4xx message), #field-* inputs, #field-ablation
   /experiments/{id}    #loss-chart, #val-loss-chart (one trace per run), #relative-chart (one per non-BF16 run),
                        #throughput-chart, #memory-chart, #numerics-chart, #runs-table (tr[data-run-id][data-status],
                        button.cancel-run), #x-axis, #smoothing, #log-scale, #live-status[data-polling],
-                       #export-json/#export-csv/#export-html; `window.plabExperiment` holds the page state
-                       (firstRenderMs, tableReadyMs for bench/dashboard_bench.py)
-  /runs                #runs-list, #filter-status, #filter-recipe, #filter-q (filters mirrored in the URL)
+                       #export-json/#export-csv (links to the API's full export)/#export-html, #explorer-panel
+                       (#explore-<key with / as _> charts, #explorer-key, #explorer-run-id), #experiment-housekeeping
+                       (#hk-edit, #hk-archive, #hk-delete, #hk-tags, #hk-notes); `window.plabExperiment` holds the
+                       page state (firstRenderMs, tableReadyMs for bench/dashboard_bench.py)
+  /runs                #runs-list, #filter-status, #filter-recipe, #filter-q, #filter-tag, #filter-archived
+                       (filters mirrored in the URL)
+  /runs/{id}           #run-name, #run-spec, #run-spec-diff, #conversion-report, #run-events, #run-checkpoints
+                       (a.checkpoint-download), #run-evaluations, #run-metrics (one chart per logged key)
+  anything missing     the 404 page (#not-found), status 404: a missing experiment or run, a mistyped path
 Signing in (#api-token-box in the top bar) trades an API token for an HttpOnly session cookie (backend/auth.py).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse, HTMLResponse
-from fastapi.staticfiles import StaticFiles
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backend.models import BASELINE_RECIPE
+from backend.models import BASELINE_RECIPE, Experiment, Run
+from frontend.assets import VENDOR_CACHE, CompressedStaticFiles, asset_response, prepare
 
 FRONTEND_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = FRONTEND_DIR / "templates"
@@ -64,18 +72,22 @@ def mount(app: FastAPI) -> None:
         raise TypeError(f"mount() needs the FastAPI application, got {type(app).__name__}")
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
     plotly_js = plotly_js_path()
+    prepare(plotly_js)
 
-    def render(request: Request, template: str, **context) -> HTMLResponse:
-        return templates.TemplateResponse(request, template, {"plotly_url": PLOTLY_URL, **context})
+    def render(request: Request, template: str, status_code: int = 200, **context) -> HTMLResponse:
+        return templates.TemplateResponse(request, template, {"plotly_url": PLOTLY_URL, **context},
+                                          status_code=status_code)
+
+    def not_found(request: Request, message: str) -> HTMLResponse:
+        return render(request, "404.html", status_code=404, page="notfound", message=message)
 
     # Registered before the /static mount: Starlette matches routes in order, and the mount would
     # otherwise answer 404 for a file that is not in frontend/static.
     @app.get(PLOTLY_URL, include_in_schema=False)
-    def plotly_bundle() -> FileResponse:
-        return FileResponse(plotly_js, media_type="text/javascript",
-                            headers={"Cache-Control": "public, max-age=86400"})
+    def plotly_bundle(request: Request):
+        return asset_response(plotly_js, request.headers, "text/javascript", VENDOR_CACHE)
 
-    app.mount("/static", StaticFiles(directory=str(STATIC_DIR)), name="static")
+    app.mount("/static", CompressedStaticFiles(directory=str(STATIC_DIR)), name="static")
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def experiments_page(request: Request) -> HTMLResponse:
@@ -88,8 +100,9 @@ def mount(app: FastAPI) -> None:
 
     @app.get("/experiments/{experiment_id}", response_class=HTMLResponse, include_in_schema=False)
     def experiment_page(request: Request, experiment_id: str) -> HTMLResponse:
-        if not experiment_id.isdigit() and not _looks_like_uuid(experiment_id):
-            raise HTTPException(status_code=404, detail=f"no experiment page for id {experiment_id!r}")
+        if not _exists(request, Experiment, experiment_id):
+            return not_found(request, f"There is no experiment {experiment_id}: it may have been deleted, or the "
+                                      "link is mistyped.")
         # The baseline comes with the experiment's JSON (`baseline`), which the page loads.
         return render(request, "experiment.html", page="experiment", experiment_id=experiment_id)
 
@@ -97,12 +110,28 @@ def mount(app: FastAPI) -> None:
     def runs_page(request: Request) -> HTMLResponse:
         return render(request, "runs.html", page="runs", recipes=recipe_names())
 
+    @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
+    def run_page(request: Request, run_id: str) -> HTMLResponse:
+        if not _exists(request, Run, run_id):
+            return not_found(request, f"There is no run {run_id}: it may have been deleted, or the link is "
+                                      "mistyped.")
+        return render(request, "run.html", page="run", run_id=run_id)
 
-def _looks_like_uuid(text: str) -> bool:
-    import uuid
+    api_errors = app.exception_handlers.get(StarletteHTTPException)
 
-    try:
-        uuid.UUID(text)
-    except ValueError:
+    async def page_or_api_error(request: Request, exc: StarletteHTTPException):
+        # A person following a wrong link gets the site's 404 page; API clients keep their JSON errors.
+        if exc.status_code == 404 and not request.url.path.startswith("/api/"):
+            return not_found(request, f"Nothing lives at {request.url.path}.")
+        return await api_errors(request, exc)
+
+    app.add_exception_handler(StarletteHTTPException, page_or_api_error)
+
+
+def _exists(request: Request, table, object_id: str) -> bool:
+    """Whether the page's object exists (ids are 32-bit integers in the database): a missing one gets the 404
+    page at once instead of a page that waits for data that will never come."""
+    if not object_id.isdigit() or not 1 <= int(object_id) <= 2**31 - 1:
         return False
-    return True
+    with request.app.state.sessionmaker() as session:
+        return session.get(table, int(object_id)) is not None

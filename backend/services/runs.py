@@ -5,7 +5,7 @@ import re
 from collections.abc import Sequence
 from datetime import timezone
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from backend.errors import Conflict, InvalidInput, NotFound
@@ -132,36 +132,11 @@ def get_experiment(session: Session, experiment_id: int) -> Experiment:
     return exp
 
 
-def list_experiments(session: Session, limit: int, offset: int) -> tuple[int, list[Experiment]]:
-    total = session.scalar(select(func.count()).select_from(Experiment))
-    items = session.scalars(select(Experiment).options(selectinload(Experiment.runs))
-                            .order_by(Experiment.id.desc()).limit(limit).offset(offset)).all()
-    return total, list(items)
-
-
 def get_run(session: Session, run_id: int) -> Run:
     run = session.get(Run, run_id)
     if run is None:
         raise NotFound(f"run {run_id} does not exist")
     return run
-
-
-def list_runs(session: Session, *, experiment_id: int | None, status: str | None, recipe: str | None,
-              q: str | None, limit: int, offset: int) -> tuple[int, list[Run]]:
-    stmt = select(Run)
-    if experiment_id is not None:
-        stmt = stmt.where(Run.experiment_id == experiment_id)
-    if status:
-        stmt = stmt.where(Run.status == status)
-    if recipe:
-        stmt = stmt.where(Run.recipe == recipe)
-    if q:
-        like = f"%{q}%"
-        stmt = stmt.join(Experiment).where(or_(Run.label.ilike(like), Experiment.name.ilike(like),
-                                               Run.error_message.ilike(like)))
-    total = session.scalar(select(func.count()).select_from(stmt.subquery()))
-    items = session.scalars(stmt.order_by(Run.id.desc()).limit(limit).offset(offset)).all()
-    return total, list(items)
 
 
 def cancel_run(session: Session, run_id: int) -> Run:
@@ -240,6 +215,8 @@ def update_status(session: Session, run_id: int, body: StatusUpdate, stale_s: fl
 
 
 def update_info(session: Session, run_id: int, body: RunInfoUpdate) -> Run:
+    """The worker's informational fields; the user's (label, tags, notes, archived) are
+    `housekeeping.update_run`'s, which calls this."""
     run = get_run(session, run_id)
     if body.device_name is not None:
         run.device_name = body.device_name
@@ -301,6 +278,21 @@ def metric_keys(session: Session, run_id: int) -> dict:
 def run_series(session: Session, run_id: int, key: str, q: SeriesQuery) -> Series:
     get_run(session, run_id)
     return metrics.read_series(session, run_id, key, max_points=q.max_points, x=q.x, x_min=q.x_min, x_max=q.x_max)
+
+
+def experiment_metric_keys(session: Session, experiment_id: int) -> dict:
+    """Every key any run of the experiment logged, with how many runs logged it and their points in all. Read from
+    the rollup's coarsest level (one row per series) instead of counting raw rows."""
+    from sqlalchemy import text
+
+    from backend.services.rollup import MAX_LEVEL
+
+    exp = get_experiment(session, experiment_id)
+    rows = session.execute(text(
+        "SELECT r.key, COUNT(DISTINCT r.run_id), SUM(r.n_points) FROM metric_rollups r JOIN runs ON runs.id = r.run_id "
+        "WHERE runs.experiment_id = :e AND r.level = :lv GROUP BY r.key ORDER BY r.key"),
+        {"e": exp.id, "lv": MAX_LEVEL}).all()
+    return {"experiment_id": exp.id, "keys": [{"key": k, "runs": int(n), "points": int(p)} for k, n, p in rows]}
 
 
 def _natural(text: str) -> list:

@@ -112,6 +112,7 @@ def running_server(home: Path, token: str | None = None):
                     raise RuntimeError(f"server did not answer within 60 s:\n{log_path.read_text()}")
                 time.sleep(0.2)
             srv = Server(base_url, token=token)
+            srv.home = home  # PLAB_HOME of the server: runs' folders (checkpoints) live under home/runs/<id>
             # The first experiment a server validates imports the training stack (torch: 10+ s on a busy
             # 2-core machine); pay that here so no page test times out waiting for it.
             srv.create_experiment(["bf16"], name="warm-up")
@@ -203,22 +204,29 @@ def _screenshot(pg, request) -> None:
         pass
 
 
+# The faint raw curve drawn behind a smoothed one (plot.js smoothedTraces) is not a series of its own.
+SERIES = "(gd.data || []).filter(t => !(t.meta && t.meta.raw))"
+
+
 class Charts:
-    """Reads Plotly charts of a page: Plotly keeps each figure's traces on its div as `.data`."""
+    """Reads Plotly charts of a page: Plotly keeps each figure's traces on its div as `.data`; these helpers
+    count and read the series traces (raw curves behind smoothed ones left out)."""
 
     def __init__(self, page):
         self.page = page
 
     def trace_count(self, chart_id: str) -> int:
-        return self.page.evaluate("id => (document.getElementById(id).data || []).length", chart_id)
+        return self.page.evaluate(f"id => {{ const gd = document.getElementById(id); return {SERIES}.length; }}",
+                                  chart_id)
 
     def traces(self, chart_id: str, fields: str = "t => ({name: t.name, x: t.x, y: t.y})") -> list:
-        return self.page.evaluate(f"id => document.getElementById(id).data.map({fields})", chart_id)
+        return self.page.evaluate(f"id => {{ const gd = document.getElementById(id); return {SERIES}.map({fields}); }}",
+                                  chart_id)
 
     def wait_for_traces(self, chart_id: str, count: int, timeout: float = 15_000) -> None:
-        """Wait until the chart is drawn (its SVG exists) with exactly `count` traces."""
+        """Wait until the chart is drawn (its SVG exists) with exactly `count` series traces."""
         self.page.wait_for_function(
-            "([id, n]) => { const gd = document.getElementById(id); return gd && gd.data && gd.data.length === n"
+            f"([id, n]) => {{ const gd = document.getElementById(id); return gd && gd.data && {SERIES}.length === n"
             " && gd.querySelector('.main-svg') !== null; }",
             arg=[chart_id, count], timeout=timeout)
 

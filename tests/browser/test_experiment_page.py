@@ -20,10 +20,9 @@ def test_experiment_page_draws_one_loss_trace_per_run_and_no_console_errors(serv
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
     charts.wait_for_traces("loss-chart", 3)
     assert charts.trace_count("loss-chart") == 3
-    names = page.evaluate("() => document.getElementById('loss-chart').data.map(t => t.name)")
+    names = [t["name"] for t in charts.traces("loss-chart")]
     assert sorted(names) == sorted(r["label"] for r in runs.values())
-    points = page.evaluate("() => document.getElementById('loss-chart').data.map(t => t.y.length)")
-    assert points == [60, 60, 60]
+    assert [len(t["y"]) for t in charts.traces("loss-chart")] == [60, 60, 60]
     # Validation loss is present, so its chart shows, again one trace per run.
     charts.wait_for_traces("val-loss-chart", 3)
 
@@ -51,8 +50,12 @@ def test_live_run_updates_without_reload_and_can_be_cancelled(server, page, char
     server.log_loss_curve(base["id"], steps=30, start=4.0)
     page.wait_for_function("() => document.getElementById('loss-chart').data[0].y.length === 30", timeout=8000)
 
-    # The queued run offers a cancel button that goes through the API.
+    # The queued run offers a cancel button that goes through the API, after a confirmation: declined, nothing.
     cancel = page.locator(f"#runs-table tr[data-run-id='{other['id']}'] button.cancel-run")
+    page.once("dialog", lambda d: d.dismiss())
+    cancel.click()
+    assert server.http.get(f"/api/v1/runs/{other['id']}").json()["status"] == "queued"
+    page.on("dialog", lambda d: d.accept())
     cancel.click()
     page.wait_for_selector(f"#runs-table tr[data-run-id='{other['id']}'][data-status='cancelled']", timeout=8000)
     assert server.http.get(f"/api/v1/runs/{other['id']}").json()["status"] == "cancelled"
@@ -67,14 +70,20 @@ def test_live_run_updates_without_reload_and_can_be_cancelled(server, page, char
     assert page.console_log.errors == []
 
 
-def test_missing_experiment_shows_the_api_message_and_stops_polling(server, page):
-    page.goto(f"{server.base_url}/experiments/987654")
-    banner = page.locator("#global-error")
-    banner.wait_for(state="visible")
-    assert "987654" in banner.inner_text()
-    assert page.locator("#live-status").get_attribute("data-polling") == "false"
+@pytest.mark.parametrize("path", ["/experiments/987654", "/experiments/abc", "/runs/987654", "/runs/9999999999999",
+                                  "/no/such/page"])
+def test_a_missing_experiment_run_or_page_is_a_404_page_in_the_sites_design(server, page, path):
+    response = page.goto(server.base_url + path)
+    assert response.status == 404 and response.headers["content-type"].startswith("text/html")
+    assert page.locator("#not-found").is_visible()
+    assert page.locator("header.topbar").is_visible()  # the site's own layout, not raw JSON
+    text = page.locator("#not-found").inner_text()
+    assert "Not found" in text and ("987654" in text or "abc" in text or "no/such/page" in text or "999" in text)
     # The only console line is the browser's own report of the 404 response.
     assert all("404" in e for e in page.console_log.errors)
+    # The API keeps its JSON errors.
+    api = server.http.get("/api/v1/experiments/987654")
+    assert api.status_code == 404 and api.json()["detail"] == "experiment 987654 does not exist"
 
 
 def test_the_header_shows_the_model_a_run_built_and_where_it_came_from(server, page, charts):

@@ -1,6 +1,7 @@
 """Stored script payloads in every string the API stores and the pages show – experiment names and
-descriptions, run labels, device and host names, error messages, summaries, evaluation task and metric names,
-GEMM benchmark names, devices, shapes and notes – must reach the page as text: no payload runs, no payload
+descriptions (rendered as Markdown), run labels, device and host names, error messages, summaries, evaluation task
+and metric names, GEMM benchmark names, devices, shapes and notes, tags and notes of experiments and runs,
+conversion reports, artifact paths – must reach the page as text: no payload runs, no payload
 element appears in the DOM, and the Content-Security-Policy never has to block one (a blocked attempt means
 the markup got in)."""
 from __future__ import annotations
@@ -35,6 +36,18 @@ def planted(server):
                                     {"name": "nvfp4", "label": f"nvfp4 {S}"}],
                                    name=f"xss {S}", description=f"desc {P}")
     runs = exp["runs"]
+    # Markdown that tries to smuggle markup: links with a javascript: target, HTML inside emphasis and code.
+    md = f"**{PAYLOADS[0]}** *{PAYLOADS[2]}* `{PAYLOADS[1]}` [x](javascript:window.__xss(7)) [y](https://e.x/{PAYLOADS[1]})"
+    tags = [PAYLOADS[0], PAYLOADS[1], PAYLOADS[5]]
+    r = server.http.patch(f"/api/v1/experiments/{exp['id']}", json={"tags": tags, "notes": f"{P}\n\n{md}",
+                                                                    "description": f"desc {P}\n\n- {md}"})
+    assert r.status_code == 200, r.text
+    for run in runs:
+        r = server.http.patch(f"/api/v1/runs/{run['id']}", json={"tags": tags, "notes": f"{md}\n{P}",
+            "conversion_report": {"gemm_backend": "emulated", "device": S, "notes": [P],
+                                  "layers": [{"name": S, "block": 0, "in_features": S, "out_features": 1,
+                                              "converted": False, "backend": S, "reason": P}]}})
+        assert r.status_code == 200, r.text
     for i, run in enumerate(runs):
         server.log_loss_curve(run["id"], steps=20, start=4.0, offset_pct=i, val_every=5, tokens_per_s=1000 + i)
         server.set_status(run["id"], "running", device_name=f"dev {S}", worker_host=f"host {S}")
@@ -82,18 +95,20 @@ def visit(page, url: str, wait_for: str) -> dict:
         text: document.body.innerText}})""")
 
 
-@pytest.mark.parametrize("where", ["list", "experiment", "runs", "new"])
+@pytest.mark.parametrize("where", ["list", "experiment", "runs", "new", "run", "failed-run"])
 def test_no_stored_payload_runs_or_becomes_markup_on_any_page(server, page, planted, where):
     url, wait_for = {"list": ("/", ".experiment-link"),
                      "experiment": (f"/experiments/{planted['id']}", "#runs-body tr[data-run-id]"),
                      "runs": ("/runs", "#runs-list-body tr[data-run-id]"),
-                     "new": ("/experiments/new", "#recipes-fieldset")}[where]
+                     "new": ("/experiments/new", "#recipes-fieldset"),
+                     "run": (f"/runs/{planted['runs'][0]['id']}", "#run-checkpoints tr[data-artifact-id]"),
+                     "failed-run": (f"/runs/{planted['runs'][1]['id']}", "#run-errors .run-error")}[where]
     seen = visit(page, server.base_url + url, wait_for)
     assert seen["calls"] == [], seen["calls"]
     assert seen["injected"] == [], seen["injected"]
     assert seen["csp"] == [], seen["csp"]
     assert page.console_log.errors == [] or all("__xss" not in e for e in page.console_log.errors)
-    if where in ("list", "experiment"):
+    if where in ("list", "experiment", "run"):
         assert '<img src=x onerror="window.__xss(1)">' in seen["text"]  # shown, as text
 
 

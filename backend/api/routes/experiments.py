@@ -3,12 +3,13 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from fastapi import APIRouter, Query
-from fastapi.responses import Response
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response, StreamingResponse
 
-from backend.api.deps import WRITE, ObjectId, SessionDep
-from backend.schemas import ExperimentCreate, ExperimentOut, Page, SeriesQuery, VerdictOut
-from backend.services import comparison, dispatch, runs, verdict
+from backend.api.deps import WRITE, ObjectId, SessionDep, get_settings
+from backend.schemas import ExperimentCreate, ExperimentOut, ExperimentUpdate, Page, SeriesQuery, Tag, VerdictOut
+from backend.services import comparison, dispatch, export, housekeeping, runs, verdict
+from plab.settings import Settings
 
 router = APIRouter(prefix="/experiments", tags=["experiments"])
 
@@ -20,14 +21,60 @@ def create_experiment(body: ExperimentCreate, session: SessionDep):
 
 @router.get("", response_model=Page)
 def list_experiments(session: SessionDep, limit: int = Query(50, ge=1, le=500),
-                     offset: int = Query(0, ge=0, le=2**31)):
-    total, items = runs.list_experiments(session, limit, offset)
+                     offset: int = Query(0, ge=0, le=2**31),
+                     q: str | None = Query(None, max_length=200,
+                                           description="matches name, description, tags, recipes or model"),
+                     tag: Tag | None = Query(None, description="only experiments with this tag"),
+                     archived: bool = Query(False, description="list the archived experiments instead")):
+    total, items = housekeeping.list_experiments(session, limit=limit, offset=offset, q=q, tag=tag,
+                                                 archived=archived)
     return Page(total=total, items=[ExperimentOut.model_validate(e) for e in items])
 
 
 @router.get("/{experiment_id}", response_model=ExperimentOut)
 def get_experiment(experiment_id: ObjectId, session: SessionDep):
     return ExperimentOut.model_validate(runs.get_experiment(session, experiment_id))
+
+
+@router.patch("/{experiment_id}", response_model=ExperimentOut, dependencies=WRITE)
+def update_experiment(experiment_id: ObjectId, body: ExperimentUpdate, session: SessionDep):
+    """Name, description, tags, notes; `archived: true` hides it from the list (false restores it)."""
+    return ExperimentOut.model_validate(housekeeping.update_experiment(session, experiment_id, body))
+
+
+@router.delete("/{experiment_id}", status_code=204, dependencies=WRITE)
+def delete_experiment(experiment_id: ObjectId, session: SessionDep, settings: Settings = Depends(get_settings)):
+    """The experiment, every run's metrics, artifacts and evaluations, and the runs' folders under PLAB_HOME/runs.
+    409 while a run is queued or running (cancel it first)."""
+    housekeeping.delete_experiment(session, experiment_id, settings.home)
+    return Response(status_code=204)
+
+
+@router.get("/{experiment_id}/metrics")
+def experiment_metric_keys(experiment_id: ObjectId, session: SessionDep):
+    """Every metric key logged by any run of the experiment: {experiment_id, keys: [{key, runs, points}]}."""
+    return runs.experiment_metric_keys(session, experiment_id)
+
+
+EXPORT_TYPES = {"csv": "text/csv; charset=utf-8", "json": "application/json"}
+
+
+@router.get("/{experiment_id}/export", response_class=StreamingResponse,
+            responses={200: {"description": "every stored point, streamed (CSV columns: "
+                                            + ", ".join(export.CSV_COLUMNS) + ")",
+                             "content": {"text/csv": {"schema": {"type": "string"}},
+                                         "application/json": {"schema": {"type": "object"}}}}})
+def export_experiment(experiment_id: ObjectId, session: SessionDep, request: Request,
+                      format: Literal["csv", "json"] = Query("csv"),
+                      keys: str | None = Query(None, max_length=2000,
+                                               description="comma-separated metric keys; all keys when left out")):
+    """Every point of every series of every run at full resolution (not downsampled, not limited to a zoom)."""
+    plan = export.export_plan(session, experiment_id)
+    key_list = [k for k in (s.strip() for s in (keys or "").split(",")) if k] or None
+    stream = (export.csv_stream if format == "csv" else export.json_stream)(
+        request.app.state.sessionmaker, plan, key_list)
+    return StreamingResponse(stream, media_type=EXPORT_TYPES[format], headers={
+        "Content-Disposition": f'attachment; filename="experiment-{experiment_id}.{format}"'})
 
 
 @router.get("/{experiment_id}/series")

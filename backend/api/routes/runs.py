@@ -4,12 +4,14 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from backend.api.deps import WRITE, ObjectId, SessionDep
-from backend.schemas import (ArtifactIn, ArtifactOut, HeartbeatOut, METRIC_INGEST, MetricBatchResult, Page, RunCreate,
-                             RunDetail, RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate, metric_series)
-from backend.services import dispatch, runs
+from backend.api.deps import WRITE, ObjectId, SessionDep, get_settings
+from backend.schemas import (METRIC_INGEST, ArtifactIn, ArtifactOut, HeartbeatOut, MetricBatchResult, Page, RunCreate,
+                             RunDetail, RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate, Tag, metric_series)
+from backend.services import artifacts, dispatch, housekeeping, runs
+from plab.settings import Settings
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 
@@ -17,10 +19,14 @@ router = APIRouter(prefix="/runs", tags=["runs"])
 @router.get("", response_model=Page)
 def list_runs(session: SessionDep, experiment_id: int | None = Query(None, ge=1, le=2**31),
               status: str | None = Query(None, max_length=16), recipe: str | None = Query(None, max_length=32),
-              q: str | None = Query(None, max_length=200), limit: int = Query(100, ge=1, le=1000),
-              offset: int = Query(0, ge=0, le=2**31)):
-    total, items = runs.list_runs(session, experiment_id=experiment_id, status=status, recipe=recipe, q=q,
-                                  limit=limit, offset=offset)
+              q: str | None = Query(None, max_length=200, description="matches label, experiment name, message, "
+                                                                       "recipe or tags"),
+              tag: Tag | None = Query(None, description="only runs with this tag"),
+              archived: bool = Query(False, description="list archived runs (or runs of archived experiments) "
+                                                        "instead"),
+              limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**31)):
+    total, items = housekeeping.list_runs(session, experiment_id=experiment_id, status=status, recipe=recipe, q=q, tag=tag,
+                                  archived=archived, limit=limit, offset=offset)
     return Page(total=total, items=[RunOut.model_validate(r) for r in items])
 
 
@@ -33,6 +39,14 @@ def create_external_run(body: RunCreate, session: SessionDep):
 @router.get("/{run_id}", response_model=RunDetail)
 def get_run(run_id: ObjectId, session: SessionDep):
     return RunDetail.model_validate(runs.get_run(session, run_id))
+
+
+@router.delete("/{run_id}", status_code=204, dependencies=WRITE)
+def delete_run(run_id: ObjectId, session: SessionDep, settings: Settings = Depends(get_settings)):
+    """The run, its metrics, artifacts and evaluations, and its folder PLAB_HOME/runs/<id>. 409 while it is
+    queued or running (cancel it first)."""
+    housekeeping.delete_run(session, run_id, settings.home)
+    return Response(status_code=204)
 
 
 @router.post("/{run_id}/cancel", response_model=RunOut, dependencies=WRITE)
@@ -56,8 +70,9 @@ def heartbeat(run_id: ObjectId, session: SessionDep):
 
 @router.patch("/{run_id}", response_model=RunOut, dependencies=WRITE)
 def update_run_info(run_id: ObjectId, body: RunInfoUpdate, session: SessionDep):
-    """Informational fields (conversion report, GEMM backend, device, summary) without a status change."""
-    return RunOut.model_validate(runs.update_info(session, run_id, body))
+    """Informational fields (conversion report, GEMM backend, device, summary) and the user's (label, tags, notes,
+    `archived`) without a status change."""
+    return RunOut.model_validate(housekeeping.update_run(session, run_id, body))
 
 
 async def metric_batch(request: Request) -> dict[str, list[tuple]]:
@@ -113,3 +128,20 @@ def add_artifact(run_id: ObjectId, body: ArtifactIn, session: SessionDep):
 @router.get("/{run_id}/artifacts", response_model=list[ArtifactOut])
 def list_artifacts(run_id: ObjectId, session: SessionDep):
     return [ArtifactOut.model_validate(a) for a in runs.list_artifacts(session, run_id)]
+
+
+@router.get("/{run_id}/artifacts/{artifact_id}/download", response_class=StreamingResponse,
+            responses={200: {"description": "the file, or a folder (a checkpoint) as an uncompressed tar",
+                             "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                                         "application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}})
+def download_artifact(run_id: ObjectId, artifact_id: ObjectId, session: SessionDep,
+                      settings: Settings = Depends(get_settings)):
+    """Only what lies inside the run's folder (PLAB_HOME/runs/<id>) after links are followed: 403 for a path
+    outside it, 404 when the file is gone (a run keeps only its newest checkpoints)."""
+    runs.get_run(session, run_id)
+    target = artifacts.confined_path(session, settings.home, run_id, artifact_id)
+    if target.is_file():
+        return FileResponse(target, media_type="application/octet-stream", filename=target.name)
+    files = artifacts.folder_files(target, housekeeping.run_folder(settings.home, run_id))
+    return StreamingResponse(artifacts.tar_stream(files), media_type="application/x-tar", headers={
+        "Content-Disposition": f'attachment; filename="run-{run_id}-{target.name}.tar"'})

@@ -1,17 +1,26 @@
 // Experiment page: loss curves of every run (one trace per run), relative difference to the baseline, speed
 // and memory bars, and the runs table; polls every 2 s while any run is queued or running.
 import { get, post, items, formatDate, showGlobalError, LIVE_STATUSES } from "./api.js";
-import { escapeHtml, html, joinHtml, plotText, setHTML, slurmNote, statusBadge } from "./dom.js";
+import { html, joinHtml, plotText, setHTML, slurmNote, statusBadge, urlPath } from "./dom.js";
 import {
   BASELINE, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName, runLabel, runSummary,
   tokensPerSecond,
 } from "./summary.js";
 import { cleanPoints, ema, median, relativeDifference, relativeWallTime } from "./series.js";
-import { BASELINE_COLOR, colorAt, loadPlotly, PLOT_CONFIG } from "./plot.js";
+import {
+  BASELINE_COLOR, colorAt, DEFAULT_SMOOTHING, emulatedPattern, loadPlotly, PLOT_CONFIG, smoothedTraces,
+} from "./plot.js";
 import { poke, register } from "./poller.js";
 import { mount as mountAccuracy } from "./panels/accuracy.js";
 import { mount as mountGemm } from "./panels/gemm.js";
 import { mount as mountVerdict, seedBandTraces } from "./panels/verdict.js";
+// ---- pages helper (issue 17 items 4-8, 10): explorer, export, housekeeping, states
+import { mount as mountExplorer } from "./panels/explorer.js";
+import { mount as mountExport } from "./export.js";
+import { mountHousekeeping } from "./housekeeping.js";
+import { renderMarkdown } from "./markdown.js";
+import { collapsePanel, liveRuns, statusLine, workerNote } from "./states.js";
+// ---- end pages helper
 
 const root = document.getElementById("experiment-root");
 const experimentId = root.dataset.experimentId;
@@ -26,7 +35,7 @@ const state = {
   series: new Map(), // run_id → {key: {step, tokens, wall_time, value}}
   perf: new Map(),
   xMode: "step",
-  smoothing: 0,
+  smoothing: DEFAULT_SMOOTHING,
   logScale: false,
   zoom: null, // [x_min, x_max] on the server's x axis while the user is zoomed in
   polls: 0,
@@ -85,6 +94,7 @@ async function refresh() {
     // Navigation start to loss curves, comparison charts and runs table drawn (bench/dashboard_bench.py).
     performance.mark("plab:first-render");
     state.firstRenderMs = performance.now();
+    document.dispatchEvent(new Event("plab:first-render"));
   }
   if (needsPerfSeries()) {
     // Throughput/memory curves only feed the bars (a median) of runs whose worker has not sent its final
@@ -150,18 +160,10 @@ function lossLayout(title, yTitle) {
 }
 
 function lossTraces(key, smoothing) {
-  return state.runs.map((run, i) => {
+  return state.runs.flatMap((run, i) => {
     const p = pointsOf(run, key);
-    const y = smoothing > 0 ? ema(p.value, smoothing) : p.value;
-    return {
-      type: "scatter",
-      mode: "lines",
-      name: plotText(runLabel(run)),
-      x: xValues(p),
-      y,
-      line: { color: colorOf(run, i), width: recipeName(run) === BASELINE ? 2.5 : 1.6 },
-      meta: { run_id: run.id, key },
-    };
+    return smoothedTraces({ name: plotText(runLabel(run)), x: xValues(p), y: p.value, color: colorOf(run, i),
+      width: recipeName(run) === BASELINE ? 2.5 : 1.6, smoothing, meta: { run_id: run.id, key } }, ema);
   });
 }
 
@@ -169,8 +171,9 @@ let zoomAttached = false;
 function drawLoss() {
   const traces = lossTraces("train/loss", state.smoothing);
   const layout = lossLayout("Training loss", "train/loss");
-  layout.annotations = emptyNote(traces.some((t) => t.x.length), state.runs.length
-    ? "no train/loss points yet: curves appear as runs report them" : "this experiment has no runs");
+  layout.annotations = emptyNote(traces.some((t) => t.x.length), !state.runs.length ? "this experiment has no runs"
+    : isLive() ? "no train/loss points yet: curves appear as runs report them"
+      : "no train/loss points: the runs ended without reporting any");
   Plotly.react("loss-chart", traces, layout, PLOT_CONFIG);
   // Zoom re-queries from the moment the chart exists (not after the rest of the page's first load).
   if (!zoomAttached && document.getElementById("loss-chart").on) { attachZoom(); zoomAttached = true; }
@@ -195,12 +198,9 @@ function drawRelative() {
     const diff = basePts ? relativeDifference(xy(basePts), xy(pointsOf(run, "train/loss"))) : { x: [], y: [] };
     // Smooth the difference, not the two losses: an EMA runs over points, so two runs sampled on
     // different token grids would lag differently and show a difference that is not there.
-    const y = state.smoothing > 0 ? ema(diff.y, state.smoothing) : diff.y;
-    return {
-      type: "scatter", mode: "lines", name: plotText(runLabel(run)), x: diff.x, y,
-      line: { color: colorOf(run, idx), width: 1.6 }, meta: { run_id: run.id },
-    };
-  });
+    return smoothedTraces({ name: plotText(runLabel(run)), x: diff.x, y: diff.y, color: colorOf(run, idx),
+      smoothing: state.smoothing, meta: { run_id: run.id, key: "relative" } }, ema);
+  }).flat();
   // BF16's seed replicates draw its seed band; with one seed, the experiment's stated tolerance is the band.
   const replicates = state.runs.filter((r) => r !== base && recipeName(r) === BASELINE
     && !r.bf16_first_layers && !r.bf16_last_layers);
@@ -222,6 +222,7 @@ function drawRelative() {
     uirevision: `rel|${useTokens}`,
   };
   Plotly.react("relative-chart", [...band, ...traces], layout, PLOT_CONFIG);
+  collapsePanel("relative-chart", traces.some((t) => t.x.length) ? "" : layout.annotations[0]?.text);
 }
 
 function runThroughput(run) {
@@ -234,14 +235,14 @@ function runThroughput(run) {
 function drawSpeed() {
   const base = baselineRun();
   const baseTps = base ? runThroughput(base) : null;
-  const labels = [], tps = [], text = [], patterns = [], colors = [], mem = [], mfus = [];
+  const labels = [], tps = [], text = [], emulatedBars = [], colors = [], mem = [], mfus = [];
   state.runs.forEach((run, i) => {
     const emulated = gemmBackend(run) === "emulated";
     labels.push(plotText(runLabel(run) + (emulated ? " (emulated)" : "")));
     const t = runThroughput(run);
     tps.push(t);
     text.push(t != null && baseTps ? `${(t / baseTps).toFixed(2)}×` : "");
-    patterns.push(emulated ? "/" : "");
+    emulatedBars.push(emulated);
     colors.push(colorOf(run, i));
     mem.push(peakMemory(run) ?? median(pointsOf(run, "perf/peak_mem_gib", state.perf).value));
     const m = mfu(run) ?? median(pointsOf(run, "perf/mfu", state.perf).value);
@@ -249,7 +250,7 @@ function drawSpeed() {
   });
   Plotly.react("throughput-chart", [{
     type: "bar", x: labels, y: tps, text, textposition: "outside", name: "tokens/s",
-    marker: { color: colors, pattern: { shape: patterns, fgcolor: "#ffffff", solidity: 0.35 } },
+    marker: { color: colors, pattern: emulatedPattern(emulatedBars) },
     hovertemplate: "%{x}<br>%{y:,.0f} tokens/s<br>%{text} BF16<extra></extra>",
   }], {
     title: { text: "Throughput (tokens/s; label: speedup over BF16)", font: { size: 14 } },
@@ -258,9 +259,9 @@ function drawSpeed() {
   }, PLOT_CONFIG);
   Plotly.react("memory-chart", [
     { type: "bar", x: labels, y: mem, name: "peak memory (GiB)", offsetgroup: "mem",
-      marker: { color: "#6c8ebf", pattern: { shape: patterns } } },
+      marker: { color: "#6c8ebf", pattern: emulatedPattern(emulatedBars) } },
     { type: "bar", x: labels, y: mfus, name: "MFU (%)", yaxis: "y2", offsetgroup: "mfu",
-      marker: { color: "#d79b00", pattern: { shape: patterns } } },
+      marker: { color: "#d79b00", pattern: emulatedPattern(emulatedBars) } },
   ], {
     title: { text: "Peak memory and MFU", font: { size: 14 } },
     margin: { l: 60, r: 60, t: 40, b: 90 }, barmode: "group",
@@ -270,6 +271,8 @@ function drawSpeed() {
     annotations: emptyNote(mem.some((v) => v != null) || mfus.some((v) => v != null),
       "no peak-memory or MFU figures reported yet"),
   }, PLOT_CONFIG);
+  const anySpeed = tps.some((v) => v != null) || mem.some((v) => v != null) || mfus.some((v) => v != null);
+  collapsePanel("throughput-chart", anySpeed ? "" : "No throughput, memory or MFU reported yet.");
 }
 
 // ---------------------------------------------------------------- numerics heatmap
@@ -331,6 +334,10 @@ async function drawNumerics({ force = false } = {}) {
         ? "no numerics logged for this run (set training.numerics_every in the spec)"
         : "no low-precision run in this experiment"),
     }, PLOT_CONFIG);
+    // Collapsed to one line when empty; the run selector stays, another run may have numerics.
+    collapsePanel("numerics-chart", layers.length ? "" : (run
+      ? `No numerics logged for ${runLabel(run)} (set training.numerics_every in the spec).`
+      : "No low-precision run in this experiment: nothing to show."), { keepControls: Boolean(run) });
   } finally {
     numerics.loading = false;
   }
@@ -368,7 +375,8 @@ function renderHeader() {
   const exp = state.experiment;
   document.getElementById("experiment-name").textContent = exp.name || `Experiment ${experimentId}`;
   document.title = `${exp.name || "Experiment"} · Precision Lab`;
-  document.getElementById("experiment-description").textContent = exp.description || "";
+  setHTML(document.getElementById("experiment-description"), renderMarkdown(exp.description || ""));
+  housekeeping.update(exp);
   const data = exp.data || {}, training = exp.training || {};
   const evalTasks = Array.isArray(exp.eval_tasks) ? exp.eval_tasks.join(", ") : "";
   const entries = [
@@ -439,9 +447,11 @@ function runRow(run, i) {
     run.error_message || "", slurmNote(run),
   ].filter(Boolean).join(": ");
   const device = [run.device_name, run.worker_host].filter(Boolean).join(" @ ");
-  const live = LIVE_STATUSES.has(run.status);
+  const live = LIVE_STATUSES.has(run.status) && !run.external;
   return html`<tr data-run-id="${run.id}" data-status="${run.status}">
-    <td><span class="swatch" style="background:${colorOf(run, i)}"></span>${runLabel(run)}</td>
+    <td><span class="swatch" style="background:${colorOf(run, i)}"></span><a class="run-link"
+      href="${urlPath("runs", run.id)}">${runLabel(run)}</a>${run.external
+      && html` <span class="badge record-only" title="logged by the user's script through the API, not trained by a worker: not polled">record-only</span>`}</td>
     <td>${statusBadge(run.status)}</td>
     <td class="progress-cell">${pct != null && html`<div class="progress" title="${pct}%">
         <div class="progress-bar" style="width:${pct}%"></div></div>
@@ -472,15 +482,14 @@ function drawCharts() {
 
 // ---------------------------------------------------------------- live updates
 function isLive() {
-  return state.runs.some((r) => LIVE_STATUSES.has(r.status));
+  return liveRuns(state.runs).length > 0;
 }
 
 function setLiveStatus(polling, note = "") {
   const el = document.getElementById("live-status");
   el.dataset.polling = String(polling);
-  const live = state.runs.filter((r) => LIVE_STATUSES.has(r.status)).length;
-  el.textContent = note || (polling ? `${live} run${live === 1 ? "" : "s"} live · updating every 2 s`
-    : (state.runs.length ? "all runs finished" : ""));
+  el.textContent = note || statusLine(state.runs, polling, state.workerNote);
+  el.dataset.state = note ? "note" : (polling ? "live" : "done");
 }
 
 // The runs panel (header, runs table, loss, comparison and speed charts) in the page's one poller: polled while
@@ -490,6 +499,7 @@ async function refreshRuns() {
   state.failed = false;
   try {
     await refresh();
+    state.workerNote = await workerNote(state.experiment, state.runs);
     showGlobalError("");
   } catch (err) {
     state.failed = err.status !== 404;
@@ -528,6 +538,9 @@ for (const id of ["numerics-run", "numerics-stat"]) {
 document.getElementById("runs-body").addEventListener("click", async (event) => {
   const button = event.target.closest("button.cancel-run");
   if (!button) return;
+  const run = state.runs.find((r) => String(r.id) === button.dataset.runId);
+  if (!window.confirm(`Cancel ${run ? runLabel(run) : `run ${button.dataset.runId}`}? A running job stops at its next `
+    + "step; a queued one never starts.")) return;
   button.disabled = true;
   try {
     await post(`/api/v1/runs/${encodeURIComponent(button.dataset.runId)}/cancel`);
@@ -559,95 +572,19 @@ function attachZoom() {
   });
 }
 
-// ---------------------------------------------------------------- export
-function download(name, type, content) {
-  const url = URL.createObjectURL(new Blob([content], { type }));
-  const a = document.createElement("a");
-  a.href = url;
-  a.download = name;
-  document.body.appendChild(a);
-  a.click();
-  a.remove();
-  setTimeout(() => URL.revokeObjectURL(url), 1000);
-}
-
-function exportObject() {
-  return {
-    experiment: state.experiment,
-    series: state.runs.map((run) => ({ run_id: run.id, recipe: recipeName(run), label: runLabel(run),
-      series: state.series.get(String(run.id)) || {} })),
-  };
-}
-
-function csvCell(v) {
-  const s = v == null ? "" : String(v);
-  return /[",\n]/.test(s) ? `"${s.replace(/"/g, '""')}"` : s;
-}
-
-function exportCsv() {
-  const lines = ["run_id,recipe,label,key,step,tokens,wall_time,value"];
-  for (const run of state.runs) {
-    for (const [key, s] of Object.entries(state.series.get(String(run.id)) || {})) {
-      (s.value || []).forEach((v, i) => {
-        lines.push([run.id, recipeName(run), runLabel(run), key, s.step?.[i], s.tokens?.[i], s.wall_time?.[i], v]
-          .map(csvCell).join(","));
-      });
-    }
-  }
-  return `${lines.join("\n")}\n`;
-}
-
-function figureOf(id) {
-  const gd = document.getElementById(id);
-  if (!gd || gd.hidden || !gd.data) return null;
-  const data = gd.data.map((t) => ({ ...t }));
-  const layout = { ...gd.layout };
-  delete layout.uirevision;
-  return { id, data, layout };
-}
-
-async function exportHtml() {
-  const plotly = await (await fetch(document.querySelector("script[src*='plotly']").src)).text();
-  const figures = ["loss-chart", "val-loss-chart", "relative-chart", "throughput-chart", "memory-chart",
-    "numerics-chart"]
-    .map(figureOf).filter(Boolean);
-  const safeJson = (obj) => JSON.stringify(obj).replace(/</g, "\\u003c");
-  const table = document.getElementById("runs-table").cloneNode(true);
-  table.querySelectorAll("button").forEach((b) => b.remove());
-  const name = state.experiment?.name || `experiment ${experimentId}`;
-  const doc = `<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>${escapeHtml(name)} · Precision Lab report</title>
-<style>body{font-family:system-ui,sans-serif;margin:24px;color:#222}table{border-collapse:collapse}
-td,th{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left}.chart{height:420px}
-.progress{display:none}</style>
-<script>${plotly.replace(/<\/script/gi, "<\\/script")}</script></head>
-<body><h1>${escapeHtml(name)}</h1>
-<p>${escapeHtml(state.experiment?.description || "")}</p>
-<p>${escapeHtml(document.getElementById("experiment-summary").textContent)}</p>
-<p>Exported ${escapeHtml(new Date().toISOString())}. Emulated runs (hatched bars) ran quantize → dequantize → BF16
-GEMMs: their throughput is not the format's hardware throughput.</p>
-${figures.map((f) => `<div id="${f.id}" class="chart"></div>`).join("\n")}
-${table.outerHTML}
-<script>const FIGURES = ${safeJson(figures)};
-for (const f of FIGURES) Plotly.newPlot(f.id, f.data, f.layout, {displaylogo: false});</script>
-</body></html>`;
-  download(`experiment-${experimentId}.html`, "text/html", doc);
-}
-
-document.getElementById("export-json").addEventListener("click", () => {
-  download(`experiment-${experimentId}.json`, "application/json", JSON.stringify(exportObject(), null, 2));
-});
-document.getElementById("export-csv").addEventListener("click", () => {
-  download(`experiment-${experimentId}.csv`, "text/csv", exportCsv());
-});
-document.getElementById("export-html").addEventListener("click", () => {
-  exportHtml().catch((err) => showGlobalError(`HTML export failed: ${err.message}`));
-});
-
 // ---------------------------------------------------------------- start
 register({ name: "runs", refresh: refreshRuns, live: () => !state.gone && (isLive() || state.failed) });
 mountVerdict();
 mountGemm();
 mountAccuracy();
+// ---- pages helper
+const housekeeping = mountHousekeeping(document.getElementById("experiment-housekeeping"), {
+  kind: "experiments", nameField: "name", hasDescription: true, describe: (e) => `experiment "${e.name}"`,
+  onSaved: (saved) => { state.experiment = { ...state.experiment, ...saved }; renderHeader(); },
+  onDeleted: () => { window.location.assign("/"); },
+});
+mountExplorer(experimentId);
+mountExport(experimentId, () => state.experiment, showGlobalError);
+// ---- end pages helper
 // Tests and curious users can read the page's state from the console.
 window.plabExperiment = state;

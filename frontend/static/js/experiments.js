@@ -3,6 +3,8 @@
 import { get, items, formatDate, showGlobalError } from "./api.js";
 import { html, joinHtml, setHTML, statusBadge, urlPath } from "./dom.js";
 import { recipeName, statusCounts } from "./summary.js";
+import { tagList } from "./housekeeping.js";
+import { renderMarkdownLine } from "./markdown.js";
 
 const PAGE = 50;
 let offset = 0;
@@ -22,7 +24,9 @@ function row(exp, runs) {
     .map(([status, n]) => html`${statusBadge(status)} <span class="count">${n}</span>`);
   return html`<tr data-experiment-id="${exp.id}">
     <td><a class="experiment-link" href="${urlPath("experiments", exp.id)}">${exp.name}</a>
-      ${exp.description && html`<div class="muted">${exp.description}</div>`}</td>
+      ${exp.archived_at && html` <span class="badge">archived</span>`}
+      ${(exp.tags || []).length > 0 && html`<div class="tags">${tagList(exp.tags)}</div>`}
+      ${exp.description && html`<div class="muted markdown">${renderMarkdownLine(exp.description)}</div>`}</td>
     <td>${formatDate(exp.created_at)}</td>
     <td>${joinHtml(experimentRecipes(exp, runs).map((r) => html`<code>${r}</code>`), " ")}</td>
     <td class="status-counts">${joinHtml(countsHtml, " ")}</td>
@@ -33,13 +37,17 @@ function row(exp, runs) {
 async function load() {
   const body = document.getElementById("experiments-body");
   try {
-    const list = items(await get(`/api/v1/experiments?limit=${PAGE}&offset=${offset}`), "experiments");
+    const params = searchParams();
+    params.set("limit", String(PAGE));
+    params.set("offset", String(offset));
+    const list = items(await get(`/api/v1/experiments?${params}`), "experiments");
     // The list may omit runs; fetch each experiment's detail then (a page holds at most PAGE).
     const details = await Promise.all(list.map((exp) => (Array.isArray(exp.runs)
       ? exp : get(`/api/v1/experiments/${encodeURIComponent(exp.id)}`).catch(() => exp))));
     setHTML(body, details.length
       ? joinHtml(details.map((exp) => row(exp, Array.isArray(exp.runs) ? exp.runs : [])))
-      : html`<tr class="placeholder"><td colspan="5">No experiments yet:
+      : searchParams().toString() ? html`<tr class="placeholder"><td colspan="5">No experiments match.</td></tr>`
+        : html`<tr class="placeholder"><td colspan="5">No experiments yet:
            <a href="/experiments/new">create one</a>, or run <code>plab demo</code>.</td></tr>`);
     fillVerdicts(details);
     document.getElementById("experiments-prev").disabled = offset === 0;
@@ -69,6 +77,34 @@ async function fillVerdicts(experiments) {
   await Promise.all([worker(), worker(), worker()]);
 }
 
+// Search and the archived switch live in the URL, so a filtered list can be bookmarked.
+function searchParams() {
+  const params = new URLSearchParams();
+  const q = document.getElementById("search-q").value.trim();
+  const tag = document.getElementById("search-tag").value.trim();
+  if (q) params.set("q", q);
+  if (tag) params.set("tag", tag);
+  if (document.getElementById("search-archived").checked) params.set("archived", "true");
+  return params;
+}
+
+function readUrl() {
+  const params = new URLSearchParams(window.location.search);
+  document.getElementById("search-q").value = params.get("q") || "";
+  document.getElementById("search-tag").value = params.get("tag") || "";
+  document.getElementById("search-archived").checked = params.get("archived") === "true";
+}
+
+document.getElementById("experiment-search").addEventListener("submit", (event) => {
+  event.preventDefault();
+  offset = 0;
+  const qs = searchParams().toString();
+  window.history.replaceState(null, "", qs ? `?${qs}` : window.location.pathname);
+  load();
+});
+document.getElementById("search-archived").addEventListener("change", () => {
+  document.getElementById("experiment-search").requestSubmit();
+});
 document.getElementById("experiments-prev").addEventListener("click", () => {
   offset = Math.max(0, offset - PAGE);
   load();
@@ -77,4 +113,5 @@ document.getElementById("experiments-next").addEventListener("click", () => {
   offset += PAGE;
   load();
 });
+readUrl();
 load();

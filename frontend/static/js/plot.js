@@ -29,3 +29,29 @@ export function loadPlotly() {
 }
 
 export const plotlyReady = loadPlotly;
+
+// Smoothing the curves start with (an EMA weight, see series.js): enough to read a noisy loss, little enough lag
+// to see a spike, which stays visible in the faint raw curve drawn behind.
+export const DEFAULT_SMOOTHING = 0.6;
+const MIN_SMOOTHED_POINTS = 10;
+
+// One series as drawn on every line chart: the smoothed curve, and behind it the raw one, faint and in the same
+// legend group (hiding one hides both). With smoothing 0 only the raw curve, at full strength.
+export function smoothedTraces({ name, x, y, color, smoothing: weight, width = 1.6, meta = {} }, ema) {
+  // A handful of points (validation every N steps) is drawn as it is: an EMA over them would only lag.
+  const smoothing = (y || []).length >= MIN_SMOOTHED_POINTS ? weight : 0;
+  const group = `${meta.run_id ?? name}|${meta.key ?? ""}`;
+  const main = { type: "scatter", mode: "lines", name, x, y: smoothing > 0 ? ema(y, smoothing) : y,
+    line: { color, width }, legendgroup: group, meta: { ...meta, smoothed: smoothing > 0 } };
+  if (!(smoothing > 0)) return [main];
+  return [{ type: "scatter", mode: "lines", name, x, y, line: { color, width: 1 }, opacity: 0.25, hoverinfo: "skip",
+    showlegend: false, legendgroup: group, meta: { ...meta, raw: true } }, main];
+}
+
+// Bars of runs on emulated GEMMs carry this hatch on every chart: white stripes laid over the bar's own colour
+// ("overlay"; the default "replace" draws the stripes on a transparent bar, which shows nothing when they are
+// white), in the legend too.
+export function emulatedPattern(emulated) {
+  const shapes = Array.isArray(emulated) ? emulated.map((e) => (e ? "/" : "")) : (emulated ? "/" : "");
+  return { shape: shapes, fillmode: "overlay", fgcolor: "#ffffff", fgopacity: 1, size: 8, solidity: 0.3 };
+}

@@ -3,15 +3,18 @@
 import { get, items, formatDate, showGlobalError } from "./api.js";
 import { html, joinHtml, setHTML, slurmNote, statusBadge, urlPath } from "./dom.js";
 import { gemmBackend, runLabel } from "./summary.js";
+import { tagList } from "./housekeeping.js";
 
 const PAGE = 50;
 const form = document.getElementById("runs-filters");
-const fields = { status: "filter-status", recipe: "filter-recipe", q: "filter-q" };
+const fields = { status: "filter-status", recipe: "filter-recipe", q: "filter-q", tag: "filter-tag" };
+const archivedBox = document.getElementById("filter-archived");
 let offset = 0;
 
 function readUrl() {
   const params = new URLSearchParams(window.location.search);
   for (const [name, id] of Object.entries(fields)) document.getElementById(id).value = params.get(name) || "";
+  archivedBox.checked = params.get("archived") === "true";
   offset = Math.max(0, Number(params.get("offset")) || 0);
 }
 
@@ -21,6 +24,7 @@ function query() {
     const v = document.getElementById(id).value.trim();
     if (v) params.set(name, v);
   }
+  if (archivedBox.checked) params.set("archived", "true");
   return params;
 }
 
@@ -28,7 +32,9 @@ function row(run) {
   const message = [run.status === "diverged" && run.diverged_step != null ? `diverged at step ${run.diverged_step}` : "",
     run.error_message || "", slurmNote(run)].filter(Boolean).join(": ");
   return html`<tr data-run-id="${run.id}" data-status="${run.status}">
-    <td>#${run.id} ${runLabel(run)}</td>
+    <td><a class="run-link" href="${urlPath("runs", run.id)}">#${run.id} ${runLabel(run)}</a>${run.external
+      && html` <span class="badge record-only">record-only</span>`}${(run.tags || []).length > 0
+      && html`<div class="tags">${tagList(run.tags)}</div>`}</td>
     <td><a href="${urlPath("experiments", run.experiment_id)}">experiment ${run.experiment_id}</a></td>
     <td><code>${run.recipe}</code></td>
     <td>${statusBadge(run.status)}</td>

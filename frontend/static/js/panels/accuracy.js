@@ -3,7 +3,7 @@
 // significance marker, and a bar chart of those differences. Evaluations run as Celery jobs long after training;
 // the panel polls while any evaluation (or run, whose success may start one) is still to finish.
 import { get, items, LIVE_STATUSES } from "../api.js";
-import { colorAt, PLOT_CONFIG, plotlyReady } from "../plot.js";
+import { colorAt, emulatedPattern, PLOT_CONFIG, plotlyReady } from "../plot.js";
 import { POLL_MS, register } from "../poller.js";
 import { escapeHtml, html, joinHtml, setHTML, statusBadge } from "../dom.js";
 import { gemmBackend, recipeName, runLabel } from "../summary.js";
@@ -240,8 +240,8 @@ export function deltaTraces(table) {
   const compared = evaluatedRuns(table).filter((r) => r.run_id !== table.baseline_run_id && (r.vs_bf16 || []).length);
   return compared.map((run) => {
     const rows = tasks.map((t) => comparisonRow(run, t, taskMetric(table, t)));
-    const rel = (x, row) => (row && finite(x) && finite(row.baseline) && row.baseline !== 0
-      ? (100 * x) / Math.abs(row.baseline) : null);
+    // Accuracy differences in percentage points, as in the table; other metrics (bits per byte) in their unit.
+    const rel = (x, row) => (row && finite(x) ? (isAccuracy(row.metric) ? 100 * x : x) : null);
     const emulated = isEmulated(run);
     return {
       type: "bar", name: escapeHtml(`${runName(run)}${emulated ? " (emulated GEMMs)" : ""}`), x: tasks.map(escapeHtml),
@@ -254,9 +254,9 @@ export function deltaTraces(table) {
         `[${formatBound(row.metric, row.ci_low)}, ${formatBound(row.metric, row.ci_high)}]`, significance(row).title,
         formatValue(row.metric, row.baseline), formatValue(row.metric, row.candidate)] : [taskMetric(table, tasks[j]), "–", "", "not compared", "", ""])),
       hovertemplate: `${escapeHtml(runName(run))}<br>%{x} %{customdata[0]}: %{customdata[5]} vs BF16 %{customdata[4]}`
-        + "<br>Δ %{customdata[1]} %{customdata[2]} (%{y:.2f}% of BF16)<br>%{customdata[3]}<extra></extra>",
+        + "<br>Δ %{customdata[1]} %{customdata[2]}<br>%{customdata[3]}<extra></extra>",
       marker: { color: runColor(table, run),
-        pattern: { shape: emulated ? "/" : "", fgcolor: "#ffffff", solidity: 0.4 } },
+        pattern: emulatedPattern(emulated) },
       meta: { run_id: run.run_id, recipe: run.recipe, emulated },
     };
   });
@@ -270,7 +270,7 @@ function drawChart(table) {
   window.Plotly.react(el, traces, {
     title: { text: `Difference to BF16 with ${Math.round(100 * (table.confidence || 0.95))}% interval`, font: { size: 14 } },
     barmode: "group", margin: { l: 70, r: 20, t: 40, b: 90 },
-    yaxis: { title: { text: "Δ relative to BF16 (%)" }, zeroline: true, zerolinecolor: "#111" },
+    yaxis: { title: { text: "Δ vs BF16 (accuracy: points)" }, zeroline: true, zerolinecolor: "#111" },
     xaxis: { tickangle: -25 },
     legend: { orientation: "h", y: -0.3 },
   }, PLOT_CONFIG);

@@ -5,7 +5,7 @@
 // device ran emulated: their bars are hatched and their names say so, because their timings are not what
 // the format's hardware would give.
 import { get, items, formatDate, LIVE_STATUSES } from "../api.js";
-import { colorAt, PLOT_CONFIG, plotlyReady } from "../plot.js";
+import { colorAt, emulatedPattern, PLOT_CONFIG, plotlyReady } from "../plot.js";
 import { register } from "../poller.js";
 import { html, joinHtml, plotText, setHTML, statusBadge } from "../dom.js";
 import { BASELINE, gemmBackend, recipeName, runLabel, tokensPerSecond } from "../summary.js";
@@ -89,7 +89,7 @@ function drawBars(result) {
         hovertemplate: `${plotText(format)}<br>%{x}: %{y:.2f}× BF16<br>%{customdata[0]:.1f} TFLOP/s`
           + "<br>%{customdata[1]} %{customdata[2]}<extra></extra>",
         marker: { color: colorAt((result.formats || []).indexOf(format)),
-          pattern: { shape: emulated.has(format) ? "/" : "", fgcolor: "#ffffff", solidity: 0.4 } },
+          pattern: emulatedPattern(emulated.has(format)) },
         meta: { format, mode: mode.key, emulated: emulated.has(format) },
       };
     });
