@@ -150,7 +150,8 @@ def test_exported_html_report_opens_offline_and_shows_the_charts(server, page, c
         counts = view.evaluate("() => ['loss-chart', 'relative-chart', 'throughput-chart']"
                                ".map(id => document.getElementById(id).data.filter(t => !(t.meta && t.meta.raw)).length)")
         assert counts == [4, 3, 1]
-        assert view.locator("table tr").count() == 1 + 4
+        assert view.locator("#runs-table tr").count() == 1 + 4
+        assert view.locator("#report-verdict").count() == 1
         assert errors == []
     finally:
         offline.close()
