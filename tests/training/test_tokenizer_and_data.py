@@ -82,10 +82,13 @@ def test_random_corpus_uses_uint32_beyond_65535_tokens():
 
 
 def test_encoding_in_pieces_gives_exactly_the_tokens_of_the_whole_text(tok):
-    from training.data import _encode_file
+    from training.corpus import text_pieces
     shakespeare = (CORPUS / "input.txt").read_text()[:60_000]
     whitespace_heavy = "".join(f"line {i}\n\n\n  indented {i}  \n \n" for i in range(2000))
     for text in (shakespeare, whitespace_heavy):
         whole = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
         for chunk_chars in (97, 1000):
-            assert _encode_file(tok, text, chunk_chars=chunk_chars) == whole
+            pieces = text_pieces(text, chunk_chars=chunk_chars)
+            assert "".join(pieces) == text and len(pieces) > 1
+            got = [i for enc in tok.backend_tokenizer.encode_batch(pieces, add_special_tokens=False) for i in enc.ids]
+            assert got == whole
