@@ -334,7 +334,7 @@ def parse_json_lines(unit: Unit, text_field: str, names: list[str]) -> tuple[lis
             bad.append(f"{names[unit.file]}:{row}: bytes that are not UTF-8 at column {exc.start + 1}")
             continue
         except json.JSONDecodeError as exc:
-            bad.append(f"{names[unit.file]}:{row}: invalid JSON ({exc.msg} at column {exc.colno})")
+            bad.append(f"{names[unit.file]}:{row}: invalid JSON ({exc})")
             continue
         value = obj.get(text_field) if isinstance(obj, dict) else None
         if not isinstance(value, str):
