@@ -343,6 +343,12 @@ def parse_json_lines(unit: Unit, text_field: str, names: list[str]) -> tuple[lis
             keys = f" (fields: {sorted(obj)[:10]})" if isinstance(obj, dict) else ""
             raise CorpusError(f"{names[unit.file]}:{row}: the line {what}{keys}; set data.text_field to the "
                               f"field that holds the text, or fix the line")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:  # JSON may escape a lone surrogate ("\ud800"): no tokenizer takes it
+            bad.append(f"{names[unit.file]}:{row}: the text is not valid Unicode (a lone surrogate at "
+                       f"character {exc.start + 1})")
+            continue
         texts.append(value)
     return texts, bad, rows
 

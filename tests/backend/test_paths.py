@@ -68,3 +68,12 @@ def test_the_worker_sets_confinement_and_the_default_data_dir_for_its_jobs(monke
 def test_confine_resolves_dotdot_inside_the_root(data):
     root, _ = data
     assert confine("corpus/../corpus", "data.corpus", [root.resolve()]) == (root / "corpus").resolve()
+
+
+@pytest.mark.parametrize("key", ["val_corpus", "tokenizer"])
+def test_the_api_confines_the_validation_corpus_and_the_tokenizer_path_too(tmp_path, data, key):
+    _, outside = data
+    api = make_client(f"sqlite:///{tmp_path / 'plab.sqlite'}", tmp_path)
+    r = api.post("/api/v1/experiments", json={**EXPERIMENT, "data": {"corpus": "corpus", key: str(outside)}})
+    assert r.status_code == 422, r.text
+    assert f"data.{key} must be a name or path inside the data directory" in r.json()["detail"]

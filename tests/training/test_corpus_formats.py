@@ -133,6 +133,7 @@ def _with_bad_lines(tmp_path, docs, n_good):
     lines = [json.dumps({"text": docs[i % len(docs)]}).encode() for i in range(n_good)]
     lines.insert(10, b'{"text": "unterminated')
     lines.insert(500, b'{"text": "caf\xe9 latin-1"}')
+    lines.insert(700, b'{"text": "lone \\ud800 surrogate"}')
     path = tmp_path / "c.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
@@ -142,18 +143,33 @@ def test_bad_lines_are_counted_named_and_skipped_below_the_threshold(tmp_path, d
     path = _with_bad_lines(tmp_path, docs, 998)
     _, _, meta = shards(path, tok, cache_dir, max_bad_fraction=0.01)
     data = meta["data"]
-    assert data["bad_lines"] == 2 and data["rows"] == 1000
+    assert data["bad_lines"] == 3 and data["rows"] == 1001
     assert data["documents_train"] + data["documents_val"] == 998
     assert data["bad_examples"][0].endswith("c.jsonl:11: invalid JSON (Unterminated string starting at: line 1 column 10 (char 9))")
     assert data["bad_examples"][1].endswith("c.jsonl:501: bytes that are not UTF-8 at column 14")
+    assert data["bad_examples"][2].endswith("c.jsonl:701: the text is not valid Unicode (a lone surrogate at "
+                                            "character 6)")
 
 
 def test_bad_lines_above_the_threshold_fail_the_build_and_leave_no_cache(tmp_path, docs, tok):
     path = _with_bad_lines(tmp_path, docs, 998)
-    with pytest.raises(CorpusError, match=r"2 of 1,000 lines .* more than data\.max_bad_fraction \(0\.001\); "
+    with pytest.raises(CorpusError, match=r"3 of 1,001 lines .* more than data\.max_bad_fraction \(0\.001\); "
                                           r"first: .*c\.jsonl:11: invalid JSON"):
         shards(path, tok, tmp_path / "cache")
     assert [p.name for p in (tmp_path / "cache" / "shards").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_local_tokenizers_load_from_a_folder_or_a_bare_tokenizer_json(tmp_path, tok):
+    from training.tokenizer import load_tokenizer
+
+    tok.save_pretrained(tmp_path / "ckpt")
+    for source, init_from in (("checkpoint", tmp_path / "ckpt"), (str(tmp_path / "ckpt"), None),
+                              (str(tmp_path / "ckpt" / "tokenizer.json"), None)):
+        loaded = load_tokenizer(source, init_from=init_from)
+        assert loaded.eos_token == "<|endoftext|>" and loaded.get_vocab() == tok.get_vocab()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        load_tokenizer(str(tmp_path / "empty"))
 
 
 def test_an_empty_corpus_is_a_clear_error(tmp_path, tok, cache_dir):
