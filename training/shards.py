@@ -276,8 +276,11 @@ class BadLines:
         self.count += len(enc.bad)
         self.examples.extend(enc.bad[:BAD_EXAMPLES - len(self.examples)])
 
-    def check(self) -> None:
-        if self.count and self.count > self.max_fraction * self.rows:
+    def check(self, final: bool = True) -> None:
+        """Fails when too many lines were bad; before the end (`final=False`) only when far too many were, so
+        a corpus that is not JSON lines at all fails in seconds, not after hours of reading."""
+        limit = self.max_fraction * self.rows if final else 10 * self.max_fraction * self.rows + 1000
+        if self.count and self.count > limit:
             raise CorpusError(f"{self.count:,} of {self.rows:,} lines of the corpus could not be read "
                               f"({self.count / self.rows:.3%}), more than data.max_bad_fraction "
                               f"({self.max_fraction:g}); first: {'; '.join(self.examples)}. Fix or drop those "
@@ -318,6 +321,8 @@ class ShardRequest:
 
 def build_token_shards(request: ShardRequest, cache_dir, sink=None) -> tuple[Path, dict, bool]:
     """(folder, meta, built here): the cached shards, built first when missing (under the lock)."""
+    if sink is not None:  # the key hashes every byte of the corpus: seconds per GB
+        sink.event("data_progress", phase="hashing the corpus", done=False)
     path = Path(cache_dir) / "shards" / request.key()
     if (path / "meta.json").exists():
         return path, json.loads((path / "meta.json").read_text()), False
@@ -372,6 +377,7 @@ def _build(request: ShardRequest, folder: Path, sink) -> dict:
         for unit, enc in encoder.map(units):
             writer.add(unit, enc)
             bad.add(enc)
+            bad.check(final=False)
             progress.update(unit, enc)
     finally:
         encoder.close()

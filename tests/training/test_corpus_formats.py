@@ -172,6 +172,25 @@ def test_local_tokenizers_load_from_a_folder_or_a_bare_tokenizer_json(tmp_path, 
         load_tokenizer(str(tmp_path / "empty"))
 
 
+def test_a_corpus_that_is_not_json_lines_fails_before_it_is_read_to_the_end(tmp_path, tok, monkeypatch):
+    from training import corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "BLOCK_BYTES", 4096)  # many units, so the check runs between them
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(f"id,text\n{i},plain csv line {i}\n" for i in range(20_000)))
+    units_read = []
+    original = corpus_module.Corpus.units
+
+    def counted(self, split, **kw):
+        for unit in original(self, split, **kw):
+            units_read.append(unit)
+            yield unit
+    monkeypatch.setattr(corpus_module.Corpus, "units", counted)
+    with pytest.raises(CorpusError, match="could not be read"):
+        shards(path, tok, tmp_path / "cache", num_proc=1)
+    assert len(units_read) < path.stat().st_size / 4096 / 2
+
+
 def test_an_empty_corpus_is_a_clear_error(tmp_path, tok, cache_dir):
     path = tmp_path / "c.jsonl"
     path.write_text("\n  \n")
