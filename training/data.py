@@ -18,7 +18,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import torch

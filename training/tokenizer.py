@@ -1,9 +1,11 @@
-"""Byte-level BPE tokenizer trained on the corpus with the `tokenizers` library, cached on disk.
+"""Tokenizers: a byte-level BPE trained on the corpus (`data.tokenizer: train`, cached on disk), or a local one
+(`checkpoint`: model.init_from's folder; a tokenizer folder or tokenizer.json). Nothing is downloaded.
 
-Cache key: SHA-256 of the corpus content (file names and bytes, in sorted order) + vocab size, so a
-changed corpus can never be served a stale tokenizer and every recipe of an experiment shares one.
-The BPE is trained on at most `TRAIN_BYTES` bytes taken deterministically from the start of the
-sorted files: merges converge long before that on natural text, and it keeps training to seconds on CPU.
+Trained BPE's cache key: SHA-256 of the corpus content (file names and bytes, in corpus order; for document
+formats also the text field) + vocab size, so a changed corpus can never be served a stale tokenizer and
+every recipe of an experiment shares one.
+The BPE is trained on at most `TRAIN_BYTES` characters taken deterministically from the start of the
+corpus: merges converge long before that on natural text, and it keeps training to seconds on CPU.
 One special token, `<|endoftext|>`, serves as BOS, EOS and document separator (GPT-2 convention).
 """
 from __future__ import annotations
@@ -16,26 +18,10 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from training.corpus import TEXT_SUFFIXES, Corpus, list_corpus_files
+from training.corpus import Corpus, list_corpus_files
 
 EOS_TOKEN = "<|endoftext|>"
 TRAIN_BYTES = 16 * 2**20
-CORPUS_SUFFIXES = TEXT_SUFFIXES
-
-
-def corpus_files(corpus_dir: str | os.PathLike) -> list[Path]:
-    """The text files of a text-folder corpus, sorted by name (the order fixes the token stream).
-
-    Only `*.txt`/`*.text` (optionally gzipped) count, so provenance notes such as SOURCE.md stay out."""
-    root = Path(corpus_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"corpus directory {str(root)!r} does not exist; set PLAB_DATA_DIR or give "
-                                f"an absolute path")
-    files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(CORPUS_SUFFIXES))
-    if not files:
-        raise FileNotFoundError(f"corpus directory {str(root)!r} has no text files ending in "
-                                f"{', '.join(CORPUS_SUFFIXES)}")
-    return files
 
 
 def as_corpus(corpus) -> Corpus:

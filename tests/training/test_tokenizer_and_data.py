@@ -6,7 +6,8 @@ import torch
 from training import tokenizer as tokenizer_module
 from training.config import data_root
 from training.data import TokenDataset, split_batch
-from training.tokenizer import EOS_TOKEN, corpus_files, get_tokenizer, tokenizer_cache_path
+from training.corpus import list_corpus_files
+from training.tokenizer import EOS_TOKEN, get_tokenizer, tokenizer_cache_path
 
 CORPUS = data_root() / "tinyshakespeare"
 
@@ -22,7 +23,7 @@ def dataset(tok, cache_dir):
 
 
 def test_corpus_files_are_sorted_text_files_only():
-    assert [p.name for p in corpus_files(CORPUS)] == ["input.txt"]  # SOURCE.md is provenance, not text
+    assert [p.name for p in list_corpus_files(CORPUS)] == ["input.txt"]  # SOURCE.md is provenance, not text
 
 
 def test_tokenizer_is_byte_level_bpe_with_bos_eos_and_round_trips(tok):
