@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from training.checkpoint_files import (STATE_FILE, _hf_tensors, _rng_state, _set_rng_state, checkpoints_root,
                                        hf_expected_names, latest_checkpoint, list_checkpoints)
-from training.config import RunSpec, SpecError
+from training.config import DataSpec, RunSpec, SpecError
 
 
 
@@ -124,7 +124,11 @@ class TrainState:
 
 def numerics_identity(spec_dict: dict) -> dict:
     """The parts of a spec that decide the numbers a run produces (not how fast or where it runs)."""
-    d = {k: v for k, v in spec_dict.items() if k != "training"}
+    d = {k: v for k, v in spec_dict.items() if k not in ("training", "data")}
+    # Data keys a spec saved before they existed lacks take their defaults (the behaviour it ran with); the number
+    # of tokenizer processes and the bad-line threshold do not change the tokens of a cache that was built.
+    data = {**asdict(DataSpec()), **(spec_dict.get("data") or {})}
+    d["data"] = {k: v for k, v in data.items() if k not in ("num_proc", "max_bad_fraction")}
     d["training"] = {k: v for k, v in spec_dict["training"].items()
                      if k not in ("perf", "device", "gpus", "nodes", "compile", "checkpoint_every", "queue", "parallel",
                                   "activation_checkpointing", "activation_checkpointing_every")}

@@ -8,7 +8,8 @@ spec reproduces the run even if defaults change later.
 Format (docs/INTERFACES.md)::
 
     {"model": "tiny" | {custom dims} | {"config": PATH} | {"init_from": PATH},
-     "data": {"corpus", "vocab_size", "seq_len", "val_fraction"},
+     "data": {"corpus", "vocab_size", "seq_len", "val_fraction", "tokenizer", "text_field", "val_corpus",
+              "num_proc", "max_bad_fraction"},
      "training": {"steps" | "tokens", "batch_size", "grad_accum", "lr", ..., "perf": {...}},
      "seed", "recipe", "recipe_options", "bf16_first_layers", "bf16_last_layers"}
 
@@ -96,9 +97,11 @@ def confine(value: str, field: str, roots: list[Path]) -> Path:
 def confine_spec_paths(spec: dict, roots: list[Path]) -> None:
     """Every file path a run spec names, confined to `roots` (the API calls this before storing a spec that
     arrived over the network; a worker's job does it again before reading)."""
-    corpus = (spec.get("data") or {}).get("corpus")
-    if isinstance(corpus, str) and corpus and corpus != RANDOM_CORPUS:
-        confine(corpus, "data.corpus", roots)
+    data = spec.get("data") or {}
+    for key in ("corpus", "val_corpus", "tokenizer"):
+        value = data.get(key)
+        if isinstance(value, str) and value and value not in (RANDOM_CORPUS, *TOKENIZER_SOURCES):
+            confine(value, f"data.{key}", roots)
     model = spec.get("model")
     if isinstance(model, dict):
         for key in MODEL_PATH_KEYS:
@@ -188,6 +191,51 @@ def _bool(section: str, name: str, value) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{section}.{name} must be true or false, got {value!r}")
     return value
+
+
+def _tokenizer_source(value, init_from) -> str:
+    if value is None:
+        return "checkpoint" if init_from is not None else "train"
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"data.tokenizer must be 'train', 'checkpoint' or a tokenizer folder / tokenizer.json path, "
+                        f"got {value!r}")
+    if value == "checkpoint" and init_from is None:
+        raise SpecError("data.tokenizer 'checkpoint' takes the tokenizer of model.init_from, which is not set; set "
+                        "model.init_from, or use 'train' or a tokenizer path")
+    return value
+
+
+def _text_field(value) -> str:
+    if not isinstance(value, str) or not value or len(value) > 200:
+        raise SpecError(f"data.text_field must be the name of the JSON field / column holding the text (e.g. "
+                        f"'text'), got {value!r}")
+    return value
+
+
+def _optional_path(section: str, name: str, value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or value == RANDOM_CORPUS:
+        raise SpecError(f"{section}.{name} must be a name under PLAB_DATA_DIR, a path or a glob, got {value!r}")
+    return value
+
+
+def _check_data_paths(data: DataSpec) -> None:
+    """The corpus, validation corpus and tokenizer exist and are readable as what they claim to be."""
+    from training.corpus import CorpusError
+
+    for which in ("corpus", "val_corpus"):
+        if getattr(data, which) is None:
+            continue
+        try:
+            data.open_corpus(which)
+        except CorpusError as exc:
+            raise SpecError(f"{exc} (data directory: {data_root()})") from None
+    path = data.tokenizer_path()
+    if path is not None and not (path.is_file() and path.suffix == ".json") and not (
+            (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+        raise SpecError(f"data.tokenizer {str(path)!r} is not a tokenizer folder (with tokenizer.json) or a "
+                        f"tokenizer.json file; give one, or 'train' to train a BPE on the corpus")
 
 
 @dataclass
@@ -305,21 +353,45 @@ class ModelSpec:
         return {k: getattr(self, k) for k in CUSTOM_MODEL_KEYS}
 
 
+TOKENIZER_SOURCES = ("train", "checkpoint")  # or a local tokenizer folder / tokenizer.json
+
+
 @dataclass
 class DataSpec:
     corpus: str = "tinyshakespeare"
-    vocab_size: int = 2048
+    vocab_size: int = 2048             # the vocabulary of a trained BPE (tokenizer "train") and of a preset model
     seq_len: int = 128
     val_fraction: float = 0.02
+    # "train" (a byte-level BPE trained on the corpus), "checkpoint" (model.init_from's tokenizer; the default
+    # when model.init_from is set) or a local tokenizer folder / tokenizer.json.
+    tokenizer: str = "train"
+    text_field: str = "text"           # the JSON field / table column holding a document's text
+    val_corpus: str | None = None      # the validation documents; None: val_fraction of the corpus held out
+    num_proc: int | None = None        # tokenizer processes; None: every core (the tokens do not depend on it)
+    max_bad_fraction: float = 0.001    # unreadable lines (bad JSON, not UTF-8) skipped up to this fraction
 
     def corpus_dir(self) -> Path | None:
-        """The directory of text files, or None for the synthetic "random" corpus."""
+        """The corpus path (a folder, a file or a glob), or None for the synthetic "random" corpus."""
         if self.corpus == RANDOM_CORPUS:
             return None
-        if os.environ.get(CONFINE_ENV) == "1":
-            return confine(self.corpus, "data.corpus", allowed_roots())
-        p = Path(self.corpus)
-        return p if p.is_absolute() else data_root() / p
+        return _user_path(self.corpus, "data.corpus")
+
+    def open_corpus(self, which: str = "corpus"):
+        """The training.corpus.Corpus of `data.corpus` (or of `data.val_corpus`: which="val_corpus")."""
+        from training.corpus import resolve_corpus
+        return resolve_corpus(getattr(self, which), text_field=self.text_field, field_name=f"data.{which}")
+
+    def tokenizer_path(self) -> Path | None:
+        """The tokenizer folder or file `data.tokenizer` names, or None for "train" / "checkpoint"."""
+        return None if self.tokenizer in TOKENIZER_SOURCES else _user_path(self.tokenizer, "data.tokenizer")
+
+
+def _user_path(value: str, field_name: str) -> Path:
+    """A name under the data directory or a path; confined to the allowed roots in a worker's job."""
+    if os.environ.get(CONFINE_ENV) == "1":
+        return confine(value, field_name, allowed_roots())
+    p = Path(value)
+    return p if p.is_absolute() else data_root() / p
 
 
 @dataclass
@@ -479,7 +551,8 @@ class RunSpec:
         top_keys = [f.name for f in fields(cls)]
         _check_keys("run spec", d, top_keys)
         model = ModelSpec.from_value(d.get("model", "tiny"), check_paths=check_paths)
-        data = cls._parse_data(d.get("data", {}), check_paths=check_paths)
+        data = cls._parse_data(d.get("data", {}), check_paths=check_paths,
+                               init_from=getattr(model, "init_from", None))
         training = cls._parse_training(d.get("training", {}))
         seed = _int("spec", "seed", d.get("seed", 0), minimum=0)
         recipe = d.get("recipe", catalog.BASELINE)
@@ -504,29 +577,31 @@ class RunSpec:
         return spec
 
     @staticmethod
-    def _parse_data(d: dict, *, check_paths: bool) -> DataSpec:
+    def _parse_data(d: dict, *, check_paths: bool, init_from=None) -> DataSpec:
         _check_keys("data", d, [f.name for f in fields(DataSpec)])
         base = DataSpec()
         corpus = d.get("corpus", base.corpus)
         if not isinstance(corpus, str) or not corpus:
-            raise SpecError(f"data.corpus must be a directory name under PLAB_DATA_DIR or an absolute path, "
-                            f"got {corpus!r}")
+            raise SpecError(f"data.corpus must be a name under PLAB_DATA_DIR, a path or a glob, got {corpus!r}")
         out = DataSpec(
             corpus=corpus,
             vocab_size=_int("data", "vocab_size", d.get("vocab_size", base.vocab_size), minimum=2),
             seq_len=_int("data", "seq_len", d.get("seq_len", base.seq_len), minimum=8),
             val_fraction=_float("data", "val_fraction", d.get("val_fraction", base.val_fraction),
                                 minimum=0.0, maximum=0.5, strict_min=True),
+            tokenizer=_tokenizer_source(d.get("tokenizer"), init_from),
+            text_field=_text_field(d.get("text_field", base.text_field)),
+            val_corpus=_optional_path("data", "val_corpus", d.get("val_corpus")),
+            num_proc=_int("data", "num_proc", d.get("num_proc"), minimum=1, allow_none=True),
+            max_bad_fraction=_float("data", "max_bad_fraction", d.get("max_bad_fraction", base.max_bad_fraction),
+                                    minimum=0.0, maximum=1.0),
         )
         if corpus != RANDOM_CORPUS:
-            if out.vocab_size < 300:
+            if out.tokenizer == "train" and out.vocab_size < 300:
                 raise SpecError(f"data.vocab_size must be >= 300 for a byte-level BPE (256 byte tokens + "
                                 f"merges + special), got {out.vocab_size}")
             if check_paths:
-                path = out.corpus_dir()
-                if not path.is_dir():
-                    raise SpecError(f"data.corpus directory {str(path)!r} does not exist; give a directory "
-                                    f"name under PLAB_DATA_DIR ({data_root()}) or an absolute path")
+                _check_data_paths(out)
         return out
 
     @staticmethod
@@ -639,7 +714,7 @@ class RunSpec:
             raise SpecError(f"bf16_first_layers + bf16_last_layers ({self.bf16_first_layers} + "
                             f"{self.bf16_last_layers}) exceeds the model's {layers} layers")
         if self.model.vocab_size is not None and self.data.corpus != RANDOM_CORPUS \
-                and self.model.vocab_size < self.data.vocab_size:
+                and self.data.tokenizer == "train" and self.model.vocab_size < self.data.vocab_size:
             raise SpecError(f"model.vocab_size ({self.model.vocab_size}) is smaller than data.vocab_size "
                             f"({self.data.vocab_size}); drop model.vocab_size or raise it")
 

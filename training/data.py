@@ -1,8 +1,9 @@
 """Token shards, the fixed train/validation split, seeded batches, and a prefetching loader.
 
-Split (fixed, identical for every recipe and seed): each corpus file is tokenized and followed by EOS;
-the **last `val_fraction` of every file's tokens** goes to the validation shard, the rest to the train
-shard. Splitting per file (not the tail of the concatenation) keeps every source represented in both.
+Shards (training.shards builds and caches them): documents packed with EOS (BOS where the tokenizer adds
+one). The validation shard is `data.val_corpus`, else a fixed `val_fraction` held out, identical for every
+recipe and seed: whole documents chosen by content hash for document formats, the **last `val_fraction` of
+every file's tokens** for text files (splitting per file keeps every source represented in both).
 
 Batches: the windows of a step are drawn by `numpy.random.Generator(PCG64([seed, step]))`, so the token
 order depends only on (seed, step): every recipe sees the same tokens at the same step, and a resumed
@@ -14,29 +15,19 @@ Validation: the first `val_batches * batch_size` non-overlapping windows of the 
 """
 from __future__ import annotations
 
-import json
-import os
 import queue
-import shutil
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from training.tokenizer import corpus_files, corpus_hash, read_text
-
-SHARD_FORMAT_VERSION = 1
-
-
-def token_dtype(vocab_size: int):
-    return np.uint16 if vocab_size < 2**16 else np.uint32
+from training.shards import ShardRequest, build_token_shards, token_dtype
+from training.tokenizer import as_corpus
 
 
 class TokenDataset:
-    """Train/val token streams as numpy memmaps (cached by corpus hash + vocab size)."""
+    """Train/val token streams as numpy memmaps (cached by corpus content, tokenizer and settings)."""
 
     def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, vocab_size: int):
         if len(train) < seq_len + 2:
@@ -44,50 +35,28 @@ class TokenDataset:
                              f"seq_len+1 = {seq_len + 1}; use a larger corpus or a smaller data.seq_len")
         self.train, self.val = train, val
         self.seq_len, self.vocab_size = seq_len, vocab_size
+        self.info: dict = {}   # what the shards were built from (files, documents, tokens, bad lines)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def from_corpus(cls, corpus_dir, tokenizer, *, seq_len: int, val_fraction: float,
-                    cache_dir) -> "TokenDataset":
+    def from_corpus(cls, corpus, tokenizer, *, seq_len: int, val_fraction: float, cache_dir,
+                    tokenizer_source: str = "train", val_corpus=None, num_proc: int | None = None,
+                    max_bad_fraction: float = 0.001, sink=None) -> "TokenDataset":
+        """The shards of `corpus` (a Corpus, or a corpus folder/file/glob path) tokenized by `tokenizer`,
+        built on first use (training.shards) and memory-mapped."""
         if not 0.0 < val_fraction <= 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5], got {val_fraction}")
-        vocab = len(tokenizer)
-        key = f"{corpus_hash(corpus_dir)[:20]}-v{vocab}-val{val_fraction:g}-f{SHARD_FORMAT_VERSION}"
-        path = Path(cache_dir) / "shards" / key
-        if not (path / "meta.json").exists():
-            cls._build_shards(corpus_dir, tokenizer, val_fraction, path)
-        meta = json.loads((path / "meta.json").read_text())
+        request = ShardRequest(as_corpus(corpus), tokenizer, tokenizer_source, val_fraction,
+                               val_corpus=as_corpus(val_corpus) if val_corpus is not None else None,
+                               num_proc=num_proc, max_bad_fraction=max_bad_fraction)
+        path, meta, _ = build_token_shards(request, cache_dir, sink)
         dtype = np.dtype(meta["dtype"])
         train = np.memmap(path / "train.bin", dtype=dtype, mode="r", shape=(meta["train_tokens"],))
         val = np.memmap(path / "val.bin", dtype=dtype, mode="r", shape=(meta["val_tokens"],))
-        return cls(train, val, seq_len, vocab)
-
-    @staticmethod
-    def _build_shards(corpus_dir, tokenizer, val_fraction: float, path: Path) -> None:
-        vocab = len(tokenizer)
-        dtype = token_dtype(vocab)
-        eos = tokenizer.eos_token_id
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-        n_train = n_val = 0
-        with open(tmp / "train.bin", "wb") as ftrain, open(tmp / "val.bin", "wb") as fval:
-            for p in corpus_files(corpus_dir):
-                ids = _encode_file(tokenizer, read_text(p))
-                ids.append(eos)
-                arr = np.asarray(ids, dtype=dtype)
-                n_val_file = int(round(len(arr) * val_fraction))
-                cut = len(arr) - n_val_file
-                arr[:cut].tofile(ftrain)
-                arr[cut:].tofile(fval)
-                n_train += cut
-                n_val += n_val_file
-        meta = dict(dtype=np.dtype(dtype).name, train_tokens=n_train, val_tokens=n_val, vocab_size=vocab,
-                    val_fraction=val_fraction, split="last val_fraction of each file's tokens")
-        (tmp / "meta.json").write_text(json.dumps(meta))
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process built the same shards first
-            shutil.rmtree(tmp, ignore_errors=True)
+        ds = cls(train, val, seq_len, len(tokenizer))
+        ds.info = {"tokens_train": meta["train_tokens"], "tokens_val": meta["val_tokens"], "split": meta["split"],
+                   "cache": path.name, **meta.get("data", {})}
+        return ds
 
     @classmethod
     def random(cls, vocab_size: int, seq_len: int, *, seed: int = 0, n_tokens: int = 1 << 22) -> "TokenDataset":
@@ -114,27 +83,6 @@ class TokenDataset:
             return torch.empty(0, self.seq_len + 1, dtype=torch.int64)
         idx = np.arange(n)[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
         return torch.from_numpy(self.val[idx].astype(np.int64))
-
-
-def _encode_file(tokenizer, text: str, chunk_chars: int = 1 << 20) -> list[int]:
-    # Encode in ~1 MB pieces (parallel in the Rust tokenizer). A piece ends right after a newline that
-    # follows a non-space character, where the byte-level pre-tokenizer ends a pre-token anyway, so the
-    # pieces tokenize exactly like the whole text (tested). A cut inside a whitespace run need not:
-    # "\n  cd" splits into "\n", " ", " cd" whole but "\n  " + "cd" when cut before "cd".
-    pieces, start = [], 0
-    while start < len(text):
-        end = min(start + chunk_chars, len(text))
-        if end < len(text):
-            nl = text.rfind("\n", start, end)
-            while nl > start and text[nl - 1].isspace():
-                nl = text.rfind("\n", start, nl - 1)
-            end = nl + 1 if nl > start else end
-        pieces.append(text[start:end])
-        start = end
-    ids: list[int] = []
-    for enc in tokenizer.backend_tokenizer.encode_batch(pieces, add_special_tokens=False):
-        ids.extend(enc.ids)
-    return ids
 
 
 def split_batch(global_batch: torch.Tensor, *, rank: int, world: int, grad_accum: int) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from training.config import RunSpec, SpecError
+from training.config import RANDOM_CORPUS, RunSpec, SpecError
 from training.data import TokenDataset
 from training.distributed import DistContext, init_distributed, init_single_process_group
 from training.flops import flops_per_token
@@ -78,7 +78,8 @@ class Run:
                 "flops_per_token": self.flops_per_token,
                 "world_size": self.ctx.world, "param_dtype": self.param_dtype, "fused_qkv": self.fused_qkv,
                 "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer,
-                "parallel": self.parallel, "activation_checkpointing": self.activation_checkpointing}
+                "parallel": self.parallel, "activation_checkpointing": self.activation_checkpointing,
+                "data": dict(self.dataset.info)}
 
 
 def device_kind(spec: RunSpec) -> str:
@@ -116,7 +117,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                 else contextlib.nullcontext())
 
     config = model_config(spec.model, spec.vocab_size, spec.data.seq_len)
-    tokenizer, dataset = load_data(spec, ctx, cache_dir)
+    tokenizer, dataset = load_data(spec, ctx, cache_dir, sink)
     check_vocabulary(spec, config, tokenizer)
     parallel = resolve_parallel(t.parallel, ctx.world, count_parameters(meta_model(config)), device)
     model, report, fused_qkv, ac = _model_with_recipe(spec, config, device, param_dtype, sink,
@@ -194,19 +195,41 @@ def _configure_backends(device: torch.device, perf) -> None:
         torch.backends.cuda.enable_math_sdp(b == "math")
 
 
-def load_data(spec: RunSpec, ctx: DistContext, cache_dir: Path):
-    """(tokenizer or None, TokenDataset). Rank 0 builds the caches first so ranks never race."""
-    from training.tokenizer import get_tokenizer
+def load_data(spec: RunSpec, ctx: DistContext, cache_dir: Path, sink: MetricSink | None = None):
+    """(tokenizer or None, TokenDataset). Rank 0 builds the caches first (reporting its progress to `sink`),
+    then the other ranks read them."""
     d = spec.data
-    corpus = d.corpus_dir()
-    if corpus is None:  # synthetic "random" corpus: throughput benchmarks
+    if d.corpus == RANDOM_CORPUS:  # synthetic "random" corpus: throughput benchmarks
         return None, TokenDataset.random(spec.vocab_size, d.seq_len, seed=0)
     for turn in ("main", "others"):
         if (turn == "main") == ctx.is_main:
-            tokenizer = get_tokenizer(corpus, d.vocab_size, cache_dir)
-            dataset = TokenDataset.from_corpus(corpus, tokenizer, seq_len=d.seq_len,
-                                               val_fraction=d.val_fraction, cache_dir=cache_dir)
+            tokenizer, dataset = open_token_dataset(spec, cache_dir, sink if ctx.is_main else None)
         ctx.barrier()
+    return tokenizer, dataset
+
+
+def open_token_dataset(spec: RunSpec, cache_dir: Path, sink: MetricSink | None = None):
+    """(tokenizer, TokenDataset) of a spec's data: the tokenizer `data.tokenizer` names and the cached shards
+    (built when missing). Corpus errors become SpecErrors that name the file and row."""
+    from training.corpus import CorpusError
+    from training.tokenizer import load_tokenizer
+    d = spec.data
+    try:
+        corpus = d.open_corpus()
+        val_corpus = d.open_corpus("val_corpus") if d.val_corpus is not None else None
+        path = d.tokenizer_path()
+        tokenizer = load_tokenizer(str(path) if path is not None else d.tokenizer, corpus=corpus,
+                                   vocab_size=d.vocab_size, cache_dir=cache_dir,
+                                   init_from=getattr(spec.model, "init_from", None))
+        # Before tokenizing: a token id the model could not embed fails now, not after an hour of tokenizing.
+        check_vocabulary(spec, model_config(spec.model, spec.vocab_size, spec.data.seq_len), tokenizer)
+        dataset = TokenDataset.from_corpus(corpus, tokenizer, seq_len=d.seq_len, val_fraction=d.val_fraction,
+                                           cache_dir=cache_dir, tokenizer_source=d.tokenizer, val_corpus=val_corpus,
+                                           num_proc=d.num_proc, max_bad_fraction=d.max_bad_fraction, sink=sink)
+    except CorpusError as exc:
+        raise SpecError(str(exc)) from None
+    dataset.info["tokenizer"] = d.tokenizer if path is None else str(path)
+    dataset.info["tokenizer_vocab"] = len(tokenizer)
     return tokenizer, dataset
 
 

@@ -1,14 +1,15 @@
-"""Byte-level BPE tokenizer trained on the corpus with the `tokenizers` library, cached on disk.
+"""Tokenizers: a byte-level BPE trained on the corpus (`data.tokenizer: train`, cached on disk), or a local one
+(`checkpoint`: model.init_from's folder; a tokenizer folder or tokenizer.json). Nothing is downloaded.
 
-Cache key: SHA-256 of the corpus content (file names and bytes, in sorted order) + vocab size, so a
-changed corpus can never be served a stale tokenizer and every recipe of an experiment shares one.
-The BPE is trained on at most `TRAIN_BYTES` bytes taken deterministically from the start of the
-sorted files: merges converge long before that on natural text, and it keeps training to seconds on CPU.
+Trained BPE's cache key: SHA-256 of the corpus content (file names and bytes, in corpus order; for document
+formats also the text field) + vocab size, so a changed corpus can never be served a stale tokenizer and
+every recipe of an experiment shares one.
+The BPE is trained on at most `TRAIN_BYTES` characters taken deterministically from the start of the
+corpus: merges converge long before that on natural text, and it keeps training to seconds on CPU.
 One special token, `<|endoftext|>`, serves as BOS, EOS and document separator (GPT-2 convention).
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
 import os
 import shutil
@@ -17,43 +18,23 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
+from training.corpus import Corpus, list_corpus_files
+
 EOS_TOKEN = "<|endoftext|>"
 TRAIN_BYTES = 16 * 2**20
-CORPUS_SUFFIXES = (".txt", ".txt.gz", ".text", ".text.gz")
 
 
-def corpus_files(corpus_dir: str | os.PathLike) -> list[Path]:
-    """The text files of a corpus, sorted by name (the order fixes the token stream).
-
-    Only `*.txt`/`*.text` (optionally gzipped) count, so provenance notes such as SOURCE.md stay out.
-    """
-    root = Path(corpus_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"corpus directory {str(root)!r} does not exist; set PLAB_DATA_DIR or give "
-                                f"an absolute path")
-    files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(CORPUS_SUFFIXES))
-    if not files:
-        raise FileNotFoundError(f"corpus directory {str(root)!r} has no text files ending in "
-                                f"{', '.join(CORPUS_SUFFIXES)}")
-    return files
+def as_corpus(corpus) -> Corpus:
+    """A Corpus, or a corpus folder/file/glob path read as one (text field "text")."""
+    if isinstance(corpus, Corpus):
+        return corpus
+    path = Path(corpus)
+    return Corpus(list_corpus_files(path), folder=path if path.is_dir() else None)
 
 
-def read_text(path: Path) -> str:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        return f.read().decode("utf-8", errors="replace")
-
-
-def corpus_hash(corpus_dir: str | os.PathLike) -> str:
-    """Content hash of the corpus (names and raw bytes as stored, in sorted order)."""
-    h = hashlib.sha256()
-    for p in corpus_files(corpus_dir):
-        h.update(p.name.encode() + b"\0")
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        h.update(b"\0")
-    return h.hexdigest()
+def corpus_hash(corpus) -> str:
+    """Content hash of the corpus (names and raw bytes as stored, in corpus order)."""
+    return as_corpus(corpus).content_hash()
 
 
 def default_cache_dir() -> Path:
@@ -61,10 +42,11 @@ def default_cache_dir() -> Path:
     return plab_home() / "cache"
 
 
-def _training_texts(corpus_dir, limit: int):
+def _training_texts(corpus: Corpus, limit: int):
+    """The first `limit` characters of the corpus in 64K-character pieces: a text file sliced as it streams
+    in (the slices of the whole file's text), a document's text sliced alone."""
     used = 0
-    for p in corpus_files(corpus_dir):
-        text = read_text(p)
+    for text in _documents_for_training(corpus):
         for start in range(0, len(text), 1 << 16):
             piece = text[start:start + (1 << 16)]
             yield piece
@@ -73,7 +55,22 @@ def _training_texts(corpus_dir, limit: int):
                 return
 
 
-def _train_bpe(corpus_dir, vocab_size: int):
+def _documents_for_training(corpus: Corpus):
+    if not corpus.text_only:
+        yield from corpus.texts()
+        return
+    for path in corpus.files:  # a text file's pieces re-joined into 64K-aligned runs: the whole file's slices
+        carry = ""
+        for unit in Corpus([path]).units("train"):
+            carry += unit.payload
+            aligned = len(carry) - len(carry) % (1 << 16)
+            if aligned:
+                yield carry[:aligned]
+                carry = carry[aligned:]
+        yield carry
+
+
+def _train_bpe(corpus: Corpus, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -82,20 +79,21 @@ def _train_bpe(corpus_dir, vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(_training_texts(corpus_dir, TRAIN_BYTES), trainer=trainer)
+    tok.train_from_iterator(_training_texts(corpus, TRAIN_BYTES), trainer=trainer)
     return tok
 
 
-def get_tokenizer(corpus_dir, vocab_size: int, cache_dir=None) -> PreTrainedTokenizerFast:
-    """The corpus's byte-level BPE tokenizer (trained once, then loaded from the cache)."""
+def get_tokenizer(corpus, vocab_size: int, cache_dir=None) -> PreTrainedTokenizerFast:
+    """The corpus's byte-level BPE tokenizer (trained once, then loaded from the cache). `corpus`: a Corpus or
+    a corpus path."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 300:
         raise ValueError(f"vocab_size must be an integer >= 300 (256 byte symbols + merges), got {vocab_size!r}")
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    key = f"{corpus_hash(corpus_dir)[:20]}-v{vocab_size}"
-    path = cache_dir / "tokenizers" / key
+    corpus = as_corpus(corpus)
+    path = tokenizer_cache_path(corpus, vocab_size, cache_dir)
+    key = path.name
     if not (path / "tokenizer.json").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tok = _train_bpe(corpus_dir, vocab_size)
+        tok = _train_bpe(corpus, vocab_size)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
                                        unk_token=None, model_max_length=1 << 30)
         # Write to a temp dir and rename, so two workers racing (or a kill mid-write) never leave a
@@ -109,6 +107,54 @@ def get_tokenizer(corpus_dir, vocab_size: int, cache_dir=None) -> PreTrainedToke
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
-def tokenizer_cache_path(corpus_dir, vocab_size: int, cache_dir=None) -> Path:
+def tokenizer_cache_path(corpus, vocab_size: int, cache_dir=None) -> Path:
+    """Keyed by the corpus content (and, for document formats, the field the text is read from)."""
+    corpus = as_corpus(corpus)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return cache_dir / "tokenizers" / f"{corpus_hash(corpus_dir)[:20]}-v{vocab_size}"
+    digest = corpus.content_hash()
+    if not corpus.text_only:
+        digest = hashlib.sha256(f"{digest}\0{corpus.text_field}".encode()).hexdigest()
+    return cache_dir / "tokenizers" / f"{digest[:20]}-v{vocab_size}"
+
+
+# End-of-text tokens of the common tokenizer families, for a bare tokenizer.json that names none.
+CONVENTIONAL_EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+
+
+def load_tokenizer(source: str, *, corpus=None, vocab_size: int | None = None, cache_dir=None,
+                   init_from=None) -> PreTrainedTokenizerFast:
+    """The tokenizer `data.tokenizer` names: "train" (the corpus's BPE, cached), "checkpoint" (the one in
+    `model.init_from`'s folder) or a local tokenizer folder / tokenizer.json. Nothing is downloaded."""
+    if source == "train":
+        return get_tokenizer(corpus, vocab_size, cache_dir)
+    if source == "checkpoint":
+        if init_from is None:
+            raise ValueError("data.tokenizer 'checkpoint' needs model.init_from (the checkpoint folder)")
+        return local_tokenizer(Path(init_from), "the model.init_from checkpoint's tokenizer")
+    return local_tokenizer(Path(source), "data.tokenizer")
+
+
+def local_tokenizer(path: Path, what: str) -> PreTrainedTokenizerFast:
+    from transformers import AutoTokenizer
+
+    if path.is_file():
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(path), model_max_length=1 << 30)
+        if tok.eos_token is None:
+            vocab = tok.get_vocab()
+            found = next((t for t in CONVENTIONAL_EOS if t in vocab), None)
+            if found is None:
+                raise ValueError(f"{what} {str(path)!r} names no EOS token and has none of {list(CONVENTIONAL_EOS)}; "
+                                 f"give its folder with a tokenizer_config.json that sets eos_token")
+            tok.eos_token = found
+        return tok
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise ValueError(f"{what} {str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json); "
+                         f"give a tokenizer folder saved with save_pretrained, or a tokenizer.json file")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{what} {str(path)!r} could not be loaded: {exc}") from None
+    if not tok.is_fast:
+        raise ValueError(f"{what} {str(path)!r} has no fast (Rust) tokenizer; save it with tokenizer.json")
+    tok.model_max_length = 1 << 30  # documents are packed, never truncated
+    return tok

@@ -95,3 +95,12 @@ def test_a_workers_job_confines_model_paths_again(data, monkeypatch):
         ModelSpec(preset=None, init_from="escape").checkpoint_dir()
     with pytest.raises(SpecError, match="model.config must be a name or path inside the data directory"):
         ModelSpec(preset=None, config=str(outside)).config_file()
+
+
+@pytest.mark.parametrize("key", ["val_corpus", "tokenizer"])
+def test_the_api_confines_the_validation_corpus_and_the_tokenizer_path_too(tmp_path, data, key):
+    _, outside = data
+    api = make_client(f"sqlite:///{tmp_path / 'plab.sqlite'}", tmp_path)
+    r = api.post("/api/v1/experiments", json={**EXPERIMENT, "data": {"corpus": "corpus", key: str(outside)}})
+    assert r.status_code == 422, r.text
+    assert f"data.{key} must be a name or path inside the data directory" in r.json()["detail"]

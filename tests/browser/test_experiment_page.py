@@ -98,4 +98,28 @@ def test_the_header_shows_the_model_a_run_built_and_where_it_came_from(server, p
     charts.wait_for_traces("loss-chart", 1)
     meta = page.locator("#experiment-meta").inner_text()
     assert "Qwen2ForCausalLM · 1.2M parameters · from checkpoint tinyshakespeare" in meta
+
+
+def test_run_row_shows_data_preparation_then_what_the_run_was_trained_on(server, page):
+    exp = server.create_experiment(["bf16", "fp8_tensorwise"], name="data-prep")
+    base, other = sorted(exp["runs"], key=lambda r: r["recipe"] != "bf16")
+    # What workers.jobs.train.ApiSink sends for training.shards' `data_progress` events.
+    server.set_status(base["id"], "running", device_name="cpu (test)")
+    r = server.http.patch(f"/api/v1/runs/{base['id']}", json={"summary": {"data_progress": {
+        "phase": "tokenizing", "documents": 12345, "tokens": 4_000_000, "tokens_per_s": 1_500_000,
+        "fraction": 0.25, "eta_s": 300.0, "done": False}}})
+    assert r.status_code == 200, r.text
+    server.set_status(other["id"], "running", device_name="cpu (test)")
+    server.set_status(other["id"], "succeeded", summary={"final_loss": 1.5, "data": {
+        "files": 3, "documents_train": 1900, "documents_val": 100, "tokens_train": 2_500_000,
+        "tokenizer": "checkpoint", "bad_lines": 2}})
+
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    preparing = page.locator(f"#runs-table tr[data-run-id='{base['id']}'] .data-progress")
+    preparing.wait_for(timeout=8000)
+    assert preparing.inner_text() == "tokenizing · 12,345 documents · 1.5M tokens/s · 5 min left"
+    bar = page.locator(f"#runs-table tr[data-run-id='{base['id']}'] .progress").get_attribute("title")
+    assert bar == "25%"
+    trained_on = page.locator(f"#runs-table tr[data-run-id='{other['id']}'] .run-data").inner_text()
+    assert trained_on == "3 files · 2.0k documents · 2.5M training tokens · tokenizer checkpoint · 2 bad lines skipped"
     assert page.console_log.errors == []

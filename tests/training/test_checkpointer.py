@@ -96,3 +96,15 @@ def test_every_rank_knows_the_checkpoint_rank_0_wrote(make_spec, tmp_path):
     path = other_rank.save(4, TrainState(step=4))
     assert path == tmp_path / "checkpoints" / "step_00000004" and not path.exists()
     assert other_rank.is_saved(4)
+
+
+def test_a_spec_saved_before_the_data_keys_existed_has_the_numerics_of_todays_defaults():
+    from training.checkpoint import numerics_identity
+
+    today = RunSpec.from_dict({}).to_dict()
+    before = {**today, "data": {k: today["data"][k] for k in ("corpus", "vocab_size", "seq_len", "val_fraction")}}
+    assert numerics_identity(before) == numerics_identity(today)
+    more_processes = {**today, "data": {**today["data"], "num_proc": 16, "max_bad_fraction": 0.01}}
+    assert numerics_identity(more_processes) == numerics_identity(today)  # the same tokens
+    other_field = {**today, "data": {**today["data"], "text_field": "body"}}
+    assert numerics_identity(other_field) != numerics_identity(today)

@@ -10,7 +10,9 @@ def test_defaults_follow_the_interface_contract():
     spec = RunSpec.from_dict({})
     d = spec.to_dict()
     assert d["model"] == "tiny" and d["recipe"] == "bf16" and d["seed"] == 0
-    assert d["data"] == {"corpus": "tinyshakespeare", "vocab_size": 2048, "seq_len": 128, "val_fraction": 0.02}
+    assert d["data"] == {"corpus": "tinyshakespeare", "vocab_size": 2048, "seq_len": 128, "val_fraction": 0.02,
+                         "tokenizer": "train", "text_field": "text", "val_corpus": None, "num_proc": None,
+                         "max_bad_fraction": 0.001}
     t = d["training"]
     assert (t["steps"], t["tokens"], t["batch_size"], t["lr"], t["warmup_steps"]) == (200, None, 8, 3e-3, 20)
     assert (t["val_every"], t["val_batches"], t["device"], t["gpus"]) == (50, 4, "auto", 1)
@@ -44,7 +46,15 @@ def test_tokens_budget_becomes_steps_rounded_up():
     ({"model": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "num_key_value_heads": 3}}, "must be a multiple of"),
     ({"model": {"hidden_size": 64}}, "custom model is missing"),
-    ({"data": {"corpus": "no_such_corpus_here"}}, "data.corpus directory"),
+    ({"data": {"corpus": "no_such_corpus_here"}}, "data.corpus"),
+    ({"data": {"corpus": "no_such_corpus_here/*.jsonl"}}, "matches no corpus files"),
+    ({"data": {"val_corpus": "no_such_val_corpus"}}, "data.val_corpus"),
+    ({"data": {"tokenizer": "checkpoint"}}, "model.init_from, which is not set"),
+    ({"data": {"tokenizer": "tinyshakespeare"}}, "is not a tokenizer folder"),
+    ({"data": {"tokenizer": 3}}, "data.tokenizer must be"),
+    ({"data": {"text_field": ""}}, "data.text_field must be"),
+    ({"data": {"num_proc": 0}}, "data.num_proc must be >= 1"),
+    ({"data": {"max_bad_fraction": 2}}, "data.max_bad_fraction must be <= 1.0"),
     ({"training": {"batch_size": 6, "grad_accum": 4}}, "must be divisible by grad_accum x gpus"),
     ({"recipe": "fp16"}, "unknown recipe 'fp16'"),
     ({"training": {"steps": 5, "warmup_steps": 10}}, "warmup_steps (10) exceeds"),

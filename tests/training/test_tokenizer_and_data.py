@@ -6,7 +6,8 @@ import torch
 from training import tokenizer as tokenizer_module
 from training.config import data_root
 from training.data import TokenDataset, split_batch
-from training.tokenizer import EOS_TOKEN, corpus_files, get_tokenizer, tokenizer_cache_path
+from training.corpus import list_corpus_files
+from training.tokenizer import EOS_TOKEN, get_tokenizer, tokenizer_cache_path
 
 CORPUS = data_root() / "tinyshakespeare"
 
@@ -22,7 +23,7 @@ def dataset(tok, cache_dir):
 
 
 def test_corpus_files_are_sorted_text_files_only():
-    assert [p.name for p in corpus_files(CORPUS)] == ["input.txt"]  # SOURCE.md is provenance, not text
+    assert [p.name for p in list_corpus_files(CORPUS)] == ["input.txt"]  # SOURCE.md is provenance, not text
 
 
 def test_tokenizer_is_byte_level_bpe_with_bos_eos_and_round_trips(tok):
@@ -82,10 +83,13 @@ def test_random_corpus_uses_uint32_beyond_65535_tokens():
 
 
 def test_encoding_in_pieces_gives_exactly_the_tokens_of_the_whole_text(tok):
-    from training.data import _encode_file
+    from training.corpus import text_pieces
     shakespeare = (CORPUS / "input.txt").read_text()[:60_000]
     whitespace_heavy = "".join(f"line {i}\n\n\n  indented {i}  \n \n" for i in range(2000))
     for text in (shakespeare, whitespace_heavy):
         whole = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
         for chunk_chars in (97, 1000):
-            assert _encode_file(tok, text, chunk_chars=chunk_chars) == whole
+            pieces = text_pieces(text, chunk_chars=chunk_chars)
+            assert "".join(pieces) == text and len(pieces) > 1
+            got = [i for enc in tok.backend_tokenizer.encode_batch(pieces, add_special_tokens=False) for i in enc.ids]
+            assert got == whole

@@ -34,19 +34,15 @@ def validation_text(spec: dict, out: os.PathLike, max_tokens: int = 400_000) -> 
     token shard, for the held-out bits-per-byte task. None for synthetic corpora."""
     from pathlib import Path
 
-    from training.config import RunSpec, plab_home
-    from training.data import TokenDataset
-    from training.tokenizer import get_tokenizer
+    from training.config import RANDOM_CORPUS, RunSpec, plab_home
+    from training.setup import open_token_dataset
 
     rs = RunSpec.from_dict(spec)
-    corpus = rs.data.corpus_dir()
-    if corpus is None:
+    if rs.data.corpus == RANDOM_CORPUS:
         return None
     out = Path(out)
     if not out.is_file():
-        tok = get_tokenizer(corpus, rs.data.vocab_size, plab_home() / "cache")
-        ds = TokenDataset.from_corpus(corpus, tok, seq_len=rs.data.seq_len, val_fraction=rs.data.val_fraction,
-                                      cache_dir=plab_home() / "cache")
+        tok, ds = open_token_dataset(rs, plab_home() / "cache")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(tok.decode(ds.val[:max_tokens].tolist()))

@@ -39,6 +39,8 @@ class ApiSink(MetricSink):
                 report = fields.get("report") or {}
                 self.client.update_run(self.run_id, conversion_report=report,
                                        gemm_backend=report.get("gemm_backend"))
+            elif kind == "data_progress":  # tokenizing before the first step: the run row shows it
+                self.client.update_run(self.run_id, summary={"data_progress": fields})
             elif kind == "checkpoint":
                 self.client.add_artifact(self.run_id, "checkpoint", _portable(fields.get("path")), step=fields.get("step"),
                                          meta={k: v for k, v in fields.items() if k not in ("path", "step")})

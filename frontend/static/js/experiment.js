@@ -3,7 +3,8 @@
 import { get, post, items, formatDate, showGlobalError, LIVE_STATUSES } from "./api.js";
 import { html, joinHtml, plotText, setHTML, slurmNote, statusBadge, urlPath } from "./dom.js";
 import {
-  BASELINE, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName, runLabel, runSummary,
+  BASELINE, dataPreparation, dataSummary, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName,
+  runLabel, runSummary,
   tokensPerSecond,
 } from "./summary.js";
 import { cleanPoints, ema, median, relativeDifference, relativeWallTime } from "./series.js";
@@ -437,9 +438,22 @@ function runProgress(run) {
   return total && last != null ? Math.min(1, (last + 1) / total) : null;
 }
 
-function runRow(run, i) {
+function progressCell(run) {
+  const preparing = dataPreparation(run);
+  if (preparing) {
+    const pct = preparing.fraction == null ? null : Math.round(preparing.fraction * 100);
+    return html`<td class="progress-cell preparing-data">${pct != null && html`<div class="progress" title="${pct}%">
+        <div class="progress-bar" style="width:${pct}%"></div></div>`}
+        <span class="progress-text data-progress">${preparing.text}</span></td>`;
+  }
   const fraction = runProgress(run);
   const pct = fraction == null ? null : Math.round(fraction * 100);
+  return html`<td class="progress-cell">${pct != null && html`<div class="progress" title="${pct}%">
+        <div class="progress-bar" style="width:${pct}%"></div></div>
+        <span class="progress-text">${pct}%</span> <span class="eta">${eta(run, fraction)}</span>`}</td>`;
+}
+
+function runRow(run, i) {
   const loss = finalLoss(run);
   const tps = runThroughput(run);
   const message = [
@@ -448,14 +462,14 @@ function runRow(run, i) {
   ].filter(Boolean).join(": ");
   const device = [run.device_name, run.worker_host].filter(Boolean).join(" @ ");
   const live = LIVE_STATUSES.has(run.status) && !run.external;
+  const data = dataSummary(run);
   return html`<tr data-run-id="${run.id}" data-status="${run.status}">
     <td><span class="swatch" style="background:${colorOf(run, i)}"></span><a class="run-link"
       href="${urlPath("runs", run.id)}">${runLabel(run)}</a>${run.external
-      && html` <span class="badge record-only" title="logged by the user's script through the API, not trained by a worker: not polled">record-only</span>`}</td>
+      && html` <span class="badge record-only" title="logged by the user's script through the API, not trained by a worker: not polled">record-only</span>`}${data && html`
+        <div class="muted run-data">${data}</div>`}</td>
     <td>${statusBadge(run.status)}</td>
-    <td class="progress-cell">${pct != null && html`<div class="progress" title="${pct}%">
-        <div class="progress-bar" style="width:${pct}%"></div></div>
-        <span class="progress-text">${pct}%</span> <span class="eta">${eta(run, fraction)}</span>`}</td>
+    ${progressCell(run)}
     <td>${device}</td>
     <td>${gemmLabel(run)}</td>
     <td class="num">${loss == null ? "" : loss.toFixed(4)}</td>

@@ -70,6 +70,42 @@ export function progressFraction(run) {
   return Math.min(1, Math.max(0, v > 1 ? v / 100 : v));
 }
 
+// A running run that is still tokenizing its corpus: {fraction, text} from the worker's latest
+// `data_progress` (training.shards.DataProgress), or null once training started or for any other run.
+export function dataPreparation(run) {
+  const p = runSummary(run).data_progress;
+  if (run.status !== "running" || !p || typeof p !== "object" || p.done) return null;
+  const fraction = finite(p.fraction);
+  const parts = [String(p.phase || "preparing data")];
+  const docs = finite(p.documents), tps = finite(p.tokens_per_s), eta = finite(p.eta_s);
+  if (docs != null) parts.push(`${docs.toLocaleString()} documents`);
+  if (tps != null) parts.push(`${compactNumber(tps)} tokens/s`);
+  if (eta != null) parts.push(eta < 90 ? `${Math.round(eta)} s left` : `${Math.round(eta / 60)} min left`);
+  return {fraction: fraction == null ? null : Math.min(1, Math.max(0, fraction)), text: parts.join(" · ")};
+}
+
+// What a finished run was trained on (training.shards' meta, in the run summary's `data`), one line.
+export function dataSummary(run) {
+  const d = runSummary(run).data;
+  if (!d || typeof d !== "object") return "";
+  const parts = [];
+  const files = finite(d.files), docs = finite(d.documents_train), tokens = finite(d.tokens_train);
+  if (files != null) parts.push(`${files.toLocaleString()} file${files === 1 ? "" : "s"}`);
+  if (docs != null) parts.push(`${compactNumber(docs + (finite(d.documents_val) || 0))} documents`);
+  if (tokens != null) parts.push(`${compactNumber(tokens)} training tokens`);
+  if (typeof d.tokenizer === "string") parts.push(`tokenizer ${d.tokenizer}`);
+  const bad = finite(d.bad_lines);
+  if (bad) parts.push(`${bad.toLocaleString()} bad line${bad === 1 ? "" : "s"} skipped`);
+  return parts.join(" · ");
+}
+
+function compactNumber(v) {
+  for (const [scale, unit] of [[1e9, "G"], [1e6, "M"], [1e3, "k"]]) {
+    if (Math.abs(v) >= scale) return `${(v / scale).toFixed(1)}${unit}`;
+  }
+  return String(Math.round(v));
+}
+
 export function statusCounts(runs) {
   const counts = {};
   for (const run of runs) counts[run.status] = (counts[run.status] || 0) + 1;

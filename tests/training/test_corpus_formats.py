@@ -1,0 +1,223 @@
+"""Corpora in every format give the same tokens; bad input is counted or named; shards are packed with EOS
+(BOS where the tokenizer adds one) and do not depend on the number of tokenizer processes."""
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from training.config import data_root
+from training.corpus import Corpus, CorpusError, list_corpus_files
+from training.shards import ShardRequest, build_token_shards, held_out
+from training.sink import ListSink
+from training.tokenizer import get_tokenizer
+
+SHAKESPEARE = data_root() / "tinyshakespeare"
+
+
+@pytest.fixture(scope="module")
+def tok(cache_dir):
+    return get_tokenizer(SHAKESPEARE, 512, cache_dir)
+
+
+@pytest.fixture(scope="module")
+def docs():
+    """Speeches of tinyshakespeare as documents (with non-ASCII text and an empty-line-free JSON escape mix)."""
+    speeches = (SHAKESPEARE / "input.txt").read_text().split("\n\n")[:120]
+    return [s + "\n" for s in speeches] + ["naïve “quotes” — ünïcode\tand tabs\n", 'a "json" \\ escape\n']
+
+
+def _jsonl_bytes(docs, field="text"):
+    return "".join(json.dumps({"id": i, field: d}) + "\n" for i, d in enumerate(docs)).encode()
+
+
+def write_formats(root, docs):
+    """The same documents as a text folder, JSONL (plain, .gz, .zst), Parquet, an Arrow file and a
+    datasets.save_to_disk folder."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    paths = {}
+    (root / "text").mkdir()
+    for i, d in enumerate(docs):
+        (root / "text" / f"doc{i:04d}.txt").write_text(d)
+    paths["text"] = root / "text"
+    raw = _jsonl_bytes(docs)
+    (root / "c.jsonl").write_bytes(raw)
+    (root / "c.jsonl.gz").write_bytes(gzip.compress(raw))
+    (root / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    table = pa.table({"id": list(range(len(docs))), "text": docs})
+    pq.write_table(table, root / "c.parquet", row_group_size=37)
+    with pa.ipc.new_file(str(root / "c.arrow"), table.schema) as w:
+        for batch in table.to_batches(max_chunksize=50):
+            w.write_batch(batch)
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(root / "saved"))
+    paths.update({k: root / k for k in ("c.jsonl", "c.jsonl.gz", "c.jsonl.zst", "c.parquet", "c.arrow", "saved")})
+    return paths
+
+
+def shards(corpus, tok, cache_dir, **kw):
+    request = ShardRequest(Corpus(list_corpus_files(corpus)) if not isinstance(corpus, Corpus) else corpus, tok,
+                           "train", kw.pop("val_fraction", 0.1), **kw)
+    path, meta, _ = build_token_shards(request, cache_dir)
+    dtype = np.dtype(meta["dtype"])
+    return np.fromfile(path / "train.bin", dtype), np.fromfile(path / "val.bin", dtype), meta
+
+
+def test_every_format_gives_the_same_token_stream(tmp_path, docs, tok, cache_dir):
+    paths = write_formats(tmp_path, docs)
+    val = tmp_path / "val.jsonl"
+    val.write_bytes(_jsonl_bytes(docs[:5]))
+    val_corpus = Corpus([val])
+    streams = {name: shards(p, tok, cache_dir, val_corpus=val_corpus)[0] for name, p in paths.items()}
+    expected = [i for d in docs for i in tok(d)["input_ids"] + [tok.eos_token_id]]
+    for name, stream in streams.items():
+        assert stream.tolist() == expected, name
+
+
+def test_documents_are_held_out_whole_by_content_hash_alike_in_every_format(tmp_path, docs, tok, cache_dir):
+    paths = write_formats(tmp_path, docs)
+    runs = {name: shards(paths[name], tok, cache_dir, val_fraction=0.2)
+            for name in ("c.jsonl", "c.jsonl.zst", "c.parquet", "saved")}
+    train, val, meta = runs["c.jsonl"]
+    for name, (t, v, _) in runs.items():
+        assert np.array_equal(t, train) and np.array_equal(v, val), name
+    held = [d for d in docs if held_out(d, 0.2)]
+    assert 0 < len(held) < len(docs)
+    assert val.tolist() == [i for d in held for i in tok(d)["input_ids"] + [tok.eos_token_id]]
+    assert meta["data"]["documents_val"] == len(held) and meta["data"]["documents_train"] == len(docs) - len(held)
+    assert meta["data"]["tokens_train"] + meta["data"]["tokens_val"] == len(train) + len(val)
+
+
+def test_tokens_do_not_depend_on_the_number_of_processes(tmp_path, docs, tok, cache_dir):
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(_jsonl_bytes(docs * 8))
+    one = shards(path, tok, tmp_path / "one", num_proc=1)
+    two = shards(path, tok, tmp_path / "two", num_proc=2)
+    assert np.array_equal(one[0], two[0]) and np.array_equal(one[1], two[1])
+
+
+def test_bos_is_packed_where_the_tokenizer_template_adds_one(tmp_path, docs, tok, cache_dir):
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    backend = tok.backend_tokenizer.__class__.from_str(tok.backend_tokenizer.to_str())
+    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 512)])
+    backend.add_special_tokens(["<s>"])
+    with_bos = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<|endoftext|>")
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(_jsonl_bytes(docs[:10]))
+    train, _, _ = shards(path, with_bos, cache_dir, val_corpus=Corpus([path]))
+    assert train.tolist() == [i for d in docs[:10] for i in [512] + tok(d)["input_ids"] + [tok.eos_token_id]]
+
+
+def test_a_line_without_the_text_field_names_the_file_and_row(tmp_path, tok, cache_dir):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "one"}\n\n{"text": "two"}\n{"body": "three"}\n')
+    with pytest.raises(CorpusError, match=r"c\.jsonl:4: the line has no field 'text' \(fields: \['body'\]\)"):
+        shards(path, tok, cache_dir)
+
+
+def test_a_null_in_a_parquet_column_names_the_row(tmp_path, tok, cache_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), tmp_path / "c.parquet")
+    with pytest.raises(CorpusError, match=r"c\.parquet: row 3 has no 'text'"):
+        shards(tmp_path / "c.parquet", tok, cache_dir)
+
+
+def _with_bad_lines(tmp_path, docs, n_good):
+    lines = [json.dumps({"text": docs[i % len(docs)]}).encode() for i in range(n_good)]
+    lines.insert(10, b'{"text": "unterminated')
+    lines.insert(500, b'{"text": "caf\xe9 latin-1"}')
+    lines.insert(700, b'{"text": "lone \\ud800 surrogate"}')
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_bad_lines_are_counted_named_and_skipped_below_the_threshold(tmp_path, docs, tok, cache_dir):
+    path = _with_bad_lines(tmp_path, docs, 998)
+    _, _, meta = shards(path, tok, cache_dir, max_bad_fraction=0.01)
+    data = meta["data"]
+    assert data["bad_lines"] == 3 and data["rows"] == 1001
+    assert data["documents_train"] + data["documents_val"] == 998
+    assert data["bad_examples"][0].endswith("c.jsonl:11: invalid JSON (Unterminated string starting at: line 1 column 10 (char 9))")
+    assert data["bad_examples"][1].endswith("c.jsonl:501: bytes that are not UTF-8 at column 14")
+    assert data["bad_examples"][2].endswith("c.jsonl:701: the text is not valid Unicode (a lone surrogate at "
+                                            "character 6)")
+
+
+def test_bad_lines_above_the_threshold_fail_the_build_and_leave_no_cache(tmp_path, docs, tok):
+    path = _with_bad_lines(tmp_path, docs, 998)
+    with pytest.raises(CorpusError, match=r"3 of 1,001 lines .* more than data\.max_bad_fraction \(0\.001\); "
+                                          r"first: .*c\.jsonl:11: invalid JSON"):
+        shards(path, tok, tmp_path / "cache")
+    assert [p.name for p in (tmp_path / "cache" / "shards").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_local_tokenizers_load_from_a_folder_or_a_bare_tokenizer_json(tmp_path, tok):
+    from training.tokenizer import load_tokenizer
+
+    tok.save_pretrained(tmp_path / "ckpt")
+    for source, init_from in (("checkpoint", tmp_path / "ckpt"), (str(tmp_path / "ckpt"), None),
+                              (str(tmp_path / "ckpt" / "tokenizer.json"), None)):
+        loaded = load_tokenizer(source, init_from=init_from)
+        assert loaded.eos_token == "<|endoftext|>" and loaded.get_vocab() == tok.get_vocab()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        load_tokenizer(str(tmp_path / "empty"))
+
+
+def test_a_corpus_that_is_not_json_lines_fails_before_it_is_read_to_the_end(tmp_path, tok, monkeypatch):
+    from training import corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "BLOCK_BYTES", 4096)  # many units, so the check runs between them
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(f"id,text\n{i},plain csv line {i}\n" for i in range(20_000)))
+    units_read = []
+    original = corpus_module.Corpus.units
+
+    def counted(self, split, **kw):
+        for unit in original(self, split, **kw):
+            units_read.append(unit)
+            yield unit
+    monkeypatch.setattr(corpus_module.Corpus, "units", counted)
+    with pytest.raises(CorpusError, match="could not be read"):
+        shards(path, tok, tmp_path / "cache", num_proc=1)
+    assert len(units_read) < path.stat().st_size / 4096 / 2
+
+
+def test_an_empty_corpus_is_a_clear_error(tmp_path, tok, cache_dir):
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n  \n")
+    with pytest.raises(CorpusError, match="has no documents"):
+        shards(path, tok, cache_dir)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("not a corpus file")
+    with pytest.raises(CorpusError, match="folder .*notes' has no corpus files"):
+        list_corpus_files(tmp_path / "notes")
+
+
+def test_a_training_run_on_jsonl_reports_progress_and_records_its_data(tmp_path, docs, make_spec, cache_dir,
+                                                                        monkeypatch):
+    from training.train import train
+
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.jsonl.gz").write_bytes(gzip.compress(_jsonl_bytes(docs * 4, field="body")))
+    sink = ListSink()
+    spec = make_spec(data={"corpus": str(tmp_path / "books" / "*.jsonl.gz"), "text_field": "body",
+                           "val_fraction": 0.1, "tokenizer": str(tmp_path / "tok")},
+                     training={"steps": 2, "val_every": 0})
+    get_tokenizer(SHAKESPEARE, 512, cache_dir).save_pretrained(tmp_path / "tok")
+    result = train(spec, sink, cache_dir=cache_dir / "jsonl-run")
+    assert result.status == "succeeded"
+    progress = sink.events_of("data_progress")
+    assert progress[-1]["done"] and progress[-1]["documents"] == len(docs) * 4
+    assert progress[-1]["tokens"] > 0 and progress[-1]["fraction"] == 1.0
+    data = result.summary["data"]
+    assert data["files"] == 1 and data["documents_train"] + data["documents_val"] == len(docs) * 4
+    assert data["tokenizer"] == str(tmp_path / "tok") and data["bad_lines"] == 0
