@@ -111,7 +111,7 @@ def resolve_corpus(value: str, *, text_field: str = "text", field_name: str = "d
     allowed roots in a worker's job (training.config.confine)."""
     import os
 
-    from training.config import CONFINE_ENV, allowed_roots, confine, data_root
+    from training.paths import CONFINE_ENV, allowed_roots, confine, data_root
 
     confining = os.environ.get(CONFINE_ENV) == "1"
     if is_glob(value):

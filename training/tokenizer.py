@@ -151,7 +151,13 @@ def local_tokenizer(path: Path, what: str) -> PreTrainedTokenizerFast:
         raise ValueError(f"{what} {str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json); "
                          f"give a tokenizer folder saved with save_pretrained, or a tokenizer.json file")
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+        if (path / "tokenizer.json").is_file():
+            # The folder's tokenizer.json as it is: AutoTokenizer would pick the class of the folder's model type
+            # (a Qwen2 checkpoint's Qwen2Tokenizer), which rebuilds the pipeline its own way and tokenized our
+            # exported BPE differently from the run that trained it.
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{what} {str(path)!r} could not be loaded: {exc}") from None
     if not tok.is_fast:

@@ -3,6 +3,9 @@ here, nothing downloaded): training under every recipe, the conversion report, F
 count of the matmuls actually run, HF export and reload, continued pre-training from a checkpoint."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -222,6 +225,8 @@ def test_init_from_a_checkpoint_starts_every_recipe_from_its_weights_and_its_val
     # The same checkpoint re-saved in shards (model.safetensors.index.json): a folder as users have them.
     sharded = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(first.checkpoint_dir).save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # its tokenizer: data.tokenizer defaults to "checkpoint"
+        shutil.copy(Path(first.checkpoint_dir) / name, sharded / name)
     assert (sharded / "model.safetensors.index.json").is_file()
     saved = load_file(f"{first.checkpoint_dir}/model.safetensors")
     for folder in (first.checkpoint_dir, str(sharded)):
