@@ -218,9 +218,13 @@ def open_token_dataset(spec: RunSpec, cache_dir: Path, sink: MetricSink | None =
         corpus = d.open_corpus()
         val_corpus = d.open_corpus("val_corpus") if d.val_corpus is not None else None
         path = d.tokenizer_path()
-        tokenizer = load_tokenizer(str(path) if path is not None else d.tokenizer, corpus=corpus,
-                                   vocab_size=d.vocab_size, cache_dir=cache_dir,
-                                   init_from=getattr(spec.model, "init_from", None))
+        try:
+            tokenizer = load_tokenizer(str(path) if path is not None else d.tokenizer, corpus=corpus,
+                                       vocab_size=d.vocab_size, cache_dir=cache_dir,
+                                       init_from=spec.model.checkpoint_dir() if spec.model.source == "checkpoint"
+                                       else None)
+        except ValueError as exc:  # a folder without a (fast) tokenizer: say so as the spec's error
+            raise SpecError(f"data.tokenizer: {exc}") from None
         # Before tokenizing: a token id the model could not embed fails now, not after an hour of tokenizing.
         check_vocabulary(spec, model_config(spec.model, spec.vocab_size, spec.data.seq_len), tokenizer)
         dataset = TokenDataset.from_corpus(corpus, tokenizer, seq_len=d.seq_len, val_fraction=d.val_fraction,

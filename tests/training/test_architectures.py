@@ -366,3 +366,26 @@ def test_a_checkpoint_missing_a_weight_is_refused_not_filled_at_random(tmp_path)
     config = model_config(spec.model, 512, 16)
     with pytest.raises(SpecError, match=r"lacks weights \['model.layers.1.mlp.down_proj.weight'\]"):
         load_pretrained(spec.model.checkpoint_dir(), config, seed=0)
+
+
+def test_a_checkpoint_named_under_the_data_directory_brings_its_tokenizer(config_dirs, cache_dir, tmp_path,
+                                                                           monkeypatch):
+    """`model.init_from: models/NAME` (a name under PLAB_DATA_DIR, as the README's example has it): the weights
+    and, by default, the tokenizer come from that folder, whatever the working directory; a folder without a
+    tokenizer is a spec error that says so."""
+    import shutil as sh
+
+    first = _short_run({"config": config_dirs["qwen2"]}, tmp_path / "first", cache_dir)
+    data = tmp_path / "data"
+    sh.copytree(first.checkpoint_dir, data / "models" / "mine")
+    sh.copytree(Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare",
+                data / "tinyshakespeare")
+    monkeypatch.setenv("PLAB_DATA_DIR", str(data))
+    monkeypatch.chdir(tmp_path)
+    result = train(arch_spec({"init_from": "models/mine"}, "fp8_tensorwise", steps=2, warmup_steps=1),
+                   cache_dir=cache_dir)
+    assert result.status == "succeeded" and result.summary["data"]["tokenizer"] == "checkpoint"
+    (data / "models" / "mine" / "tokenizer.json").unlink()
+    (data / "models" / "mine" / "tokenizer_config.json").unlink()
+    with pytest.raises(SpecError, match="data.tokenizer: .*holds no tokenizer"):
+        train(arch_spec({"init_from": "models/mine"}, "bf16", steps=2), cache_dir=cache_dir)
