@@ -210,7 +210,31 @@ class MasterAdamW(torch.optim.Optimizer):
         return _adamw_master_update_many, CHUNK
 
 
-class OverlappedOptimizerStep:
+class SideStreamStep:
+    """What the overlapped optimizer steps share: a side CUDA stream for the update, one event per unit of
+    parameters (set by `step`, consumed by the forward pre-hooks), and joining the side stream back."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device=device)
+        self.events: dict[int, torch.cuda.Event] = {}
+        self.handles: list = []
+
+    def _record(self, i: int) -> None:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self.events[i] = event
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.events.clear()
+
+    def remove(self) -> None:
+        self.synchronize()
+        for h in self.handles:
+            h.remove()
+
+
+class OverlappedOptimizerStep(SideStreamStep):
     """Runs a MasterAdamW step on a side CUDA stream, bucket by bucket in forward order, so that the next
     step's forward starts while later buckets are still being updated (the idea of Megatron's
     overlap of the parameter all-gather with the forward, applied to the update itself).
@@ -230,10 +254,9 @@ class OverlappedOptimizerStep:
         covered = [p for _, ps in buckets for p in ps]
         if len(covered) != len(set(covered)) or set(covered) != owned:
             raise ValueError("the buckets must hold every optimizer parameter exactly once")
+        super().__init__(covered[0].device)
         self.optimizer = optimizer
         self.buckets = buckets
-        self.stream = torch.cuda.Stream(device=covered[0].device)
-        self.events: dict[int, torch.cuda.Event] = {}
         self.handles = [m.register_forward_pre_hook(self._waiter(i)) for i, (m, _) in enumerate(buckets)]
 
     def _waiter(self, i: int):
@@ -252,22 +275,11 @@ class OverlappedOptimizerStep:
         with torch.cuda.stream(self.stream):
             for i, (_, params) in enumerate(self.buckets):
                 opt.step_params(params)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-                self.events[i] = event
+                self._record(i)
         for _, params in self.buckets:
             for p in params:
                 if p.grad is not None:
                     p.grad.record_stream(self.stream)
-
-    def synchronize(self) -> None:
-        torch.cuda.current_stream().wait_stream(self.stream)
-        self.events.clear()
-
-    def remove(self) -> None:
-        self.synchronize()
-        for h in self.handles:
-            h.remove()
 
 
 def lr_at(step: int, spec) -> float:

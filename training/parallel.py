@@ -30,6 +30,8 @@ import functools
 
 import torch
 
+from training.optim import SideStreamStep
+
 PARALLEL_MODES = ("auto", "ddp", "fsdp")
 AC_MODES = ("none", "full", "blocks", "ops")
 STATE_BYTES_PER_PARAM = 16  # FP32 master + FP32 gradient + FP32 m and v
@@ -111,7 +113,7 @@ def clip_sharded(params: list[torch.Tensor], clip: float, device: torch.device) 
     return norm
 
 
-class OverlappedShardedStep:
+class OverlappedShardedStep(SideStreamStep):
     """FSDP2's counterpart of `training.optim.OverlappedOptimizerStep`: torch's fused AdamW over the FP32 shards,
     run on a side CUDA stream one FSDP unit at a time in forward order, so the next step's forward starts while
     later units are still being updated. Without it the whole update (~28 bytes per parameter, ~11 ms for 1.14B
@@ -133,10 +135,9 @@ class OverlappedShardedStep:
         units += [(b, [p for p in b.parameters() if p.requires_grad]) for b in blocks]
         if sum(len(ps) for _, ps in units) != len(params):
             raise ValueError("the optimizer's parameters must be the root's and the blocks' own")
+        super().__init__(params[0].device)
         self.optimizer = optimizer
         self.units = [(m, {id(p) for p in ps}) for m, ps in units]
-        self.stream = torch.cuda.Stream(device=params[0].device)
-        self.events: dict[int, torch.cuda.Event] = {}
         self.handles = [m.register_forward_pre_hook(self._waiter(i), prepend=True)
                         for i, (m, _) in enumerate(units)]
 
@@ -160,22 +161,11 @@ class OverlappedShardedStep:
                     opt.step()
                 finally:
                     opt.param_groups = groups
-                event = torch.cuda.Event()
-                event.record(self.stream)
-                self.events[i] = event
+                self._record(i)
         for g in groups:
             for p in g["params"]:
                 if p.grad is not None:
                     local(p.grad).record_stream(self.stream)
-
-    def synchronize(self) -> None:
-        torch.cuda.current_stream().wait_stream(self.stream)
-        self.events.clear()
-
-    def remove(self) -> None:
-        self.synchronize()
-        for h in self.handles:
-            h.remove()
 
 
 # ---------------------------------------------------------------------------------------------------
