@@ -296,9 +296,19 @@ class DataSpec:
         return _user_path(self.corpus, "data.corpus")
 
     def open_corpus(self, which: str = "corpus"):
-        """The training.corpus.Corpus of `data.corpus` (or of `data.val_corpus`: which="val_corpus")."""
-        from training.corpus import resolve_corpus
-        return resolve_corpus(getattr(self, which), text_field=self.text_field, field_name=f"data.{which}")
+        """The training.corpus.Corpus of `data.corpus` (or of `data.val_corpus`: which="val_corpus"): a name
+        under the data directory, a path or a glob; in a worker's job every file confined to the allowed roots."""
+        from training.corpus import Corpus, is_glob, list_corpus_files
+        value, field_name = getattr(self, which), f"data.{which}"
+        if is_glob(value):
+            pattern = value if Path(value).is_absolute() else str(data_root() / value)
+            files = list_corpus_files(Path(pattern), field=field_name)
+            if os.environ.get(CONFINE_ENV) == "1":
+                files = [confine(str(p), field_name, allowed_roots()) for p in files]
+            return Corpus(files, self.text_field)
+        path = _user_path(value, field_name)
+        return Corpus(list_corpus_files(path, field=field_name), self.text_field,
+                      folder=path if path.is_dir() else None)
 
     def tokenizer_path(self) -> Path | None:
         """The tokenizer folder or file `data.tokenizer` names, or None for "train" / "checkpoint"."""
