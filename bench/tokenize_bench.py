@@ -6,7 +6,8 @@ tinyshakespeare: cut into documents of 5-60 lines, shuffled, repeated in a new o
 folder (never in the repository), trains a byte-level BPE (`--vocab-size`) on the documents, then measures in
 separate processes, one after the other:
   * the upper bound: `encode_batch` over the documents in batches of 1000, parsing not timed, on
-    `--num-proc` threads (RAYON_RS_NUM_CPUS);
+    `--num-proc` threads (RAYON_RS_NUM_CPUS); timed before and after ours, the faster run counts (the load of a
+    shared machine moves between runs);
   * ours: `build_token_shards` with `--num-proc` worker processes (the default strategy): the tokenizing
     phase (reading, JSON parsing, tokenizing, packing, writing) and end to end (with the content hash);
   * ours in one process (`num_proc=1`: the tokenizers library's own threads, RAYON_RS_NUM_CPUS = num_proc),
@@ -199,10 +200,14 @@ def main() -> None:
         full = args.corpus
         if args.reference_gb is not None and args.reference_gb < args.size_gb:
             args.corpus = prefix_of(full, int(args.reference_gb * 2**30))
-        upper = measure("upper", args, args.num_proc)
+        before = measure("upper", args, args.num_proc)
         ours = measure("ours", args, args.num_proc, args.workdir / "cache_ref")
         one = None if args.skip_one_process or args.num_proc == 1 else measure("ours", args, 1,
                                                                              args.workdir / "cache_one")
+        # Again after ours: on a shared machine the load moves between runs; the faster of the two is the bound.
+        after = measure("upper", args, args.num_proc)
+        upper = max(before, after, key=lambda r: r["tokens_per_s"])
+        upper["runs_tokens_per_s"] = [before["tokens_per_s"], after["tokens_per_s"]]
         result = report(args, corpus, upper, ours, one, out)
         if args.corpus != full:
             args.corpus = full

@@ -25,8 +25,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from training.paths import (CONFINE_ENV, SpecError, allowed_roots, confine, data_root,  # noqa: F401 (re-exported)
-                            default_data_dir)
 from training.precision import catalog
 
 RANDOM_CORPUS = "random"
@@ -55,6 +53,45 @@ MODEL_PRESET_NAMES = tuple(MODEL_PRESETS)
 CUSTOM_MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "vocab_size")
 MODEL_PATH_KEYS = ("config", "init_from")  # model given by a file: {"config": PATH} or {"init_from": PATH}
+
+
+class SpecError(ValueError):
+    """A run spec is invalid; the message says which field and how to fix it."""
+
+
+def default_data_dir() -> Path:
+    """The data directory when PLAB_DATA_DIR is unset: `shared/data` beside the checkout (a development
+    checkout), else `data/` in it. The API, the workers and the CLI all use this one default."""
+    repo = Path(__file__).resolve().parent.parent
+    for candidate in (repo.parent / "shared" / "data", repo / "data"):
+        if candidate.is_dir():
+            return candidate
+    return repo / "data"
+
+
+def data_root() -> Path:
+    return Path(os.environ["PLAB_DATA_DIR"]) if os.environ.get("PLAB_DATA_DIR") else default_data_dir()
+
+
+CONFINE_ENV = "PLAB_CONFINE_PATHS"  # "1" in jobs a worker runs: user paths must lie inside the allowed roots
+
+
+def allowed_roots() -> list[Path]:
+    """Where paths that arrive through the API may point: the data directory and PLAB_ALLOWED_PATHS
+    (os.pathsep-separated), resolved."""
+    extra = [Path(p) for p in os.environ.get("PLAB_ALLOWED_PATHS", "").split(os.pathsep) if p.strip()]
+    return [root.resolve() for root in [data_root(), *extra]]
+
+
+def confine(value: str, field: str, roots: list[Path]) -> Path:
+    """`value` (a name under the data directory, or a path) resolved – `..` and symlinks followed – and required
+    to lie inside one of `roots`. The error says the same whatever exists outside them."""
+    path = Path(value)
+    resolved = (path if path.is_absolute() else roots[0] / path).resolve()
+    for root in roots:
+        if resolved == root or root in resolved.parents:
+            return resolved
+    raise SpecError(f"{field} must be a name or path inside the data directory or PLAB_ALLOWED_PATHS; got {value!r}")
 
 
 def confine_spec_paths(spec: dict, roots: list[Path]) -> None:
@@ -340,9 +377,19 @@ class DataSpec:
         return _user_path(self.corpus, "data.corpus")
 
     def open_corpus(self, which: str = "corpus"):
-        """The training.corpus.Corpus of `data.corpus` (or of `data.val_corpus`: which="val_corpus")."""
-        from training.corpus import resolve_corpus
-        return resolve_corpus(getattr(self, which), text_field=self.text_field, field_name=f"data.{which}")
+        """The training.corpus.Corpus of `data.corpus` (or of `data.val_corpus`: which="val_corpus"): a name
+        under the data directory, a path or a glob; in a worker's job every file confined to the allowed roots."""
+        from training.corpus import Corpus, is_glob, list_corpus_files
+        value, field_name = getattr(self, which), f"data.{which}"
+        if is_glob(value):
+            pattern = value if Path(value).is_absolute() else str(data_root() / value)
+            files = list_corpus_files(Path(pattern), field=field_name)
+            if os.environ.get(CONFINE_ENV) == "1":
+                files = [confine(str(p), field_name, allowed_roots()) for p in files]
+            return Corpus(files, self.text_field)
+        path = _user_path(value, field_name)
+        return Corpus(list_corpus_files(path, field=field_name), self.text_field,
+                      folder=path if path.is_dir() else None)
 
     def tokenizer_path(self) -> Path | None:
         """The tokenizer folder or file `data.tokenizer` names, or None for "train" / "checkpoint"."""

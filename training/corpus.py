@@ -106,25 +106,6 @@ class Unit:
     split: str = "hash"        # "hash" (documents held out by hash), "tail" (text files), "train", "val"
 
 
-def resolve_corpus(value: str, *, text_field: str = "text", field_name: str = "data.corpus") -> "Corpus":
-    """The corpus a spec value names: a name under the data directory, a path or a glob, confined to the
-    allowed roots in a worker's job (training.config.confine)."""
-    import os
-
-    from training.paths import CONFINE_ENV, allowed_roots, confine, data_root
-
-    confining = os.environ.get(CONFINE_ENV) == "1"
-    if is_glob(value):
-        pattern = value if Path(value).is_absolute() else str(data_root() / value)
-        files = list_corpus_files(Path(pattern), field=field_name)
-        if confining:
-            files = [confine(str(p), field_name, allowed_roots()) for p in files]
-        return Corpus(files, text_field)
-    path = confine(value, field_name, allowed_roots()) if confining else (
-        Path(value) if Path(value).is_absolute() else data_root() / value)
-    return Corpus(list_corpus_files(path, field=field_name), text_field, folder=path if path.is_dir() else None)
-
-
 @dataclass
 class Corpus:
     """The files of one corpus and how to read documents out of them."""

@@ -163,28 +163,39 @@ class PoolEncoder:
     """Encodes in `num_proc` worker processes, results in order, with a bounded number of units in flight.
 
     Forked like torch's DataLoader workers (the children touch neither CUDA nor torch, only tokenizers in
-    one thread each): spawn would re-run an unguarded `__main__` script in every child and start slower."""
+    one thread each): spawn would re-run an unguarded `__main__` script in every child and start slower.
+    A process pool executor, not multiprocessing.Pool: a worker killed (out of memory) fails the build
+    instead of leaving it waiting forever for the lost unit."""
 
     def __init__(self, config: EncoderConfig, num_proc: int):
         import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        self.pool = multiprocessing.get_context(method).Pool(num_proc, initializer=init_encoder, initargs=(config,))
+        self.pool = ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context(method),
+                                        initializer=init_encoder, initargs=(config,))
         self.window = 2 * num_proc + 2
 
     def map(self, units):
         pending: deque = deque()
         for unit in units:
-            pending.append((replace(unit, payload=None), self.pool.apply_async(encode_unit, (unit,))))
+            pending.append((replace(unit, payload=None), self.pool.submit(encode_unit, unit)))
             if len(pending) >= self.window:
-                meta, result = pending.popleft()
-                yield meta, result.get()
+                yield self._next(pending)
         while pending:
-            meta, result = pending.popleft()
-            yield meta, result.get()
+            yield self._next(pending)
+
+    @staticmethod
+    def _next(pending: deque):
+        from concurrent.futures.process import BrokenProcessPool
+        meta, future = pending.popleft()
+        try:
+            return meta, future.result()
+        except BrokenProcessPool:
+            raise RuntimeError("a tokenizer process died while encoding the corpus (out of memory?); lower "
+                               "data.num_proc or give the job more memory") from None
 
     def close(self):
-        self.pool.terminate()
-        self.pool.join()
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ---- the writing side ---------------------------------------------------------------------------------------

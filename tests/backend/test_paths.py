@@ -104,3 +104,11 @@ def test_the_api_confines_the_validation_corpus_and_the_tokenizer_path_too(tmp_p
     r = api.post("/api/v1/experiments", json={**EXPERIMENT, "data": {"corpus": "corpus", key: str(outside)}})
     assert r.status_code == 422, r.text
     assert f"data.{key} must be a name or path inside the data directory" in r.json()["detail"]
+
+
+def test_a_workers_job_confines_every_file_a_glob_matches(data, monkeypatch):
+    root, _ = data
+    monkeypatch.setenv(CONFINE_ENV, "1")
+    assert DataSpec(corpus="corp*/*.txt").open_corpus().files == [(root / "corpus" / "a.txt").resolve()]
+    with pytest.raises(SpecError, match="inside the data directory"):
+        DataSpec(corpus="*/s.txt").open_corpus()  # matches escape/s.txt, a link out of the data directory

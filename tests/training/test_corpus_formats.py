@@ -2,6 +2,7 @@
 (BOS where the tokenizer adds one) and do not depend on the number of tokenizer processes."""
 import gzip
 import json
+import os
 
 import numpy as np
 import pytest
@@ -189,6 +190,20 @@ def test_a_corpus_that_is_not_json_lines_fails_before_it_is_read_to_the_end(tmp_
     with pytest.raises(CorpusError, match="could not be read"):
         shards(path, tok, tmp_path / "cache", num_proc=1)
     assert len(units_read) < path.stat().st_size / 4096 / 2
+
+
+def _killed(unit):
+    os._exit(9)  # what the kernel's OOM killer does to a tokenizer process
+
+
+def test_a_tokenizer_process_that_dies_fails_the_build_instead_of_hanging(tmp_path, docs, tok, monkeypatch):
+    from training import shards as shards_module
+
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(_jsonl_bytes(docs))
+    monkeypatch.setattr(shards_module, "encode_unit", _killed)  # the forked workers inherit it
+    with pytest.raises(RuntimeError, match="a tokenizer process died"):
+        shards(path, tok, tmp_path / "cache", num_proc=2)
 
 
 def test_an_empty_corpus_is_a_clear_error(tmp_path, tok, cache_dir):

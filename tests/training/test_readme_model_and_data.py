@@ -26,7 +26,7 @@ def test_the_readme_experiment_file_is_accepted_and_trains(readme_experiment, tm
     from backend.app import create_app
     from backend.migrate import upgrade
     from plab.settings import Settings
-    from training.corpus import resolve_corpus
+    from training.corpus import Corpus, list_corpus_files
     from training.sink import ListSink
     from training.tokenizer import get_tokenizer
     from training.train import train
@@ -36,9 +36,11 @@ def test_the_readme_experiment_file_is_accepted_and_trains(readme_experiment, tm
     checkpoint = data / readme_experiment["model"]["init_from"]
     Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(checkpoint)
-    get_tokenizer(resolve_corpus(str(SHARED_DATA / "tinyshakespeare")), 512, tmp_path / "cache").save_pretrained(
-        checkpoint)
-    text = next((SHARED_DATA / "tinyshakespeare").rglob("*.txt")).read_text()
+    shakespeare = SHARED_DATA / "tinyshakespeare"
+    tokenizer = get_tokenizer(Corpus(list_corpus_files(shakespeare), "text", folder=shakespeare), 512,
+                              tmp_path / "cache")
+    tokenizer.save_pretrained(checkpoint)
+    text = next(shakespeare.rglob("*.txt")).read_text()
     docs = [d.strip() for d in text.split("\n\n") if d.strip()]
     corpus = data / readme_experiment["data"]["corpus"].replace("*", "part-0")
     corpus.parent.mkdir(parents=True)
