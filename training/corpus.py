@@ -104,6 +104,7 @@ class Unit:
     last: bool = True
     position: float = 0.0      # the fraction of the file read once this unit is done (progress)
     split: str = "hash"        # "hash" (documents held out by hash), "tail" (text files), "train", "val"
+    bad: tuple = ()            # text files: where this piece held bytes that are not UTF-8 ("file: near byte N")
 
 
 @dataclass
@@ -197,26 +198,43 @@ def _cut(text: str, start: int, end: int) -> int:
     return nl + 1 if nl > start else end
 
 
+# Undecodable bytes of text files become U+FFFD exactly as errors="replace" makes them (the tokens, and so the
+# caches, of text corpora stay what they were); this handler also notes where, so they are counted like bad JSON
+# lines. Text files are read in one thread (the process that hands out units).
+_UNDECODABLE: list[int] = []
+
+
+def _replace_and_count(exc: UnicodeDecodeError):
+    _UNDECODABLE.append(exc.start)
+    return "\ufffd", exc.end
+
+
+codecs.register_error("plab.replace_and_count", _replace_and_count)
+
+
 def _text_units(path: Path, index: int, split: str) -> Iterator[Unit]:
     """A text file as pieces cut by `text_pieces`'s rule while it streams in (bytes that are not UTF-8
-    become U+FFFD, as they always have for text files)."""
+    become U+FFFD, as they always have for text files, and are reported in the unit's `bad`)."""
     size = max(path.stat().st_size, 1)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="plab.replace_and_count")
     raw, stream = _open_stream(path)
     with raw, stream:
-        buf, eof, first = "", False, True
+        buf, eof, first, read, bad = "", False, True, 0, []
         while True:
             while not eof and len(buf) <= PIECE_CHARS:
                 chunk = stream.read(BLOCK_BYTES)
+                _UNDECODABLE.clear()
                 buf += decoder.decode(chunk, final=not chunk)
+                bad += [f"{path.name}: bytes that are not UTF-8 near byte {read + at:,}" for at in _UNDECODABLE]
+                read += len(chunk)
                 eof = not chunk
             if len(buf) > PIECE_CHARS:
                 end = _cut(buf, 0, PIECE_CHARS)
                 yield Unit("text", index, buf[:end], first=first, last=False, position=raw.tell() / size,
-                           split=split)
-                buf, first = buf[end:], False
+                           split=split, bad=tuple(bad))
+                buf, first, bad = buf[end:], False, []
                 continue
-            yield Unit("text", index, buf, first=first, last=True, position=1.0, split=split)
+            yield Unit("text", index, buf, first=first, last=True, position=1.0, split=split, bad=tuple(bad))
             return
 
 

@@ -107,8 +107,9 @@ def held_out(text: str, val_fraction: float) -> bool:
 
 def encode_unit(unit: Unit) -> Encoded:
     tok, cfg = _worker
-    if unit.kind == "text":
-        texts, bad, rows = [unit.payload], [], 0
+    if unit.kind == "text":  # rows: its lines, against which undecodable bytes count like bad JSON lines
+        text = unit.payload
+        texts, bad, rows = [text], list(unit.bad), text.count("\n") + int(bool(text) and not text.endswith("\n"))
     elif unit.kind == "jsonl":
         texts, bad, rows = parse_json_lines(unit, cfg.text_field, cfg.names)
     else:

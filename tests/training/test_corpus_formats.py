@@ -160,6 +160,29 @@ def test_bad_lines_above_the_threshold_fail_the_build_and_leave_no_cache(tmp_pat
     assert [p.name for p in (tmp_path / "cache" / "shards").iterdir() if not p.name.endswith(".lock")] == []
 
 
+def test_undecodable_bytes_in_text_files_are_counted_named_and_held_to_the_threshold(tmp_path, docs, tok,
+                                                                                         cache_dir):
+    """Text files keep their tokens (U+FFFD where bytes are not UTF-8, as errors="replace" gives) and the bad
+    bytes count like bad JSON lines: against the text's lines, named by file and offset."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    clean = "".join(docs).encode()
+    (folder / "a.txt").write_bytes(clean)
+    (folder / "b.txt").write_bytes(clean[:40] + b"\xff\xfe" + clean[40:80] + b"\xe2\x82 tail\n")
+    lines = sum(len(f.read_bytes().splitlines()) for f in folder.iterdir())
+    _, _, meta = shards(folder, tok, cache_dir, max_bad_fraction=0.01)
+    data = meta["data"]
+    # one count per replacement character: \xff and \xfe each, and the truncated \xe2\x82 sequence
+    assert data["bad_lines"] == 3 and data["rows"] == lines
+    assert data["bad_examples"] == [f"b.txt: bytes that are not UTF-8 near byte {n}" for n in (40, 41, 82)]
+    with pytest.raises(CorpusError, match=rf"3 of {lines:,} lines .* more than data\.max_bad_fraction \(0\.0001\); "
+                                          r"first: b\.txt: bytes that are not UTF-8 near byte 40"):
+        shards(folder, tok, tmp_path / "cache2", max_bad_fraction=0.0001)
+    # the same tokens as before: the undecodable bytes are the replacement character
+    text = (folder / "b.txt").read_bytes().decode("utf-8", errors="replace")
+    assert text.count("\ufffd") == 3
+
+
 def test_local_tokenizers_load_from_a_folder_or_a_bare_tokenizer_json(tmp_path, tok):
     from training.tokenizer import load_tokenizer
 
