@@ -22,7 +22,7 @@ What it does, in order:
    times and reads the page's own `plabExperiment.firstRenderMs` (navigation start to charts and runs table
    drawn): the first visit, the second, and returning visits (from the third, Chromium runs plotly.js from its
    code cache); the bar applies to returning visits, the first visit is reported next to it. A blank page that
-   only loads plotly.min.js is timed too: the floor under any plotly.js page on the machine at that moment;
+   only loads plotly.js (the cartesian bundle) is timed too: the floor under any plotly.js page on the machine at that moment;
 5. writes bench/results/dashboard_bench_<UTC time>.json and prints a table; drops the database
    (unless --keep-db).
 
@@ -385,14 +385,14 @@ def time_page(base: str, experiment_id: int, loads: int, chromium: str, runs: in
                             "dom_content_loaded_ms": dom_ready, "marks_ms": marks, "loss_points_drawn": points,
                             "resources": resources})
             page.close()
-        # The floor under any page built on plotly.js: a blank page that only loads and runs plotly.min.js
+        # The floor under any page built on plotly.js: a blank page that only loads and runs the bundle
         # from the same server (4.6 MB to parse and execute; seconds on a busy 2-core machine).
         floor = []
         for _ in range(3):
             page = context.new_page()
             # about:blank: no Content-Security-Policy (the server's forbids the inline timing script below).
             page.goto("about:blank")
-            page.set_content(f"<script src='{base}/static/vendor/plotly.min.js'></script>"
+            page.set_content(f"<script src='{base}/static/vendor/plotly-cartesian.min.js'></script>"
                              "<script>window.plotlyDoneMs = performance.now()</script>")
             floor.append(round(page.evaluate("() => window.plotlyDoneMs"), 1))
             page.close()

@@ -1,6 +1,6 @@
 """Static files served compressed, with validators and cache headers.
 
-plotly.min.js is 4.6 MB as it ships and 1.4 MB gzipped: uncompressed it was most of a cold page load. Each file
+plotly.js (the full bundle 4.6 MB as it ships and 1.4 MB gzipped) uncompressed was most of a cold page load. Each file
 is gzipped once (level 6: within 2 % of level 9's size at a third of its time) and kept in memory keyed by its
 path, size and modification time, so an edited file is re-read. Every answer carries an ETag; a revalidation
 with a matching If-None-Match is a 304 with no body.

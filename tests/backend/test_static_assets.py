@@ -20,15 +20,15 @@ def client(tmp_path_factory):
 
 def test_plotly_is_served_gzipped_cached_and_revalidated(client):
     raw_size = plotly_js_path().stat().st_size
-    r = client.get("/static/vendor/plotly.min.js", headers={"Accept-Encoding": "gzip"})
+    r = client.get("/static/vendor/plotly-cartesian.min.js", headers={"Accept-Encoding": "gzip"})
     assert r.status_code == 200 and r.headers["content-encoding"] == "gzip"
     assert r.num_bytes_downloaded < 0.4 * raw_size and len(r.content) == raw_size  # decoded: the same file
     assert r.headers["cache-control"] == "public, max-age=86400" and r.headers["vary"] == "Accept-Encoding"
     assert r.headers["content-type"].startswith("text/javascript")
-    again = client.get("/static/vendor/plotly.min.js", headers={"Accept-Encoding": "gzip",
+    again = client.get("/static/vendor/plotly-cartesian.min.js", headers={"Accept-Encoding": "gzip",
                                                                "If-None-Match": r.headers["etag"]})
     assert again.status_code == 304 and again.content == b""
-    plain = client.get("/static/vendor/plotly.min.js", headers={"Accept-Encoding": "identity"})
+    plain = client.get("/static/vendor/plotly-cartesian.min.js", headers={"Accept-Encoding": "identity"})
     assert "content-encoding" not in plain.headers and plain.num_bytes_downloaded == raw_size
 
 

@@ -43,7 +43,8 @@ def test_live_run_updates_without_reload_and_can_be_cancelled(server, page, char
 
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
     charts.wait_for_traces("loss-chart", 2)
-    assert page.locator("#live-status").get_attribute("data-polling") == "true"
+    # The status line follows the charts (it waits for the worker registry's answer on queued runs).
+    page.wait_for_selector("#live-status[data-polling='true']", timeout=8000)
     assert page.evaluate("() => document.getElementById('loss-chart').data[0].y.length") == 10
 
     # New points arrive while the page is open: the next poll (every ~2 s) draws them.

@@ -1,8 +1,9 @@
 """The dashboard works with no internet: every script and stylesheet comes from the server itself, and
-plotly.js is the copy inside the installed `plotly` Python package."""
+plotly.js is the vendored cartesian bundle at the `plotly` Python package's plotly.js version."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import plotly
 import pytest
@@ -12,12 +13,14 @@ from frontend.pages import plotly_js_path
 pytestmark = pytest.mark.browser
 
 
-def test_plotly_js_is_served_from_the_installed_plotly_package(server):
-    r = server.http.get("/static/vendor/plotly.min.js")
+def test_plotly_js_is_served_by_the_server_at_the_plotly_packages_version(server):
+    r = server.http.get("/static/vendor/plotly-cartesian.min.js")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/javascript")
     assert r.content == plotly_js_path().read_bytes()
-    assert plotly_js_path().is_relative_to(plotly.__path__[0])
+    full = (Path(plotly.__path__[0]) / "package_data" / "plotly.min.js").read_text()[:200]
+    version = re.search(r"plotly\.js v(\S+)", full).group(1)
+    assert f"plotly.js (cartesian - minified) v{version}\n" in r.text[:200]  # the bundle follows the package
 
 
 @pytest.mark.parametrize("path", ["/", "/experiments/new", "/runs", "/experiments/1"])

@@ -17,7 +17,7 @@ let loading = null;
 export function loadPlotly() {
   if (!loading) {
     loading = window.Plotly ? Promise.resolve() : new Promise((resolve, reject) => {
-      const url = document.querySelector("[data-plotly-url]")?.dataset.plotlyUrl || "/static/vendor/plotly.min.js";
+      const url = document.querySelector("[data-plotly-url]")?.dataset.plotlyUrl || "/static/vendor/plotly-cartesian.min.js";
       const script = document.createElement("script");
       script.src = url;
       script.onload = () => { performance.mark("plab:plotly-ready"); resolve(); };
