@@ -26,7 +26,9 @@ What it does, in order:
 5. writes bench/results/dashboard_bench_<UTC time>.json and prints a table; drops the database
    (unless --keep-db).
 
-Bars: endpoint median < 300 ms, <= 2,000 points a series, spike present, page interactive < 1.5 s.
+Bars (the issue "Decision-grade comparison"): series endpoint median < 150 ms, <= 2,000 points a series, spike
+present, the page with every chart drawn < 1.5 s on a first visit (a browser that never saw the page: plotly.js
+fetched, gzipped, and compiled) and on returning visits.
 The machine's load average is recorded with the result: on a shared 2-core machine it moves the timings.
 """
 from __future__ import annotations
@@ -63,7 +65,7 @@ SPIKE_RUN_INDEX = 4
 SPIKE_VALUE = 50.0
 BATCH = 10_000
 TOKENS_PER_STEP = 8 * 2048
-BARS = {"endpoint_median_ms": 300.0, "max_points_per_series": 2000, "page_interactive_ms": 1500.0}
+BARS = {"endpoint_median_ms": 150.0, "max_points_per_series": 2000, "page_interactive_ms": 1500.0}
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -443,10 +445,11 @@ def main(argv: list[str] | None = None) -> int:
             db.drop()
 
     checks = {
-        "endpoint_median_under_300_ms": endpoint["median_ms"] < BARS["endpoint_median_ms"],
+        "endpoint_median_under_150_ms": endpoint["median_ms"] < BARS["endpoint_median_ms"],
         "at_most_2000_points_per_series": endpoint["max_points_in_a_series"] <= BARS["max_points_per_series"],
         "spike_present": endpoint["spike_present"],
-        "page_interactive_under_1_5_s": page["warm_median_ms"] < BARS["page_interactive_ms"],
+        "first_visit_under_1_5_s": page["cold_ms"] < BARS["page_interactive_ms"],
+        "returning_visit_under_1_5_s": page["warm_median_ms"] < BARS["page_interactive_ms"],
         "page_without_console_errors": not page["console_errors"],
     }
     result = {
@@ -469,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ingest                     {load['points']:,} points in {load['seconds']} s "
           f"({load['points_per_s']:,} points/s)")
     print(f"  series endpoint (2000 pts) median {endpoint['median_ms']} ms, p90 {endpoint['p90_ms']} ms "
-          f"(bar < 300 ms); max {endpoint['max_points_in_a_series']} points a series; "
+          f"(bar < 150 ms); max {endpoint['max_points_in_a_series']} points a series; "
           f"spike {'present' if endpoint['spike_present'] else 'MISSING'}")
     print(f"  page's query               median {page_query['median_ms']} ms "
           f"(keys={','.join(PAGE_QUERY['keys'])}, max_points={PAGE_QUERY['max_points']}; val/loss is absent here)")
@@ -478,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{comparison['median_delta_pct']}")
     print(f"  page: runs table shown     returning visit median {page['table_ready_warm_median_ms']} ms")
     print(f"  page: all charts drawn     first visit {page['cold_ms']} ms, returning visit median "
-          f"{page['warm_median_ms']} ms (bar < 1500 ms)")
+          f"{page['warm_median_ms']} ms (bar < 1500 ms for both)")
     print(f"  blank page with plotly.js  median {page['plotly_only_page_median_ms']} ms (the floor under any "
           "plotly.js page on this machine now)")
     for name, ok in checks.items():
