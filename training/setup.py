@@ -117,8 +117,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                 else contextlib.nullcontext())
 
     config = model_config(spec.model, spec.vocab_size, spec.data.seq_len)
-    tokenizer, dataset = load_data(spec, ctx, cache_dir, sink)
-    check_vocabulary(spec, config, tokenizer)
+    tokenizer, dataset = load_data(spec, ctx, cache_dir, sink, config)
     parallel = resolve_parallel(t.parallel, ctx.world, count_parameters(meta_model(config)), device)
     model, report, fused_qkv, ac = _model_with_recipe(spec, config, device, param_dtype, sink,
                                                       fsdp=parallel == "fsdp")
@@ -195,20 +194,21 @@ def _configure_backends(device: torch.device, perf) -> None:
         torch.backends.cuda.enable_math_sdp(b == "math")
 
 
-def load_data(spec: RunSpec, ctx: DistContext, cache_dir: Path, sink: MetricSink | None = None):
-    """(tokenizer or None, TokenDataset). Rank 0 builds the caches first (reporting its progress to `sink`),
-    then the other ranks read them."""
+def load_data(spec: RunSpec, ctx: DistContext, cache_dir: Path, sink: MetricSink | None = None, config=None):
+    """(tokenizer or None, TokenDataset), checked against the vocabulary of the model's `config`. Rank 0 builds
+    the caches first (reporting its progress to `sink`), then the other ranks read them."""
     d = spec.data
     if d.corpus == RANDOM_CORPUS:  # synthetic "random" corpus: throughput benchmarks
+        check_vocabulary(spec, config or model_config(spec.model, spec.vocab_size, d.seq_len), None)
         return None, TokenDataset.random(spec.vocab_size, d.seq_len, seed=0)
     for turn in ("main", "others"):
         if (turn == "main") == ctx.is_main:
-            tokenizer, dataset = open_token_dataset(spec, cache_dir, sink if ctx.is_main else None)
+            tokenizer, dataset = open_token_dataset(spec, cache_dir, sink if ctx.is_main else None, config)
         ctx.barrier()
     return tokenizer, dataset
 
 
-def open_token_dataset(spec: RunSpec, cache_dir: Path, sink: MetricSink | None = None):
+def open_token_dataset(spec: RunSpec, cache_dir: Path, sink: MetricSink | None = None, config=None):
     """(tokenizer, TokenDataset) of a spec's data: the tokenizer `data.tokenizer` names and the cached shards
     (built when missing). Corpus errors become SpecErrors that name the file and row."""
     from training.corpus import CorpusError
@@ -226,7 +226,7 @@ def open_token_dataset(spec: RunSpec, cache_dir: Path, sink: MetricSink | None =
         except ValueError as exc:  # a folder without a (fast) tokenizer: say so as the spec's error
             raise SpecError(f"data.tokenizer: {exc}") from None
         # Before tokenizing: a token id the model could not embed fails now, not after an hour of tokenizing.
-        check_vocabulary(spec, model_config(spec.model, spec.vocab_size, spec.data.seq_len), tokenizer)
+        check_vocabulary(spec, config or model_config(spec.model, spec.vocab_size, spec.data.seq_len), tokenizer)
         dataset = TokenDataset.from_corpus(corpus, tokenizer, seq_len=d.seq_len, val_fraction=d.val_fraction,
                                            cache_dir=cache_dir, tokenizer_source=d.tokenizer, val_corpus=val_corpus,
                                            num_proc=d.num_proc, max_bad_fraction=d.max_bad_fraction, sink=sink)
