@@ -44,9 +44,16 @@ CATEGORIES = [
 ]
 
 
+_COMPUTE_OPS = re.compile(r"_(add|mul|div|pow|sum|mean|rsqrt|exp|log|silu|sub|neg|sigmoid|tanh|amax|max|min)(?=_)")
+
+
 def categorize(name: str) -> str:
     for cat, rx in CATEGORIES:
         if rx.search(name):
+            # inductor names a fused kernel after its ops: an RMSNorm is `triton_per_fused__to_copy_..._rsqrt`,
+            # elementwise work that happens to upcast, not a copy
+            if cat == "copy/cast" and name.startswith("triton_") and _COMPUTE_OPS.search(name):
+                return "triton/elementwise"
             return cat
     return "other"
 
@@ -219,7 +226,34 @@ def summarize(prof, active: int) -> dict:
         by_cat[cat] = by_cat.get(cat, 0.0) + us / 1e3 / active
         top.append((us / 1e3 / active, evt.key[:110], cat))
     top.sort(reverse=True)
-    return {"ms_per_step": by_cat, "total_ms": sum(by_cat.values()), "top": top[:25]}
+    return {"ms_per_step": by_cat, "total_ms": sum(by_cat.values()), "top": top[:25], **gpu_busy(prof, active)}
+
+
+def gpu_busy(prof, active: int) -> dict:
+    """How much of the profiled steps' span the GPU was running at least one kernel or copy: the union of the
+    device events' intervals against first start to last end. A share well below 1 means the host (launches,
+    Python, synchronisations) leaves the GPU idle; near 1 the step is GPU-bound and only faster kernels help."""
+    spans = []
+    for evt in prof.events():
+        if not str(getattr(evt, "device_type", "")).endswith("CUDA") or evt.key.startswith("ProfilerStep"):
+            continue
+        tr = evt.time_range
+        if tr.end > tr.start:
+            spans.append((tr.start, tr.end))
+    if not spans:
+        return {}
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, e in spans) - spans[0][0]
+    return {"gpu_busy_ms_per_step": busy / 1e3 / active, "gpu_span_ms_per_step": span / 1e3 / active,
+            "gpu_busy_share": busy / span if span else None}
 
 
 def anchor_worker(batch: int, seq: int) -> dict:
@@ -358,6 +392,10 @@ def _print_tables(profiles: dict) -> None:
         row = [r.get("total_ms") if c == "total" else r.get("ms_per_step", {}).get(c) for r in profiles.values()]
         print(f"{c:20s}" + "".join(f"{x:24.2f}" if x is not None else f"{'-':>24s}" for x in row))
     for target, r in profiles.items():
+        if r.get("gpu_busy_share") is not None:
+            print(f"{target}: GPU busy {r['gpu_busy_ms_per_step']:.1f} of {r['gpu_span_ms_per_step']:.1f} ms per step "
+                  f"({100 * r['gpu_busy_share']:.1f} %)")
+    for target, r in profiles.items():
         if "floor_table" in r:
             print(format_floor_table(target, r["floor_table"]))
     for target, r in profiles.items():
@@ -396,11 +434,11 @@ def main(argv=None) -> int:
         for k, v in results["fusion_probe"].items():
             print(f"[fusion] {k}: {v}", flush=True)
     def save():
+        add_floor_tables(profiles, results["ceilings"])  # after each target: a call cut short keeps its tables
         if os.environ.get("OUT"):
             (Path(os.environ["OUT"]) / "step_profile.json").write_text(json.dumps(results, indent=1))
     profiles = results["profiles"] = {}
     _run_targets(a.targets, a, profiles, save)
-    add_floor_tables(profiles, results["ceilings"])
     save()
     _print_tables(profiles)
     return 0
