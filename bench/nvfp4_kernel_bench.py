@@ -3,7 +3,11 @@ the 1b model's operand shapes, each checked against the torch quantizers and tim
 torch path that produces the same two operands (what the emulation ran before). Prints a table, writes
 `$OUT/nvfp4_kernel_bench.json`.
 
-    python bench/nvfp4_kernel_bench.py
+    python bench/nvfp4_kernel_bench.py [--configs default|sweep] [--compare-module PATH]
+
+`--compare-module` times another version of nvfp4_triton.py (e.g. `git show REF:training/precision/
+nvfp4_triton.py > /tmp/prev.py`) on the same operands in the same call: the before/after of a kernel change
+as a ratio measured side by side.
 """
 from __future__ import annotations
 
@@ -40,7 +44,22 @@ def timed(fn, reps=30):
     return start.elapsed_time(end) / reps
 
 
-def main() -> int:
+def _load_module(path: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("nvfp4_triton_compared", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", choices=["default", "sweep"], default="sweep",
+                    help="default: the launch configuration training uses per shape; sweep: all of CONFIGS")
+    ap.add_argument("--compare-module", default=None, help="another nvfp4_triton.py, timed side by side")
+    a = ap.parse_args(argv)
+    other = _load_module(a.compare_module) if a.compare_module else None
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     m = rht_matrix(random_sign_vector(0)).to(dev)
@@ -62,7 +81,8 @@ def main() -> int:
         ref_b = quantize_nvfp4(random_hadamard_transform(x, m, axis=0, dtype=torch.float32), axis=0,
                                dtype=torch.bfloat16)
         base = {sr: timed(lambda: compiled(x, sr)) for sr in (False, True)}
-        for cfg in CONFIGS:
+        configs = CONFIGS if a.configs == "sweep" else [nt.launch_config(shape[1], sr) for sr in (False, True)]
+        for cfg in configs:
             seed0 = torch.zeros(1, device=dev, dtype=torch.int64)
             a, b, pts = nt.dual_quantize_launch(x, h, seed0, True, False, **cfg)
             row = {"shape": list(shape), **cfg,
@@ -76,6 +96,11 @@ def main() -> int:
                 row[f"ms_{'sr' if sr else 'rne'}"] = ms
                 row[f"torch_compiled_ms_{'sr' if sr else 'rne'}"] = base[sr]
                 row[f"gbps_{'sr' if sr else 'rne'}"] = x.numel() * 2 * 4 / ms / 1e6  # read x twice, write a and b
+                if other is not None:
+                    row[f"compared_ms_{'sr' if sr else 'rne'}"] = timed(
+                        lambda: other.dual_quantize_launch(x, h, seed, True, sr, **cfg))
+                    ms_again = timed(lambda: nt.dual_quantize_launch(x, h, seed, True, sr, **cfg))
+                    row[f"ms_{'sr' if sr else 'rne'}"] = min(ms, ms_again)
             rows.append(row)
             print(json.dumps(row), flush=True)
     best = {}
@@ -84,11 +109,16 @@ def main() -> int:
         for key in ("ms_rne", "ms_sr"):
             r = min(cand, key=lambda r: r[key])
             best[f"{shape[0]}x{shape[1]}_{key}"] = {k: r[k] for k in ("block_n", "groups", "num_warps", key)}
-    overall = min(CONFIGS, key=lambda c: sum(r["ms_rne"] + r["ms_sr"] for r in rows
+    if other is not None:
+        for key in ("rne", "sr"):
+            print(f"{key}: this module / compared module = "
+                  f"{sum(r['ms_' + key] for r in rows) / sum(r['compared_ms_' + key] for r in rows):.3f} "
+                  f"(summed over {len(rows)} shape x config rows)")
+    overall = min(CONFIGS if a.configs == "sweep" else configs, key=lambda c: sum(r["ms_rne"] + r["ms_sr"] for r in rows
                                             if all(r[k] == v for k, v in c.items())))
     payload = {"bench": "nvfp4_kernel_bench", "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_commit": git_commit(),
-               "rows": rows, "best": best, "best_overall": overall, "wall_s": round(time.perf_counter() - t0, 1)}
+               "compared_module": a.compare_module, "rows": rows, "best": best, "best_overall": overall, "wall_s": round(time.perf_counter() - t0, 1)}
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "nvfp4_kernel_bench.json").write_text(json.dumps(payload, indent=1))
     print(f"\n{'shape':>11} {'BN':>4} {'G':>2} {'W':>2} {'rne ms':>7} {'GB/s':>6} {'sr ms':>7} {'GB/s':>6} "

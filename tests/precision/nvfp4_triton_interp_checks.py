@@ -34,6 +34,14 @@ def _operand(rows, cols, kind, seed=0):
         x.view(-1)[torch.randint(0, x.numel(), (5,), generator=g)] *= 1e4
     elif kind == "tiny":
         x = torch.randn(rows, cols, generator=g) * 1e-30
+    elif kind == "ties":  # every block's scale is 1 and its values sit on E2M1's rounding ties (and grid points)
+        grid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 3.0, 4.0, 0.0, 0.1, 2.2, 4.9, 5.5])
+        x = grid[torch.randint(0, len(grid), (rows, cols), generator=g)]
+        x = x * torch.where(torch.rand(rows, cols, generator=g) < 0.5, -1.0, 1.0)
+        x[:, ::16] = 6.0  # each block along the features holds 6: block scale 6 / 6 = 1
+        x[::16, :] = 6.0  # and each block along the tokens
+        x[0, 0] = 2688.0  # the global amax: per-tensor scale 2688 / (448 * 6) = 1
+        return x.bfloat16()
     x = x * torch.exp(torch.randn(rows, 1, generator=g))
     x[1, :16] = 0  # an all-zero block along the features
     x[16:32, 5] = 0  # an all-zero block along the tokens
@@ -44,7 +52,7 @@ def _same_bits(a, b):
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("kind", ["normal", "heavy", "tiny"])
+@pytest.mark.parametrize("kind", ["normal", "heavy", "tiny", "ties"])
 @pytest.mark.parametrize("cols,config", [(96, {}), (160, {}),  # 160: a partial BLOCK_N tile (masked columns)
                                          (160, dict(block_n=64, groups=1, num_warps=2)),
                                          (96, dict(block_n=32, groups=2, num_warps=8))])

@@ -114,15 +114,20 @@ if HAVE_TRITON:
         scaled = tl.where(data == 0, 0.0, data * reciprocal)
         scaled = tl.minimum(tl.maximum(scaled, -6.0), 6.0)
         a = tl.abs(scaled)
-        step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-        t = a * tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # a / step, exactly
-        lo = tl.floor(t)
-        frac = t - lo
         if STOCH:
-            up = u < frac
-        else:  # round half to even, as torch.round
-            up = (frac > 0.5) | ((frac == 0.5) & ((lo.to(tl.int32) & 1) == 1))
-        mag = (lo + up.to(tl.float32)) * step
+            step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+            t = a * tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # a / step, exactly
+            lo = tl.floor(t)
+            up = u < (t - lo)
+            mag = (lo + up.to(tl.float32)) * step
+        else:
+            # Round half to even onto E2M1's grid (steps 0.5 below 2, 1 below 4, 2 up to 6) with the FP32
+            # adder: a + M lands where the spacing of FP32 numbers is that step (M = 1.5 * 2^22, 2^23, 2^24),
+            # so the addition itself rounds to the grid, ties to even (an even significand is an even
+            # multiple of the step), and subtracting M back is exact. Two adds instead of floor, fraction
+            # and tie tests: same values as torch.round(a / step) * step.
+            magic = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
+            mag = (a + magic) - magic
         # copysign on the bits (a negated +0.0 may compile to 0 - 0 = +0.0; torch.copysign gives -0.0)
         sign = scaled.to(tl.int32, bitcast=True) & -2147483648
         element = (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
