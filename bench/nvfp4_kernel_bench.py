@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", choices=["default", "sweep"], default="sweep",
                     help="default: the launch configuration training uses per shape; sweep: all of CONFIGS")
     ap.add_argument("--compare-module", default=None, help="another nvfp4_triton.py, timed side by side")
-    a = ap.parse_args(argv)
-    other = _load_module(a.compare_module) if a.compare_module else None
+    args = ap.parse_args(argv)
+    other = _load_module(args.compare_module) if args.compare_module else None
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     m = rht_matrix(random_sign_vector(0)).to(dev)
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         ref_b = quantize_nvfp4(random_hadamard_transform(x, m, axis=0, dtype=torch.float32), axis=0,
                                dtype=torch.bfloat16)
         base = {sr: timed(lambda: compiled(x, sr)) for sr in (False, True)}
-        configs = CONFIGS if a.configs == "sweep" else [nt.launch_config(shape[1], sr) for sr in (False, True)]
+        configs = CONFIGS if args.configs == "sweep" else [nt.launch_config(shape[1], sr) for sr in (False, True)]
         for cfg in configs:
             seed0 = torch.zeros(1, device=dev, dtype=torch.int64)
             a, b, pts = nt.dual_quantize_launch(x, h, seed0, True, False, **cfg)
@@ -114,11 +114,11 @@ def main(argv=None) -> int:
             print(f"{key}: this module / compared module = "
                   f"{sum(r['ms_' + key] for r in rows) / sum(r['compared_ms_' + key] for r in rows):.3f} "
                   f"(summed over {len(rows)} shape x config rows)")
-    overall = min(CONFIGS if a.configs == "sweep" else configs, key=lambda c: sum(r["ms_rne"] + r["ms_sr"] for r in rows
+    overall = min(CONFIGS if args.configs == "sweep" else configs, key=lambda c: sum(r["ms_rne"] + r["ms_sr"] for r in rows
                                             if all(r[k] == v for k, v in c.items())))
     payload = {"bench": "nvfp4_kernel_bench", "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_commit": git_commit(),
-               "compared_module": a.compare_module, "rows": rows, "best": best, "best_overall": overall, "wall_s": round(time.perf_counter() - t0, 1)}
+               "compared_module": args.compare_module, "rows": rows, "best": best, "best_overall": overall, "wall_s": round(time.perf_counter() - t0, 1)}
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "nvfp4_kernel_bench.json").write_text(json.dumps(payload, indent=1))
     print(f"\n{'shape':>11} {'BN':>4} {'G':>2} {'W':>2} {'rne ms':>7} {'GB/s':>6} {'sr ms':>7} {'GB/s':>6} "
@@ -127,7 +127,8 @@ def main(argv=None) -> int:
         print(f"{r['shape'][0]}x{r['shape'][1]:<6} {r['block_n']:>4} {r['groups']:>2} {r['num_warps']:>2} "
               f"{r['ms_rne']:7.3f} {r['gbps_rne']:6.0f} {r['ms_sr']:7.3f} {r['gbps_sr']:6.0f} "
               f"{r['torch_compiled_ms_rne']:9.3f} {r['torch_compiled_ms_sr']:8.3f} "
-              f"{r['a_bit_mismatch_frac']:7.1e} {r['b_bit_mismatch_frac']:7.1e}")
+              f"{r['a_bit_mismatch_frac']:7.1e} {r['b_bit_mismatch_frac']:7.1e}"
+              + (f"  compared {r['compared_ms_rne']:7.3f} {r['compared_ms_sr']:7.3f}" if other is not None else ""))
     print(f"best overall: {overall}; wall {payload['wall_s']} s")
     return 0
 
