@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text,
-                        UniqueConstraint)
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, PrimaryKeyConstraint,
+                        String, Text, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 RUN_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "diverged")
@@ -106,13 +106,19 @@ class Run(Base):
 
 
 class MetricPoint(Base):
-    __tablename__ = "metric_points"
-    __table_args__ = (UniqueConstraint("run_id", "key", "step", name="uq_metric_run_key_step"),)
+    """One point of a series, keyed (run_id, key, step).
 
-    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    No foreign key to `runs`: its per-row check was a fifth of a metric batch's insert on PostgreSQL. Locks keep
+    the rule instead (migration 0007): ingest holds the run row FOR KEY SHARE for its transaction
+    (`services.runs.ingest_metrics`, 404 when the run is gone) and deletion takes it FOR UPDATE before deleting the
+    run's points (`services.housekeeping`), so no point is stored for a deleted run. Whatever deletes a run deletes
+    its points itself."""
+    __tablename__ = "metric_points"
+    __table_args__ = (PrimaryKeyConstraint("run_id", "key", "step", name="metric_points_pkey"),)
+
+    run_id: Mapped[int] = mapped_column(Integer, autoincrement=False)
     key: Mapped[str] = mapped_column(String(200))
-    step: Mapped[int] = mapped_column(BigInteger)
+    step: Mapped[int] = mapped_column(BigInteger, autoincrement=False)
     tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     wall_time: Mapped[float | None] = mapped_column(Float, nullable=True)
     # NULL stands for a non-finite value (NaN/Inf): SQLite cannot store NaN and JSON has no spelling for it.

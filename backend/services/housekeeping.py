@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, selectinload
 from backend.errors import Conflict
 from backend.models import Evaluation, Experiment, MetricPoint, MetricRollup, Run, utcnow
 from backend.schemas import ExperimentUpdate, Housekeeping, RunInfoUpdate
-from backend.services.runs import get_experiment, get_run, update_info
+from backend.services.runs import get_experiment, lock_run, update_info
 
 LIVE = ("queued", "running")
 
@@ -116,6 +116,8 @@ def run_folder(home: Path, run_id: int) -> Path:
 
 
 def _delete_run_rows(session: Session, run: Run) -> None:
+    """The run's rows; the caller holds the run FOR UPDATE (`lock_run`), so no ingest adds points after the
+    metric delete below (metric points have no foreign key to cascade from the run's own delete)."""
     # Metric rows are deleted by statement, never loaded: a long run holds millions.
     session.execute(delete(MetricRollup).where(MetricRollup.run_id == run.id))
     session.execute(delete(MetricPoint).where(MetricPoint.run_id == run.id))
@@ -138,7 +140,7 @@ def _refuse_live(session: Session, runs: list[Run], what: str) -> None:
 
 def delete_run(session: Session, run_id: int, home: Path) -> None:
     """The run, its metrics, artifacts and evaluations, then its folder (after the rows, which can roll back)."""
-    run = get_run(session, run_id)
+    run = lock_run(session, run_id, delete=True)  # an ingest in flight finishes first; later ones get 404
     _refuse_live(session, [run], f"run {run_id}")
     _delete_run_rows(session, run)
     session.flush()
@@ -147,11 +149,16 @@ def delete_run(session: Session, run_id: int, home: Path) -> None:
 
 def delete_experiment(session: Session, experiment_id: int, home: Path) -> None:
     exp = get_experiment(session, experiment_id)
+    for run_id in sorted(r.id for r in exp.runs):  # locked in id order, as every deletion locks them
+        lock_run(session, run_id, delete=True)
     _refuse_live(session, list(exp.runs), f"experiment {experiment_id}")
     run_ids = [r.id for r in exp.runs]
-    for run in list(exp.runs):
-        _delete_run_rows(session, run)
-    session.delete(exp)
+    # One flush for every run and the experiment: an autoflush between runs deleted a run that the experiment's
+    # cascade then deleted again (SQLAlchemy warned: "expected to delete 2 row(s); 1 were matched").
+    with session.no_autoflush:
+        for run in list(exp.runs):
+            _delete_run_rows(session, run)
+        session.delete(exp)
     session.flush()
     for run_id in run_ids:
         shutil.rmtree(run_folder(home, run_id), ignore_errors=True)

@@ -139,6 +139,21 @@ def get_run(session: Session, run_id: int) -> Run:
     return run
 
 
+def lock_run(session: Session, run_id: int, *, delete: bool = False) -> Run:
+    """The run, its row locked until the transaction ends: FOR KEY SHARE to write its metrics (a deletion waits
+    for the writer), FOR UPDATE to delete it (a writer of its metrics waits for the deletion, then finds the run
+    gone: 404). Metric rows have no foreign key to the run (migration 0007); these locks are what keeps a point
+    from being stored for a deleted run. On SQLite the database's write lock, taken here, does the same."""
+    if session.get_bind().dialect.name == "sqlite":
+        metrics.begin_write(session)
+    run = session.scalars(select(Run).where(Run.id == run_id)
+                          .with_for_update(read=not delete, key_share=not delete)
+                          .execution_options(populate_existing=True)).first()
+    if run is None:
+        raise NotFound(f"run {run_id} does not exist")
+    return run
+
+
 def cancel_run(session: Session, run_id: int) -> Run:
     run = get_run(session, run_id)
     if run.status in FINAL_STATUSES:
@@ -256,7 +271,7 @@ def ingest_metrics(session: Session, run_id: int, series: dict[str, list[tuple]]
     """A batch of points ({key: [(step, value, tokens, wall_time)]}, idempotent on run, key, step); the highest
     `train/loss` step seen is the run's progress. The answer carries the run's status and `cancel_requested`,
     which is how a worker learns of a cancel."""
-    run = get_run(session, run_id)
+    run = lock_run(session, run_id)  # held until the commit: the run cannot be deleted under the insert
     inserted, duplicates = metrics.ingest(session, run_id, series)
     loss_steps = series.get("train/loss")
     if loss_steps:
