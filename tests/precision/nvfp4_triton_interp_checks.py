@@ -147,3 +147,30 @@ def test_the_gemm_benchmarks_fused_quantizers_are_the_training_steps(nt, monkeyp
     w_row, w_t = ops.quantizer("weight")(w, ("row", "t"))
     assert w_t.values.data_ptr() == w_row.values.data_ptr()
     assert torch.equal(w_row.dequantize(), q.weight_fprop(w, dtype=torch.bfloat16).dequantize())
+
+
+def test_stochastic_rounding_draws_independently_per_element_and_output(nt):
+    """Every element of both outputs gets its own random number: each block holds a 6 (block scale 1, per-tensor
+    scale 6 / 2688, so the other elements keep their value, 1.296875 in BF16, between the grid points 1 and
+    1.5); over many seeds no two columns, no two rows, and not `a` and `b`, round alike, and each rounds up
+    about as often as its distance says (0.59)."""
+    x = torch.full((32, 128), 1.3, dtype=torch.bfloat16)
+    x[:, ::16] = 6.0  # each block along the features holds the maximum
+    x[::16, :] = 6.0  # and each block along the tokens
+    h = nt.rht_operand(rht_matrix(random_sign_vector(0)), "cpu")
+    keep_rows = torch.tensor([r % 16 != 0 for r in range(32)])
+    keep_cols = torch.tensor([c % 16 != 0 for c in range(128)])
+    ups_a, ups_b = [], []
+    for s in range(48):
+        a, b, _ = nt.dual_quantize_launch(x, h, torch.tensor([s]), False, True, block_n=128, groups=1)
+        # the outputs are element x block scale (the per-tensor scale apart): a 6 marks the block scale
+        ups_a.append((a.float() > a.float()[0, 0] * 1.25 / 6)[keep_rows][:, keep_cols])
+        ups_b.append((b.float() > b.float()[0, 0] * 1.25 / 6)[keep_rows][:, keep_cols])
+    ua, ub = torch.stack(ups_a), torch.stack(ups_b)
+    for u in (ua, ub):
+        cols = u.permute(2, 0, 1).reshape(u.shape[2], -1)
+        rows = u.permute(1, 0, 2).reshape(u.shape[1], -1)
+        assert len({tuple(c.tolist()) for c in cols}) == len(cols)
+        assert len({tuple(r.tolist()) for r in rows}) == len(rows)
+        assert 0.55 < u.float().mean() < 0.64, float(u.float().mean())
+    assert not torch.equal(ua, ub)

@@ -134,24 +134,45 @@ if HAVE_TRITON:
         return element * e4m3
 
     @triton.jit
-    def _uniforms16(seed, rows, cols, N, BLOCK: tl.constexpr):
-        """Two (16, BLOCK) tensors of uniforms in [0, 1) with 16 bits each, from one Philox call per 4
-        elements (its four 32-bit outputs split in halves): one per element for each output."""
-        quarter = cols // 4
-        q_ids = tl.reshape(rows[:, None] * (N // 4 + 1) + quarter[None, :], (16, BLOCK // 4, 4))
-        q_ids = tl.max(q_ids, axis=2)  # one counter per run of 4 columns
-        r0, r1, r2, r3 = tl.randint4x(seed, q_ids)
-        r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (16, BLOCK))
+    def _halves(r):
+        """Two uniforms in [0, 1) with 16 bits each from one 32-bit Philox output."""
         r = r.to(tl.uint32, bitcast=True)
         scale = 1.0 / 65536.0
         return (r & 0xFFFF).to(tl.float32) * scale, (r >> 16).to(tl.float32) * scale
+
+    @triton.jit
+    def _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a, pts_b,
+                    u_a, u_b, W: tl.constexpr, HAS_RHT: tl.constexpr, STOCH: tl.constexpr,
+                    DOT_BF16: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
+        """Both outputs of one (16 tokens, W features) tile; W a multiple of 16."""
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x_raw = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
+        x = x_raw.to(tl.float32)
+        if not STOCH:
+            u_a = x
+            u_b = x
+        # a: 1x16 blocks along the features (masked columns are zeros).
+        blocks = tl.reshape(x, (16, W // 16, 16))
+        bmax = tl.max(tl.abs(blocks), axis=2)
+        va = _nvfp4_values(blocks, bmax[:, :, None], pts_a, tl.reshape(u_a, (16, W // 16, 16)),
+                           STOCH, CUDA_SEMANTICS)
+        va = tl.where(amax_a > 0, tl.reshape(va, (16, W)), 0.0)
+        tl.store(a_ptr + rows[:, None] * N + cols[None, :], va.to(tl.bfloat16), mask=mask)
+        # b: RHT along the tokens, then 1x16 blocks along the tokens (one block per column of the tile).
+        if HAS_RHT:
+            y = _rht_tile(h_ptr, x_raw, DOT_BF16)
+        else:
+            y = x
+        cmax = tl.max(tl.abs(y), axis=0)
+        vb = _nvfp4_values(y, cmax[None, :], pts_b, u_b, STOCH, CUDA_SEMANTICS)
+        vb = tl.where(amax_b > 0, vb, 0.0)
+        tl.store(b_ptr + rows[:, None] * N + cols[None, :], vb.to(tl.bfloat16), mask=mask)
 
     @triton.jit
     def _nvfp4_dual_quant_kernel(x_ptr, h_ptr, amax_ptr, seed_ptr, a_ptr, b_ptr, pts_ptr, M, N, stride_m,
                                  BLOCK: tl.constexpr, GROUPS: tl.constexpr, HAS_RHT: tl.constexpr,
                                  STOCH: tl.constexpr, DOT_BF16: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        cols = pid_n * BLOCK + tl.arange(0, BLOCK)
         amax_a = tl.load(amax_ptr)
         amax_b = tl.load(amax_ptr + 1)
         pts_a = _scalar_div(amax_a, 2688.0, CUDA_SEMANTICS)  # per_tensor_amax_to_scale: amax / (448 * 6)
@@ -162,30 +183,31 @@ if HAVE_TRITON:
         seed = tl.load(seed_ptr)
         for g in tl.static_range(GROUPS):
             rows = (pid_m * GROUPS + g) * 16 + tl.arange(0, 16)
-            mask = (rows[:, None] < M) & (cols[None, :] < N)
-            x_raw = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
-            x = x_raw.to(tl.float32)
             if STOCH:
-                u_a, u_b = _uniforms16(seed, rows, cols, N, BLOCK)
+                # One Philox call per (token, run of 4 quarter-tile columns): its four 32-bit outputs serve the
+                # tile's four quarters (each output's halves: one uniform for `a`, one for `b`), so the
+                # quarters are quantized one after the other with no reshuffling of random numbers.
+                CH: tl.constexpr = BLOCK // 4
+                j = tl.arange(0, CH)
+                counters = rows[:, None] * (N // 4 + 1) + (pid_n * CH + j)[None, :]
+                r0, r1, r2, r3 = tl.randint4x(seed, counters)
+                base = pid_n * BLOCK + j
+                ua, ub = _halves(r0)
+                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, base, M, N, stride_m, amax_a, amax_b, pts_a,
+                            pts_b, ua, ub, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
+                ua, ub = _halves(r1)
+                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, base + CH, M, N, stride_m, amax_a, amax_b, pts_a,
+                            pts_b, ua, ub, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
+                ua, ub = _halves(r2)
+                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, base + 2 * CH, M, N, stride_m, amax_a, amax_b,
+                            pts_a, pts_b, ua, ub, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
+                ua, ub = _halves(r3)
+                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, base + 3 * CH, M, N, stride_m, amax_a, amax_b,
+                            pts_a, pts_b, ua, ub, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
             else:
-                u_a = x
-                u_b = x
-            # a: 1x16 blocks along the features (BLOCK is a multiple of 16; masked columns are zeros).
-            blocks = tl.reshape(x, (16, BLOCK // 16, 16))
-            bmax = tl.max(tl.abs(blocks), axis=2)
-            va = _nvfp4_values(blocks, bmax[:, :, None], pts_a, tl.reshape(u_a, (16, BLOCK // 16, 16)),
-                               STOCH, CUDA_SEMANTICS)
-            va = tl.where(amax_a > 0, tl.reshape(va, (16, BLOCK)), 0.0)
-            tl.store(a_ptr + rows[:, None] * N + cols[None, :], va.to(tl.bfloat16), mask=mask)
-            # b: RHT along the tokens, then 1x16 blocks along the tokens (one block per column of the tile).
-            if HAS_RHT:
-                y = _rht_tile(h_ptr, x_raw, DOT_BF16)
-            else:
-                y = x
-            cmax = tl.max(tl.abs(y), axis=0)
-            vb = _nvfp4_values(y, cmax[None, :], pts_b, u_b, STOCH, CUDA_SEMANTICS)
-            vb = tl.where(amax_b > 0, vb, 0.0)
-            tl.store(b_ptr + rows[:, None] * N + cols[None, :], vb.to(tl.bfloat16), mask=mask)
+                cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a,
+                            pts_b, amax_a, amax_b, BLOCK, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
 
 
 def rht_operand(rht: torch.Tensor, device) -> torch.Tensor:
@@ -199,6 +221,9 @@ def dual_quantize_launch(x: torch.Tensor, h: torch.Tensor, seed: torch.Tensor, r
     """Launch both kernels (under the interpreter too): returns (a, b, pts) with pts = [pts_a, pts_b].
     The global maxima are reduced from per-program partials (no atomics on one address)."""
     m, n = x.shape
+    if stochastic and block_n % 64:
+        raise ValueError(f"stochastic rounding works on quarter tiles of 16 features or more: block_n {block_n} "
+                         "must be a multiple of 64")
     pts = torch.empty(2, device=x.device, dtype=torch.float32)
     a = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     b = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
