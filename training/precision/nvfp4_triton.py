@@ -181,13 +181,13 @@ if HAVE_TRITON:
             tl.store(pts_ptr, pts_a)
             tl.store(pts_ptr + 1, pts_b)
         seed = tl.load(seed_ptr)
+        CH: tl.constexpr = BLOCK // 4  # a quarter tile's features (stochastic rounding)
         for g in tl.static_range(GROUPS):
             rows = (pid_m * GROUPS + g) * 16 + tl.arange(0, 16)
             if STOCH:
                 # One Philox call per (token, run of 4 quarter-tile columns): its four 32-bit outputs serve the
                 # tile's four quarters (each output's halves: one uniform for `a`, one for `b`), so the
                 # quarters are quantized one after the other with no reshuffling of random numbers.
-                CH: tl.constexpr = BLOCK // 4
                 j = tl.arange(0, CH)
                 counters = rows[:, None] * (N // 4 + 1) + (pid_n * CH + j)[None, :]
                 r0, r1, r2, r3 = tl.randint4x(seed, counters)
