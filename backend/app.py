@@ -29,7 +29,11 @@ def create_app(settings: Settings | None = None, *, migrate: bool | None = None)
         from backend.migrate import upgrade
 
         upgrade(settings.database_url)
-    app = FastAPI(title="Precision Lab", version="0.1.0", lifespan=_lifespan,
+    from fastapi import Depends
+
+    from backend.api.deps import refuse_nul_in_url
+
+    app = FastAPI(title="Precision Lab", version="0.1.0", lifespan=_lifespan, dependencies=[Depends(refuse_nul_in_url)],
                   description="Low-precision training recipes against a BF16 baseline: experiments, runs, "
                               "metrics, evaluations and GEMM benchmarks.")
     app.state.settings = settings

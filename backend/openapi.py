@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from fastapi.openapi.utils import get_openapi
 
-from backend.schemas import METRIC_INGEST
+from backend import spec_schema
+from backend.schemas import METRIC_INGEST, NO_NUL_PATTERN
 
 RAW_BODIES = {"MetricIngest": METRIC_INGEST}
 
@@ -64,7 +65,110 @@ def install(app) -> None:
                     responses[code] = _error(documented.get("description") or description)
         for name in ("HTTPValidationError", "ValidationError"):
             schema["components"]["schemas"].pop(name, None)
+        _request_schemas(app, components)
+        _no_nul_strings(schema)
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi
+
+
+def _request_schemas(app, components: dict) -> None:
+    """The bodies validated beyond their pydantic types (backend/spec_schema.py builds what each accepts)."""
+    from training.evaluation.taskdirs import known_task_names
+
+    from backend.services.runs import spec_roots
+
+    roots = spec_roots()
+    names = spec_schema.recipe_names()
+
+    recipe = components["RecipeRequest"]
+    recipe["properties"]["name"]["enum"] = names
+    recipe["properties"]["seeds"]["anyOf"][0]["uniqueItems"] = True
+    recipe["allOf"] = spec_schema.recipe_option_rules("name", "options", name_required=True)
+
+    run = components["RunCreate"]
+    run["properties"]["recipe"]["enum"] = names
+    run["allOf"] = spec_schema.recipe_option_rules("recipe", "recipe_options", name_required=False)
+
+    components["GemmRequest"] = spec_schema.gemm_request_schema()
+    components["GemmResult"] = spec_schema.gemm_result_schema()
+    null = {"type": "null"}
+    request, result = {"$ref": "#/components/schemas/GemmRequest"}, {"$ref": "#/components/schemas/GemmResult"}
+    gemm = components["GemmBenchmarkCreate"]
+    gemm["properties"]["request"]["anyOf"] = [request, null]
+    gemm["properties"]["result"]["anyOf"] = [result, null]
+    gemm["anyOf"] = [{"required": ["request"], "properties": {"request": request, "result": null}},
+                     {"required": ["result"], "properties": {"result": result, "request": null}}]
+    status = components["GemmStatusUpdate"]
+    status["properties"]["result"]["anyOf"] = [result, null]
+    status["anyOf"] = [{"required": ["status", "result"], "properties": {"status": {"const": "succeeded"},
+                                                                         "result": result}},
+                       {"properties": {"status": {"enum": ["running", "failed"]}, "result": null}}]
+
+    exp = components["ExperimentCreate"]
+    exp["description"] = ("Rules over several numbers, which JSON Schema cannot state (422 when broken): "
+                          + "; ".join(spec_schema.SPEC_RULES))
+    props = exp["properties"]
+    props["model"] = {**spec_schema.model_schema(roots), "default": props["model"].get("default")}
+    props["data"] = spec_schema.data_schema(roots)
+    props["training"] = spec_schema.training_schema()
+    props["recipes"]["items"]["anyOf"][0]["enum"] = names
+    props["eval_tasks"]["items"] = {"type": "string", "enum": sorted(known_task_names()),
+                                    "description": "a task lm-eval finds (shipped, PLAB_EVAL_TASKS_DIR, lm-eval's)"}
+    props["seeds"]["anyOf"][0]["uniqueItems"] = True
+    exp["allOf"] = [
+        # seeds (a list) or replicates (a count), not both
+        {"not": {"properties": {"seeds": {"type": "array"}, "replicates": {"type": "integer"}},
+                 "required": ["seeds", "replicates"]}},
+        # data.tokenizer "checkpoint" takes model.init_from's tokenizer
+        {"if": {"properties": {"data": {"properties": {"tokenizer": {"const": "checkpoint"}},
+                                        "required": ["tokenizer"]}}, "required": ["data"]},
+         "then": {"properties": {"model": {"type": "object", "required": ["init_from"]}}, "required": ["model"]}},
+        # a trained byte-level BPE needs at least 300 tokens (256 bytes, merges, special)
+        {"if": {"properties": {"data": {"properties": {"vocab_size": {"maximum": 299}},
+                                        "required": ["vocab_size"]}}, "required": ["data"]},
+         "then": {"anyOf": [
+             {"properties": {"data": {"properties": {"corpus": {"const": "random"}}, "required": ["corpus"]}}},
+             {"properties": {"data": {"properties": {"tokenizer": {"not": {"const": "train"}}},
+                                      "required": ["tokenizer"]}}},
+             {"properties": {"data": {"not": {"required": ["tokenizer"]}},
+                             "model": {"type": "object", "required": ["init_from"]}}, "required": ["model"]}]}},
+    ]
+
+
+def _no_nul_strings(schema: dict) -> None:
+    """Every string a request body types, and every string parameter, refuses NUL (PostgreSQL text cannot hold it), as
+    the document says here; free-form JSON objects may hold any string (json columns store it escaped)."""
+    components = schema["components"]["schemas"]
+    seen: set[str] = set()
+
+    def walk(node):
+        if isinstance(node, list):
+            for n in node:
+                walk(n)
+            return
+        if not isinstance(node, dict):
+            return
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+            name = ref.rsplit("/", 1)[1]
+            if name not in seen:
+                seen.add(name)
+                walk(components[name])
+            return
+        types = node.get("type")
+        if (types == "string" or (isinstance(types, list) and "string" in types)) and not any(
+                k in node for k in ("pattern", "enum", "const", "format", "anyOf")):
+            node["pattern"] = NO_NUL_PATTERN
+        for key, value in node.items():
+            if key not in ("enum", "const", "default", "examples", "description"):
+                walk(value)
+
+    for operations in schema.get("paths", {}).values():
+        for op in operations.values():
+            for parameter in op.get("parameters", []):  # backend.api.deps.refuse_nul_in_url
+                walk(parameter.get("schema"))
+            content = (op.get("requestBody") or {}).get("content", {})
+            for media in content.values():
+                walk(media.get("schema"))

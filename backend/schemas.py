@@ -4,11 +4,11 @@ from __future__ import annotations
 import functools
 import math
 from datetime import datetime, timezone
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Tag as UnionTag
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, TypeAdapter, WithJsonSchema,
-                      computed_field, field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, TypeAdapter,
+                      WithJsonSchema, computed_field, field_validator, model_validator)
 
 from training.precision import catalog
 
@@ -28,20 +28,41 @@ Status = Literal["queued", "running", "succeeded", "failed", "cancelled", "diver
 MAX_JSON_BYTES = 1 << 20  # a stored free-form JSON field (summary, report, progress, result): 1 MiB serialized
 INT32_MAX = 2**31 - 1  # the database's Integer columns
 BIGINT_MAX = 2**63 - 1
+# The bound stated for counts in BIGINT columns and stored JSON (a progress step, a GEMM dimension): 2^53, every
+# integer up to it exact as a double (2^63 - 1 is not: as a JSON Schema bound it reads as 2^63, past the column, and
+# clients that hold numbers as doubles, JavaScript's included, cannot tell integers near it apart).
+BIG = 2**53
 
 
-def _refuse_nul(value, where: str = "body") -> None:
-    """PostgreSQL text cannot hold NUL; a NUL anywhere in a request is refused (422) before it reaches a column."""
+NO_NUL_PATTERN = "^[^\\u0000]*$"  # what the OpenAPI document states of every string a request body types
+
+
+def _refuse_nul(value, where: str = "body", free: frozenset[str] = frozenset()) -> None:
+    """PostgreSQL text cannot hold NUL: a NUL in any string of a request is refused (422) before it reaches a column.
+    `free` names the top-level fields of free-form JSON (stored in `json` columns, which keep `\\u0000` escapes as
+    written and hand them back): a NUL inside those is stored like any other character."""
     if isinstance(value, str):
         if "\x00" in value:
             raise ValueError(f"{where} contains a NUL character (\\u0000), which cannot be stored; remove it")
     elif isinstance(value, dict):
         for k, v in value.items():
             _refuse_nul(k, where)
-            _refuse_nul(v, f"{where}.{k}")
+            if k not in free:
+                _refuse_nul(v, f"{where}.{k}")
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _refuse_nul(v, f"{where}[{i}]")
+
+
+def _integral(value):
+    """JSON Schema's "integer" admits a number without a fractional part (`3.0`): taken as the integer."""
+    if type(value) is float and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+# A seed inside a list (a model's own integer fields get the same treatment from Strict below).
+Seed = Annotated[int, Field(ge=0, le=2**31 - 1), BeforeValidator(_integral)]
 
 
 def capped_json(value: dict | None, field: str) -> dict | None:
@@ -60,13 +81,14 @@ def capped_json(value: dict | None, field: str) -> dict | None:
 class Strict(BaseModel):
     """Every request body: unknown fields refused, no type coercion (`"1.5"` or `true` is not a number, an integer
     is still a valid float, and a float without a fractional part such as `3.0` a valid integer, as JSON Schema's
-    "integer" says), no NUL characters."""
+    "integer" says), no NUL characters in strings (free-form JSON fields, named in `free_json`, may hold them)."""
     model_config = ConfigDict(extra="forbid", strict=True)
+    free_json: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _no_nul(cls, data):
-        _refuse_nul(data)
+        _refuse_nul(data, free=cls.free_json)
         if isinstance(data, dict):
             for name in _integer_fields(cls):
                 value = data.get(name)
@@ -102,8 +124,15 @@ def check_recipe(name: str, options: dict[str, Any]) -> None:
     catalog.get(name).resolve_options(options)
 
 
+# Not blank (Python's str.strip() would leave something) and no NUL: spelled out, for every regex dialect agrees on it.
+_BLANK = "\\t-\\r \\u001c-\\u001f\\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000"
+NON_BLANK = f"^[^\\u0000]*[^\\u0000{_BLANK}][^\\u0000]*$"
+
+
 # Seed replicates: at most this many seeds per recipe, and this many runs per experiment in all.
 MAX_SEEDS = 16
+# A recipe's label, leaving room in the runs' 200-character label for " #2" (a repeated label) and " seed=N".
+MAX_RECIPE_LABEL = 160
 MAX_RUNS_PER_EXPERIMENT = 256
 
 
@@ -112,18 +141,23 @@ class RecipeRequest(Strict):
     options: dict[str, Any] = Field(default_factory=dict, description=OPTIONS_DOC)
     bf16_first_layers: Annotated[int, Field(ge=0, le=1000)] = 0
     bf16_last_layers: Annotated[int, Field(ge=0, le=1000)] = 0
-    keep_bf16: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+    keep_bf16: list[Annotated[str, Field(min_length=1, max_length=200, pattern=NON_BLANK)]] = Field(
         default_factory=list, max_length=256,
         description='glob patterns of block linears kept in BF16, e.g. ["*.mlp.gate"] (names as in the '
                     'conversion report: layers.<block>.<path>)')
-    label: str | None = Field(default=None, max_length=200)
-    seeds: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+    label: str | None = Field(default=None, max_length=MAX_RECIPE_LABEL,
+                              description="the runs' label (default: made from the settings); a seed replicate's "
+                                          "label adds ' seed=N'")
+    seeds: list[Seed] | None = Field(
         default=None, min_length=1, max_length=MAX_SEEDS,
-        description="train this recipe once per seed (seed replicates); default: the experiment's `seeds` for the "
-                    "baseline (and for every recipe with replicate='all'), else the experiment's `seed` alone")
+        description="train this recipe once per seed (seed replicates); the experiment's `seed` is always one of "
+                    "them (added first when missing: the run every comparison pairs with the other recipes); "
+                    "default: the experiment's `seeds` for the baseline (and for every recipe with replicate='all'), "
+                    "else the experiment's `seed` alone")
 
     @model_validator(mode="after")
     def known_recipe_and_options(self) -> "RecipeRequest":
+        self.options = {k: _integral(v) for k, v in self.options.items()}
         check_recipe(self.name, self.options)
         if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds of {self.name} repeat ({self.seeds}): give each seed once")
@@ -139,20 +173,23 @@ class ExperimentCreate(Strict):
                                         'data directory or PLAB_ALLOWED_PATHS')
     data: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1, description="the seed every recipe trains with (default: the "
+                                                                "first of `seeds`, else 0)")] = 0
     recipes: list[str | RecipeRequest] = Field(default_factory=lambda: [RecipeRequest(name=catalog.BASELINE)],
                                                min_length=1, max_length=64,
                                                description="recipe names or objects with options")
     eval_tasks: list[str] = Field(default_factory=list, max_length=200)
     enqueue: bool = True
     # -- the verdict (backend/services/verdict.py) ------------------------------------------------------------------
-    seeds: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+    seeds: list[Seed] | None = Field(
         default=None, min_length=2, max_length=MAX_SEEDS,
         description="seed replicates, e.g. [0, 1, 2]: the baseline (or every recipe, with replicate='all') is "
                     "trained once per seed, and BF16's seed-to-seed spread becomes the band the verdict uses; "
-                    "must include `seed`, which the other recipes train with")
+                    "`seed` (which the other recipes train with) is always one of them: when it is given and not in "
+                    "the list it is added first")
     replicates: int | None = Field(default=None, ge=2, le=MAX_SEEDS,
-                                   description="shorthand for seeds = [seed, seed + 1, ..., seed + replicates - 1]")
+                                   description="shorthand for seeds = [seed, seed + 1, ..., seed + replicates - 1] "
+                                               "(past 2^31 - 1 the count goes on from 0)")
     replicate: Literal["baseline", "all"] = Field(
         default="baseline", description="which recipes `seeds`/`replicates` apply to")
     verdict_tolerance_pct: float = Field(
@@ -172,23 +209,18 @@ class ExperimentCreate(Strict):
         if self.seeds is not None and self.replicates is not None:
             raise ValueError("give either seeds (a list) or replicates (a count), not both")
         if self.replicates is not None:
-            if self.seed + self.replicates - 1 > INT32_MAX:
-                raise ValueError(f"seed {self.seed} + {self.replicates} replicates passes {INT32_MAX}; use a smaller "
-                                 "seed")
-            self.seeds, self.replicates = [self.seed + i for i in range(self.replicates)], None
+            self.seeds, self.replicates = [(self.seed + i) % (INT32_MAX + 1) for i in range(self.replicates)], None
         if self.seeds is not None:
             if len(set(self.seeds)) != len(self.seeds):
                 raise ValueError(f"seeds repeat ({self.seeds}): give each seed once")
-            if self.seed not in self.seeds:
-                raise ValueError(f"seeds {self.seeds} must include the experiment's seed {self.seed} (the other "
-                                 "recipes train with it); add it, or set seed to one of them")
-            # The reference run (the experiment's seed) first: the comparisons pair it with the other recipes,
-            # which share its initial weights and batch order.
+            if "seed" not in self.model_fields_set:
+                self.seed = self.seeds[0]
+            # The reference run (the experiment's seed) first, added when missing: the comparisons pair it with
+            # the other recipes, which share its initial weights and batch order.
             self.seeds = [self.seed] + [s for s in self.seeds if s != self.seed]
         for i, r in enumerate(self.recipes):
-            if isinstance(r, RecipeRequest) and r.seeds is not None and self.seed not in r.seeds:
-                raise ValueError(f"recipes[{i}] ({r.name}): seeds {r.seeds} must include the experiment's seed "
-                                 f"{self.seed}, the run every comparison pairs with the other recipes")
+            if isinstance(r, RecipeRequest) and r.seeds is not None:
+                self.recipes[i] = r.model_copy(update={"seeds": [self.seed] + [s for s in r.seeds if s != self.seed]})
         return self
 
 
@@ -201,6 +233,7 @@ class RunCreate(Strict):
 
     @model_validator(mode="after")
     def known_recipe_and_options(self) -> "RunCreate":
+        self.recipe_options = {k: _integral(v) for k, v in self.recipe_options.items()}
         check_recipe(self.recipe, self.recipe_options)
         return self
 
@@ -239,8 +272,8 @@ class RecipeCatalogOut(BaseModel):
 class Progress(Strict):
     """A run's progress as a worker reports it: steps done of the total (and what it is doing, e.g. preparing
     data). Anything else is refused, so the metric ingest that updates it never meets a bad value."""
-    step: int = Field(ge=-1, le=BIGINT_MAX)
-    total: int | None = Field(default=None, ge=0, le=BIGINT_MAX)
+    step: int = Field(ge=-1, le=BIG)
+    total: int | None = Field(default=None, ge=0, le=BIG)
     phase: str | None = Field(default=None, max_length=64)
 
 
@@ -254,6 +287,7 @@ class StatusUpdate(Strict):
     progress: Progress | None = None
     gemm_backend: Literal["real", "emulated", "bf16"] | None = None
     conversion_report: dict[str, Any] | None = None
+    free_json: ClassVar[frozenset[str]] = frozenset({"summary", "conversion_report"})
 
     @field_validator("summary", "conversion_report")
     @classmethod
@@ -278,7 +312,7 @@ def _distinct_tags(tags: list[str] | None) -> list[str] | None:
     return out
 
 
-Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^,\s][^,\x00-\x1f]*$",
+Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=f"^[^,\\u0000-\\u0020{_BLANK}][^,\\u0000-\\u001f]*$",
                            description="free text up to 64 characters: no comma, no control character, not "
                                        "starting with a blank")]
 MAX_NOTES = 20_000
@@ -310,6 +344,7 @@ class RunInfoUpdate(Housekeeping):
     summary: dict[str, Any] | None = None
     gemm_backend: Literal["real", "emulated", "bf16"] | None = None
     conversion_report: dict[str, Any] | None = None
+    free_json: ClassVar[frozenset[str]] = frozenset({"summary", "conversion_report"})
 
     @field_validator("summary", "conversion_report")
     @classmethod
@@ -411,6 +446,7 @@ class ArtifactIn(Strict):
     path: str = Field(min_length=1, max_length=4096)
     step: int | None = Field(default=None, ge=0, le=INT32_MAX)
     meta: dict[str, Any] = Field(default_factory=dict)
+    free_json: ClassVar[frozenset[str]] = frozenset({"meta"})
 
 
 class ArtifactOut(BaseModel):
@@ -506,32 +542,33 @@ class Series(BaseModel):
     downsampled: bool
 
 
+X_RANGE_DOC = ("the range of x to read, both ends included; x_min above x_max is an empty range (no points, like "
+              "a zoom past the data), not an error")
+
+
 class SeriesQuery(Strict):
     max_points: int = Field(default=2000, ge=4, le=100_000)
     x_min: float | None = None
     x_max: float | None = None
     x: Literal["step", "tokens", "wall_time"] = "step"
 
-    @model_validator(mode="after")
-    def ordered(self) -> SeriesQuery:
-        if self.x_min is not None and self.x_max is not None and self.x_min > self.x_max:
-            raise ValueError(f"x_min ({self.x_min}) must not exceed x_max ({self.x_max})")
-        return self
+    @property
+    def empty(self) -> bool:
+        """x_min above x_max: a range that holds no point."""
+        return self.x_min is not None and self.x_max is not None and self.x_min > self.x_max
 
 
 # -- evaluations ------------------------------------------------------------------------------------------------------
 class EvaluationCreate(Strict):
-    tasks: list[str] = Field(min_length=1, max_length=200,
-                             description="task or group names, e.g. plab_blimp, plab_lambada_openai")
+    tasks: list[Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:\-]+$")]] = Field(
+        min_length=1, max_length=200, description="task or group names, e.g. plab_blimp, plab_lambada_openai "
+                                                  "(letters, digits, '_', '-', '.', ':')")
     limit: int | None = Field(default=None, ge=1, le=1_000_000, description="documents per task (for quick checks)")
 
     @field_validator("tasks")
     @classmethod
     def task_names(cls, v: list[str]) -> list[str]:
-        for t in v:
-            if not t or len(t) > 200 or not all(c.isalnum() or c in "_-.:" for c in t):
-                raise ValueError(f"{t!r} is not a task name (letters, digits, '_', '-', '.', ':')")
-        return list(dict.fromkeys(v))
+        return list(dict.fromkeys(v))  # each task once
 
 
 class EvaluationStatusUpdate(Strict):
@@ -540,13 +577,31 @@ class EvaluationStatusUpdate(Strict):
     lm_eval_version: str | None = Field(default=None, max_length=32)
 
 
+EVAL_RESULT_SCHEMA = {
+    "type": "object", "additionalProperties": True,
+    "description": "free-form JSON, but for the fields stored in columns of their own",
+    "properties": {"task_hash": {"type": ["string", "null"], "maxLength": 128, "pattern": NO_NUL_PATTERN},
+                   "time_s": {"type": ["number", "null"]},
+                   "samples": {"type": ["object", "null"], "additionalProperties": True}}}
+
+
 class EvalTaskResultIn(Strict):
     task: str = Field(min_length=1, max_length=200)
-    result: dict[str, Any] = Field(description="one task's entry of training.evaluation.evaluate_checkpoint()")
+    result: Annotated[dict[str, Any], WithJsonSchema(EVAL_RESULT_SCHEMA)] = Field(
+        description="one task's entry of training.evaluation.evaluate_checkpoint()")
+    free_json: ClassVar[frozenset[str]] = frozenset({"result"})
 
     @field_validator("result")
     @classmethod
     def _capped(cls, v):
+        # The fields stored in columns of their own are typed; the rest is free-form JSON.
+        task_hash, time_s, samples = v.get("task_hash"), v.get("time_s"), v.get("samples")
+        if task_hash is not None and (not isinstance(task_hash, str) or len(task_hash) > 128 or "\x00" in task_hash):
+            raise ValueError("result.task_hash must be a string of at most 128 characters (no NUL) or null")
+        if time_s is not None and (isinstance(time_s, bool) or not isinstance(time_s, (int, float))):
+            raise ValueError(f"result.time_s must be a number of seconds or null, got {time_s!r}")
+        if samples is not None and not isinstance(samples, dict):
+            raise ValueError("result.samples must be an object (metric -> per-document values) or null")
         return capped_json(v, "result")
 
 
@@ -658,26 +713,33 @@ class VerdictOut(BaseModel):
 
 
 # -- GEMM benchmarks --------------------------------------------------------------------------------------------------
+_Dim = Annotated[int, Field(ge=1, le=BIG), BeforeValidator(_integral)]
+
+
+def _text(n: int):
+    return Field(max_length=n, pattern=NO_NUL_PATTERN)
+
+
 class GemmShape(BaseModel):
     """One GEMM of a stored benchmark result: the dashboard shows these numbers, so they must be numbers."""
     model_config = ConfigDict(extra="allow", strict=True)
-    layer: str = Field(max_length=200)
-    gemm: str = Field(max_length=64)
-    m: int = Field(ge=1, le=BIGINT_MAX)
-    k: int = Field(ge=1, le=BIGINT_MAX)
-    n: int = Field(ge=1, le=BIGINT_MAX)
-    count: int = Field(ge=0, le=BIGINT_MAX)
+    layer: str = _text(200)
+    gemm: str = _text(64)
+    m: _Dim
+    k: _Dim
+    n: _Dim
+    count: Annotated[int, Field(ge=0, le=BIG), BeforeValidator(_integral)]
 
 
 class GemmRecord(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    format: str = Field(max_length=64)
-    mode: str = Field(max_length=32)
-    layer: str = Field(max_length=200)
-    gemm: str = Field(max_length=64)
-    m: int = Field(ge=1, le=BIGINT_MAX)
-    k: int = Field(ge=1, le=BIGINT_MAX)
-    n: int = Field(ge=1, le=BIGINT_MAX)
+    format: str = _text(64)
+    mode: str = _text(32)
+    layer: str = _text(200)
+    gemm: str = _text(64)
+    m: _Dim
+    k: _Dim
+    n: _Dim
     speedup_vs_bf16: float | None = None
     tflops: float | None = None
 
@@ -687,6 +749,16 @@ def gemm_result(value: dict | None, field: str) -> dict | None:
     if value is None:
         return value
     capped_json(value, field)
+    device = value.get("device")
+    if isinstance(device, dict) and isinstance(device.get("name"), str) and "\x00" in device["name"]:
+        raise ValueError(f"{field}.device.name contains a NUL character (\\u0000), which cannot be stored; remove it")
+    totals = value.get("totals", {})  # {mode: {format: {"speedup": number | null, ...}}}: the list's summary
+    for mode, per in (totals.items() if isinstance(totals, dict) else [(None, None)]):
+        for fmt, t in (per.items() if isinstance(per, dict) else [(None, None)]):
+            if not isinstance(t, dict) or isinstance(t.get("speedup"), bool) or not isinstance(
+                    t.get("speedup"), (int, float, type(None))):
+                raise ValueError(f"{field}.totals must map mode -> format -> an object whose speedup is a number or "
+                                 f"null (got {mode!r} -> {fmt!r} -> {t!r})")
     for name, model in (("shapes", GemmShape), ("results", GemmRecord)):
         rows = value.get(name, [])
         if not isinstance(rows, list):
@@ -708,6 +780,7 @@ class GemmBenchmarkCreate(Strict):
         None, description="keyword arguments of training.gemm.run_gemm_benchmark, e.g. "
                           '{"model": "1b", "micro_batch": 4, "seq_len": 2048, "formats": ["bf16", "fp8_tensorwise"]}')
     result: dict[str, Any] | None = Field(None, description="the dict run_gemm_benchmark returned")
+    free_json: ClassVar[frozenset[str]] = frozenset({"result"})
     experiment_id: int | None = Field(None, ge=1, le=2**31 - 1)
     name: str = Field("", max_length=200)
     enqueue: bool = Field(True, description="with `request`: send it to a worker now")
@@ -730,6 +803,7 @@ class GemmStatusUpdate(Strict):
     device_name: str | None = Field(None, max_length=200)
     error_message: str | None = Field(None, max_length=100_000)
     result: dict[str, Any] | None = None
+    free_json: ClassVar[frozenset[str]] = frozenset({"result"})
 
     @field_validator("result")
     @classmethod

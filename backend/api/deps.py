@@ -15,6 +15,22 @@ from plab.settings import Settings
 ObjectId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
+def refuse_nul_in_url(request: Request) -> None:
+    """A NUL character (%00) in a parameter of the URL is refused (422), as the OpenAPI document states (a pattern on
+    every string parameter): PostgreSQL cannot compare text with it, so no search or lookup could use it."""
+    from fastapi.exceptions import RequestValidationError
+
+    route = request.scope.get("route")
+    declared = {p.alias for p in getattr(getattr(route, "dependant", None), "query_params", [])}
+    given = [("query", k, v) for k, v in request.query_params.multi_items() if k in declared]
+    given += [("path", k, v) for k, v in request.path_params.items() if isinstance(v, str)]
+    for where, name, value in given:
+        if "\x00" in value:
+            raise RequestValidationError([{"loc": (where, name), "type": "value_error",
+                                           "msg": "contains a NUL character (%00), which no stored text holds; "
+                                                  "remove it"}])
+
+
 def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 

@@ -33,6 +33,10 @@ MAX_TOKENS = 1 << 22
 MAX_DIM = 1 << 20
 
 
+def _integral(value: Any) -> Any:
+    return int(value) if type(value) is float and math.isfinite(value) and value.is_integer() else value
+
+
 def _int(name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise InvalidInput(f"request.{name} must be an integer in [{low}, {high}], got {value!r}")
@@ -71,6 +75,10 @@ def validate_request(request: Any) -> dict:
 
     if not isinstance(request, dict):
         raise InvalidInput("request must be an object of run_gemm_benchmark keyword arguments")
+    # JSON Schema's "integer" admits a number without a fractional part (4.0): read as the integer.
+    request = {k: _integral(v) for k, v in request.items()}
+    if isinstance(request.get("model"), dict):
+        request["model"] = {k: _integral(v) for k, v in request["model"].items()}
     unknown = sorted(set(request) - set(REQUEST_KEYS))
     if unknown:
         raise InvalidInput(f"request has unknown keys {unknown}; run_gemm_benchmark accepts {', '.join(REQUEST_KEYS)}")
@@ -216,6 +224,13 @@ def update_status(session: Session, benchmark_id: int, *, status: str, device_na
     bench = get_benchmark(session, benchmark_id)
     if status not in STATUSES or status == "queued":
         raise InvalidInput(f"status must be one of running, succeeded, failed; got {status!r}")
+    # The report is checked first, whatever the state: a retried report is the same valid report.
+    if status == "succeeded":
+        if result is None:
+            raise InvalidInput("status 'succeeded' needs the 'result' returned by run_gemm_benchmark")
+        result = validate_result(result)
+    elif result is not None:
+        raise InvalidInput(f"a result is only stored with status 'succeeded', not '{status}'")
     if bench.status in FINAL:
         if bench.status == status:
             return bench  # a retried report of the same outcome
@@ -223,12 +238,8 @@ def update_status(session: Session, benchmark_id: int, *, status: str, device_na
     if status not in TRANSITIONS[bench.status]:
         raise Conflict(f"GEMM benchmark {benchmark_id} cannot go from '{bench.status}' to '{status}'")
     if status == "succeeded":
-        if result is None:
-            raise InvalidInput("status 'succeeded' needs the 'result' returned by run_gemm_benchmark")
-        bench.result = validate_result(result)
+        bench.result = result
         bench.device_name = (device_name or result["device"]["name"])[:200]
-    elif result is not None:
-        raise InvalidInput(f"a result is only stored with status 'succeeded', not '{status}'")
     if status == "failed":
         bench.error_message = error_message or "the benchmark failed without a message"
     if device_name and status != "succeeded":

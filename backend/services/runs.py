@@ -10,8 +10,8 @@ from sqlalchemy.orm import Session, selectinload
 
 from backend.errors import Conflict, InvalidInput, NotFound
 from backend.models import BASELINE_RECIPE, FINAL_STATUSES, Artifact, Experiment, Run, utcnow
-from backend.schemas import (MAX_RUNS_PER_EXPERIMENT, ArtifactIn, ExperimentCreate, MetricBatchResult, RecipeRequest,
-                             RunCreate, RunInfoUpdate, Series, SeriesQuery, StatusUpdate)
+from backend.schemas import (MAX_RECIPE_LABEL, MAX_RUNS_PER_EXPERIMENT, ArtifactIn, ExperimentCreate, MetricBatchResult,
+                             RecipeRequest, RunCreate, RunInfoUpdate, Series, SeriesQuery, StatusUpdate)
 from backend.services import metrics
 
 # Which status a run may move to from which: a worker retried after a crash re-announces `running`.
@@ -32,7 +32,9 @@ def run_label(recipe: RecipeRequest) -> str:
     if recipe.keep_bf16:
         parts.append(f"keep_bf16={','.join(recipe.keep_bf16)}")
     parts += [f"{k}={v}" for k, v in sorted(recipe.options.items())]
-    return " ".join(parts)
+    label = " ".join(parts)
+    # Made from the settings, it can be long (many keep_bf16 patterns): cut to fit the column with what is added.
+    return label if len(label) <= MAX_RECIPE_LABEL else label[:MAX_RECIPE_LABEL - 1] + "…"
 
 
 def build_spec(body: ExperimentCreate, recipe: RecipeRequest, seed: int | None = None) -> dict:
@@ -42,16 +44,23 @@ def build_spec(body: ExperimentCreate, recipe: RecipeRequest, seed: int | None =
             "recipe": recipe.name, "recipe_options": recipe.options,
             "bf16_first_layers": recipe.bf16_first_layers, "bf16_last_layers": recipe.bf16_last_layers,
             "keep_bf16": list(recipe.keep_bf16)}
-    from plab.settings import get_settings
     from training.config import RunSpec, SpecError, confine_spec_paths
 
     try:
         parsed = RunSpec.from_dict(spec, check_paths=False).to_dict()
-        settings = get_settings()
-        confine_spec_paths(parsed, [p.resolve() for p in (settings.data_dir, *settings.allowed_paths)])
+        confine_spec_paths(parsed, spec_roots())
         return parsed
     except SpecError as e:
         raise InvalidInput(f"{recipe.name}: {e}") from e
+
+
+def spec_roots() -> list:
+    """Where the paths of a spec that arrives through the API may point: the data directory and PLAB_ALLOWED_PATHS
+    (the OpenAPI document's path patterns say the same, backend/spec_schema.py)."""
+    from plab.settings import get_settings
+
+    settings = get_settings()
+    return [p.resolve() for p in (settings.data_dir, *settings.allowed_paths)]
 
 
 def check_eval_tasks(names: list[str]) -> None:
@@ -78,11 +87,7 @@ def create_experiment(session: Session, body: ExperimentCreate) -> Experiment:
     if not any(r.name == BASELINE_RECIPE for r in recipes):
         # The baseline is what every comparison is made against: always run it.
         recipes.insert(0, RecipeRequest(name=BASELINE_RECIPE))
-    labels = [run_label(r) for r in recipes]
-    dupes = sorted({lab for lab in labels if labels.count(lab) > 1})
-    if dupes:
-        raise InvalidInput(f"recipes repeat with identical settings: {', '.join(dupes)}; give each a distinct "
-                           "option set or a distinct 'label'")
+    recipes, labels = _distinct_recipes(recipes)
     recipes = [_with_seeds(body, r) for r in recipes]
     n_runs = sum(len(r.seeds or [body.seed]) for r in recipes)
     if n_runs > MAX_RUNS_PER_EXPERIMENT:
@@ -102,6 +107,30 @@ def create_experiment(session: Session, body: ExperimentCreate) -> Experiment:
     session.add(exp)
     session.flush()
     return exp
+
+
+def _distinct_recipes(recipes: list[RecipeRequest]) -> tuple[list[RecipeRequest], list[str]]:
+    """A recipe given twice with the same settings is one recipe (like a task named twice); recipes with different
+    settings whose labels coincide (an explicit label equal to another's) get " #2", " #3", ... so that every
+    variant keeps a name of its own (the verdict and the comparisons tell variants apart by label)."""
+    import json
+
+    seen, out = set(), []
+    for r in recipes:
+        key = json.dumps(r.model_dump(), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    labels: list[str] = []
+    for i, r in enumerate(out):
+        label, n = run_label(r), 2
+        while label in labels:
+            suffix = f" #{n}"
+            label, n = run_label(r)[:MAX_RECIPE_LABEL - len(suffix)] + suffix, n + 1
+        if label != run_label(r):
+            out[i] = r.model_copy(update={"label": label})
+        labels.append(label)
+    return out, labels
 
 
 def _with_seeds(body: ExperimentCreate, recipe: RecipeRequest) -> RecipeRequest:
@@ -292,7 +321,13 @@ def metric_keys(session: Session, run_id: int) -> dict:
 
 def run_series(session: Session, run_id: int, key: str, q: SeriesQuery) -> Series:
     get_run(session, run_id)
+    if q.empty:
+        return _empty_series(key)
     return metrics.read_series(session, run_id, key, max_points=q.max_points, x=q.x, x_min=q.x_min, x_max=q.x_max)
+
+
+def _empty_series(key: str) -> Series:
+    return Series(key=key, step=[], tokens=[], wall_time=[], value=[], total_points=0, downsampled=False)
 
 
 def experiment_metric_keys(session: Session, experiment_id: int) -> dict:
@@ -330,8 +365,11 @@ def run_numerics(session: Session, run_id: int, stat: str, max_points: int) -> d
 def experiment_series(session: Session, experiment_id: int, keys: list[str], q: SeriesQuery) -> dict:
     """Every run's series for the given keys (an unknown key is an empty series), downsampled by `read_many`."""
     exp = get_experiment(session, experiment_id)
-    answers = metrics.read_many(session, [run.id for run in exp.runs], keys, max_points=q.max_points, x=q.x,
-                                x_min=q.x_min, x_max=q.x_max)
+    if q.empty:
+        answers = {(run.id, k): _empty_series(k) for run in exp.runs for k in keys}
+    else:
+        answers = metrics.read_many(session, [run.id for run in exp.runs], keys, max_points=q.max_points, x=q.x,
+                                    x_min=q.x_min, x_max=q.x_max)
     out = []
     for run in exp.runs:
         series = {}

@@ -47,13 +47,18 @@ def test_creating_an_experiment_makes_one_queued_run_per_recipe_with_bf16_as_bas
     assert listed["total"] == 1 and listed["items"][0]["id"] == exp["id"]
 
 
+def test_a_recipe_given_twice_is_one_recipe_and_coinciding_labels_stay_apart(api):
+    exp = create(api, recipes=["bf16", {"name": "bf16"}, "nvfp4", {"name": "fp8_tensorwise", "label": "nvfp4"}])
+    assert [(r["recipe"], r["label"]) for r in exp["runs"]] == [("bf16", "bf16"), ("nvfp4", "nvfp4"),
+                                                                ("fp8_tensorwise", "nvfp4 #2")]
+
+
 @pytest.mark.parametrize("body, fragment", [
     ({"recipes": ["fp9"]}, "unknown recipe 'fp9'"),
     ({"training": {"steps": -5}}, "steps"),
     ({"training": {"stepz": 5}}, "stepz"),
     ({"model": "7b"}, "7b"),
     ({"name": ""}, "name"),
-    ({"recipes": ["bf16", "bf16"]}, "repeat"),
     ({"colour": "red"}, "colour"),
 ])
 def test_bad_experiments_are_refused_with_a_message_naming_the_problem(api, body, fragment):

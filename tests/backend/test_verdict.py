@@ -86,13 +86,30 @@ def test_seed_replicates_make_one_run_per_seed_and_the_verdict_uses_bf16s_seed_b
         (rec, s) for rec in ("bf16", "fp8_tensorwise", "nvfp4") for s in (0, 1))
 
 
+def test_the_experiments_seed_is_always_one_of_the_replicates(api):
+    """`seeds` without `seed`: the first is the experiment's seed; an explicit `seed` missing from `seeds` (or from a
+    recipe's seeds) is added first, as the run every comparison pairs with the other recipes."""
+    from tests.backend.test_api import EXPERIMENT
+
+    def seeds(body):
+        r = api.post("/api/v1/experiments", json={**EXPERIMENT, "enqueue": False, **body})
+        assert r.status_code == 201, r.text
+        return sorted((run["recipe"], run["seed"]) for run in r.json()["runs"]), r.json()["seed"]
+
+    assert seeds({"seeds": [5, 6], "recipes": ["bf16"]}) == ([("bf16", 5), ("bf16", 6)], 5)
+    assert seeds({"seed": 1, "seeds": [5, 6], "recipes": ["bf16"]}) == ([("bf16", 1), ("bf16", 5), ("bf16", 6)], 1)
+    assert seeds({"recipes": ["bf16", {"name": "fp8_tensorwise", "seeds": [4]}]}) == (
+        [("bf16", 0), ("fp8_tensorwise", 0), ("fp8_tensorwise", 4)], 0)
+    # replicates past 2^31 - 1 go on from 0
+    assert seeds({"seed": 2**31 - 1, "replicates": 2, "recipes": ["bf16"]}) == ([("bf16", 0), ("bf16", 2**31 - 1)],
+                                                                                 2**31 - 1)
+
+
 @pytest.mark.parametrize("body, fragment", [
-    ({"seeds": [1, 2]}, "must include the experiment's seed 0"),
     ({"seeds": [0, 0]}, "repeat"),
     ({"seeds": [0, 1], "replicates": 2}, "not both"),
     ({"replicates": 1}, "replicates"),
     ({"verdict_tolerance_pct": 0}, "verdict_tolerance_pct"),
-    ({"recipes": [{"name": "fp8_tensorwise", "seeds": [4]}]}, "must include the experiment's seed"),
 ])
 def test_bad_seed_and_tolerance_settings_are_refused_with_the_fix(api, body, fragment):
     from tests.backend.test_api import EXPERIMENT

@@ -7,7 +7,8 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from backend.api.deps import WRITE, ObjectId, SessionDep, get_settings
-from backend.schemas import ExperimentCreate, ExperimentOut, ExperimentUpdate, Page, SeriesQuery, Tag, VerdictOut
+from backend.schemas import (X_RANGE_DOC, ExperimentCreate, ExperimentOut, ExperimentUpdate, Page, SeriesQuery, Tag,
+                             VerdictOut)
 from backend.services import comparison, dispatch, export, housekeeping, runs, verdict
 from plab.settings import Settings
 
@@ -82,7 +83,8 @@ def experiment_series(experiment_id: ObjectId, session: SessionDep,
                       keys: str = Query("train/loss", max_length=2000,
                                         description="comma-separated metric keys"),
                       max_points: int = Query(2000, ge=4, le=100_000), x: Literal["step", "tokens", "wall_time"] = Query("step"),
-                      x_min: float | None = None, x_max: float | None = None):
+                      x_min: float | None = Query(None, description=X_RANGE_DOC),
+                      x_max: float | None = Query(None, description=X_RANGE_DOC)):
     """Every run's series for the given keys, downsampled on the server from pre-computed min/max buckets
     (a one-step spike survives any zoom). An unknown key is an empty series."""
     q = SeriesQuery(max_points=max_points, x=x, x_min=x_min, x_max=x_max)

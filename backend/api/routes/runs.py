@@ -8,8 +8,9 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from backend.api.deps import WRITE, ObjectId, SessionDep, get_settings
-from backend.schemas import (METRIC_INGEST, ArtifactIn, ArtifactOut, HeartbeatOut, MetricBatchResult, Page, RunCreate,
-                             RunDetail, RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate, Tag, metric_series)
+from backend.schemas import (METRIC_INGEST, X_RANGE_DOC, ArtifactIn, ArtifactOut, HeartbeatOut, MetricBatchResult, Page,
+                             RunCreate, RunDetail, RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate, Tag,
+                             metric_series)
 from backend.services import artifacts, dispatch, housekeeping, runs
 from plab.settings import Settings
 
@@ -17,7 +18,7 @@ router = APIRouter(prefix="/runs", tags=["runs"])
 
 
 @router.get("", response_model=Page)
-def list_runs(session: SessionDep, experiment_id: int | None = Query(None, ge=1, le=2**31),
+def list_runs(session: SessionDep, experiment_id: int | None = Query(None, ge=1, le=2**31 - 1),
               status: str | None = Query(None, max_length=16), recipe: str | None = Query(None, max_length=32),
               q: str | None = Query(None, max_length=200, description="matches label, experiment name, message, "
                                                                        "recipe or tags"),
@@ -115,7 +116,8 @@ def read_numerics(run_id: ObjectId, session: SessionDep,
 def read_series(run_id: ObjectId, session: SessionDep, key: str = Path(max_length=200),
                 max_points: int = Query(2000, ge=4, le=100_000),
                 x: Literal["step", "tokens", "wall_time"] = Query("step"),
-                x_min: float | None = None, x_max: float | None = None):
+                x_min: float | None = Query(None, description=X_RANGE_DOC),
+                x_max: float | None = Query(None, description=X_RANGE_DOC)):
     q = SeriesQuery(max_points=max_points, x=x, x_min=x_min, x_max=x_max)
     return runs.run_series(session, run_id, key, q)
 
