@@ -194,7 +194,8 @@ def _dim_pattern(maximum: int) -> str:
 
 def gemm_request_schema() -> dict:
     from backend.services.gemm import MAX_DIM, MAX_TOKENS
-    from training.gemm import FORMATS, MODES
+    # the catalog's names, not training.gemm's (which imports torch: the API process must not)
+    FORMATS, MODES = catalog.gemm_formats(), catalog.GEMM_MODES
 
     dim = _dim_pattern(MAX_DIM)
     from backend.schemas import _BLANK

@@ -16,13 +16,13 @@ from typing import Callable
 
 import torch
 
-from training.precision.catalog import BASELINE, gemm_formats
+from training.precision.catalog import BASELINE, GEMM_MODES, gemm_formats
 from training.precision.gemm_ops import (EMULATED_LABEL, LAYOUTS, PASS_OPERANDS, ROLES, GemmOps, UnsupportedShape,
                                          sm_version)
 from training.precision.registry import get_recipe
 
 FORMATS = gemm_formats()
-MODES = ("kernel", "quant")
+MODES = GEMM_MODES
 # Relative Frobenius error ‖C − C_bf16‖ / ‖C_bf16‖ allowed for a GEMM of Gaussian operands, per format (each
 # recipe's `gemm_error_bound`, with its reasoning).
 ERROR_BOUNDS = {fmt: get_recipe(fmt).gemm_error_bound for fmt in FORMATS if fmt != BASELINE}

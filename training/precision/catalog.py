@@ -297,6 +297,10 @@ def get(name: str) -> RecipeEntry:
     return entries[name]
 
 
+# The GEMM benchmark's modes: the kernel alone, or with the quantization of its operands (training.gemm).
+GEMM_MODES = ("kernel", "quant")
+
+
 def gemm_formats() -> tuple[str, ...]:
     """The GEMM benchmark's formats, in catalog order: every recipe that owns its GEMM operands."""
     return _gemm_formats(_catalog())
