@@ -188,20 +188,11 @@ if HAVE_TRITON:
                 # quarters are quantized one after the other with no reshuffling of random numbers.
                 j = tl.arange(0, CH)
                 counters = rows[:, None] * (N // 4 + 1) + (pid_n * CH + j)[None, :]
-                r0, r1, r2, r3 = tl.randint4x(seed, counters)
-                base = pid_n * BLOCK + j
-                ua, ub = _halves(r0)
-                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, base, M, N, stride_m, amax_a, amax_b, pts_a,
-                            pts_b, ua, ub, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
-                ua, ub = _halves(r1)
-                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, base + CH, M, N, stride_m, amax_a, amax_b, pts_a,
-                            pts_b, ua, ub, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
-                ua, ub = _halves(r2)
-                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, base + 2 * CH, M, N, stride_m, amax_a, amax_b,
-                            pts_a, pts_b, ua, ub, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
-                ua, ub = _halves(r3)
-                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, base + 3 * CH, M, N, stride_m, amax_a, amax_b,
-                            pts_a, pts_b, ua, ub, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
+                quarters = tl.randint4x(seed, counters)
+                for k in tl.static_range(4):
+                    ua, ub = _halves(quarters[k])
+                    _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, pid_n * BLOCK + k * CH + j, M, N, stride_m,
+                                amax_a, amax_b, pts_a, pts_b, ua, ub, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
             else:
                 cols = pid_n * BLOCK + tl.arange(0, BLOCK)
                 _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a,
