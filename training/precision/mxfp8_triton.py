@@ -38,8 +38,18 @@ BLOCK = 32
 BLOCK_N = 128  # columns per program (4 blocks of 32 along dim 1)
 NUM_WARPS = 4
 ROUNDINGS = {"rceil": 0, "floor": 1}
+# Block exponents (biased E8M0) for which _mx_values_direct gives _mx_values' bits: s = 2^(E - 127) >= 2^-115
+# keeps BF16 subnormal inputs below E4M3's smallest step and every result an FP32 normal; s <= 2^98 keeps the
+# adder's constants finite (a clamped |v| <= 448 s < 2^107, so 1.5 * 2^(e + 20) <= 1.5 * 2^126). A tile with
+# any block outside (amax below ~2^-106 or above ~2^107, inf, NaN) takes the multiply-round-multiply path.
+FAST_MIN = 12
+FAST_MAX = 225
+PATHS = {"auto": 0, "direct": 1, "multiply": 2}
 
 if HAVE_TRITON:
+    _FAST_MIN = tl.constexpr(FAST_MIN)
+    _FAST_MAX = tl.constexpr(FAST_MAX)
+
     @triton.jit
     def _ceil_log2_positive(d):
         """ceil(log2(d)) for FP32 d > 0 (finite; subnormals included), from the bits."""
@@ -51,62 +61,104 @@ if HAVE_TRITON:
         return tl.where(biased == 0, tl.where(mantissa > 0x400000, -126, -127), normal)
 
     @triton.jit
-    def _mx_values(data, max_abs, ROUNDING: tl.constexpr):
-        """E4M3 element x E8M0 scale, FP32, for FP32 `data` and its block maxima `max_abs` (broadcastable):
-        formats.mxfp8_block_scales + quantize_mxfp8, op for op."""
+    def _mx_exponent(max_abs, ROUNDING: tl.constexpr):
+        """The biased E8M0 exponent (int32) of blocks with maxima `max_abs`: formats.mxfp8_block_scales."""
         if ROUNDING == 0:  # rceil: 2^ceil(log2(amax / 448)); never saturates the block max
             descale = tl.math.div_rn(max_abs, 448.0)
             e = tl.minimum(tl.maximum(_ceil_log2_positive(descale), -127), 127)
             e = tl.where(descale == 0, -127, e)
             is_inf = descale.to(tl.int32, bitcast=True) == 0x7F800000
             exponent = tl.where(descale != descale, 255, tl.where(is_inf, 254, e + 127))
-            # multiplier 2^(127 - exponent) as an exponent field; torch's special cases for 0, 254 and 255
-            pow2 = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
-            multiplier = tl.where(exponent == 255, descale, tl.where(
-                exponent == 254, 5.877471754111438e-39, tl.where(exponent == 0, 1.0, pow2)))
-            scaled = data * multiplier
         else:  # floor (OCP): 2^(floor(log2 amax) - 8), read off the exponent bits
             unbiased = ((max_abs.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 135
             exponent = tl.minimum(tl.maximum(unbiased, -127), 128) + 127
             exponent = tl.where(max_abs != max_abs, 255, exponent)
+        return exponent
+
+    @triton.jit
+    def _mx_values(data, exponent, ROUNDING: tl.constexpr):
+        """E4M3 element x E8M0 scale, FP32, for FP32 `data` and its blocks' exponents (broadcastable):
+        formats.quantize_mxfp8, op for op, torch's special cases included (exponents 0, 254, 255)."""
+        if ROUNDING == 0:
+            # multiplier 2^(127 - exponent) as an exponent field; torch's special cases for 0, 254 and 255
+            pow2 = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+            descale_nan = (tl.zeros_like(exponent) + 0x7FC00000).to(tl.float32, bitcast=True)
+            multiplier = tl.where(exponent == 255, descale_nan, tl.where(
+                exponent == 254, 5.877471754111438e-39, tl.where(exponent == 0, 1.0, pow2)))
+            scaled = data * multiplier
+        else:
             scale = tl.maximum((exponent << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
             scaled = tl.math.div_rn(data, scale)
         code = round_to_e4m3(tl.minimum(tl.maximum(scaled, -448.0), 448.0))
         # e8m0_to_fp32: 2^(exponent - 127) (2^-127 for exponent 0, a subnormal), NaN for 255
         e8m0 = tl.where(exponent == 0, 5.877471754111438e-39, (exponent << 23).to(tl.float32, bitcast=True))
         e8m0 = tl.where(exponent == 255, (tl.zeros_like(exponent) + 0x7FC00000).to(tl.float32, bitcast=True), e8m0)
-        return code * e8m0
+        return bf16_bits_rne(code * e8m0)
+
+    @triton.jit
+    def _mx_values_direct(data, sign, exponent):
+        """The same BF16 bits as `_mx_values` for blocks with FAST_MIN <= exponent <= FAST_MAX, in a third of
+        its operations: with s = 2^(exponent - 127), code x e8m0 = round(clamp(data, +-448 s)) onto E4M3's grid
+        scaled by s (3 mantissa bits at and above 2^-6 s, multiples of 2^-9 s below), so neither the
+        multiplication by 1/s nor the one by s is needed. The rounding is the FP32 adder's (ties to even): v + M
+        with M = 1.5 * 2^(e + 20) for v's exponent e (the spacing of FP32 numbers near M is 2^(e - 3)), or
+        M = 1.5 * 2^14 s for E4M3's subnormal steps 2^-9 s, whichever is larger - the larger M is the
+        coarser grid, which is the one v's magnitude selects. In that exponent range s >= 2^-115: every
+        nonzero result is an FP32 normal with at most 4 significant bits, so its BF16 is its top 16 bits, and
+        BF16 subnormal inputs (< 2^-126) all round to zero as they do through the multiplications; the clamped
+        |v| < 2^107 keeps M finite. `sign`: data's sign bit (a result of zero keeps it, as torch's cast)."""
+        s = (exponent << 23).to(tl.float32, bitcast=True)
+        lim = 448.0 * s
+        v = tl.minimum(tl.maximum(data, -lim), lim)
+        m_normal = (((v.to(tl.int32, bitcast=True) & 0x7F800000) + (20 << 23)) | 0x400000).to(tl.float32,
+                                                                                                bitcast=True)
+        m = tl.maximum(m_normal, 24576.0 * s)
+        r = (v + m) - m
+        return ((r.to(tl.int32, bitcast=True) | sign) >> 16).to(tl.int16)
 
     @triton.jit
     def _mxfp8_dual_quant_kernel(x_ptr, a_ptr, b_ptr, M, N, stride_m, BLOCK_N: tl.constexpr,
-                                 ROUNDING: tl.constexpr):
+                                 ROUNDING: tl.constexpr, PATH: tl.constexpr):
         rows = tl.program_id(0) * 32 + tl.arange(0, 32)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x = bf16_to_f32(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0))
-        # a: 1x32 blocks along the columns (N is a multiple of 32, so a block is all in or all out)
-        blocks = tl.reshape(x, (32, BLOCK_N // 32, 32))
-        amax_a = tl.max(tl.abs(blocks), axis=2)
-        va = tl.reshape(_mx_values(blocks, amax_a[:, :, None], ROUNDING), (32, BLOCK_N))
-        tl.store(a_ptr + rows[:, None] * N + cols[None, :], bf16_bits_rne(va).to(tl.bfloat16, bitcast=True),
-                 mask=mask)
+        # a: 1x32 blocks along the columns (N is a multiple of 32, so a block is all in or all out);
         # b: 32x1 blocks along the rows (one block per column of the tile; masked rows are zeros)
-        amax_b = tl.max(tl.abs(x), axis=0)
-        vb = _mx_values(x, amax_b[None, :], ROUNDING)
-        tl.store(b_ptr + rows[:, None] * N + cols[None, :], bf16_bits_rne(vb).to(tl.bfloat16, bitcast=True),
-                 mask=mask)
+        blocks = tl.reshape(x, (32, BLOCK_N // 32, 32))
+        ea = _mx_exponent(tl.max(tl.abs(blocks), axis=2), ROUNDING)
+        eb = _mx_exponent(tl.max(tl.abs(x), axis=0), ROUNDING)
+        if PATH == 0:  # per tile: the direct rounding when every block's exponent allows it (all but extremes)
+            lo = tl.minimum(tl.min(tl.min(ea, axis=1), axis=0), tl.min(eb, axis=0))
+            hi = tl.maximum(tl.max(tl.max(ea, axis=1), axis=0), tl.max(eb, axis=0))
+            direct = (lo >= _FAST_MIN) & (hi <= _FAST_MAX)
+        else:
+            direct = PATH == 1
+        if direct:
+            sign = x.to(tl.int32, bitcast=True) & -2147483648
+            va = tl.reshape(_mx_values_direct(blocks, tl.reshape(sign, (32, BLOCK_N // 32, 32)), ea[:, :, None]),
+                            (32, BLOCK_N))
+            vb = _mx_values_direct(x, sign, eb[None, :])
+        else:
+            va = tl.reshape(_mx_values(blocks, ea[:, :, None], ROUNDING), (32, BLOCK_N))
+            vb = _mx_values(x, eb[None, :], ROUNDING)
+        tl.store(a_ptr + rows[:, None] * N + cols[None, :], va.to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(b_ptr + rows[:, None] * N + cols[None, :], vb.to(tl.bfloat16, bitcast=True), mask=mask)
 
 
 def dual_quantize_launch(x: torch.Tensor, scale_rounding: str, wrap=lambda kernel: kernel, *,
-                         block_n: int = BLOCK_N, num_warps: int = NUM_WARPS):
-    """Launch the kernel (under the interpreter too): (a, b) as in the module docstring."""
+                         block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, path: str = "auto"):
+    """Launch the kernel (under the interpreter too): (a, b) as in the module docstring. `path` (tests and
+    benchmarks): "auto" picks per tile; "direct" forces the short rounding (valid only for tiles whose block
+    exponents are all in [FAST_MIN, FAST_MAX]); "multiply" forces the long one."""
     m, n = x.shape
     a = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     b = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     grid = (triton.cdiv(m, 32), triton.cdiv(n, block_n))
     # (fp fusion cannot change a bit here: every product is by a power of two, hence exact)
     wrap(_mxfp8_dual_quant_kernel)[grid](x, a, b, m, n, x.stride(0), BLOCK_N=block_n,
-                                         ROUNDING=ROUNDINGS[scale_rounding], num_warps=num_warps)
+                                         ROUNDING=ROUNDINGS[scale_rounding], PATH=PATHS[path],
+                                         num_warps=num_warps)
     return a, b
 
 
