@@ -28,7 +28,7 @@ from training.precision.formats import (quantize_nvfp4, random_hadamard_transfor
                                         rht_matrix)
 
 SHAPES = ((8192, 2048), (8192, 4096), (8192, 8192))  # tokens x features of X and dY in the 1b model
-CONFIGS = [dict(block_n=bn, groups=g, num_warps=w) for bn, g, w in itertools.product((64, 128, 256), (1, 4), (4, 8))]
+CONFIGS = [dict(block_n=bn, groups=g, num_warps=w) for bn, g, w in itertools.product((64, 128, 256, 512), (1, 4), (4, 8))]
 
 
 def timed(fn, reps=30):
@@ -42,6 +42,17 @@ def timed(fn, reps=30):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def _timed_launch(module, x, h, seed, sr: bool, cfg: dict):
+    """ms of one module's launch, or None where the module rejects the configuration (stochastic rounding
+    needs block_n a multiple of 128 since it works on eighths of the tile; the previous kernel, of 64)."""
+    try:
+        module.dual_quantize_launch(x, h, seed, True, sr, **cfg)
+    except ValueError as e:
+        print(f"skipped: {cfg} {'sr' if sr else 'rne'}: {e}", flush=True)
+        return None
+    return timed(lambda: module.dual_quantize_launch(x, h, seed, True, sr, **cfg))
 
 
 def _load_module(path: str):
@@ -92,30 +103,39 @@ def main(argv=None) -> int:
                    "b_scale_equal": bool(torch.equal(pts[1], ref_b.outer))}
             for sr in (False, True):
                 seed = torch.randint(0, 2 ** 31 - 1, (1,), device=dev)
-                ms = timed(lambda: nt.dual_quantize_launch(x, h, seed, True, sr, **cfg))
-                row[f"ms_{'sr' if sr else 'rne'}"] = ms
-                row[f"torch_compiled_ms_{'sr' if sr else 'rne'}"] = base[sr]
-                row[f"gbps_{'sr' if sr else 'rne'}"] = x.numel() * 2 * 4 / ms / 1e6  # read x twice, write a and b
+                key = 'sr' if sr else 'rne'
+                ms = _timed_launch(nt, x, h, seed, sr, cfg)
+                row[f"torch_compiled_ms_{key}"] = base[sr]
                 if other is not None:
-                    row[f"compared_ms_{'sr' if sr else 'rne'}"] = timed(
-                        lambda: other.dual_quantize_launch(x, h, seed, True, sr, **cfg))
-                    ms_again = timed(lambda: nt.dual_quantize_launch(x, h, seed, True, sr, **cfg))
-                    row[f"ms_{'sr' if sr else 'rne'}"] = min(ms, ms_again)
+                    row[f"compared_ms_{key}"] = _timed_launch(other, x, h, seed, sr, cfg)
+                    if ms is not None:
+                        ms = min(ms, _timed_launch(nt, x, h, seed, sr, cfg))
+                row[f"ms_{key}"] = ms
+                row[f"gbps_{key}"] = None if ms is None else x.numel() * 2 * 4 / ms / 1e6  # read x twice, write a, b
             rows.append(row)
             print(json.dumps(row), flush=True)
     best = {}
     for shape in SHAPES:
         cand = [r for r in rows if r["shape"] == list(shape)]
         for key in ("ms_rne", "ms_sr"):
-            r = min(cand, key=lambda r: r[key])
+            r = min((r for r in cand if r[key] is not None), key=lambda r: r[key])
             best[f"{shape[0]}x{shape[1]}_{key}"] = {k: r[k] for k in ("block_n", "groups", "num_warps", key)}
     if other is not None:
         for key in ("rne", "sr"):
+            both = [r for r in rows if r["ms_" + key] is not None and r["compared_ms_" + key] is not None]
             print(f"{key}: this module / compared module = "
-                  f"{sum(r['ms_' + key] for r in rows) / sum(r['compared_ms_' + key] for r in rows):.3f} "
-                  f"(summed over {len(rows)} shape x config rows)")
-    overall = min(CONFIGS if args.configs == "sweep" else configs, key=lambda c: sum(r["ms_rne"] + r["ms_sr"] for r in rows
-                                            if all(r[k] == v for k, v in c.items())))
+                  f"{sum(r['ms_' + key] for r in both) / sum(r['compared_ms_' + key] for r in both):.3f} "
+                  f"(summed over the {len(both)} shape x config rows both modules run)")
+            for key2, mod in (("ms_", "this module"), ("compared_ms_", "compared module")):
+                best_ms = {tuple(r["shape"]): min(q[key2 + key] for q in rows if q["shape"] == r["shape"]
+                                                  and q[key2 + key] is not None) for r in rows}
+                print(f"  {mod}, best config per shape: " + ", ".join(f"{s[0]}x{s[1]} {v:.3f} ms"
+                                                                      for s, v in best_ms.items()))
+    runnable = [c for c in (CONFIGS if args.configs == "sweep" else configs)
+                if all(r["ms_rne"] is not None and r["ms_sr"] is not None
+                       for r in rows if all(r[k] == v for k, v in c.items()))]
+    overall = min(runnable, key=lambda c: sum(r["ms_rne"] + r["ms_sr"] for r in rows
+                                              if all(r[k] == v for k, v in c.items())))
     payload = {"bench": "nvfp4_kernel_bench", "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_commit": git_commit(),
                "compared_module": args.compare_module, "rows": rows, "best": best, "best_overall": overall, "wall_s": round(time.perf_counter() - t0, 1)}
@@ -123,12 +143,16 @@ def main(argv=None) -> int:
         Path(os.environ["OUT"], "nvfp4_kernel_bench.json").write_text(json.dumps(payload, indent=1))
     print(f"\n{'shape':>11} {'BN':>4} {'G':>2} {'W':>2} {'rne ms':>7} {'GB/s':>6} {'sr ms':>7} {'GB/s':>6} "
           f"{'torch rne':>9} {'torch sr':>8} {'a mis':>7} {'b mis':>7}")
+    def f(v, fmt):  # a rejected configuration prints as "-"
+        return format(v, fmt) if v is not None else format("-", ">" + fmt.split(".")[0].lstrip(">"))
+
     for r in rows:
         print(f"{r['shape'][0]}x{r['shape'][1]:<6} {r['block_n']:>4} {r['groups']:>2} {r['num_warps']:>2} "
-              f"{r['ms_rne']:7.3f} {r['gbps_rne']:6.0f} {r['ms_sr']:7.3f} {r['gbps_sr']:6.0f} "
+              f"{f(r['ms_rne'], '7.3f')} {f(r['gbps_rne'], '6.0f')} {f(r['ms_sr'], '7.3f')} {f(r['gbps_sr'], '6.0f')} "
               f"{r['torch_compiled_ms_rne']:9.3f} {r['torch_compiled_ms_sr']:8.3f} "
               f"{r['a_bit_mismatch_frac']:7.1e} {r['b_bit_mismatch_frac']:7.1e}"
-              + (f"  compared {r['compared_ms_rne']:7.3f} {r['compared_ms_sr']:7.3f}" if other is not None else ""))
+              + (f"  compared {f(r['compared_ms_rne'], '7.3f')} {f(r['compared_ms_sr'], '7.3f')}"
+                 if other is not None else ""))
     print(f"best overall: {overall}; wall {payload['wall_s']} s")
     return 0
 

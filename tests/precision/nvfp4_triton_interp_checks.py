@@ -12,8 +12,8 @@ from tests.interpreted import require_interpreter
 
 pytest.importorskip("triton")
 
-from training.precision.formats import (quantize_nvfp4, random_hadamard_transform, random_sign_vector,  # noqa: E402
-                                        rht_matrix)
+from training.precision.formats import (nvfp4_per_tensor_scale, quantize_nvfp4,  # noqa: E402
+                                        random_hadamard_transform, random_sign_vector, rht_matrix)
 
 
 require_interpreter("test_nvfp4_triton_interpreted.py")
@@ -78,26 +78,101 @@ def test_an_all_zero_operand_gives_zeros_not_nan(nt):
     assert not a.any() and not b.any() and not pts.any()
 
 
-def test_stochastic_rounding_lands_on_the_two_neighbours_and_is_unbiased(nt):
-    x = _operand(16, 32, "normal", seed=3)
+def _e2m1_fraction(a):
+    """(lower neighbour on E2M1's grid, grid step, f) for a >= 0: a = lower + f * step, f in [0, 1), exactly."""
+    a = a.double()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    t = a / step
+    return torch.floor(t) * step, step, t - torch.floor(t)
+
+
+def _sr_counts(p, draws):
+    """(expected count, binomial sigma) of ups over elements with up-probabilities p, rounded `draws` times each."""
+    return float(p.sum()) * draws, float((p * (1 - p)).sum() * draws) ** 0.5
+
+
+def test_stochastic_rounding_lands_on_the_two_neighbours_with_8_bit_probabilities(nt):
+    """Stochastic rounding with 8 random bits (as Blackwell's cvt.rs): a value a = lower + f * step between two
+    E2M1 grid points becomes one of the two, the upper one with probability floor(256 f) / 256, not f.
+
+    Every block's maximum (and the tensor's) is 6, so the per-tensor and block scales give the reciprocal
+    1 - 2^-24 (FP32's rounding of 2688 / 6 / 448) and each value a lands one FP32 ulp under its BF16 input:
+    256 f is just under an integer, where 8 bits and full precision differ most (P = f - 1/256 + 2^-20 or
+    so; a 16-bit or full-precision rounding goes up with probability f). Below 1 that ulp is lost by the
+    kernel's a + 1 (it rounds up), so these values also check that it is truncated back. Values are picked per
+    spacing regime of E2M1 (a in [0.25, 0.5), [0.5, 1), [1, 2), [2, 4), [4, 6)) and per class: low, the
+    smallest f < 5/256 of the regime (P a quarter or more under f); high, the largest f > 251/256 (rounds
+    down with probability 1 - P, several times 1 - f); mid-range. Up-counts must sit within 4.5 binomial
+    sigmas of sum(P) per (class, regime) cell (a regime's rate off by 1/256 fails in its low and high cells)
+    and, per byte of the Philox outputs and pooled over the low and over the high class, more than that from
+    sum(f). Both outputs (b without the RHT: token blocks of the same values) and both signs."""
+    peak = 6.0
+    xs = torch.arange(0x3E80, 0x40C0, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # [0.25, 6)
+    xs = xs[xs.view(torch.int16) & 0x7F != 0]  # not powers of two (those are exact: f = 0)
+    pts = nvfp4_per_tensor_scale(torch.tensor(peak))
+    e4m3 = (torch.tensor(peak) / 6.0 / pts).clamp(2.0 ** -6, 448.0).to(torch.float8_e4m3fn).float()
+    reciprocal = (1.0 / pts) / e4m3  # formats._nvfp4_blocked's ops, which the kernel matches bit for bit
+    assert float(reciprocal) == 1 - 2.0 ** -24
+    a_all = xs.float() * reciprocal
+    _, _, f_all = _e2m1_fraction(a_all)
+    classes = {"low": f_all < 5 / 256, "high": f_all > 251 / 256, "mid": (f_all > 0.25) & (f_all < 0.75)}
+    regimes = [(0.25, 0.5), (0.5, 1), (1, 2), (2, 4), (4, 6)]
+    cells = []  # (class, regime, indices into xs)
+    for name, in_class in classes.items():
+        for lo_r, hi_r in regimes:
+            cand = torch.nonzero(in_class & (a_all >= lo_r) & (a_all < hi_r)).flatten()
+            if name == "low":  # the most telling: the smallest f (P = f - 1/256 the furthest from f)
+                cand = cand[torch.argsort(f_all[cand])][:4]
+            elif name == "high":
+                cand = cand[torch.argsort(-f_all[cand])][:4]
+            if len(cand):
+                cells.append((name, lo_r, cand[torch.linspace(0, len(cand) - 1, min(4, len(cand))).long()]))
+    assert {(n, r) for n, r, _ in cells} >= {(n, r) for n in classes for r, _ in regimes} - {("low", 0.25)}
+    rows, cols = 64, 512
+    g = torch.Generator().manual_seed(0)
+    cell = torch.randint(0, len(cells), (rows, cols), generator=g)
+    pick = torch.randint(0, 4, (rows, cols), generator=g)
+    value = torch.stack([c[2][torch.arange(4) % len(c[2])] for c in cells])[cell, pick]  # index into xs
+    x = xs[value].float() * torch.where(torch.rand(rows, cols, generator=g) < 0.5, -1.0, 1.0)
+    x[:, ::16] = peak  # each block along the features holds the peak
+    x[::16, :] = peak  # and each block along the tokens
+    x = x.bfloat16()
+    keep = torch.ones(rows, cols, dtype=torch.bool)
+    keep[:, ::16] = False
+    keep[::16, :] = False
+    lower, step, f = _e2m1_fraction(a_all[value])
+    p8 = torch.floor(256 * f) / 256
     h = nt.rht_operand(rht_matrix(random_sign_vector(0)), "cpu")
-    rne, _, pts = nt.dual_quantize_launch(x, h, torch.zeros(1, dtype=torch.int64), False, False)
-    draws = torch.stack([nt.dual_quantize_launch(x, h, torch.tensor([s]), False, True)[0].float()
-                         for s in range(160)])
-    assert not torch.equal(draws[0], draws[1]), "different seeds must draw different roundings"
-    target = x.float() / pts[0]  # the value before rounding, in units of the per-tensor scale
-    lo, hi = draws.min(0).values, draws.max(0).values
-    # at most two values per element, each within one grid step of the unrounded value (the E2M1 grid
-    # times the block scale, ~ block amax / 6, up to E4M3's 2^-4 rounding), one of them the RNE result
-    assert bool(((draws == lo) | (draws == hi)).all())
-    block_scale = (x.float().abs().reshape(16, 2, 16).amax(-1, keepdim=True) / pts[0] / 6).expand(16, 2, 16)
-    a = 1.07 * target.abs() / block_scale.reshape(16, 32)  # near a step change, the coarser step
-    grid_step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)) * block_scale.reshape(16, 32)
-    assert bool(((draws - target).abs() <= 1.07 * grid_step + 1e-6).all())
-    assert bool(((rne.float() == lo) | (rne.float() == hi)).all())
-    bias_sr = (draws.mean(0) - target).abs().mean()
-    err_rne = (rne.float() - target).abs().mean()
-    assert bias_sr < 0.35 * err_rne, (float(bias_sr), float(err_rne))
+    ups = torch.zeros(2, rows, cols, dtype=torch.int64)  # per output
+    seeds = 20
+    for s in range(seeds):
+        outs = nt.dual_quantize_launch(x, h, torch.tensor([1000 + s]), False, True, block_n=256, groups=1)[:2]
+        for o, out in enumerate(outs):
+            element = out.double() / float(e4m3)  # outputs are E2M1 element x E4M3 block scale
+            assert bool((element * x.double() >= 0).all()), "rounding flipped a sign"
+            up = element.abs() == lower + step
+            assert bool((up | (element.abs() == lower))[keep].all()), "an element left its two neighbours"
+            ups[o] += up.long()
+    for i, (name, lo_r, _) in enumerate(cells):  # each cell, both outputs: the rate is P's
+        sel = keep & (cell == i)
+        count = float(ups[:, sel].sum())
+        want, sigma = _sr_counts(p8[sel], 2 * seeds)
+        assert abs(count - want) <= 4.5 * sigma, (name, lo_r, count, want, sigma)
+    # Each of the four bytes of a Philox output (chunk k of the 256-feature tile uses bytes 2 (k % 2) for `a` and
+    # the next for `b`), each class pooled over the regimes: P's rate, not f's (a byte that leaks other bits in
+    # rounds at f's rate).
+    chunk_parity = (torch.arange(cols) % 256) // 32 % 2
+    for byte in range(4):
+        in_byte = keep & (chunk_parity == byte // 2)[None, :]
+        for name in classes:
+            sel = in_byte & torch.isin(cell, torch.tensor([i for i, c in enumerate(cells) if c[0] == name]))
+            count = float(ups[byte % 2, sel].sum())
+            want, sigma = _sr_counts(p8[sel], seeds)
+            want_f, sigma_f = _sr_counts(f[sel], seeds)
+            assert abs(count - want) <= 4.5 * sigma, (byte, name, count, want, sigma, want_f)
+            if name != "mid":  # mid-range, 1/256 is ~3 sigmas of these draws: told apart only at the extremes
+                assert abs(want_f - want) > 9 * max(sigma, sigma_f)  # the draws can tell the two rates apart
+                assert abs(count - want_f) > 4.5 * sigma_f, (byte, name, count, want, want_f, sigma_f)
 
 
 @pytest.mark.parametrize("weight_2d", [True, False])
@@ -149,28 +224,40 @@ def test_the_gemm_benchmarks_fused_quantizers_are_the_training_steps(nt, monkeyp
     assert torch.equal(w_row.dequantize(), q.weight_fprop(w, dtype=torch.bfloat16).dequantize())
 
 
-def test_stochastic_rounding_draws_independently_per_element_and_output(nt):
-    """Every element of both outputs gets its own random number: each block holds a 6 (block scale 1, per-tensor
-    scale 6 / 2688, so the other elements keep their value, 1.296875 in BF16, between the grid points 1 and
-    1.5); over many seeds no two columns, no two rows, and not `a` and `b`, round alike, and each rounds up
-    about as often as its distance says (0.59)."""
-    x = torch.full((32, 128), 1.3, dtype=torch.bfloat16)
+@pytest.mark.parametrize("rows,cols,config", [(32, 256, dict(block_n=128, groups=1)),
+                                              # a partial tile: the counters' row stride
+                                              # must count the masked columns of the last tile too
+                                              (32, 384, dict(block_n=256, groups=1))])
+def test_stochastic_rounding_draws_independently_per_element_and_output(nt, rows, cols, config):
+    """Every element of both outputs gets its own random byte: every element holds the same value (1.3 in BF16,
+    which rounds up with probability 151/256; each block's maximum 6 sets all scales alike), so two
+    element-outputs sharing a byte would round alike in every draw. Over 40 seeds no two of the element-outputs
+    (all of `a` and `b`) round alike in every draw (by chance: ~1e-12 a pair), and the up-events of the eight
+    chunks of a tile and of the two outputs, at the same token and column within the chunk, are uncorrelated
+    (|r| < 0.035, ~6 sigmas: bytes that overlap or leak bits into each other fail)."""
+    x = torch.full((rows, cols), 1.3, dtype=torch.bfloat16)
     x[:, ::16] = 6.0  # each block along the features holds the maximum
     x[::16, :] = 6.0  # and each block along the tokens
     h = nt.rht_operand(rht_matrix(random_sign_vector(0)), "cpu")
-    keep_rows = torch.tensor([r % 16 != 0 for r in range(32)])
-    keep_cols = torch.tensor([c % 16 != 0 for c in range(128)])
+    keep = torch.ones(rows, cols, dtype=torch.bool)
+    keep[:, ::16] = False
+    keep[::16, :] = False
     ups_a, ups_b = [], []
-    for s in range(48):
-        a, b, _ = nt.dual_quantize_launch(x, h, torch.tensor([s]), False, True, block_n=128, groups=1)
+    for s in range(40):
+        a, b, _ = nt.dual_quantize_launch(x, h, torch.tensor([s]), False, True, **config)
         # the outputs are element x block scale (the per-tensor scale apart): a 6 marks the block scale
-        ups_a.append((a.float() > a.float()[0, 0] * 1.25 / 6)[keep_rows][:, keep_cols])
-        ups_b.append((b.float() > b.float()[0, 0] * 1.25 / 6)[keep_rows][:, keep_cols])
-    ua, ub = torch.stack(ups_a), torch.stack(ups_b)
-    for u in (ua, ub):
-        cols = u.permute(2, 0, 1).reshape(u.shape[2], -1)
-        rows = u.permute(1, 0, 2).reshape(u.shape[1], -1)
-        assert len({tuple(c.tolist()) for c in cols}) == len(cols)
-        assert len({tuple(r.tolist()) for r in rows}) == len(rows)
-        assert 0.55 < u.float().mean() < 0.64, float(u.float().mean())
-    assert not torch.equal(ua, ub)
+        ups_a.append(a.float() > a.float()[0, 0] * 1.25 / 6)
+        ups_b.append(b.float() > b.float()[0, 0] * 1.25 / 6)
+    ua, ub = torch.stack(ups_a), torch.stack(ups_b)  # (seeds, rows, cols)
+    assert 0.55 < float(ua[:, keep].float().mean()) < 0.63 and 0.55 < float(ub[:, keep].float().mean()) < 0.63
+    patterns = torch.cat([ua[:, keep], ub[:, keep]], dim=1).t()  # one row per element-output
+    codes = (patterns.long() << torch.arange(patterns.shape[1])).sum(1)  # 40 bits each
+    assert len(torch.unique(codes)) == len(codes), "two element-outputs share random bits"
+    block, ch = config["block_n"], config["block_n"] // 8
+    full = cols // block * block  # the full tiles: (seeds, rows, tiles, chunk, column in the chunk)
+    per_chunk = [u[:, :, :full].reshape(len(u), rows, full // block, 8, ch) for u in (ua, ub)]
+    sel = keep[:, :full].reshape(rows, full // block, 8, ch)[:, :, 0, :]  # the same for every chunk
+    events = torch.stack([u[:, :, :, k, :][:, sel] for u in per_chunk for k in range(8)])  # (16, draws)
+    corr = torch.corrcoef(events.reshape(16, -1).float())
+    off = corr - torch.eye(16)
+    assert float(off.abs().max()) < 0.035, (float(off.abs().max()), events.shape)

@@ -155,6 +155,26 @@ def test_stochastic_rounding_lands_on_the_two_neighbours_and_is_unbiased():
     assert (err < 4 * (hi - lo) / 2 / draws ** 0.5 + 1e-6).all(), err
 
 
+def test_stochastic_rounding_uses_8_random_bits_as_the_hardware():
+    """Up with probability floor(256 f) / 256 for v = lower + f * step (Blackwell's cvt.rs and the fused Triton
+    kernel), not f: f just under 1/256 never rounds up; f = 3.9/256 rounds up at 3/256, not 3.9/256; f just
+    under 1 rounds down at 1/256. In every spacing regime of E2M1 and for both signs."""
+    lower = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+    step = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0])
+    draws = 40000
+    g = torch.Generator().manual_seed(1)
+    for f256, p_up in ((0.9, 0.0), (3.9, 3 / 256), (255.9, 255 / 256)):
+        v = lower + step * (f256 / 256)
+        v = torch.cat([v, -v])
+        samples = round_to_e2m1(v.expand(draws, -1).contiguous(), stochastic=True, generator=g)
+        up = (samples.abs() == torch.cat([lower + step] * 2)).float()
+        assert bool((up + (samples.abs() == torch.cat([lower] * 2)).float() == 1).all())
+        rate, sigma = up.mean(0), (p_up * (1 - p_up) / draws) ** 0.5
+        assert bool(((rate - p_up).abs() <= 4.5 * sigma).all()), (f256, rate)
+        # the full-resolution rate f256 / 256 is well outside: 0.9/256 any up, 3.9/256 6.5 sigmas, 255.9/256 11
+        assert bool(((rate - f256 / 256).abs() > 4.5 * max(sigma, 1e-4)).all()), (f256, rate)
+
+
 def test_nvfp4_stochastic_quantize_dequantize_is_unbiased_and_neighbouring():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 64, generator=g)

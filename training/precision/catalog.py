@@ -207,7 +207,8 @@ _BUILTIN = (
         real_min_capability=(10, 0), emulated_elsewhere=True,
         options=(
             _bool("rht", True, "16-point random Hadamard transform of both Wgrad operands along tokens"),
-            _bool("stochastic_rounding", True, "stochastic rounding of the gradient dY (unbiased)"),
+            _bool("stochastic_rounding", True, "stochastic rounding of the gradient dY (8 random bits per element, "
+                                               "as the hardware: unbiased to 1/256 of a grid step)"),
             _bool("weight_2d", True, "16x16 weight tiles, so Fprop and Dgrad share one quantized weight "
                                      "(false: 1x16 blocks)"),
             RecipeOption("rht_seed", "integer", 0, "seed of the transform's random sign vector", minimum=0),

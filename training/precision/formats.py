@@ -249,8 +249,13 @@ def round_to_e2m1(v: torch.Tensor, *, stochastic: bool = False, generator=None) 
     The grid is uniform with step 0.5 below 2, 1 below 4 and 2 above, so rounding |v|/step to an integer
     rounds onto the grid; torch.round is half-to-even, and an even integer is an even E2M1 mantissa,
     which matches the hardware (and torchao's bit-twiddling) round-to-nearest-even. Stochastic rounding
-    rounds up with probability equal to the distance from the lower neighbour, hence unbiased. Without a
-    generator the draws are `torch.rand_like` (global RNG; inductor lowers it to in-kernel Philox).
+    uses 8 random bits per element, as Blackwell's `cvt.rs.satfinite.e2m1x4.f32` (random bits added below
+    the kept bits, then truncated) and the fused Triton kernel (nvfp4_triton.py) do: with t = |v| / step and
+    f = t - floor(t) it rounds up with probability floor(256 f) / 256 (up iff floor(256 u) < floor(256 f) for
+    a uniform u), so it is unbiased up to that resolution: the expected result is at most step / 256 under
+    |v| (step / 512 on average). Without a generator the draws are `torch.rand_like` (global RNG; inductor
+    lowers it to in-kernel Philox); floor(256 u) is a uniform byte (exactly so for torch's CPU generator,
+    whose floats are multiples of 2^-24).
     """
     a = v.abs()
     step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
@@ -261,7 +266,8 @@ def round_to_e2m1(v: torch.Tensor, *, stochastic: bool = False, generator=None) 
             u = torch.rand_like(t)
         else:
             u = torch.rand(t.shape, generator=generator, device=generator.device, dtype=t.dtype).to(t.device)
-        t = lo + (u < (t - lo)).to(t.dtype)
+        # u * 256 and (t - lo) * 256 are exact (powers of two), so the floors are the 8-bit truncations
+        t = lo + (torch.floor(u * 256.0) < torch.floor((t - lo) * 256.0)).to(t.dtype)
     else:
         t = torch.round(t)
     return torch.copysign(t * step, v)

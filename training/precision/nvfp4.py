@@ -25,9 +25,12 @@ weight tiles the quantized weight, which Dgrad reuses. Elsewhere (CPU, FP32 acti
 counts, `fused_quantize=false`) the torch quantizers of formats.py run through EmulatedLinearFn: there
 the RHT is a GEMM in the GEMM dtype (FP32 on CPU; on GPU a BF16 GEMM whose result is rounded to BF16,
 2^-9 relative, before the FP4 quantization reads it). The Wgrad operands are blocked along tokens in place
-(no transposed copies). Stochastic rounding draws with `torch.rand_like` on the torch path (in-kernel
-Philox under torch.compile; eager and compiled runs draw different, equally distributed, roundings) and
-with Triton's Philox, seeded from torch's CUDA generator, on the fused path.
+(no transposed copies). Stochastic rounding uses 8 random bits per element on both paths, as Blackwell's
+`cvt.rs` instruction (up with probability floor(256 f) / 256 for a fraction f of the grid step; see
+formats.round_to_e2m1): drawn with `torch.rand_like` on the torch path (in-kernel Philox under torch.compile;
+eager and compiled runs draw different, equally distributed, roundings) and with Triton's Philox, seeded from
+torch's CUDA generator, on the fused path (one 32-bit word per 4 roundings, as the hardware kernels); the two
+paths' roundings agree in distribution, not draw for draw.
 
 GEMM benchmark (`gemm_ops`): on sm_100+ torchao's `NVFP4Tensor.to_nvfp4` and block-scaled GEMM in both modes;
 elsewhere kernel-only mode times torchao's emulated path (NVFP4Tensor dequantized to BF16, BF16 GEMM) and the

@@ -19,8 +19,11 @@ of block scales done on the bits (round to nearest even, the scales being clampe
 range), so output `a` is bit-identical to `quantize_nvfp4(x, dtype=torch.bfloat16)`. Output `b` differs
 from the torch path only in the transform's arithmetic: its FP32 sums are quantized directly (as a fused
 hardware kernel does), where the torch path on GPU rounds them to BF16 first. Stochastic rounding
-(gradients) draws with Triton's Philox from a seed tensor drawn from torch's CUDA generator, so runs are
-reproducible under torch.manual_seed.
+(gradients) draws with Triton's Philox (4x32, 10 rounds) from a seed tensor drawn from torch's CUDA
+generator, so runs are reproducible under torch.manual_seed. It uses 8 random bits per element and output,
+the resolution of Blackwell's cvt.rs.satfinite.e2m1x4.f32 (one 32-bit word per 4 FP4 values): it rounds up
+with probability floor(256 f) / 256 for a fraction f of the grid step, as formats.round_to_e2m1 does; one
+Philox call serves 16 roundings.
 
 `nvfp4_dual_quantize` is a `torch.library.triton_op`: torch.compile calls the two kernels from the
 compiled graph (no graph break). It needs a CUDA tensor in BF16, 2D, with both dims multiples of 16;
@@ -49,7 +52,8 @@ NUM_WARPS = 4
 def launch_config(n: int, stochastic: bool) -> dict:
     """Measured on an H100 over the 1b model's operand shapes (bench/results/nvfp4_kernel_bench_2026-11-24T1633_*
     and _1713_*): 256 features x 16 tokens on 4 warps, with and without stochastic rounding (the fastest or
-    within 4 % of it at 2048, 4096 and 8192 features)."""
+    within 4 % of it at 2048, 4096 and 8192 features; measured before stochastic rounding went to eighths of the
+    tile, which needs block_n a multiple of 128: 256 is one)."""
     return dict(block_n=256, groups=1, num_warps=4)
 
 if HAVE_TRITON:
@@ -101,10 +105,10 @@ if HAVE_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _nvfp4_values(data, max_abs, pts, u, STOCH: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
+    def _nvfp4_values(data, max_abs, pts, rbits, STOCH: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
         """E2M1 element x E4M3 block scale for FP32 `data` with block maxima `max_abs` (broadcastable)
-        and the FP32 per-tensor scale `pts` > 0: formats._nvfp4_blocked, op for op. `u`: uniforms in
-        [0, 1) for stochastic rounding (ignored without STOCH)."""
+        and the FP32 per-tensor scale `pts` > 0: formats._nvfp4_blocked, op for op. `rbits`: int32 with
+        8 random bits at bits 14..21 and zeros elsewhere, for stochastic rounding (ignored without STOCH)."""
         block_scale = _scalar_div(max_abs, 6.0, CUDA_SEMANTICS)
         scaled_block = tl.math.div_rn(block_scale, pts)
         e4m3 = _round_e4m3(tl.minimum(tl.maximum(scaled_block, 0.015625), 448.0))
@@ -113,11 +117,20 @@ if HAVE_TRITON:
         scaled = tl.minimum(tl.maximum(scaled, -6.0), 6.0)
         a = tl.abs(scaled)
         if STOCH:
-            step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-            t = a * tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # a / step, exactly
-            lo = tl.floor(t)
-            up = u < (t - lo)
-            mag = (lo + up.to(tl.float32)) * step
+            # Stochastic rounding with 8 random bits, as Blackwell's cvt.rs.satfinite.e2m1x4.f32: the random
+            # bits are added just below the bits E2M1 keeps, then everything below those is cut off. With
+            # t = a / step and f = t - floor(t), that rounds up with probability floor(256 f) / 256. On the
+            # FP32 bits: from 1 to 6 E2M1 keeps the exponent and the top mantissa bit (steps 0.5, 1, 2 in
+            # [1, 2), [2, 4), [4, 6]), so f is mantissa bits 0..21 / 2^22 and floor(256 f) is bits 14..21;
+            # adding the random byte there carries into the kept bits with probability bits[14..21] / 256
+            # (into the exponent too: 1.75 -> 2), and the mask drops the rest. Below 1 (E2M1's 0 and 0.5,
+            # step 0.5) a + 1 puts the same fraction at the same bits of [1, 2); that addition rounds to
+            # nearest, so it is truncated back (one ulp less where it rounded up), and 1 comes off at the
+            # end (exact). a <= 6 and 6 has no fraction, so nothing goes past 6.
+            one = tl.where(a < 1.0, 1.0, 0.0)
+            s = a + one
+            bits = s.to(tl.int32, bitcast=True) - ((s - one) > a).to(tl.int32)
+            mag = ((bits + rbits) & -4194304).to(tl.float32, bitcast=True) - one  # mask 0xFFC00000
         else:
             # Round half to even onto E2M1's grid (steps 0.5 below 2, 1 below 4, 2 up to 6) with the FP32
             # adder: a + M lands where the spacing of FP32 numbers is that step (M = 1.5 * 2^22, 2^23, 2^24),
@@ -132,27 +145,30 @@ if HAVE_TRITON:
         return element * e4m3
 
     @triton.jit
-    def _halves(r):
-        """Two uniforms in [0, 1) with 16 bits each from one 32-bit Philox output."""
-        r = r.to(tl.uint32, bitcast=True)
-        scale = 1.0 / 65536.0
-        return (r & 0xFFFF).to(tl.float32) * scale, (r >> 16).to(tl.float32) * scale
+    def _random_byte(word, J: tl.constexpr):
+        """Byte J (0..3) of a 32-bit Philox output, moved to bits 14..21 of an int32 (see _nvfp4_values)."""
+        w = word.to(tl.uint32, bitcast=True)
+        if J >= 2:
+            r = (w >> (8 * J - 14)) & 0x3FC000
+        else:
+            r = (w << (14 - 8 * J)) & 0x3FC000
+        return r.to(tl.int32, bitcast=True)
 
     @triton.jit
     def _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a, pts_b,
-                    u_a, u_b, W: tl.constexpr, HAS_RHT: tl.constexpr, STOCH: tl.constexpr,
+                    r_a, r_b, W: tl.constexpr, HAS_RHT: tl.constexpr, STOCH: tl.constexpr,
                     DOT_BF16: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
         """Both outputs of one (16 tokens, W features) tile; W a multiple of 16."""
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x_raw = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
         x = x_raw.to(tl.float32)
         if not STOCH:
-            u_a = x
-            u_b = x
+            r_a = x
+            r_b = x
         # a: 1x16 blocks along the features (masked columns are zeros).
         blocks = tl.reshape(x, (16, W // 16, 16))
         bmax = tl.max(tl.abs(blocks), axis=2)
-        va = _nvfp4_values(blocks, bmax[:, :, None], pts_a, tl.reshape(u_a, (16, W // 16, 16)),
+        va = _nvfp4_values(blocks, bmax[:, :, None], pts_a, tl.reshape(r_a, (16, W // 16, 16)),
                            STOCH, CUDA_SEMANTICS)
         va = tl.where(amax_a > 0, tl.reshape(va, (16, W)), 0.0)
         tl.store(a_ptr + rows[:, None] * N + cols[None, :], va.to(tl.bfloat16), mask=mask)
@@ -162,7 +178,7 @@ if HAVE_TRITON:
         else:
             y = x
         cmax = tl.max(tl.abs(y), axis=0)
-        vb = _nvfp4_values(y, cmax[None, :], pts_b, u_b, STOCH, CUDA_SEMANTICS)
+        vb = _nvfp4_values(y, cmax[None, :], pts_b, r_b, STOCH, CUDA_SEMANTICS)
         vb = tl.where(amax_b > 0, vb, 0.0)
         tl.store(b_ptr + rows[:, None] * N + cols[None, :], vb.to(tl.bfloat16), mask=mask)
 
@@ -179,20 +195,25 @@ if HAVE_TRITON:
             tl.store(pts_ptr, pts_a)
             tl.store(pts_ptr + 1, pts_b)
         seed = tl.load(seed_ptr)
-        CH: tl.constexpr = BLOCK // 4  # a quarter tile's features (stochastic rounding)
+        CH: tl.constexpr = BLOCK // 8  # a chunk's features (stochastic rounding): an eighth of the tile
         for g in tl.static_range(GROUPS):
             rows = (pid_m * GROUPS + g) * 16 + tl.arange(0, 16)
             if STOCH:
-                # One Philox call per (token, run of 4 quarter-tile columns): its four 32-bit outputs serve the
-                # tile's four quarters (each output's halves: one uniform for `a`, one for `b`), so the
-                # quarters are quantized one after the other with no reshuffling of random numbers.
+                # One Philox call per (token, chunk column j): its four 32-bit outputs serve the tile's eight
+                # chunks (chunk k: output k // 2), each output's four bytes two chunks, one byte per element
+                # and output (chunk k: byte 2 (k % 2) for `a`, the next for `b`); 16 roundings per call, as
+                # the hardware's one 32-bit word per 4 FP4 values, and no reshuffling of random numbers.
+                # Counters: row * (chunk columns in the grid) + the column's index in the grid, the grid being
+                # num_programs(1) tiles of CH chunk columns, so distinct for every (row, pid_n, j) of the
+                # launch, masked tail columns included.
                 j = tl.arange(0, CH)
-                counters = rows[:, None] * (N // 4 + 1) + (pid_n * CH + j)[None, :]
-                quarters = tl.randint4x(seed, counters)
-                for k in tl.static_range(4):
-                    ua, ub = _halves(quarters[k])
+                counters = rows[:, None] * (tl.num_programs(1) * CH) + (pid_n * CH + j)[None, :]
+                words = tl.randint4x(seed, counters)
+                for k in tl.static_range(8):
+                    ra = _random_byte(words[k // 2], 2 * (k % 2))
+                    rb = _random_byte(words[k // 2], 2 * (k % 2) + 1)
                     _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, pid_n * BLOCK + k * CH + j, M, N, stride_m,
-                                amax_a, amax_b, pts_a, pts_b, ua, ub, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
+                                amax_a, amax_b, pts_a, pts_b, ra, rb, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
             else:
                 cols = pid_n * BLOCK + tl.arange(0, BLOCK)
                 _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a,
@@ -210,9 +231,9 @@ def dual_quantize_launch(x: torch.Tensor, h: torch.Tensor, seed: torch.Tensor, r
     """Launch both kernels (under the interpreter too): returns (a, b, pts) with pts = [pts_a, pts_b].
     The global maxima are reduced from per-program partials (no atomics on one address)."""
     m, n = x.shape
-    if stochastic and block_n % 64:
-        raise ValueError(f"stochastic rounding works on quarter tiles of 16 features or more: block_n {block_n} "
-                         "must be a multiple of 64")
+    if stochastic and block_n % 128:
+        raise ValueError(f"stochastic rounding works on eighths of the tile of 16 features or more: block_n "
+                         f"{block_n} must be a multiple of 128")
     pts = torch.empty(2, device=x.device, dtype=torch.float32)
     a = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     b = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
