@@ -120,6 +120,13 @@ def default_configs(recipes: list[str]) -> list[str]:
     return sorted(recipes, key=lambda r: RUN_FIRST.index(r) if r in RUN_FIRST else len(RUN_FIRST))
 
 
+def _model_label(model: str, results: list[dict]) -> str:
+    """The header's model: the preset and its parameter count as the runs reported it (e.g. "1b (1.14B)")."""
+    params = next((r.get("params") or (r.get("summary") or {}).get("params") for r in results
+                   if r.get("params") or (r.get("summary") or {}).get("params")), None)
+    return f"{model} ({params / 1e9:.2f}B)" if params else model
+
+
 def run_spec(config: dict, *, steps: int, batch: int, seq: int, model: str = "1b", device: str = "cuda",
              gpus: int = 1) -> dict:
     training = {"steps": steps, "batch_size": batch, "gpus": gpus, "lr": 1e-4, "warmup_steps": 1, "val_every": 0,
@@ -639,7 +646,7 @@ def main(argv=None) -> int:
             r["vs_our_bf16"] = r["tokens_per_s"] / ours_bf16["tokens_per_s"] if ours_bf16 else None
     report = {
         "bench": "train_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": device, "git_commit": git_commit(), "model": "1b (1.14B)",
+        "device": device, "git_commit": git_commit(), "model": _model_label(a.model, results),
         "batch": a.batch, "seq": a.seq, "gpus": a.gpus, "baseline": a.baseline, "timed_steps": a.steps, "warmup_steps": a.warmup,
         "anchor": anchor, "results": results, "total_wall_s": time.perf_counter() - t_begin,
         "concurrency": a.concurrency, "rounds": a.rounds, "api_logging": not a.no_api,
