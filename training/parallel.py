@@ -104,7 +104,7 @@ class LocalFusedAdamW:
     local shards of FSDP2's DTensors: the same `_foreach_add_` of the step counters and the same
     `torch._fused_adamw_` call, with the same arguments, that `optimizer.step()` makes, so the same bits -
     without DTensor's dispatch, which cost more host time than the update's launches (bench/results/
-    host_profile_2026-11-24T1858_*: torch's AdamW over the shards 27 ms of host time per 1b step under cProfile,
+    host_profile_2026-11-24T1900_*: torch's AdamW over the shards 27 ms of host time per 1b step under cProfile,
     ~16 of them in DTensor's argument unwrapping). Parameters without state yet (the first step) or anything
     this does not cover (amsgrad, maximize, capturable, a tensor learning rate) go through
     `optimizer.step()` restricted to the subset, which is always correct."""
