@@ -110,6 +110,12 @@ def train_loop(run: Run, state: TrainState, drain: MetricsDrain, checkpointer: C
     post_step_hooks = [h for h in run.hooks if hasattr(h, "post_optimizer_step")]
     clip = t.grad_clip if t.grad_clip > 0 else float("inf")
     gc_schedule = _GcSchedule(t.perf.gc_interval if run.on_cuda else 0)
+    # Under inductor's CUDA graphs (compile_mode reduce-overhead) with the layers compiled one by one, the graph
+    # trees cannot tell where a step begins: each layer's next forward finds backwards still pending and takes
+    # the slow path (warning "Unable to hit fast path of CUDAGraphs because of pending, uninvoked backwards"),
+    # copying its inputs into the graphs' buffers. Marking each step's start lets them replay.
+    mark_step = (torch.compiler.cudagraph_mark_step_begin
+                 if run.on_cuda and t.compile and t.perf.compile_mode == "reduce-overhead" else None)
     state.started = time.perf_counter()
     drain.start_clock(state.started)
     status = "succeeded"
@@ -120,6 +126,8 @@ def train_loop(run: Run, state: TrainState, drain: MetricsDrain, checkpointer: C
             if should_stop is not None and ctx.any_true(bool(should_stop())):
                 status = "cancelled"
                 break
+            if mark_step is not None:
+                mark_step()
             lr = lr_at(step, spec)
             for g in run.optimizer.param_groups:
                 g["lr"] = lr
