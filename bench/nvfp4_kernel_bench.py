@@ -45,8 +45,8 @@ def timed(fn, reps=30):
 
 
 def _timed_launch(module, x, h, seed, sr: bool, cfg: dict):
-    """ms of one module's launch, or None where the module rejects the configuration (stochastic rounding
-    needs block_n a multiple of 128 since it works on eighths of the tile; the previous kernel, of 64)."""
+    """ms of one module's launch, or None where the module rejects the configuration (earlier versions of the
+    kernel required block_n multiples of 64 or 128 for stochastic rounding)."""
     try:
         module.dual_quantize_launch(x, h, seed, True, sr, **cfg)
     except ValueError as e:

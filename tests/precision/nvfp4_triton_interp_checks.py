@@ -232,8 +232,8 @@ def test_stochastic_rounding_draws_independently_per_element_and_output(nt, rows
     """Every element of both outputs gets its own random byte: every element holds the same value (1.3 in BF16,
     which rounds up with probability 151/256; each block's maximum 6 sets all scales alike), so two
     element-outputs sharing a byte would round alike in every draw. Over 40 seeds no two of the element-outputs
-    (all of `a` and `b`) round alike in every draw (by chance: ~1e-12 a pair), and the up-events of the eight
-    chunks of a tile and of the two outputs, at the same token and column within the chunk, are uncorrelated
+    (all of `a` and `b`) round alike in every draw (by chance: ~1e-12 a pair), and the up-events of the 16
+    roundings one Philox call serves (8 consecutive features of both outputs at one token) are uncorrelated
     (|r| < 0.035, ~6 sigmas: bytes that overlap or leak bits into each other fail)."""
     x = torch.full((rows, cols), 1.3, dtype=torch.bfloat16)
     x[:, ::16] = 6.0  # each block along the features holds the maximum
@@ -253,11 +253,11 @@ def test_stochastic_rounding_draws_independently_per_element_and_output(nt, rows
     patterns = torch.cat([ua[:, keep], ub[:, keep]], dim=1).t()  # one row per element-output
     codes = (patterns.long() << torch.arange(patterns.shape[1])).sum(1)  # 40 bits each
     assert len(torch.unique(codes)) == len(codes), "two element-outputs share random bits"
-    block, ch = config["block_n"], config["block_n"] // 8
-    full = cols // block * block  # the full tiles: (seeds, rows, tiles, chunk, column in the chunk)
-    per_chunk = [u[:, :, :full].reshape(len(u), rows, full // block, 8, ch) for u in (ua, ub)]
-    sel = keep[:, :full].reshape(rows, full // block, 8, ch)[:, :, 0, :]  # the same for every chunk
-    events = torch.stack([u[:, :, :, k, :][:, sel] for u in per_chunk for k in range(8)])  # (16, draws)
+    # The 16 roundings one Philox call serves: 8 consecutive features (one group, columns 8 j .. 8 j + 7) of
+    # both outputs at one token. Groups whose 8 elements are all kept: (seeds, rows, groups, 8) per output.
+    groups = [u.reshape(len(u), rows, cols // 8, 8) for u in (ua, ub)]
+    sel = keep.reshape(rows, cols // 8, 8).all(-1)  # (rows, groups)
+    events = torch.stack([g[:, :, :, k][:, sel] for g in groups for k in range(8)])  # (16, draws)
     corr = torch.corrcoef(events.reshape(16, -1).float())
     off = corr - torch.eye(16)
     assert float(off.abs().max()) < 0.035, (float(off.abs().max()), events.shape)

@@ -50,11 +50,13 @@ NUM_WARPS = 4
 
 
 def launch_config(n: int, stochastic: bool) -> dict:
-    """Measured on an H100 over the 1b model's operand shapes (bench/results/nvfp4_kernel_bench_2026-11-24T1633_*
-    and _1713_*): 256 features x 16 tokens on 4 warps, with and without stochastic rounding (the fastest or
-    within 4 % of it at 2048, 4096 and 8192 features; measured before stochastic rounding went to eighths of the
-    tile, which needs block_n a multiple of 128: 256 is one)."""
-    return dict(block_n=256, groups=1, num_warps=4)
+    """Measured on an H100 over the 1b model's operand shapes: round-to-nearest 256 features x 16 tokens on 4 warps
+    (bench/results/nvfp4_kernel_bench_2026-11-24T1633_* and _1713_*: the fastest or within 4 % of it at 2048,
+    4096 and 8192 features); stochastic rounding 128 features on 4 warps (bench/results/
+    nvfp4_sr_layout_ab_2026-11-24T1950_H100.json: 0.305 ms at 8192 x 8192 against 0.334 at 256 features, whose
+    random bytes take more registers)."""
+    return dict(block_n=128 if stochastic else 256, groups=1, num_warps=4)
+
 
 if HAVE_TRITON:
     @triton.jit
@@ -145,14 +147,14 @@ if HAVE_TRITON:
         return element * e4m3
 
     @triton.jit
-    def _random_byte(word, J: tl.constexpr):
-        """Byte J (0..3) of a 32-bit Philox output, moved to bits 14..21 of an int32 (see _nvfp4_values)."""
-        w = word.to(tl.uint32, bitcast=True)
-        if J >= 2:
-            r = (w >> (8 * J - 14)) & 0x3FC000
-        else:
-            r = (w << (14 - 8 * J)) & 0x3FC000
-        return r.to(tl.int32, bitcast=True)
+    def _spread_bytes(w_lo, w_hi, CH: tl.constexpr):
+        """The 8 bytes of two (16, CH) Philox output words as one byte per element of a (16, 8 CH) tile, each
+        moved to bits 14..21 of an int32 (see _nvfp4_values): column 8 j + 4 i + b gets byte b of word i
+        (w_lo, w_hi) at chunk column j."""
+        pair = tl.join(w_lo, w_hi).to(tl.uint32, bitcast=True)  # (16, CH, 2)
+        shifts = tl.arange(0, 4).to(tl.uint32) * 8
+        r = ((pair[:, :, :, None] >> shifts[None, None, None, :]) & 0xFF) << 14  # (16, CH, 2, 4)
+        return tl.reshape(r, (16, CH * 8)).to(tl.int32, bitcast=True)
 
     @triton.jit
     def _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a, pts_b,
@@ -195,25 +197,24 @@ if HAVE_TRITON:
             tl.store(pts_ptr, pts_a)
             tl.store(pts_ptr + 1, pts_b)
         seed = tl.load(seed_ptr)
-        CH: tl.constexpr = BLOCK // 8  # a chunk's features (stochastic rounding): an eighth of the tile
+        CH: tl.constexpr = BLOCK // 8  # chunk columns of 8 features per tile (stochastic rounding)
         for g in tl.static_range(GROUPS):
             rows = (pid_m * GROUPS + g) * 16 + tl.arange(0, 16)
             if STOCH:
-                # One Philox call per (token, chunk column j): its four 32-bit outputs serve the tile's eight
-                # chunks (chunk k: output k // 2), each output's four bytes two chunks, one byte per element
-                # and output (chunk k: byte 2 (k % 2) for `a`, the next for `b`); 16 roundings per call, as
-                # the hardware's one 32-bit word per 4 FP4 values, and no reshuffling of random numbers.
-                # Counters: row * (chunk columns in the grid) + the column's index in the grid, the grid being
-                # num_programs(1) tiles of CH chunk columns, so distinct for every (row, pid_n, j) of the
-                # launch, masked tail columns included.
+                # One Philox call per (token, chunk column j of 8 features): its four 32-bit outputs give 16
+                # bytes, one per element and output of those 8 features (words 0-1 for `a`, 2-3 for `b`): 16
+                # roundings per call, as the hardware's one 32-bit word per 4 FP4 values. The bytes are spread
+                # over the whole tile (_spread_bytes), which is then quantized in one piece like the
+                # round-to-nearest path. Counters: row * (chunk columns in the grid) + the column's index in the
+                # grid, the grid being num_programs(1) tiles of CH chunk columns, so distinct for every
+                # (row, pid_n, j) of the launch, masked tail columns included.
                 j = tl.arange(0, CH)
                 counters = rows[:, None] * (tl.num_programs(1) * CH) + (pid_n * CH + j)[None, :]
-                words = tl.randint4x(seed, counters)
-                for k in tl.static_range(8):
-                    ra = _random_byte(words[k // 2], 2 * (k % 2))
-                    rb = _random_byte(words[k // 2], 2 * (k % 2) + 1)
-                    _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, pid_n * BLOCK + k * CH + j, M, N, stride_m,
-                                amax_a, amax_b, pts_a, pts_b, ra, rb, CH, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
+                w0, w1, w2, w3 = tl.randint4x(seed, counters)
+                cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a, pts_b,
+                            _spread_bytes(w0, w1, CH), _spread_bytes(w2, w3, CH), BLOCK, HAS_RHT, STOCH, DOT_BF16,
+                            CUDA_SEMANTICS)
             else:
                 cols = pid_n * BLOCK + tl.arange(0, BLOCK)
                 _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a,
@@ -231,9 +232,6 @@ def dual_quantize_launch(x: torch.Tensor, h: torch.Tensor, seed: torch.Tensor, r
     """Launch both kernels (under the interpreter too): returns (a, b, pts) with pts = [pts_a, pts_b].
     The global maxima are reduced from per-program partials (no atomics on one address)."""
     m, n = x.shape
-    if stochastic and block_n % 128:
-        raise ValueError(f"stochastic rounding works on eighths of the tile of 16 features or more: block_n "
-                         f"{block_n} must be a multiple of 128")
     pts = torch.empty(2, device=x.device, dtype=torch.float32)
     a = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     b = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
