@@ -170,10 +170,10 @@ def clip_sharded(params: list[torch.Tensor], clip: float, device: torch.device) 
 
 class OverlappedShardedStep(SideStreamStep):
     """FSDP2's counterpart of `training.optim.OverlappedOptimizerStep`: torch's fused AdamW over the FP32 shards
-    (`LocalFusedAdamW`: on their local tensors), run on a side CUDA stream one FSDP unit at a time in forward order, so the next step's forward starts while
-    later units are still being updated. Without it the whole update (~28 bytes per parameter, ~11 ms for 1.14B
-    on an H100) sat between the backward and the next forward, which is most of what one-process FSDP2 cost
-    against the unwrapped run (0.884x).
+    (`LocalFusedAdamW`: on their local tensors), run on a side CUDA stream one FSDP unit at a time in forward
+    order, so the next step's forward starts while later units are still being updated. Without it the whole
+    update (~28 bytes per parameter, ~11 ms for 1.14B on an H100) sat between the backward and the next forward
+    (one-process FSDP2 0.884x the unwrapped run; what is left is FSDP2's hooks' host time, bench/NOTES_floor.md 9).
 
     Ordering: every unit (the root first - embeddings, final norm, LM head, gathered at the root's pre-forward -
     then each block) gets a forward pre-hook, run before FSDP2's own, that makes both the compute stream and
