@@ -110,12 +110,6 @@ def train_loop(run: Run, state: TrainState, drain: MetricsDrain, checkpointer: C
     post_step_hooks = [h for h in run.hooks if hasattr(h, "post_optimizer_step")]
     clip = t.grad_clip if t.grad_clip > 0 else float("inf")
     gc_schedule = _GcSchedule(t.perf.gc_interval if run.on_cuda else 0)
-    # Under inductor's CUDA graphs (compile_mode reduce-overhead) with the layers compiled one by one, the graph
-    # trees cannot tell where a step begins: each layer's next forward finds backwards still pending and takes
-    # the slow path (warning "Unable to hit fast path of CUDAGraphs because of pending, uninvoked backwards"),
-    # copying its inputs into the graphs' buffers. Marking each step's start lets them replay.
-    mark_step = (torch.compiler.cudagraph_mark_step_begin
-                 if run.on_cuda and t.compile and t.perf.compile_mode == "reduce-overhead" else None)
     state.started = time.perf_counter()
     drain.start_clock(state.started)
     status = "succeeded"
@@ -126,8 +120,6 @@ def train_loop(run: Run, state: TrainState, drain: MetricsDrain, checkpointer: C
             if should_stop is not None and ctx.any_true(bool(should_stop())):
                 status = "cancelled"
                 break
-            if mark_step is not None:
-                mark_step()
             lr = lr_at(step, spec)
             for g in run.optimizer.param_groups:
                 g["lr"] = lr
@@ -189,6 +181,7 @@ def train_loop(run: Run, state: TrainState, drain: MetricsDrain, checkpointer: C
 def _forward_backward(run: Run, micro_batches: list[torch.Tensor]) -> torch.Tensor:
     """Forward and backward of each micro-batch, gradients summed; returns the sum of their losses (device)."""
     t = run.spec.training
+    _mark_cudagraph_step(run)
     post_backward_hooks = [h for h in run.hooks if hasattr(h, "post_backward")]
     loss_sum = torch.zeros((), device=run.device)
     for i, batch in enumerate(micro_batches):
@@ -204,6 +197,16 @@ def _forward_backward(run: Run, micro_batches: list[torch.Tensor]) -> torch.Tens
                 hook.post_backward(run.model)
         loss_sum += loss.detach()
     return loss_sum
+
+
+def _mark_cudagraph_step(run: Run) -> None:
+    """Under inductor's CUDA graphs (compile_mode reduce-overhead) with the layers compiled one by one, the graph
+    trees cannot tell where a step begins: each layer's next forward finds backwards still pending and takes the
+    slow path (warning "Unable to hit fast path of CUDAGraphs because of pending, uninvoked backwards"), copying
+    its inputs into the graphs' buffers. Marking each step's start lets them replay."""
+    t = run.spec.training
+    if run.on_cuda and t.compile and t.perf.compile_mode == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def _clip(run: Run, clip: float) -> torch.Tensor:
