@@ -28,7 +28,7 @@ def worker(config_text: str, steps: int, top: int, batch: int, seq: int, model: 
     import pstats
 
     from bench.train_bench import parse_config, run_spec
-    from training.sink import MetricSink
+    from training.sink import NullSink
     from training.train import train
 
     config = parse_config(config_text)
@@ -36,13 +36,6 @@ def worker(config_text: str, steps: int, top: int, batch: int, seq: int, model: 
     spec = run_spec(config, steps=warmup + steps + 1, batch=batch, seq=seq, model=model, device=device)
     prof = cProfile.Profile()
     state = {"n": 0, "t0": None, "t1": None}
-
-    class NullSink(MetricSink):
-        def log(self, step, metrics, *, tokens, wall_time):
-            pass
-
-        def event(self, kind, **fields):
-            pass
 
     def should_stop():  # called at the start of every step
         import torch

@@ -111,27 +111,31 @@ class LocalFusedAdamW:
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
-        defaults = optimizer.defaults
-        self.usable = (isinstance(optimizer, torch.optim.AdamW) and defaults.get("fused")
-                       and not defaults.get("amsgrad") and not defaults.get("maximize")
-                       and not defaults.get("capturable") and not defaults.get("differentiable"))
+
+    @property
+    def usable(self) -> bool:
+        """Whether every parameter group takes the local call (once their state exists)."""
+        return all(self._covered(g) for g in self.optimizer.param_groups)
+
+    def _covered(self, group: dict) -> bool:
+        """Whether `optimizer.step()` would make exactly the call below for this group."""
+        return (isinstance(self.optimizer, torch.optim.AdamW) and bool(group.get("fused"))
+                and not any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable"))
+                and not isinstance(group["lr"], torch.Tensor))
 
     def step(self, ids: set[int]) -> None:
         opt = self.optimizer
         groups = opt.param_groups
-        fallback = not self.usable
-        batches = []
-        if not fallback:
-            for g in groups:
-                ps = [p for p in g["params"] if id(p) in ids and p.grad is not None]
-                if not ps:
-                    continue
-                states = [opt.state.get(p) for p in ps]
-                if any(not st for st in states) or isinstance(g["lr"], torch.Tensor) or g.get("amsgrad") \
-                        or g.get("maximize") or g.get("capturable"):
-                    fallback = True
-                    break
-                batches.append((g, ps, states))
+        fallback, batches = False, []
+        for g in groups:
+            ps = [p for p in g["params"] if id(p) in ids and p.grad is not None]
+            if not ps:
+                continue
+            states = [opt.state.get(p) for p in ps]
+            if not self._covered(g) or any(not st for st in states):
+                fallback = True
+                break
+            batches.append((g, ps, states))
         if fallback:
             opt.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in ids]} for g in groups]
             try:

@@ -123,11 +123,12 @@ def _distinct_recipes(recipes: list[RecipeRequest]) -> tuple[list[RecipeRequest]
             out.append(r)
     labels: list[str] = []
     for i, r in enumerate(out):
-        label, n = run_label(r), 2
+        base = run_label(r)
+        label, n = base, 2
         while label in labels:
             suffix = f" #{n}"
-            label, n = run_label(r)[:MAX_RECIPE_LABEL - len(suffix)] + suffix, n + 1
-        if label != run_label(r):
+            label, n = base[:MAX_RECIPE_LABEL - len(suffix)] + suffix, n + 1
+        if label != base:
             out[i] = r.model_copy(update={"label": label})
         labels.append(label)
     return out, labels

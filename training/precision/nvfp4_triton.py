@@ -164,9 +164,6 @@ if HAVE_TRITON:
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x_raw = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
         x = x_raw.to(tl.float32)
-        if not STOCH:
-            r_a = x
-            r_b = x
         # a: 1x16 blocks along the features (masked columns are zeros).
         blocks = tl.reshape(x, (16, W // 16, 16))
         bmax = tl.max(tl.abs(blocks), axis=2)
@@ -200,6 +197,7 @@ if HAVE_TRITON:
         CH: tl.constexpr = BLOCK // 8  # chunk columns of 8 features per tile (stochastic rounding)
         for g in tl.static_range(GROUPS):
             rows = (pid_m * GROUPS + g) * 16 + tl.arange(0, 16)
+            cols = pid_n * BLOCK + tl.arange(0, BLOCK)
             if STOCH:
                 # One Philox call per (token, chunk column j of 8 features): its four 32-bit outputs give 16
                 # bytes, one per element and output of those 8 features (words 0-1 for `a`, 2-3 for `b`): 16
@@ -211,14 +209,12 @@ if HAVE_TRITON:
                 j = tl.arange(0, CH)
                 counters = rows[:, None] * (tl.num_programs(1) * CH) + (pid_n * CH + j)[None, :]
                 w0, w1, w2, w3 = tl.randint4x(seed, counters)
-                cols = pid_n * BLOCK + tl.arange(0, BLOCK)
-                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a, pts_b,
-                            _spread_bytes(w0, w1, CH), _spread_bytes(w2, w3, CH), BLOCK, HAS_RHT, STOCH, DOT_BF16,
-                            CUDA_SEMANTICS)
-            else:
-                cols = pid_n * BLOCK + tl.arange(0, BLOCK)
-                _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a,
-                            pts_b, amax_a, amax_b, BLOCK, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
+                r_a, r_b = _spread_bytes(w0, w1, CH), _spread_bytes(w2, w3, CH)
+            else:  # not read without STOCH
+                r_a = tl.zeros((16, BLOCK), dtype=tl.int32)
+                r_b = r_a
+            _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a, pts_b,
+                        r_a, r_b, BLOCK, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
 
 
 def rht_operand(rht: torch.Tensor, device) -> torch.Tensor:
