@@ -423,10 +423,6 @@ class PerfOptions:
     # is read) instead of clip_grad_norm_'s extra pass that multiplies every FP32 gradient in place:
     # saves a read and a write of all gradients (~9 GB per step at 1.14B params, ~3 ms on H100).
     fused_clip: bool = True
-    # With fused_clip in a single-process run: each bucket's per-tensor gradient norms computed as soon as the
-    # backward has finished its gradients, on a side stream (training.optim.BackwardGradNorm), instead of one
-    # pass over all gradients between the backward and the optimizer step. Same norms.
-    backward_grad_norm: bool = True
     # Carry the residual stream in BF16 on GPU (Megatron's default, fp32_residual_connection=False).
     # Under autocast HF Llama's residual adds promote to FP32 (FP32 embeddings + BF16 block outputs), so
     # every add/norm moves twice the bytes of a BF16 stack. Off by default: it changes the baseline's
@@ -643,8 +639,6 @@ class RunSpec:
             prefetch=_bool("training.perf", "prefetch", perf_d.get("prefetch", pbase.prefetch)),
             allow_tf32=_bool("training.perf", "allow_tf32", perf_d.get("allow_tf32", pbase.allow_tf32)),
             fused_clip=_bool("training.perf", "fused_clip", perf_d.get("fused_clip", pbase.fused_clip)),
-            backward_grad_norm=_bool("training.perf", "backward_grad_norm",
-                                     perf_d.get("backward_grad_norm", pbase.backward_grad_norm)),
             overlap_optimizer=_bool("training.perf", "overlap_optimizer",
                                     perf_d.get("overlap_optimizer", pbase.overlap_optimizer)),
             compute_stream_priority=_bool("training.perf", "compute_stream_priority",

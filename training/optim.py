@@ -295,89 +295,20 @@ def lr_at(step: int, spec) -> float:
     return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine)
 
 
-class BackwardGradNorm:
-    """The per-tensor FP32 gradient norms that `clip_gradients(fused=True)` stacks, computed during the backward.
-
-    Taken after the backward, the norms (one read of every gradient: ~1.5 ms for 1.14B on an H100) sit between
-    the backward and the next step's first update, on the step's critical path. Here each group's norms (an
-    overlap bucket: the embeddings, a decoder layer, the final norm with the LM head) are computed as soon as
-    the backward has accumulated the group's last gradient - on a side CUDA stream, next to the backward's
-    remaining GEMMs - with the same `torch._foreach_norm` per tensor, so the same values; `collect` returns
-    them in `params` order for the same final sum. Only the gradients of the backward after `arm()` count (the
-    last micro-batch's: earlier ones are still accumulating). Single-process runs only: under DDP a gradient
-    is final after its all-reduce, not when it is accumulated. A parameter whose hook did not fire (no
-    gradient in that backward, or one set outside autograd) gets its norm in `collect`."""
-
-    def __init__(self, groups: list[list[torch.Tensor]], params: list[torch.Tensor], device: torch.device):
-        self.params = params
-        self.groups = [list(g) for g in groups]
-        self.group_of = {id(p): i for i, g in enumerate(self.groups) for p in g}
-        if set(self.group_of) != {id(p) for p in params} or sum(map(len, self.groups)) != len(params):
-            raise ValueError("the groups must hold every parameter exactly once")
-        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self.armed = False
-        self.remaining: list[int] = []
-        self.norms: dict[int, torch.Tensor] = {}
-        self.handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
-
-    def arm(self) -> None:
-        """The next backward's gradients are the step's final ones."""
-        self.armed = True
-        self.remaining = [len(g) for g in self.groups]
-        self.norms = {}
-
-    def _accumulated(self, p: torch.Tensor) -> None:
-        if not self.armed:
-            return
-        i = self.group_of[id(p)]
-        self.remaining[i] -= 1
-        if self.remaining[i] == 0:
-            self._norms_of([q for q in self.groups[i] if q.grad is not None])
-
-    def _norms_of(self, ps: list[torch.Tensor]) -> None:
-        if not ps:
-            return
-        grads = [p.grad for p in ps]
-        if self.stream is None:
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-            with torch.cuda.stream(self.stream):
-                norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-            for g in grads:  # the optimizer frees them after the step: not before this stream has read them
-                g.record_stream(self.stream)
-        self.norms.update(zip(map(id, ps), norms))
-
-    def collect(self) -> list[torch.Tensor]:
-        """The norms of the parameters that have a gradient, in `params` order, on the current stream."""
-        self.armed = False
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        self._norms_of([p for p in self.params if p.grad is not None and id(p) not in self.norms])
-        return [self.norms[id(p)] for p in self.params if p.grad is not None]
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def clip_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, clip: float, *, fused: bool,
-                   device: torch.device, norms: list[torch.Tensor] | None = None) -> torch.Tensor:
+                   device: torch.device) -> torch.Tensor:
     """Global gradient norm of `params` (a device tensor: no host sync); clips to `clip` (inf: never).
 
     `fused`: the norm from per-tensor norms, and the clipping left to the optimizer, which divides every
     gradient by `optimizer.grad_scale` as it reads it (torch's fused AdamW and MasterAdamW both do): the same
-    min(1, clip / (norm + 1e-6)) factor as `clip_grad_norm_`, without its in-place pass over the gradients.
-    `norms`: those per-tensor norms, already computed (`BackwardGradNorm.collect`), in `params` order."""
+    min(1, clip / (norm + 1e-6)) factor as `clip_grad_norm_`, without its in-place pass over the gradients."""
     if not fused:
         return torch.nn.utils.clip_grad_norm_(params, clip)
-    if norms is None:
-        grads = [p.grad for p in params if p.grad is not None]
-        # Per-tensor norms in FP32 (BF16 gradients would otherwise give BF16-rounded norms).
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32) if grads else []
-    if not norms:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
         return torch.zeros((), device=device)
-    norm = torch.linalg.vector_norm(torch.stack(norms))
+    # Per-tensor norms in FP32 (BF16 gradients would otherwise give BF16-rounded norms).
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
     optimizer.grad_scale = (torch.clamp((norm.float() + 1e-6) / clip, min=1.0)
                             if math.isfinite(clip) else None)
     return norm

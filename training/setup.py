@@ -22,7 +22,7 @@ from training.flops import flops_per_token
 from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, compile_layers, count_parameters,
                             decoder_blocks, decoder_body, describe_model, fuse_gate_up, fuse_qkv, load_pretrained,
                             meta_model, model_config)
-from training.optim import BackwardGradNorm, MasterAdamW, OverlappedOptimizerStep, lr_at
+from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
 from training.parallel import OverlappedShardedStep, apply_activation_checkpointing, resolve_parallel, shard_model
 from training.sink import MetricSink
 
@@ -46,7 +46,6 @@ class Run:
     net: torch.nn.Module               # what a step calls: the loss module, under DDP / torch.compile
     eval_net: torch.nn.Module          # what validation calls: the loss module, compiled when `net` is
     stepper: OverlappedOptimizerStep | OverlappedShardedStep | None
-    grad_norm: BackwardGradNorm | None  # the per-tensor gradient norms taken during the backward (training.optim)
     parallel: str                      # "single" | "ddp" | "fsdp" (training.parallel, resolved)
     activation_checkpointing: dict     # what training.parallel.apply_activation_checkpointing did
     fused_qkv: bool
@@ -135,11 +134,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     overlap = on_cuda and param_dtype == "bf16" and t.perf.overlap_optimizer and parallel != "fsdp"
     if parallel != "fsdp":
         net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=overlap, parallel=parallel)
-    buckets = _forward_buckets(model, params) if parallel != "fsdp" else []
-    stepper = OverlappedOptimizerStep(optimizer, buckets) if overlap else None
-    # One process only: under DDP a gradient is final after its all-reduce, not when the backward accumulates it.
-    grad_norm = (BackwardGradNorm([ps for _, ps in buckets], params, device)
-                 if parallel == "single" and t.perf.fused_clip and t.perf.backward_grad_norm else None)
+    stepper = OverlappedOptimizerStep(optimizer, _forward_buckets(model, params)) if overlap else None
     hooks = list(getattr(report, "hooks", []) or [])
     # Under FSDP2 the update overlaps the next forward unless a recipe hook reads the weights right after it
     # (tensorwise FP8's scale pass for the FP8 all-gather, delayed scaling's history).
@@ -149,7 +144,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     return Run(spec=spec, ctx=ctx, device=device, device_name=device_name, param_dtype=param_dtype,
                autocast=autocast, tokenizer=tokenizer, dataset=dataset, model=model, report=report,
                hooks=hooks, params=params,
-               optimizer=optimizer, net=net, eval_net=eval_net, stepper=stepper, grad_norm=grad_norm, parallel=parallel,
+               optimizer=optimizer, net=net, eval_net=eval_net, stepper=stepper, parallel=parallel,
                activation_checkpointing=ac, fused_qkv=fused_qkv,
                flops_per_token=flops_per_token(model.config, spec.data.seq_len),
                micro_batch=t.batch_size // (t.grad_accum * ctx.world),

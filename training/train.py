@@ -207,8 +207,6 @@ def _forward_backward(run: Run, micro_batches: list[torch.Tensor]) -> torch.Tens
     for i, batch in enumerate(micro_batches):
         inputs, targets = batch[:, :-1], batch[:, 1:]
         last = i == len(micro_batches) - 1
-        if last and run.grad_norm is not None:
-            run.grad_norm.arm()
         # Gradients are reduced across ranks only on the last micro-batch of the step.
         with gradient_sync(run.net, run.parallel, last):
             with run.autocast:
@@ -235,9 +233,7 @@ def _clip(run: Run, clip: float) -> torch.Tensor:
     """The global gradient norm (a device tensor); gradients clipped to `clip` (inf: never)."""
     if run.sharded:
         return clip_sharded(run.params, clip, run.device)
-    norms = run.grad_norm.collect() if run.grad_norm is not None else None
-    return clip_gradients(run.params, run.optimizer, clip, fused=run.spec.training.perf.fused_clip, device=run.device,
-                          norms=norms)
+    return clip_gradients(run.params, run.optimizer, clip, fused=run.spec.training.perf.fused_clip, device=run.device)
 
 
 def _numerics_due(run: Run, step: int) -> bool:
