@@ -111,7 +111,7 @@ def training_schema() -> dict:
         "sdpa_backend": {"enum": list(p.SDPA_BACKENDS)},
         "compile_mode": {"enum": [None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]},
         "metrics_lag": _int("training.perf", "metrics_lag", 0), "prefetch": _bool(), "allow_tf32": _bool(),
-        "fused_clip": _bool(), "overlap_optimizer": _bool(), "compute_stream_priority": _bool(), "compile_scope": {"enum": list(p.COMPILE_SCOPES)},
+        "fused_clip": _bool(), "overlap_optimizer": _bool(), "compile_scope": {"enum": list(p.COMPILE_SCOPES)},
         "optimizer_update": {"enum": list(p.OPTIMIZER_UPDATES)}, "fuse_qkv": {"type": ["boolean", "null"]},
         "fuse_gate_up": _bool(), "bf16_residual": _bool(), "ddp_bucket_mb": _int("training.perf", "ddp_bucket_mb", 1),
         "ddp_static_graph": _bool(), "gc_interval": _int("training.perf", "gc_interval", 0),

@@ -440,10 +440,6 @@ class PerfOptions:
     # order, while the next step's forward proceeds behind per-layer events (training.optim.
     # OverlappedOptimizerStep). Needs the layers compiled one by one (compile_scope "layers").
     overlap_optimizer: bool = True
-    # GPU runs: issue the training step on a high-priority CUDA stream, so that where the overlapped optimizer
-    # update (or the batch prefetch copy, on default-priority side streams) and the step's own kernels both
-    # wait for an SM, the block scheduler hands it to the step's kernels first. Off until measured end to end.
-    compute_stream_priority: bool = False
     # How MasterAdamW updates a bucket (training.optim): "auto" (one Triton kernel launch per bucket on CUDA,
     # the eager update op for op; eager on CPU), "triton", "compiled" (torch.compile: one inductor kernel per
     # parameter, the update before the Triton kernel existed) or "eager".
@@ -641,8 +637,6 @@ class RunSpec:
             fused_clip=_bool("training.perf", "fused_clip", perf_d.get("fused_clip", pbase.fused_clip)),
             overlap_optimizer=_bool("training.perf", "overlap_optimizer",
                                     perf_d.get("overlap_optimizer", pbase.overlap_optimizer)),
-            compute_stream_priority=_bool("training.perf", "compute_stream_priority",
-                                          perf_d.get("compute_stream_priority", pbase.compute_stream_priority)),
             compile_scope=_choice("training.perf", "compile_scope", perf_d.get("compile_scope", pbase.compile_scope),
                                   PerfOptions.COMPILE_SCOPES),
             optimizer_update=_choice("training.perf", "optimizer_update", perf_d.get(

@@ -9,7 +9,6 @@ clipping folded into the optimizer, gradient accumulation (in the parameters' dt
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 from dataclasses import asdict, dataclass, field
@@ -78,8 +77,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
                total_steps=spec.total_steps, start_step=start_step,
                peak_bf16_tflops=peak_tflops(run.device_name, "bf16"))
 
-    with compute_stream(run):
-        status = train_loop(run, state, drain, checkpointer, validation, sink, should_stop)
+    status = train_loop(run, state, drain, checkpointer, validation, sink, should_stop)
     if status == "diverged":
         state.step = drain.diverged_step
         state.tokens = state.step * spec.tokens_per_step
@@ -178,24 +176,6 @@ def train_loop(run: Run, state: TrainState, drain: MetricsDrain, checkpointer: C
         loader.close()
         run.settle()
     return "diverged" if drain.diverged else status
-
-
-@contextlib.contextmanager
-def compute_stream(run: Run):
-    """The stream the training loop issues on: the current one, or with `perf.compute_stream_priority` (GPU) a
-    new high-priority stream, ordered after everything issued before (the model's initialisation,
-    a checkpoint's load) and joined back into the current stream at the end."""
-    if not (run.on_cuda and run.spec.training.perf.compute_stream_priority):
-        yield
-        return
-    outer = torch.cuda.current_stream(run.device)
-    stream = torch.cuda.Stream(device=run.device, priority=-1)  # lower is higher; 0, the default, is the lowest
-    stream.wait_stream(outer)
-    try:
-        with torch.cuda.stream(stream):
-            yield
-    finally:
-        outer.wait_stream(stream)
 
 
 def _forward_backward(run: Run, micro_batches: list[torch.Tensor]) -> torch.Tensor:
