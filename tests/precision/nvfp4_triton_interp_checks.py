@@ -55,7 +55,10 @@ def _same_bits(a, b):
 @pytest.mark.parametrize("kind", ["normal", "heavy", "tiny", "ties"])
 @pytest.mark.parametrize("cols,config", [(96, {}), (160, {}),  # 160: a partial BLOCK_N tile (masked columns)
                                          (160, dict(block_n=64, groups=1, num_warps=2)),
-                                         (96, dict(block_n=32, groups=2, num_warps=8))])
+                                         (96, dict(block_n=32, groups=2, num_warps=8)),
+                                         # the amax pass on its own tiles: smaller, and larger than the operand
+                                         (160, dict(block_n=64, groups=1, amax_block_n=32, amax_groups=1)),
+                                         (96, dict(block_n=32, groups=2, amax_block_n=512, amax_groups=8))])
 def test_both_outputs_are_bit_exact_with_the_torch_quantizers(nt, kind, cols, config):
     x = _operand(48, cols, kind)  # 48 tokens: with 4 groups of 16 per program, a partial row block
     m = rht_matrix(random_sign_vector(0))

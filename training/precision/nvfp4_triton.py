@@ -47,6 +47,10 @@ E2M1_MAX = 6.0
 BLOCK_N = 128  # features per program
 GROUPS = 4  # runs of 16 tokens per program
 NUM_WARPS = 4
+# The amax pass reads the operand once and keeps two maxima: it takes larger tiles than the quantize pass (whose
+# 16 x 128 / 16 x 256 tiles left the amax pass at ~1.4x its floor with 16-32 K programs per 8192 x 8192 operand).
+AMAX_BLOCK_N = 256
+AMAX_GROUPS = 4
 
 
 def launch_config(n: int, stochastic: bool) -> dict:
@@ -224,19 +228,22 @@ def rht_operand(rht: torch.Tensor, device) -> torch.Tensor:
 
 def dual_quantize_launch(x: torch.Tensor, h: torch.Tensor, seed: torch.Tensor, rht: bool, stochastic: bool,
                          wrap=lambda kernel: kernel, *, block_n: int = BLOCK_N, groups: int = GROUPS,
-                         num_warps: int = NUM_WARPS):
+                         num_warps: int = NUM_WARPS, amax_block_n: int = AMAX_BLOCK_N,
+                         amax_groups: int = AMAX_GROUPS):
     """Launch both kernels (under the interpreter too): returns (a, b, pts) with pts = [pts_a, pts_b].
-    The global maxima are reduced from per-program partials (no atomics on one address)."""
+    The global maxima are reduced from per-program partials (no atomics on one address); the amax pass has its
+    own tile (`amax_block_n` features x 16 `amax_groups` tokens), the quantize pass `block_n` x 16 `groups`."""
     m, n = x.shape
     pts = torch.empty(2, device=x.device, dtype=torch.float32)
     a = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     b = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
-    grid = (triton.cdiv(m, 16 * groups), triton.cdiv(n, block_n))
-    partial = torch.empty((grid[0] * grid[1], 2), device=x.device, dtype=torch.float32)
     on_gpu = x.is_cuda
-    wrap(_nvfp4_dual_amax_kernel)[grid](x, h, partial, m, n, x.stride(0), BLOCK=block_n, GROUPS=groups,
-                                        HAS_RHT=rht, DOT_BF16=on_gpu, num_warps=num_warps)
+    amax_grid = (triton.cdiv(m, 16 * amax_groups), triton.cdiv(n, amax_block_n))
+    partial = torch.empty((amax_grid[0] * amax_grid[1], 2), device=x.device, dtype=torch.float32)
+    wrap(_nvfp4_dual_amax_kernel)[amax_grid](x, h, partial, m, n, x.stride(0), BLOCK=amax_block_n,
+                                             GROUPS=amax_groups, HAS_RHT=rht, DOT_BF16=on_gpu, num_warps=NUM_WARPS)
     amax = partial.amax(dim=0)
+    grid = (triton.cdiv(m, 16 * groups), triton.cdiv(n, block_n))
     wrap(_nvfp4_dual_quant_kernel)[grid](x, h, amax, seed, a, b, pts, m, n, x.stride(0), BLOCK=block_n,
                                          GROUPS=groups, HAS_RHT=rht, STOCH=stochastic, DOT_BF16=on_gpu,
                                          CUDA_SEMANTICS=on_gpu, num_warps=num_warps)
