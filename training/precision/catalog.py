@@ -181,6 +181,9 @@ _BUILTIN = (
         gemm_format="fp8_blockwise",
         real_kernels="torchao prototype blockwise_fp8_training (Triton quantizers, blockwise GEMM)",
         real_min_capability=(9, 0), emulated_elsewhere=True,
+        options=(_bool("traced_gemm", True, "real kernels: the layer's forward and backward stay inside the "
+                                            "compiled graph, torchao's GEMM called through its custom op (false: "
+                                            "torchao's fp8_blockwise_mm, which the compiler runs eagerly)"),),
         quantizer_bytes=(4, 4),  # 1x128 / 128x128 scales are local
     ),
     RecipeEntry(

@@ -82,25 +82,75 @@ class BlockwiseQuantizer(GemmQuantizer):
         return "E4M3, 1x128 activation/gradient scales, 128x128 weight tiles"
 
 
-class BlockwiseFP8Linear(nn.Linear):
-    """Real-kernel layer: torchao's blockwise FP8 autograd function. Steps whose token count is not a
-    multiple of 128 (the Wgrad block runs over tokens) fall back to the exact emulation."""
+def _blockwise_gemm(a, a_scale, b, b_scale, recipe_b):
+    """torchao's cuBLAS blockwise GEMM through its custom op `torchao::blockwise_scaled_mm`: the same
+    `_scaled_mm_v2` call (with the same rhs-scale preparation) as `F.scaled_mm` makes in torchao's
+    fp8_blockwise_mm, but one opaque op to torch.compile, where the `F.scaled_mm` call is Python it runs."""
+    from torchao.prototype.blockwise_fp8_training import kernels as bk
 
-    def __init__(self, linear: nn.Linear, quantizer: GemmQuantizer):
+    return torch.ops.torchao.blockwise_scaled_mm(a, b, a_scale, bk._scaling_type_value(
+        bk.BLOCKWISE_1X128_SCALING_TYPE), b_scale, bk._scaling_type_value(recipe_b), torch.bfloat16)
+
+
+class TracedBlockwiseFn(torch.autograd.Function):
+    """torchao's `fp8_blockwise_mm` (1x128 X / dY, 128x128 W, cuBLAS blockwise GEMM), kernel for kernel, with
+    its GEMMs through `_blockwise_gemm`. torchao's own function calls `F.scaled_mm` in Python, which the
+    compiler does not put in its graph: each layer's linears then ran eagerly, ~300 custom-op dispatches per
+    1b step from Python (bench/results/host_profile_2026-11-24T2200_*: the step host-bound, 298 ms of host time
+    against ~107 ms of GPU work). Here every quantizer is a torchao `triton_op` the compiler launches itself."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        from torchao.prototype.blockwise_fp8_training import kernels as bk
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        x_fp8, x_scale = bk.triton_fp8_blockwise_act_quant_lhs(x2, BLOCK)
+        w_t_fp8, w_t_scale = bk.triton_fp8_blockwise_weight_quant_transposed_rhs(weight, block_size=BLOCK)
+        out = _blockwise_gemm(x_fp8, x_scale, w_t_fp8, w_t_scale, bk.BLOCKWISE_128X128_SCALING_TYPE)
+        ctx.save_for_backward(x2, weight)
+        ctx.shape = shape
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from torchao.prototype.blockwise_fp8_training import kernels as bk
+
+        x2, weight = ctx.saved_tensors
+        dy = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        dy_fp8, dy_scale = bk.triton_fp8_blockwise_act_quant_lhs(dy, BLOCK)
+        w_fp8, w_scale = bk.triton_fp8_blockwise_weight_quant_rhs(weight, block_size=BLOCK)
+        grad_x = _blockwise_gemm(dy_fp8, dy_scale, w_fp8, w_scale, bk.BLOCKWISE_128X128_SCALING_TYPE)
+        dy_t_fp8, dy_t_scale = bk.triton_fp8_blockwise_act_quant_transposed_lhs(dy, BLOCK)
+        x_fp8, x_scale = bk.triton_fp8_blockwise_act_quant_rhs(x2, BLOCK)
+        grad_w = _blockwise_gemm(dy_t_fp8, dy_t_scale, x_fp8, x_scale.transpose(-1, -2),
+                                 bk.BLOCKWISE_1X128_SCALING_TYPE)
+        return grad_x.reshape(ctx.shape), grad_w
+
+
+class BlockwiseFP8Linear(nn.Linear):
+    """Real-kernel layer: torchao's blockwise FP8 kernels, by default in `TracedBlockwiseFn` (option
+    `traced_gemm`; false: torchao's `fp8_blockwise_mm` itself). Steps whose token count is not a multiple of 128
+    (the Wgrad block runs over tokens) fall back to the exact emulation."""
+
+    def __init__(self, linear: nn.Linear, quantizer: GemmQuantizer, traced: bool = True):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.quantizer = quantizer
+        self.traced = traced
 
     def forward(self, x):
         tokens = x.numel() // x.shape[-1]
         if not x.is_cuda or tokens % BLOCK:
             return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer)
+        # torchao's kernels are written for BF16 inputs (Float8BlockwiseLinear.supported_dtypes).
+        x, w = x.to(torch.bfloat16).contiguous(), self.weight.to(torch.bfloat16)
+        if self.traced:
+            return TracedBlockwiseFn.apply(x, w)
         from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
-        # torchao's kernels are written for BF16 inputs (Float8BlockwiseLinear.supported_dtypes).
-        return fp8_blockwise_mm.apply(x.to(torch.bfloat16).contiguous(), self.weight.to(torch.bfloat16),
-                                      BLOCK, torch.bfloat16, False)
+        return fp8_blockwise_mm.apply(x, w, BLOCK, torch.bfloat16, False)
 
 
 class BlockwiseGemmOps(GemmOps):
@@ -210,7 +260,10 @@ class FP8BlockwiseRecipe(Recipe):
         quantizer = BlockwiseQuantizer()
         if real:
             apply_autotune_policy()
-            return BlockwiseFP8Linear(linear, quantizer), quantizer, "torchao fp8_blockwise_mm (1x128 / 128x128)"
+            how = ("torchao blockwise kernels in the compiled graph" if options["traced_gemm"]
+                   else "torchao fp8_blockwise_mm")
+            return (BlockwiseFP8Linear(linear, quantizer, options["traced_gemm"]), quantizer,
+                    f"{how} (1x128 / 128x128)")
         from training.precision.emulation import QuantizedLinear
 
         return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"
