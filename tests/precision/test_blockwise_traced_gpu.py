@@ -8,6 +8,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
                                 reason="needs an SM90+ GPU (torchao's blockwise FP8 kernels)")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _autotune_policy():
+    from training.precision.fp8_blockwise import apply_autotune_policy
+    apply_autotune_policy()  # PLAB_BLOCKWISE_AUTOTUNE=quick: minutes less of torchao's quantizer autotuning
+
+
 def _operands(tokens=512, k=1024, n=768):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(2, tokens // 2, k, device="cuda", generator=g).bfloat16().requires_grad_()
