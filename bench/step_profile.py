@@ -47,6 +47,13 @@ CATEGORIES = [
 _COMPUTE_OPS = re.compile(r"_(add|mul|div|pow|sum|mean|rsqrt|exp|log|silu|sub|neg|sigmoid|tanh|amax|max|min)(?=_)")
 
 
+def fused_cast_in_gemm(name: str, category: str) -> bool:
+    """A kernel the "gemm" category holds only by name: an inductor pointwise or reduction kernel (`triton_poi_`,
+    `triton_red_`, `triton_per_`) named after a `_scaled_mm` it feeds - the casts (and whatever producer they were
+    fused into) of an FP8 GEMM, not the GEMM itself (inductor's GEMM templates are `triton_tem_`)."""
+    return category == "gemm" and re.match(r"triton_(poi|red|per)_", name) is not None
+
+
 def categorize(name: str) -> str:
     for cat, rx in CATEGORIES:
         if rx.search(name):
@@ -214,6 +221,7 @@ def _profile(step_fn, warmup: int, active: int = 3) -> dict:
 def summarize(prof, active: int) -> dict:
     """Device time per category and the top kernels, per step, from a finished profiler."""
     by_cat: dict[str, float] = {}
+    fused_casts = 0.0
     top = []
     for evt in prof.key_averages():
         us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
@@ -224,9 +232,11 @@ def summarize(prof, active: int) -> dict:
             continue
         cat = categorize(evt.key)
         by_cat[cat] = by_cat.get(cat, 0.0) + us / 1e3 / active
+        fused_casts += us / 1e3 / active if fused_cast_in_gemm(evt.key, cat) else 0.0
         top.append((us / 1e3 / active, evt.key[:110], cat))
     top.sort(reverse=True)
-    return {"ms_per_step": by_cat, "total_ms": sum(by_cat.values()), "top": top[:25], **gpu_busy(prof, active)}
+    return {"ms_per_step": by_cat, "total_ms": sum(by_cat.values()), "top": top[:25],
+            "gemm_fused_casts_ms": fused_casts, **gpu_busy(prof, active)}
 
 
 def gpu_busy(prof, active: int) -> dict:
@@ -395,6 +405,10 @@ def _print_tables(profiles: dict) -> None:
         if r.get("gpu_busy_share") is not None:
             print(f"{target}: GPU busy {r['gpu_busy_ms_per_step']:.1f} of {r['gpu_span_ms_per_step']:.1f} ms per step "
                   f"({100 * r['gpu_busy_share']:.1f} %)")
+    for target, r in profiles.items():
+        if r.get("gemm_fused_casts_ms"):
+            print(f"{target}: of its gemm ms, {r['gemm_fused_casts_ms']:.1f} are inductor kernels named after a fused "
+                  f"_scaled_mm (casts with their producers, not GEMMs)")
     for target, r in profiles.items():
         if "floor_table" in r:
             print(format_floor_table(target, r["floor_table"]))
