@@ -1,7 +1,8 @@
 """`fp8_blockwise`: DeepSeek-V3 style sub-channel FP8. E4M3 everywhere; activations and gradients get
 one FP32 scale per 1x128 run along the GEMM's reduction dim, weights one per 128x128 tile (so Fprop and
-Dgrad share the weight quantization). Real kernels: torchao prototype `fp8_blockwise_mm`, sm_90+,
-needs in/out features (and tokens per step) divisible by 128 and no bias.
+Dgrad share the weight quantization). Real kernels: those of torchao prototype `fp8_blockwise_mm`, sm_90+, run by
+`TracedBlockwiseFn` so that they stay in the compiled graph (option `traced_gemm`); needs in/out features (and
+tokens per step) divisible by 128 and no bias.
 
 GEMM benchmark: on SM90+ torchao's six Triton quantizers of `fp8_blockwise_mm` and its cuBLAS blockwise GEMM,
 or its Triton GEMM where cuBLAS lacks blockwise scaling (`BlockwiseGemmOps`); elsewhere emulated
