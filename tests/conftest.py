@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -10,6 +11,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
 os.environ.setdefault("PLAB_DATA_DIR", str(SHARED_DATA))
+# Tests that build an API from an explicit Settings still send through the Celery app of the environment's
+# settings (plab.broker.make_app): without PLAB_HOME that is ./plab-data/broker of the checkout, where their
+# messages outlived the suite and a later `plab demo` in the same checkout consumed them (a demo run failed on a
+# test's "needs 2 GPUs" message). A temporary home per session keeps the checkout clean.
+os.environ.setdefault("PLAB_HOME", tempfile.mkdtemp(prefix="plab-test-home-"))
 PG_ADMIN_URL = os.environ.get("PLAB_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("PLAB_TEST_REDIS", "redis://127.0.0.1:6379")
 
