@@ -32,7 +32,7 @@ def slurm_stack(stack, slurm):
     """The integration stack with its worker replaced by a Slurm launcher worker."""
     os.killpg(stack.procs["worker"].pid, signal.SIGKILL)
     stack.procs["worker"].wait(timeout=10)
-    stack.env.update(slurm.env)
+    stack.env["SLURM_CONF"] = slurm.env["SLURM_CONF"]  # the cluster's only addition (its env is os.environ + it)
     stack.start("worker", compose_command("worker") + ["--slots", "3", "--launcher", "slurm", "--cpu-nodes", "--queues", "slurm",
                                                        "--slurm-poll-s", "1"])
     stack.slurm = slurm
