@@ -457,6 +457,11 @@ class PerfOptions:
     # GPU runs: Python's cyclic GC frozen after the first step and run every N steps instead of whenever its
     # allocation counters say (0 = leave it automatic). See train.py.
     gc_interval: int = 100
+    # transformers checks, on every forward without an attention mask, whether the position ids hold packed
+    # sequences, with an `.all()` that waits for the GPU (the host cannot run ahead into the next step). The
+    # lab's batches never carry position ids (the model makes 0..T-1), so the answer is known: give it without
+    # the sync (training.model.CausalLMLoss). Same numbers either way.
+    sync_free_mask: bool = True
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
     COMPILE_SCOPES = ("auto", "model", "layers")
@@ -652,6 +657,8 @@ class RunSpec:
                                    perf_d.get("ddp_static_graph", pbase.ddp_static_graph)),
             gc_interval=_int("training.perf", "gc_interval", perf_d.get("gc_interval", pbase.gc_interval),
                              minimum=0),
+            sync_free_mask=_bool("training.perf", "sync_free_mask",
+                                 perf_d.get("sync_free_mask", pbase.sync_free_mask)),
         )
 
     @staticmethod

@@ -293,6 +293,48 @@ def logit_transform(config) -> str | None:
     return next((f for f in LOGIT_TRANSFORMS if getattr(config, f, None) not in (None, 1, 1.0)), None)
 
 
+# ---------------------------------------------------------------------------------------------------
+# transformers' packed-sequence check without its host sync
+_UNPACKED = {"on": False}
+
+
+def _install_unpacked_bypass() -> bool:
+    """Wrap `transformers.masking_utils.find_packed_sequence_indices` (once) so that, while `_UNPACKED["on"]`,
+    it answers "no packed sequences" without looking. transformers calls it on every forward without an
+    attention mask; it ends in `if (mask[:, -1] == 0).all()`, a device-to-host copy that waits for the GPU to
+    finish everything queued (the previous step's backward and optimizer) before the host may launch the
+    forward. False where this transformers has no such function (nothing to bypass)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        return False
+    if getattr(original, "plab_bypass", False):
+        return True
+
+    def find_packed_sequence_indices(position_ids):
+        return None if _UNPACKED["on"] else find_packed_sequence_indices.__wrapped__(position_ids)
+
+    find_packed_sequence_indices.plab_bypass = True
+    find_packed_sequence_indices.__wrapped__ = original
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    return True
+
+
+class _PositionsUnpacked:
+    """While active, the model's forward is known to run on positions 0..T-1 in every row (CausalLMLoss never
+    passes position ids: the model makes them with `arange`), which is exactly when transformers' check
+    returns None. Not re-entrant across threads; the training loop calls the model from one thread."""
+
+    def __enter__(self):
+        self.before, _UNPACKED["on"] = _UNPACKED["on"], True
+
+    def __exit__(self, *exc):
+        _UNPACKED["on"] = self.before
+
+
 class CausalLMLoss(torch.nn.Module):
     """Wraps a causal LM so that forward(input_ids, targets) returns the mean next-token loss.
 
@@ -301,11 +343,13 @@ class CausalLMLoss(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, *, fused_loss: bool = True, chunk_tokens: int = 2048,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, sync_free_mask: bool = True):
         """`compute_dtype`: the dtype of the LM-head matmuls in the fused loss (BF16 when the caller runs
         under BF16 autocast; None = the hidden states' dtype). Fixed here rather than queried from the
-        autocast state inside forward, so torch.compile sees a constant."""
+        autocast state inside forward, so torch.compile sees a constant. `sync_free_mask`: answer
+        transformers' packed-sequence check without its host sync (PerfOptions.sync_free_mask)."""
         super().__init__()
+        self.assume_unpacked = sync_free_mask and _install_unpacked_bypass()
         self.compute_dtype = compute_dtype
         self.model = model
         # Logits transformed after the head (soft-capping) go through the model's own forward.
@@ -317,6 +361,13 @@ class CausalLMLoss(torch.nn.Module):
         self.chunk_fn = None  # None = eager `_ce_chunk` (traced into the graph when the whole model is compiled)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Compiled as a whole (compile_scope "model"), transformers skips its check itself while tracing.
+        if self.assume_unpacked and not torch.compiler.is_compiling():
+            with _PositionsUnpacked():
+                return self._forward(input_ids, targets)
+        return self._forward(input_ids, targets)
+
+    def _forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not self.plain_head:
             logits = self.model(input_ids=input_ids).logits
             return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

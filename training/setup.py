@@ -318,7 +318,8 @@ def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device,
     t = spec.training
     on_cuda = device.type == "cuda"
     loss_module = CausalLMLoss(model, fused_loss=t.perf.fused_loss, chunk_tokens=t.perf.loss_chunk_tokens,
-                               compute_dtype=torch.bfloat16 if on_cuda else None)
+                               compute_dtype=torch.bfloat16 if on_cuda else None,
+                               sync_free_mask=t.perf.sync_free_mask)
     net = eval_net = loss_module
     if parallel == "fsdp":
         if t.compile:
