@@ -2,6 +2,8 @@
 workers/ nor the training code."""
 from __future__ import annotations
 
+from datetime import datetime
+
 from plab.broker import EVALUATE_TASK, GEMM_TASK, TRAIN_TASK, send_task, train_gpus
 
 
@@ -10,11 +12,14 @@ def queue_for(spec: dict) -> str:
     return str((spec.get("training") or {}).get("queue") or "default")
 
 
-def enqueue_train(run_id: int, spec: dict) -> str:
-    """Sends the run's job; returns the message id (kept on the run, so a lost message can be found out)."""
+def enqueue_train(run_id: int, spec: dict, dispatched_at: datetime) -> str:
+    """Sends the run's job; returns the message id (kept on the run, so a lost message can be found out).
+    `dispatched_at`, also stored as the run's `dispatched_at`, travels with the message: a worker skips a message
+    older than the run's latest dispatch (workers.tasks.superseded)."""
     # The GPU count travels with the message: the worker picks torchrun or a single process without asking the API.
     nodes = int((spec.get("training") or {}).get("nodes") or 1)
-    kwargs = {"gpus": train_gpus(spec), **({"nodes": nodes} if nodes > 1 else {})}
+    kwargs = {"gpus": train_gpus(spec), **({"nodes": nodes} if nodes > 1 else {}),
+              "dispatched_at": dispatched_at.isoformat()}
     return send_task(TRAIN_TASK, [run_id], kwargs=kwargs, queue=queue_for(spec))
 
 

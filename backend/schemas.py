@@ -505,6 +505,10 @@ class RunOut(BaseModel):
 class RunDetail(RunOut):
     spec: dict[str, Any]
     conversion_report: dict[str, Any]
+    dispatch_id: str | None = Field(default=None, description="the job message of the run's latest dispatch")
+    dispatched_at: UtcDatetime | None = Field(
+        default=None, description="when the run was last sent to the job queue; a worker skips an older message "
+                                  "for the run (one the run has been re-sent since)")
 
 
 class ExperimentOut(BaseModel):

@@ -7,6 +7,7 @@ import ctypes
 import os
 import signal
 import subprocess
+from datetime import datetime, timezone
 
 from celery import Task
 from celery.signals import worker_process_init
@@ -91,9 +92,32 @@ def placement_problem(gpus: int | None, nodes: int | None = None) -> str | None:
             f"(`plab worker --gpus ... --multi-gpu` and training.queue), or set training.gpus to {max(have, 1)}")
 
 
+def _utc(text: str) -> datetime:
+    stamp = datetime.fromisoformat(text)
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)
+
+
+def superseded(record: dict, sent_at: str) -> str | None:
+    """Why a training message sent at `sent_at` must not run: the run (`record`, as the API has it) was sent to
+    the queue again after it, so a newer message stands for it (the reconciler re-sent a lost job, or the message
+    outlived its database in a broker folder). None: this message may act."""
+    latest = record.get("dispatched_at")
+    if not latest or _utc(sent_at) >= _utc(latest):
+        return None
+    return (f"this message was sent at {sent_at}, but the run was sent to the queue again at {latest} "
+            f"(message {record.get('dispatch_id')}): that one stands for it")
+
+
 def run_job(task: Task, job: Job, job_id: int, **options) -> int:
     """Run `job` in a child process and make sure its row ends with an outcome. Returns the child's exit code."""
     log.info("%s %s: starting job, attempt %s", job.KIND, job_id, task.request.retries + 1)
+    sent_at = options.pop("dispatched_at", None)  # training messages since dispatch times travel with them
+    if sent_at is not None and job.KIND == train.KIND:
+        with PlabClient.from_env() as client:
+            stale = superseded(client.get_run(job_id), sent_at)
+        if stale is not None:
+            log.warning("%s %s: skipped: %s", job.KIND, job_id, stale)
+            return EXIT_SKIPPED
     if job is train and os.environ.get("PLAB_LAUNCHER") == "slurm":
         from workers.slurm import run_train
 

@@ -58,7 +58,8 @@ def _train_job(session: Session, run: Run) -> _Job:
             runs.update_status(session, run.id, StatusUpdate(status="failed", error_message=reason))
 
     def send() -> None:
-        run.dispatch_id, run.dispatched_at = queue.enqueue_train(run.id, run.spec), utcnow()
+        now = utcnow()
+        run.dispatch_id, run.dispatched_at = queue.enqueue_train(run.id, run.spec, now), now
 
     return _Job(run.id, send, fail)
 

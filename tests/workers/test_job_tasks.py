@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import sys
 import uuid
+from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 
 import pytest
 
 from backend.queue import enqueue_eval, enqueue_gemm, enqueue_train
 from plab.broker import EVALUATE_TASK, GEMM_TASK, TRAIN_TASK, make_app
-from tests.workers.conftest import new_run
+from tests.workers.conftest import TINY, new_run
 from workers import tasks
-from workers.jobs import evaluate, gemm, train
+from workers.jobs import EXIT_SKIPPED, evaluate, gemm, train
 
 
 def counting_child(counter, script: str) -> list[str]:
@@ -127,12 +128,59 @@ def sent_messages(queue: str) -> list[tuple[str, list, dict]]:
     return out
 
 
-def test_the_api_sends_the_gpu_count_with_a_training_job(api_env):
-    enqueue_train(7, {"training": {"gpus": 2, "queue": "h100"}})
+def test_the_api_sends_the_gpu_count_and_the_dispatch_time_with_a_training_job(api_env):
+    when = datetime(2026, 11, 25, 0, 30, 1, 123456, tzinfo=timezone.utc)
+    enqueue_train(7, {"training": {"gpus": 2, "queue": "h100"}}, when)
     enqueue_eval(8)
     enqueue_gemm(9, "h100")
-    assert sent_messages("h100") == [(TRAIN_TASK, [7], {"gpus": 2}), (GEMM_TASK, [9], {})]
+    sent = {"gpus": 2, "dispatched_at": "2026-11-25T00:30:01.123456+00:00"}
+    assert sent_messages("h100") == [(TRAIN_TASK, [7], sent), (GEMM_TASK, [9], {})]
     assert sent_messages("default") == [(EVALUATE_TASK, [8], {})]
+
+
+def sent_run(client) -> dict:
+    """A run the API sent to the queue (its message waits in this test's broker folder: no worker takes it)."""
+    exp = client.create_experiment({**TINY, "name": "dispatch test", "recipes": ["bf16"], "enqueue": True})
+    return client.get_run(exp["runs"][0]["id"])
+
+
+def test_the_message_carries_the_dispatch_the_run_records(client):
+    run = sent_run(client)
+    [(name, args, kwargs)] = sent_messages("default")
+    assert (name, args) == (TRAIN_TASK, [run["id"]])
+    assert run["dispatch_id"] and run["dispatched_at"]
+    # The stored time and the message's are the same instant after the database round trip: the message stands.
+    assert tasks._utc(kwargs["dispatched_at"]) == tasks._utc(run["dispatched_at"])
+    assert tasks.superseded(run, kwargs["dispatched_at"]) is None
+
+
+def test_a_message_the_run_was_sent_again_after_is_skipped_without_touching_the_run(client, tmp_path, monkeypatch):
+    """The case that failed a demo run: a stale message (here asking for 2 GPUs, on a CPU slot) for a run id that
+    has a newer dispatch must neither start a job nor fail the run at the placement check."""
+    monkeypatch.setenv(tasks.SLOT_ENV, "cpu")
+    run = sent_run(client)
+    older = (tasks._utc(run["dispatched_at"]) - timedelta(seconds=1)).isoformat()
+    counter = tmp_path / "starts"
+    task = job_task(train, lambda _id: counting_child(counter, "sys.exit(0)"))
+    assert task.apply(args=[run["id"]], kwargs={"gpus": 2, "dispatched_at": older}).get() == EXIT_SKIPPED
+    assert starts(counter) == 0
+    assert client.get_run(run["id"])["status"] == "queued" and client.get_run(run["id"])["error_message"] is None
+    # The run's own message, and a message from before messages carried their time, do run.
+    assert task.apply(args=[run["id"]], kwargs={"gpus": 1, "dispatched_at": run["dispatched_at"]}).get() == 0
+    assert task.apply(args=[run["id"]], kwargs={"gpus": 1}).get() == 0
+    assert starts(counter) == 2
+
+
+@pytest.mark.parametrize("latest, sent, stands", [
+    (None, "2026-11-25T00:00:00+00:00", True),                      # a run never sent (or from before the field)
+    ("2026-11-25T00:00:00Z", "2026-11-25T00:00:00+00:00", True),    # the same instant, written two ways
+    ("2026-11-25T00:00:00.000001+00:00", "2026-11-25T00:00:00+00:00", False),
+    ("2026-11-25T01:00:00+01:00", "2026-11-25T00:00:00.5+00:00", True),  # offsets compared as instants
+    ("2026-11-25T00:00:01", "2026-11-25T00:00:00+00:00", False),    # a naive stamp is UTC
+])
+def test_superseded_compares_instants(latest, sent, stands):
+    record = {"dispatched_at": latest, "dispatch_id": "abc"}
+    assert (tasks.superseded(record, sent) is None) is stands
 
 
 def test_the_training_command_uses_torchrun_for_several_gpus_and_asks_the_api_when_the_message_has_no_count(client):
