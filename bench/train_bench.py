@@ -81,6 +81,20 @@ def _recipe_option(value: str):
     return int(value) if value.isdigit() else value
 
 
+def allocator_stats() -> dict | None:
+    """The CUDA caching allocator over the whole run: peak reserved memory, and how often it had to return cached
+    memory to the driver and retry (`alloc_retries`: each frees cached blocks after synchronizing the device) or
+    went to cudaMalloc / cudaFree at all. None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    stats = torch.cuda.memory_stats()
+    return {"reserved_peak_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+            "alloc_retries": stats.get("num_alloc_retries", 0), "device_allocs": stats.get("num_device_alloc", 0),
+            "device_frees": stats.get("num_device_free", 0), "sync_all_streams": stats.get("num_sync_all_streams", 0)}
+
+
 def parse_config(text: str) -> dict:
     """'bf16:sdpa_backend=cudnn,fused_loss=false' → {"label", "recipe", "perf": {...}, "training": {...},
     "recipe_options": {...}}; `recipe.NAME=value` sets a recipe option (e.g. `mxfp8:recipe.fused_quantize=false`)."""
@@ -379,6 +393,7 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         "host_issue_share": statistics.median(m.get("perf/host_issue_s", 0.0) for m in timed) / step_s,
         "mfu": result.summary.get("mfu"), "tflops": tokens_per_step / step_s * result.summary["flops_per_token"] / 1e12,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "allocator": allocator_stats(),
         "gemm_backend": result.gemm_backend,
         "label_kind": {"real": "real", "emulated": "emulated", "bf16": "real (bf16)"}.get(result.gemm_backend,
                                                                                          result.gemm_backend),
@@ -690,7 +705,9 @@ def main(argv=None) -> int:
               f"{_fmt(r['peak_mem_gib'], '6.1f')} {100 * r['data_wait_share']:6.2f} {100 * r['sink_log_share']:6.3f} {100 * r.get('host_issue_share', 0):6.1f}  "
               f"{r['label_kind']}{'' if r.get('timed_alone', True) else '  NOT timed alone'}"
               + (f"  SM {g['sm_clock_mhz_median']:.0f} MHz (min {g['sm_clock_mhz_min']}), {g['power_w_median']:.0f} W"
-                 if (g := r.get("gpu_during_timed_steps")) else ""))
+                 if (g := r.get("gpu_during_timed_steps")) else "")
+              + (f"  reserved {m['reserved_peak_gib']:.1f} GiB, {m['alloc_retries']} alloc retries, "
+                 f"{m['device_frees']} cudaFree" if (m := r.get("allocator")) else ""))
     return 0
 
 
