@@ -707,7 +707,9 @@ def main(argv=None) -> int:
               + (f"  SM {g['sm_clock_mhz_median']:.0f} MHz (min {g['sm_clock_mhz_min']}), {g['power_w_median']:.0f} W"
                  if (g := r.get("gpu_during_timed_steps")) else "")
               + (f"  reserved {m['reserved_peak_gib']:.1f} GiB, {m['alloc_retries']} alloc retries, "
-                 f"{m['device_frees']} cudaFree" if (m := r.get("allocator")) else ""))
+                 f"{m['device_frees']} cudaFree" if (m := r.get("allocator")) else "")
+              + ("  MEMORY-BOUND TIMING: the allocator synchronized to free memory (the group's processes share "
+                 "the GPU's memory): rerun with --concurrency 1" if (m or {}).get("alloc_retries") else ""))
     return 0
 
 
