@@ -361,8 +361,10 @@ class CausalLMLoss(torch.nn.Module):
         self.chunk_fn = None  # None = eager `_ce_chunk` (traced into the graph when the whole model is compiled)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # Compiled as a whole (compile_scope "model"), transformers skips its check itself while tracing.
-        if self.assume_unpacked and not torch.compiler.is_compiling():
+        # Also while Dynamo traces the whole loss module (compile_scope "model"): there transformers skips its
+        # check's `.all()` but then assumes packed sequences and builds a full boolean mask, so SDPA lost its causal
+        # fast path (and GQA its un-repeated K/V); with the answer known the traced graph keeps `is_causal=True`.
+        if self.assume_unpacked:
             with _PositionsUnpacked():
                 return self._forward(input_ids, targets)
         return self._forward(input_ids, targets)

@@ -74,3 +74,20 @@ def test_the_option_is_a_validated_perf_switch():
     bad = {**base, "training": {**base["training"], "perf": {"sync_free_mask": "yes"}}}
     with pytest.raises(SpecError, match="sync_free_mask"):
         RunSpec.from_dict(bad)
+
+
+@pytest.mark.parametrize("sync_free", [True, False])
+def test_compiled_whole_the_loss_module_keeps_sdpa_causal_without_a_mask(sync_free):
+    """compile_scope "model": while Dynamo traces, transformers cannot look at the positions and builds a full
+    mask (SDPA's causal kernels then do not apply); with the option the traced attention is `is_causal=True`."""
+    import torch._dynamo
+
+    loss_module = CausalLMLoss(_build("llama"), fused_loss=False, sync_free_mask=sync_free)
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(2))
+    explained = torch._dynamo.explain(loss_module)(ids[:, :-1], ids[:, 1:])
+    assert explained.graph_break_count == 0
+    calls = [n for g in explained.graphs for n in g.graph.nodes
+             if n.target is torch.nn.functional.scaled_dot_product_attention]
+    assert len(calls) == 2  # one per block
+    for call in calls:
+        assert (call.kwargs["attn_mask"] is None and call.kwargs["is_causal"]) is sync_free
