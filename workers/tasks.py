@@ -102,7 +102,11 @@ def superseded(record: dict, sent_at: str) -> str | None:
     the queue again after it, so a newer message stands for it (the reconciler re-sent a lost job, or the message
     outlived its database in a broker folder). None: this message may act."""
     latest = record.get("dispatched_at")
-    if not latest or _utc(sent_at) >= _utc(latest):
+    try:
+        if not latest or _utc(sent_at) >= _utc(latest):
+            return None
+    except (TypeError, ValueError):  # not a time the API wrote: act as on a message without one
+        log.warning("run %s: unreadable dispatch time %r in the message; running it", record.get("id"), sent_at)
         return None
     return (f"this message was sent at {sent_at}, but the run was sent to the queue again at {latest} "
             f"(message {record.get('dispatch_id')}): that one stands for it")
@@ -113,7 +117,8 @@ def run_job(task: Task, job: Job, job_id: int, **options) -> int:
     log.info("%s %s: starting job, attempt %s", job.KIND, job_id, task.request.retries + 1)
     sent_at = options.pop("dispatched_at", None)  # training messages since dispatch times travel with them
     if sent_at is not None and job.KIND == train.KIND:
-        with PlabClient.from_env() as client:
+        # As patient as the job itself (workers.jobs.train.run): a job that arrives while the API is away waits.
+        with PlabClient.from_env(retries=60) as client:
             stale = superseded(client.get_run(job_id), sent_at)
         if stale is not None:
             log.warning("%s %s: skipped: %s", job.KIND, job_id, stale)

@@ -177,6 +177,7 @@ def test_a_message_the_run_was_sent_again_after_is_skipped_without_touching_the_
     ("2026-11-25T00:00:00.000001+00:00", "2026-11-25T00:00:00+00:00", False),
     ("2026-11-25T01:00:00+01:00", "2026-11-25T00:00:00.5+00:00", True),  # offsets compared as instants
     ("2026-11-25T00:00:01", "2026-11-25T00:00:00+00:00", False),    # a naive stamp is UTC
+    ("2026-11-25T00:00:01+00:00", "yesterday", True),               # not a time the API wrote: runs as before
 ])
 def test_superseded_compares_instants(latest, sent, stands):
     record = {"dispatched_at": latest, "dispatch_id": "abc"}
