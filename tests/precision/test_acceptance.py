@@ -3,6 +3,9 @@ the real train loop; each recipe's final loss is within 3% of BF16's and its fir
 to quantization error. Each run is small (4 x 32 tokens a step) so the seven runs fit in a few minutes."""
 from __future__ import annotations
 
+import fcntl
+import pickle
+
 import pytest
 
 from training.precision import RECIPES
@@ -21,9 +24,7 @@ SPEC = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("plab-cache")
+def _train_every_recipe(cache) -> dict:
     out = {}
     for recipe in RECIPES:
         sink = ListSink()
@@ -32,6 +33,23 @@ def runs(tmp_path_factory):
         report = next(e["report"] for e in sink.events if e["kind"] == "conversion_report")
         out[recipe] = (result, first, report)
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """The seven runs, trained once per test session. Under pytest-xdist's work stealing this module's tests can
+    land on both workers, and a worker that leaves the module and comes back rebuilds a module fixture (the CI log
+    showed them trained three times, ~7 minutes of the suite): the first worker to get here trains, under a lock on
+    the session's shared temporary folder, and the others read its results."""
+    if getattr(request.config, "workerinput", None) is None:  # one process: built once anyway
+        return _train_every_recipe(tmp_path_factory.mktemp("plab-cache"))
+    shared = tmp_path_factory.getbasetemp().parent  # this session's folder, common to its workers
+    store = shared / "acceptance-runs.pkl"
+    with open(shared / "acceptance-runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not store.exists():
+            store.write_bytes(pickle.dumps(_train_every_recipe(tmp_path_factory.mktemp("plab-cache"))))
+        return pickle.loads(store.read_bytes())
 
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "bf16"])
