@@ -462,8 +462,12 @@ def _finish(proc: subprocess.Popen, config: dict, t0: float, timeout: float) -> 
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-        return {"label": config["label"], "recipe": config["recipe"], "error": f"timed out after {timeout:.0f} s",
-                "stderr_tail": (stderr or "")[-1500:], "wall_s": time.perf_counter() - t0}
+        ran = time.perf_counter() - t0
+        # `timeout` is what was left of the group's deadline when the wait began, not how long the worker ran.
+        return {"label": config["label"], "recipe": config["recipe"],
+                "error": f"timed out: still building or running after {ran:.0f} s (the group's deadline: "
+                         "--per-run-timeout-s per config, or the call's remaining --budget-s)",
+                "stderr_tail": (stderr or "")[-1500:], "wall_s": ran}
     out = _last_json_line(stdout)
     if proc.returncode != 0 or out is None:
         return {"label": config["label"], "recipe": config["recipe"], "error": f"exit code {proc.returncode}",

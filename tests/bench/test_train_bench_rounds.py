@@ -95,3 +95,15 @@ def test_a_worker_not_at_its_gate_by_the_deadline_marks_the_other_not_timed_alon
     t0 = time.perf_counter()
     finished = bench.time_group(procs, gate_dir, 1, t0, t0 + 2.0)
     assert finished["A"]["timed_alone"] is False
+
+
+def test_a_worker_past_its_deadline_is_reported_with_how_long_it_ran():
+    from bench.train_bench import _finish
+
+    t0 = time.perf_counter() - 40.0  # the group started 40 s ago; 0.2 s of its deadline are left
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    res = _finish(proc, {"label": "slow", "recipe": "bf16"}, t0, 0.2)
+    assert proc.poll() is not None  # killed, not left running
+    assert res["error"].startswith("timed out: still building or running after 4"), res["error"]
+    assert res["wall_s"] >= 40.0
