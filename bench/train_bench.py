@@ -476,49 +476,90 @@ def _finish(proc: subprocess.Popen, config: dict, t0: float, timeout: float) -> 
     return out
 
 
+def memory_bound_reason(res: dict) -> str | None:
+    """Why a config's timing from a shared group cannot stand: its allocator had to free cached memory (each retry
+    synchronizes the device), or it ran out of memory, because the group's processes held their memory at once."""
+    retries = (res.get("allocator") or {}).get("alloc_retries")
+    if retries:
+        return f"{retries} allocator retries while the group's processes shared the GPU's memory"
+    if "error" in res and "out of memory" in (res.get("stderr_tail") or "").lower():
+        return "out of memory while the group's processes shared the GPU's memory"
+    return None
+
+
 def run_configs(configs: list[dict], a, scratch: Path, remaining, api_url: str | None) -> list[dict]:
     """Run the configs `a.concurrency` at a time. Each group's workers build, compile and warm up at once
     (CPU-bound, the slow part), then wait at their gate; only when every worker of the group is waiting
     does the driver let them time their steps, one after the other. So while a config's timed steps run,
-    no other process issues GPU work, and the compile time of a group is paid once."""
-    results: list[dict] = []
+    no other process issues GPU work, and the compile time of a group is paid once. A config whose timing
+    the shared memory spoiled (`memory_bound_reason`) is run again alone, budget permitting; its result
+    keeps what happened in the group under `in_group`."""
+    results: list[dict | None] = [None] * len(configs)  # by the configs' order, whatever order they run in
     durations: list[float] = []
-    pending = list(configs)
-    group_no = 0
+    pending = [{**c, "_index": i} for i, c in enumerate(configs)]
     while pending:
-        group, pending = pending[:a.concurrency], pending[a.concurrency:]
+        group = [pending.pop(0)]  # a config to be timed again alone ("_alone") is a group of its own
+        while pending and len(group) < a.concurrency and not (group[0].get("_alone") or pending[0].get("_alone")):
+            group.append(pending.pop(0))
         # The quickest group so far is the estimate (one slow compile, e.g. fp8_blockwise's autotuning, must not
         # make every later group look unaffordable); each group also has a hard deadline below.
         expected = min(durations) if durations else 60.0
         if remaining() < expected:
             for config in group + pending:
-                results.append({"label": config["label"], "recipe": config["recipe"],
-                                "skipped": f"budget: {remaining():.0f} s left, a group takes ~{expected:.0f} s"})
+                skipped = f"budget: {remaining():.0f} s left, a group takes ~{expected:.0f} s"
+                _place(results, config, {"label": config["label"], "recipe": config["recipe"], "skipped": skipped})
                 print(f"[bench] skip {config['label']}: out of budget", flush=True)
             break
-        group_no += 1
-        gate_dir = Path(tempfile.mkdtemp(prefix="plab-gate-"))
         t0 = time.perf_counter()
-        procs = []
-        for i, config in enumerate(group):
-            config = {**config, "slot": f"g{group_no}_{i}"}
-            cmd = _worker_cmd(config, a, scratch, api_url, gate_dir)
-            procs.append((config, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                   text=True, cwd=REPO)))
-        deadline = t0 + min(a.per_run_timeout_s * len(group), max(remaining(), 1))
-        finished = time_group(procs, gate_dir, a.rounds, t0, deadline)
-        group_results = []
-        for config, _ in procs:
-            res = finished[config["slot"]]
-            res.setdefault("label", config["label"])
-            res.setdefault("recipe", config["recipe"])
-            res["group"] = group_no
-            group_results.append(res)
-            print(f"[bench] {config['label']}: {json.dumps({k: v for k, v in res.items() if k != 'spec'})[:600]}",
-                  flush=True)
+        group_results = _run_group(group, 1 + len(durations), a, scratch, api_url, remaining)
         durations.append(time.perf_counter() - t0)
-        results.extend(group_results)
-    return results
+        for config, res in zip(group, group_results):
+            _place(results, config, res)
+            reason = memory_bound_reason(res) if len(group) > 1 else None
+            if reason:
+                print(f"[bench] {config['label']}: {reason}: timing it again alone", flush=True)
+                pending.insert(0, {**config, "_alone": reason})
+    return [r for r in results if r is not None]
+
+
+def _place(results: list, config: dict, res: dict) -> None:
+    """Store `res` at the config's place. A config run again alone replaces its group result, which it keeps as
+    `in_group`; if the budget did not allow the second run, the group result stays, saying so."""
+    i = config["_index"]
+    reason = config.get("_alone")
+    if reason and "skipped" in res:
+        results[i]["not_retimed_alone"] = f"{reason}; {res['skipped']}"
+    elif reason:
+        first = results[i]
+        res["in_group"] = {k: first[k] for k in ("group", "step_time_s", "allocator", "error") if k in first}
+        res["retimed_alone"] = reason
+        results[i] = res
+    else:
+        results[i] = res
+
+
+def _run_group(group: list[dict], group_no: int, a, scratch: Path, api_url: str | None, remaining) -> list[dict]:
+    gate_dir = Path(tempfile.mkdtemp(prefix="plab-gate-"))
+    t0 = time.perf_counter()
+    procs = []
+    for i, config in enumerate(group):
+        config = {k: v for k, v in config.items() if k not in ("_alone", "_index")}
+        config["slot"] = f"g{group_no}_{i}"
+        cmd = _worker_cmd(config, a, scratch, api_url, gate_dir)
+        procs.append((config, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                               text=True, cwd=REPO)))
+    deadline = t0 + min(a.per_run_timeout_s * len(group), max(remaining(), 1))
+    finished = time_group(procs, gate_dir, a.rounds, t0, deadline)
+    group_results = []
+    for config, _ in procs:
+        res = finished[config["slot"]]
+        res.setdefault("label", config["label"])
+        res.setdefault("recipe", config["recipe"])
+        res["group"] = group_no
+        group_results.append(res)
+        print(f"[bench] {config['label']}: {json.dumps({k: v for k, v in res.items() if k != 'spec'})[:600]}",
+              flush=True)
+    return group_results
 
 
 def time_group(procs: list[tuple[dict, subprocess.Popen]], gate_dir: Path, rounds: int, t0: float,
@@ -593,7 +634,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="1b", help="model preset (1b is the anchor's shape)")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--concurrency", type=int, default=2,
-                    help="configs built and compiled at once (each is then timed alone); mind GPU memory")
+                    help="configs built and compiled at once (each is then timed alone); one whose memory the group's "
+                         "processes squeezed (allocator retries, out of memory) is run again on its own")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each group's configs in this many interleaved rounds (A B, B A, ...) of "
                          "ceil(steps / rounds) steps, so drift reaches every config alike")
@@ -712,8 +754,9 @@ def main(argv=None) -> int:
                  if (g := r.get("gpu_during_timed_steps")) else "")
               + (f"  reserved {m['reserved_peak_gib']:.1f} GiB, {m['alloc_retries']} alloc retries, "
                  f"{m['device_frees']} cudaFree" if (m := r.get("allocator")) else "")
-              + ("  MEMORY-BOUND TIMING: the allocator synchronized to free memory (the group's processes share "
-                 "the GPU's memory): rerun with --concurrency 1" if (m or {}).get("alloc_retries") else ""))
+              + ("  MEMORY-BOUND TIMING: the allocator synchronized to free memory" if (m or {}).get("alloc_retries")
+                 else "")
+              + (f"  (timed again alone: {r['retimed_alone']})" if r.get("retimed_alone") else ""))
     return 0
 
 

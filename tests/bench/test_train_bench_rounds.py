@@ -107,3 +107,62 @@ def test_a_worker_past_its_deadline_is_reported_with_how_long_it_ran():
     assert proc.poll() is not None  # killed, not left running
     assert res["error"].startswith("timed out: still building or running after 4"), res["error"]
     assert res["wall_s"] >= 40.0
+
+
+SQUEEZED_WORKER = """
+import json, os, sys, time
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+from bench.train_bench import Gate, gate_steps
+config, gate_dir, live = json.loads(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+mine = live / config["slot"]
+mine.touch()
+time.sleep(0.5)                            # every worker of the group has started by now
+others = len(list(live.iterdir())) - 1
+gates, total = gate_steps(1, 2, 1)
+gate = Gate(gate_dir, config["slot"], gates)
+for _ in range(total):
+    gate()
+mine.unlink()
+# A "big" config's allocator has to free cached memory while other processes hold theirs.
+retries = others if config["label"].startswith("big") else 0
+print(json.dumps({{"label": config["label"], "recipe": config["recipe"], "tokens_per_s": 1000.0 / (1 + retries),
+                  "step_time_s": 0.1 * (1 + retries), "allocator": {{"alloc_retries": retries}}}}))
+"""
+
+
+def test_a_config_squeezed_by_its_group_is_timed_again_alone(bench, tmp_path, monkeypatch):
+    import argparse
+
+    script, live = tmp_path / "worker.py", tmp_path / "live"
+    script.write_text(SQUEEZED_WORKER.format(repo=str(REPO)))
+    live.mkdir()
+    monkeypatch.setattr(bench, "_worker_cmd", lambda config, a, scratch, api_url, gate_dir:
+                        [sys.executable, str(script), bench.json.dumps(config), str(gate_dir), str(live)])
+    a = argparse.Namespace(concurrency=2, rounds=1, per_run_timeout_s=60.0)
+    configs = [{"label": n, "recipe": "bf16"} for n in ("small", "big", "small2")]
+    results = bench.run_configs(configs, a, tmp_path, lambda: 1000.0, None)
+    assert [r["label"] for r in results] == ["small", "big", "small2"]  # the configs' order
+    small, big, small2 = results
+    assert "retimed_alone" not in small and "retimed_alone" not in small2
+    assert big["allocator"]["alloc_retries"] == 0 and big["step_time_s"] == pytest.approx(0.1)
+    assert big["retimed_alone"].startswith("1 allocator retries")
+    assert big["in_group"]["allocator"]["alloc_retries"] == 1 and big["in_group"]["group"] == 1
+    assert [small["group"], big["group"], small2["group"]] == [1, 2, 3]
+
+
+def test_a_squeezed_config_keeps_its_group_result_when_the_budget_is_spent(bench, tmp_path, monkeypatch):
+    import argparse
+
+    script, live = tmp_path / "worker.py", tmp_path / "live"
+    script.write_text(SQUEEZED_WORKER.format(repo=str(REPO)))
+    live.mkdir()
+    monkeypatch.setattr(bench, "_worker_cmd", lambda config, a, scratch, api_url, gate_dir:
+                        [sys.executable, str(script), bench.json.dumps(config), str(gate_dir), str(live)])
+    a = argparse.Namespace(concurrency=2, rounds=1, per_run_timeout_s=60.0)
+    left = iter([1000.0, 1000.0])  # enough for the first group only
+    results = bench.run_configs([{"label": n, "recipe": "bf16"} for n in ("small", "big")], a, tmp_path,
+                                lambda: next(left, 0.0), None)
+    big = results[1]
+    assert big["allocator"]["alloc_retries"] == 1 and "retimed_alone" not in big
+    assert big["not_retimed_alone"].startswith("1 allocator retries") and "budget" in big["not_retimed_alone"]
