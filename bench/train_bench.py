@@ -734,7 +734,8 @@ def main(argv=None) -> int:
         (results_dir / f"train_bench_{stamp}_{gpu_tag}{tag}.json").write_text(text)
 
     print(f"\n# train_bench on {a.gpus} x {device}, {a.model}, global batch {a.batch}x{a.seq}, "
-          f"median of {a.steps} steps")
+          f"median of {a.steps} steps" + ("; a config's own batch= where its label sets one"
+                                           if any("batch" in c for c in configs) else ""))
     if anchor_tps:
         print(f"anchor hf_llama_anchor bf16: {anchor_tps:,.0f} tok/s, step {anchor['step_s'] * 1e3:.1f} ms, "
               f"peak {anchor.get('peak_mem_gib', 0):.1f} GiB")
