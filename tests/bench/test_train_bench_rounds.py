@@ -131,7 +131,8 @@ print(json.dumps({{"label": config["label"], "recipe": config["recipe"], "tokens
 """
 
 
-def test_a_config_squeezed_by_its_group_is_timed_again_alone(bench, tmp_path, monkeypatch):
+def squeezed_workers(bench, tmp_path, monkeypatch):
+    """run_configs' workers replaced by SQUEEZED_WORKER; returns the driver's arguments (2 configs at a time)."""
     import argparse
 
     script, live = tmp_path / "worker.py", tmp_path / "live"
@@ -139,7 +140,11 @@ def test_a_config_squeezed_by_its_group_is_timed_again_alone(bench, tmp_path, mo
     live.mkdir()
     monkeypatch.setattr(bench, "_worker_cmd", lambda config, a, scratch, api_url, gate_dir:
                         [sys.executable, str(script), bench.json.dumps(config), str(gate_dir), str(live)])
-    a = argparse.Namespace(concurrency=2, rounds=1, per_run_timeout_s=60.0)
+    return argparse.Namespace(concurrency=2, rounds=1, per_run_timeout_s=60.0)
+
+
+def test_a_config_squeezed_by_its_group_is_timed_again_alone(bench, tmp_path, monkeypatch):
+    a = squeezed_workers(bench, tmp_path, monkeypatch)
     configs = [{"label": n, "recipe": "bf16"} for n in ("small", "big", "small2")]
     results = bench.run_configs(configs, a, tmp_path, lambda: 1000.0, None)
     assert [r["label"] for r in results] == ["small", "big", "small2"]  # the configs' order
@@ -152,14 +157,7 @@ def test_a_config_squeezed_by_its_group_is_timed_again_alone(bench, tmp_path, mo
 
 
 def test_a_squeezed_config_keeps_its_group_result_when_the_budget_is_spent(bench, tmp_path, monkeypatch):
-    import argparse
-
-    script, live = tmp_path / "worker.py", tmp_path / "live"
-    script.write_text(SQUEEZED_WORKER.format(repo=str(REPO)))
-    live.mkdir()
-    monkeypatch.setattr(bench, "_worker_cmd", lambda config, a, scratch, api_url, gate_dir:
-                        [sys.executable, str(script), bench.json.dumps(config), str(gate_dir), str(live)])
-    a = argparse.Namespace(concurrency=2, rounds=1, per_run_timeout_s=60.0)
+    a = squeezed_workers(bench, tmp_path, monkeypatch)
     left = iter([1000.0, 1000.0])  # enough for the first group only
     results = bench.run_configs([{"label": n, "recipe": "bf16"} for n in ("small", "big")], a, tmp_path,
                                 lambda: next(left, 0.0), None)
