@@ -462,6 +462,10 @@ class PerfOptions:
     # lab's batches never carry position ids (the model makes 0..T-1), so the answer is known: give it without
     # the sync (training.model.CausalLMLoss). Same numbers either way.
     sync_free_mask: bool = True
+    # With gradient accumulation: the emulated recipes quantize each weight once per optimizer step instead of
+    # once per micro-batch (training.precision.weight_reuse; same bits). Not under FSDP2. Holds a quantized copy
+    # of the converted weights between micro-batches.
+    reuse_quantized_weights: bool = True
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
     COMPILE_SCOPES = ("auto", "model", "layers")
@@ -659,6 +663,8 @@ class RunSpec:
                              minimum=0),
             sync_free_mask=_bool("training.perf", "sync_free_mask",
                                  perf_d.get("sync_free_mask", pbase.sync_free_mask)),
+            reuse_quantized_weights=_bool("training.perf", "reuse_quantized_weights",
+                                          perf_d.get("reuse_quantized_weights", pbase.reuse_quantized_weights)),
         )
 
     @staticmethod

@@ -79,6 +79,7 @@ class Run:
                 "world_size": self.ctx.world, "param_dtype": self.param_dtype, "fused_qkv": self.fused_qkv,
                 "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer,
                 "parallel": self.parallel, "activation_checkpointing": self.activation_checkpointing,
+                "reuse_quantized_weights": any(type(h).__name__ == "QuantizedWeightReuse" for h in self.hooks),
                 "data": dict(self.dataset.info)}
 
 
@@ -135,7 +136,8 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     if parallel != "fsdp":
         net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=overlap, parallel=parallel)
     stepper = OverlappedOptimizerStep(optimizer, _forward_buckets(model, params)) if overlap else None
-    hooks = list(getattr(report, "hooks", []) or [])
+    # After the stepper: the blocks' reuse hooks must run after its per-block waits.
+    hooks = list(getattr(report, "hooks", []) or []) + _weight_reuse(model, t, parallel)
     # Under FSDP2 the update overlaps the next forward unless a recipe hook reads the weights right after it
     # (tensorwise FP8's scale pass for the FP8 all-gather, delayed scaling's history).
     if parallel == "fsdp" and on_cuda and t.perf.overlap_optimizer and not any(
@@ -149,6 +151,20 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                flops_per_token=flops_per_token(model.config, spec.data.seq_len),
                micro_batch=t.batch_size // (t.grad_accum * ctx.world),
                model_info=describe_model(model, spec.model))
+
+
+def _weight_reuse(model, t, parallel: str) -> list:
+    """[QuantizedWeightReuse] when this run quantizes its weights once per step for all its micro-batches."""
+    from training.model import decoder_blocks
+    from training.precision.weight_reuse import QuantizedWeightReuse, reuse_applies
+
+    if reuse_applies(t.grad_accum, parallel, t.perf.reuse_quantized_weights) is not None:
+        return []
+    reuse = QuantizedWeightReuse(list(decoder_blocks(model)))
+    if not reuse.blocks:
+        reuse.remove()
+        return []
+    return [reuse]
 
 
 def check_vocabulary(spec: RunSpec, config, tokenizer) -> None:

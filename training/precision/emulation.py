@@ -133,18 +133,20 @@ class EmulatedLinearFn(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, quantizer: GemmQuantizer):
+    def forward(ctx, x, weight, bias, quantizer: GemmQuantizer, wf=None, wf_outer=None, wd=None, wd_outer=None):
+        """`wf`/`wd` (with their outer scales): W's Fprop and Dgrad operands already quantized (values in this
+        GEMM's dtype), from QuantizedLinear's per-step weight cache; None quantizes W here."""
         out_dtype = compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != out_dtype:
             # Under autocast the real kernels (torchao) quantize the autocast (BF16) copy; so do we.
             x2 = x2.to(out_dtype)
         dtype = gemm_dtype(x2, quantizer)
-        y = emulated_mm(quantizer.input(x2, dtype=dtype), quantizer.weight_fprop(weight, dtype=dtype),
-                        out_dtype, bias)
+        w_fprop = Quantized(wf, wf_outer) if wf is not None else quantizer.weight_fprop(weight, dtype=dtype)
+        y = emulated_mm(quantizer.input(x2, dtype=dtype), w_fprop, out_dtype, bias)
         # High-precision operands are saved and requantized in backward (as torchao does): Wgrad
         # needs X blocked along tokens, a different quantization than Fprop's.
-        ctx.save_for_backward(x2, weight)
+        ctx.save_for_backward(x2, weight, wd, wd_outer)
         ctx.quantizer = quantizer
         ctx.gemm_dtype = dtype
         ctx.has_bias = bias is not None
@@ -156,25 +158,34 @@ class EmulatedLinearFn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
-        x2, weight = ctx.saved_tensors
+        x2, weight, wd, wd_outer = ctx.saved_tensors
         q: GemmQuantizer = ctx.quantizer
         dtype = ctx.gemm_dtype
         dy2 = dy.reshape(-1, dy.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = emulated_mm(q.grad(dy2, dtype=dtype), q.weight_dgrad(weight, dtype=dtype),
-                                 ctx.x_dtype).reshape(ctx.x_shape)
+            w_dgrad = Quantized(wd, wd_outer) if wd is not None else q.weight_dgrad(weight, dtype=dtype)
+            grad_x = emulated_mm(q.grad(dy2, dtype=dtype), w_dgrad, ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             a, b = q.wgrad(dy2, x2, dtype=dtype)
             grad_w = emulated_mm(a, b, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class QuantizedLinear(nn.Linear):
     """nn.Linear whose GEMMs run through a recipe's quantizer. Parameters are the original ones (same
-    objects, same names), so optimizers, state dicts and HF checkpoints see an ordinary Linear."""
+    objects, same names), so optimizers, state dicts and HF checkpoints see an ordinary Linear.
+
+    Quantized-weight reuse (training.precision.weight_reuse): `cached_weight` holds W's quantized operands,
+    made once per optimizer step by `refresh_weight_cache()` (outside the compiled graph) and read by every
+    micro-batch's forward and backward instead of quantizing W again. A plain attribute, not a buffer: not in
+    state dicts, not broadcast by DDP; torch.compile takes it as a graph input. None: W is quantized in the
+    forward, as without reuse. Its first element names the path it was made for; a forward on another path
+    (e.g. a CPU copy of a GPU-cached module) quantizes W itself."""
+
+    reuses_quantized_weight = True  # False where W's quantization is not a pure function of W (fp8_delayed)
 
     def __init__(self, linear: nn.Linear, quantizer: GemmQuantizer, recipe: str):
         nn.Module.__init__(self)
@@ -184,9 +195,23 @@ class QuantizedLinear(nn.Linear):
         self.bias = linear.bias
         self.quantizer = quantizer
         self.recipe = recipe
+        self.cached_weight: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer)
+        return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer, *self._cached("generic"))
+
+    def _cached(self, path: str) -> tuple:
+        """The cached operands for `path` (see the class docstring), or () to quantize W in the forward."""
+        c = self.cached_weight
+        return c[1:] if c is not None and c[0] == path else ()
+
+    @torch.no_grad()
+    def refresh_weight_cache(self) -> None:
+        """Quantize W for the path the forward takes (this device, BF16 or FP32 GEMM) and keep it."""
+        w = self.weight
+        dtype = gemm_dtype(w, self.quantizer)
+        f, d = self.quantizer.weight_fprop(w, dtype=dtype), self.quantizer.weight_dgrad(w, dtype=dtype)
+        self.cached_weight = ("generic", f.values, f.outer, d.values, d.outer)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}, emulated={self.quantizer.describe()}"

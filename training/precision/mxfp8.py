@@ -80,12 +80,26 @@ class MXFP8EmulatedLinear(QuantizedLinear):
     quantizers of EmulatedLinearFn elsewhere."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and compute_dtype(x) == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+        if x.is_cuda and compute_dtype(x) == torch.bfloat16 and self._fused_weight():
             from training.precision import mxfp8_triton
 
-            if mxfp8_triton.HAVE_TRITON and self.quantizer.fused:
-                return mxfp8_triton.MXFP8FusedFn.apply(x, self.weight, self.bias, self.quantizer.scale_rounding)
-        return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer)
+            return mxfp8_triton.MXFP8FusedFn.apply(x, self.weight, self.bias, self.quantizer.scale_rounding,
+                                                   *self._cached("fused"))
+        return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer, *self._cached("generic"))
+
+    def _fused_weight(self) -> bool:
+        """Whether a BF16 activation takes the fused Triton path with this weight."""
+        if not (self.weight.is_cuda and self.weight.dtype == torch.bfloat16 and self.quantizer.fused):
+            return False
+        from training.precision import mxfp8_triton
+        return mxfp8_triton.HAVE_TRITON
+
+    @torch.no_grad()
+    def refresh_weight_cache(self) -> None:
+        if not self._fused_weight():
+            return super().refresh_weight_cache()
+        from training.precision.mxfp8_triton import mxfp8_dual_quantize
+        self.cached_weight = ("fused", *mxfp8_dual_quantize(self.weight, self.quantizer.scale_rounding))
 
 
 @register

@@ -196,14 +196,16 @@ class MXFP8FusedFn(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, scale_rounding: str):
+    def forward(ctx, x, weight, bias, scale_rounding: str, wa=None, wb=None):
+        """`wa`, `wb`: W's two layouts from the per-step weight cache (QuantizedLinear), or None."""
         from training.precision.emulation import compute_dtype, emulated_mm
         from training.precision.formats import Quantized
 
         out_dtype = compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1]).to(out_dtype)
         xa, xb = mxfp8_dual_quantize(x2, scale_rounding)
-        wa, wb = mxfp8_dual_quantize(weight, scale_rounding)
+        if wa is None:
+            wa, wb = mxfp8_dual_quantize(weight, scale_rounding)
         y = emulated_mm(Quantized(xa), Quantized(wa), out_dtype, bias)
         ctx.save_for_backward(xb, wb)
         ctx.scale_rounding = scale_rounding
@@ -228,4 +230,4 @@ class MXFP8FusedFn(torch.autograd.Function):
             grad_w = emulated_mm(Quantized(dyb).t(), Quantized(xb).t(), ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None, None

@@ -115,19 +115,26 @@ class NVFP4FusedFn(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, quantizer: "NVFP4Quantizer"):
+    def forward(ctx, x, weight, bias, quantizer: "NVFP4Quantizer", wf=None, wf_outer=None, wd=None, wd_outer=None):
+        """`wf`, `wd` (and outer scales): W's Fprop and Dgrad operands (BF16) from the per-step weight cache
+        (QuantizedLinear), or None."""
         from training.precision.nvfp4_triton import nvfp4_dual_quantize
 
         out_dtype = compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1]).to(out_dtype)
         h = quantizer.rht_operand(x2.device)
         xa, xb, pts = nvfp4_dual_quantize(x2, h, rht=quantizer.rht, stochastic=False)
-        wq = quantizer.weight_fprop(weight, dtype=torch.bfloat16)
+        wq = Quantized(wf, wf_outer) if wf is not None else quantizer.weight_fprop(weight, dtype=torch.bfloat16)
         y = emulated_mm(Quantized(xa, pts[0]), wq, out_dtype, bias)
-        if quantizer.weight_2d:
+        if wd is not None:  # the cached Dgrad operand (W^T, a view)
+            ctx.save_for_backward(xb, pts, weight, wd, wd_outer)
+            ctx.cached_dgrad = True
+        elif quantizer.weight_2d:
             ctx.save_for_backward(xb, pts, weight, wq.values, wq.outer)
+            ctx.cached_dgrad = False
         else:
             ctx.save_for_backward(xb, pts, weight)
+            ctx.cached_dgrad = False
         ctx.quantizer = quantizer
         ctx.has_bias = bias is not None
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -146,14 +153,16 @@ class NVFP4FusedFn(torch.autograd.Function):
                                                stochastic=q.stochastic_rounding)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            w_dgrad = (Quantized(wq[0], wq[1]).t() if wq
-                       else q.weight_dgrad(weight, dtype=torch.bfloat16))
+            if ctx.cached_dgrad:
+                w_dgrad = Quantized(wq[0], wq[1])
+            else:
+                w_dgrad = Quantized(wq[0], wq[1]).t() if wq else q.weight_dgrad(weight, dtype=torch.bfloat16)
             grad_x = emulated_mm(Quantized(dya, pts_dy[0]), w_dgrad, ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = emulated_mm(Quantized(dyb, pts_dy[1]).t(), Quantized(xb, pts_x[1]).t(), weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class NVFP4EmulatedLinear(QuantizedLinear):
@@ -165,8 +174,21 @@ class NVFP4EmulatedLinear(QuantizedLinear):
             from training.precision import nvfp4_triton
 
             if nvfp4_triton.HAVE_TRITON and self.quantizer.fused:
-                return NVFP4FusedFn.apply(x, self.weight, self.bias, self.quantizer)
-        return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer)
+                return NVFP4FusedFn.apply(x, self.weight, self.bias, self.quantizer, *self._cached("fused"))
+        return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer, *self._cached("generic"))
+
+    @torch.no_grad()
+    def refresh_weight_cache(self) -> None:
+        """Both paths' operands where the fused one may run (CUDA, Triton, fused option): the fused path's
+        BF16 W for a BF16 activation whose token count is a multiple of 16. Elsewhere the generic one's."""
+        from training.precision import nvfp4_triton
+
+        if not (self.weight.is_cuda and nvfp4_triton.HAVE_TRITON and self.quantizer.fused):
+            return super().refresh_weight_cache()
+        q = self.quantizer
+        f = q.weight_fprop(self.weight, dtype=torch.bfloat16)
+        d = f.t() if q.weight_2d else q.weight_dgrad(self.weight, dtype=torch.bfloat16)
+        self.cached_weight = ("fused", f.values, f.outer, d.values, d.outer)
 
 
 class NVFP4EmulatedGemmOps(EmulatedTorchaoOps):
