@@ -160,7 +160,7 @@ def _weight_reuse(model, t, parallel: str) -> list:
 
     if reuse_applies(t.grad_accum, parallel, t.perf.reuse_quantized_weights) is not None:
         return []
-    reuse = QuantizedWeightReuse(list(decoder_blocks(model)))
+    reuse = QuantizedWeightReuse(list(decoder_blocks(model)), compiled=t.compile)
     if not reuse.blocks:
         reuse.remove()
         return []

@@ -55,7 +55,8 @@ def test_each_weight_is_quantized_once_per_step_and_after_every_optimizer_step(m
 def _compiled_block_steps(recipe: str, reuse: bool, steps: int = 3, device: str = "cpu", dtype=None):
     """A one-linear decoder block converted by `recipe`, its forward compiled as training compiles layers; per
     step two micro-batches (forward + backward), then an optimizer-like update of W. Returns the outputs and
-    gradients of every micro-batch, and the number of graphs Dynamo made."""
+    gradients of every micro-batch, the number of graphs Dynamo had made after the first step and at the end, and
+    (blocks refreshed, the cache's path) with reuse."""
     import torch
     import torch._dynamo
     from torch import nn
@@ -75,7 +76,7 @@ def _compiled_block_steps(recipe: str, reuse: bool, steps: int = 3, device: str 
     holder.model.layers = nn.ModuleList([block])
     apply_recipe(holder, recipe)
     block.forward = torch.compile(block.forward)
-    hooks = QuantizedWeightReuse([block]) if reuse else None
+    hooks = QuantizedWeightReuse([block], compiled=True) if reuse else None
     out = []
     for step in range(steps):
         for micro in range(2):
@@ -90,8 +91,10 @@ def _compiled_block_steps(recipe: str, reuse: bool, steps: int = 3, device: str 
         block.proj.weight.grad = None
         if hooks is not None:
             hooks.post_optimizer_step()
+        if step == 0:
+            first = counters["stats"]["unique_graphs"]
     cached = block.proj.cached_weight
-    return out, counters["stats"]["unique_graphs"], (hooks.refreshes, cached[0]) if hooks else None
+    return out, (first, counters["stats"]["unique_graphs"]), (hooks.refreshes, cached[0]) if hooks else None
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
@@ -102,8 +105,9 @@ def test_a_compiled_block_reads_the_cached_weight_as_a_graph_input(recipe):
     fresh, graphs_fresh, _ = _compiled_block_steps(recipe, False)
     assert refreshes == 3 and path == "generic"  # once per step, after each update; the torch quantizers on a CPU
     assert all(torch.equal(a, b) for a, b in zip(reused, fresh))
-    # New cached tensors every step are new inputs of the same graphs: nothing recompiles.
-    assert graphs == graphs_fresh == 1, (graphs, graphs_fresh)
+    # New cached tensors every step are new inputs of the same graphs: nothing recompiles after the first step
+    # (with reuse the weight quantizer is a graph of its own, beside the block's).
+    assert graphs == (2, 2) and graphs_fresh == (1, 1), (graphs, graphs_fresh)
 
 
 def test_delayed_scaling_and_single_micro_batches_do_not_reuse(make_spec, cache_dir):

@@ -95,9 +95,10 @@ class MXFP8EmulatedLinear(QuantizedLinear):
         return mxfp8_triton.HAVE_TRITON
 
     @torch.no_grad()
-    def refresh_weight_cache(self) -> None:
+    def refresh_weight_cache(self, compiled: bool = False) -> None:
         if not self._fused_weight():
-            return super().refresh_weight_cache()
+            return super().refresh_weight_cache(compiled)
+        # The Triton kernel is the same kernel in and out of a compiled graph.
         from training.precision.mxfp8_triton import mxfp8_dual_quantize
         self.cached_weight = ("fused", *mxfp8_dual_quantize(self.weight, self.quantizer.scale_rounding))
 

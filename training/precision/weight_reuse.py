@@ -27,13 +27,14 @@ class QuantizedWeightReuse:
     """Quantize each decoder block's weights once per optimizer step (see the module docstring). A recipe hook:
     `post_optimizer_step(model)`; `remove()` detaches it and drops the cached weights."""
 
-    def __init__(self, blocks: list[torch.nn.Module]):
+    def __init__(self, blocks: list[torch.nn.Module], *, compiled: bool = False):
         self.blocks: list[tuple[torch.nn.Module, list[QuantizedLinear]]] = []
         for block in blocks:
             linears = [m for m in block.modules()
                        if isinstance(m, QuantizedLinear) and type(m).reuses_quantized_weight]
             if linears:
                 self.blocks.append((block, linears))
+        self.compiled = compiled  # the blocks run under torch.compile: quantize W with inductor's kernels too
         self.stale = [True] * len(self.blocks)
         self.refreshes = 0  # blocks quantized so far (tests, telemetry)
         self.handles = [block.register_forward_pre_hook(self._refresher(i))
@@ -47,7 +48,7 @@ class QuantizedWeightReuse:
         def hook(module, args):
             if self.stale[i]:
                 for linear in self.blocks[i][1]:
-                    linear.refresh_weight_cache()
+                    linear.refresh_weight_cache(self.compiled)
                 self.stale[i] = False
                 self.refreshes += 1
         return hook
