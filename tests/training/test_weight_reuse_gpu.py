@@ -15,4 +15,4 @@ def test_the_fused_path_reads_the_cached_weight_with_the_same_bits(recipe):
     assert refreshes == 3 and path == "fused"  # the Triton quantizers' path
     mismatched = [i for i, (a, b) in enumerate(zip(reused, fresh)) if not torch.equal(a, b)]
     assert not mismatched, mismatched
-    assert graphs[0] == graphs[1] and graphs_fresh == (1, 1), (graphs, graphs_fresh)  # no recompiles
+    assert graphs[0] == graphs[1] and graphs_fresh[0] == graphs_fresh[1], (graphs, graphs_fresh)  # no recompiles
