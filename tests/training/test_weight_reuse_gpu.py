@@ -1,18 +1,29 @@
-"""GPU only (skipped on CPU): the fused Triton paths of the emulated MXFP8 and NVFP4 linears read the per-step
-weight cache (training.precision.weight_reuse) with the same bits as quantizing W in every micro-batch."""
+"""GPU only (skipped on CPU): the emulated MXFP8 and NVFP4 linears read the per-step weight cache
+(training.precision.weight_reuse) with the same bits as quantizing W in every micro-batch: MXFP8's fused Triton
+quantizer in a compiled block, NVFP4's torch weight quantizer in an eager one (a compiled one keeps quantizing in
+its graph)."""
 import pytest
 import torch
 
-from tests.training.test_weight_reuse import _compiled_block_steps
+from tests.training.test_weight_reuse import _block_steps, same
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
-def test_the_fused_path_reads_the_cached_weight_with_the_same_bits(recipe):
-    reused, graphs, (refreshes, path) = _compiled_block_steps(recipe, True, device="cuda", dtype=torch.bfloat16)
-    fresh, graphs_fresh, _ = _compiled_block_steps(recipe, False, device="cuda", dtype=torch.bfloat16)
-    assert refreshes == 3 and path == "fused"  # the Triton quantizers' path
-    mismatched = [i for i, (a, b) in enumerate(zip(reused, fresh)) if not torch.equal(a, b)]
-    assert not mismatched, mismatched
+def test_a_compiled_mxfp8_block_reads_the_fused_kernels_cache_with_the_same_bits_and_no_recompiles():
+    reused, graphs, (linears, refreshes, path) = _block_steps("mxfp8", True, compiled=True, device="cuda",
+                                                             dtype=torch.bfloat16)
+    fresh, graphs_fresh, _ = _block_steps("mxfp8", False, compiled=True, device="cuda", dtype=torch.bfloat16)
+    assert (linears, refreshes, path) == (1, 3, "fused")
+    assert same(reused, fresh)
     assert graphs[0] == graphs[1] and graphs_fresh[0] == graphs_fresh[1], (graphs, graphs_fresh)  # no recompiles
+
+
+def test_nvfp4_reuses_in_an_eager_block_and_not_in_a_compiled_one():
+    reused, _, (linears, refreshes, path) = _block_steps("nvfp4", True, compiled=False, device="cuda",
+                                                         dtype=torch.bfloat16)
+    fresh, _, _ = _block_steps("nvfp4", False, compiled=False, device="cuda", dtype=torch.bfloat16)
+    assert (linears, refreshes, path) == (1, 3, "fused")
+    assert same(reused, fresh)
+    _, _, (linears, _, _) = _block_steps("nvfp4", True, compiled=True, device="cuda", dtype=torch.bfloat16)
+    assert linears == 0

@@ -205,25 +205,20 @@ class QuantizedLinear(nn.Linear):
         c = self.cached_weight
         return c[1:] if c is not None and c[0] == path else ()
 
+    def reuses_weight_when(self, compiled: bool) -> bool:
+        """Whether caching W pays here. The torch quantizers under torch.compile: no. The compiled forward
+        quantizes W inside the layer's graph at no host cost, while a cache would need W quantized by the same
+        inductor kernels (eager arithmetic can differ in the last bit) in a compiled call of its own per linear:
+        on an H100 that host time cost more than it saved (nvfp4, grad_accum 2: 191.8 against 180.1 ms)."""
+        return not compiled
+
     @torch.no_grad()
-    def refresh_weight_cache(self, compiled: bool = False) -> None:
-        """Quantize W for the path the forward takes (this device, BF16 or FP32 GEMM) and keep it. `compiled`:
-        the forward runs under torch.compile, so W is quantized by the kernels inductor makes of the same ops
-        (inductor's arithmetic may differ from eager's in the last bit, e.g. a multiply by a reciprocal)."""
-        fn = compiled_fn(weight_operands) if compiled else weight_operands
-        self.cached_weight = ("generic", *fn(self.quantizer, self.weight, gemm_dtype(self.weight, self.quantizer)))
-
-
-def weight_operands(quantizer: GemmQuantizer, w: torch.Tensor, dtype: torch.dtype) -> tuple:
-    """W's Fprop and Dgrad operands as EmulatedLinearFn makes them: (values, outer) of each."""
-    f, d = quantizer.weight_fprop(w, dtype=dtype), quantizer.weight_dgrad(w, dtype=dtype)
-    return f.values, f.outer, d.values, d.outer
-
-
-def compiled_fn(fn):
-    """`fn` under torch.compile with static shapes (one graph per weight shape), as the compiled step has it."""
-    from training.precision.gemm_ops import compile_static
-    return compile_static(fn)
+    def refresh_weight_cache(self) -> None:
+        """Quantize W (eagerly, as the uncompiled forward does) for the generic path and keep it."""
+        w = self.weight
+        dtype = gemm_dtype(w, self.quantizer)
+        f, d = self.quantizer.weight_fprop(w, dtype=dtype), self.quantizer.weight_dgrad(w, dtype=dtype)
+        self.cached_weight = ("generic", f.values, f.outer, d.values, d.outer)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}, emulated={self.quantizer.describe()}"

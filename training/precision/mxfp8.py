@@ -94,11 +94,14 @@ class MXFP8EmulatedLinear(QuantizedLinear):
         from training.precision import mxfp8_triton
         return mxfp8_triton.HAVE_TRITON
 
+    def reuses_weight_when(self, compiled: bool) -> bool:
+        # The fused path's weight quantizer is one Triton kernel, the same in and out of a compiled graph.
+        return self._fused_weight() or super().reuses_weight_when(compiled)
+
     @torch.no_grad()
-    def refresh_weight_cache(self, compiled: bool = False) -> None:
+    def refresh_weight_cache(self) -> None:
         if not self._fused_weight():
-            return super().refresh_weight_cache(compiled)
-        # The Triton kernel is the same kernel in and out of a compiled graph.
+            return super().refresh_weight_cache()
         from training.precision.mxfp8_triton import mxfp8_dual_quantize
         self.cached_weight = ("fused", *mxfp8_dual_quantize(self.weight, self.quantizer.scale_rounding))
 

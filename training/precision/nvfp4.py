@@ -42,8 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from training.precision.emulation import (EmulatedLinearFn, GemmQuantizer, QuantizedLinear, compiled_fn, compute_dtype,
-                                         emulated_mm)
+from training.precision.emulation import EmulatedLinearFn, GemmQuantizer, QuantizedLinear, compute_dtype, emulated_mm
 from training.precision.formats import (Quantized, quantize_nvfp4, random_hadamard_transform, random_sign_vector,
                                         rht_matrix)
 from training.precision.gemm_ops import EmulatedTorchaoOps, TorchaoBlockScaled, TorchaoBlockScaledOps, has_capability
@@ -179,22 +178,18 @@ class NVFP4EmulatedLinear(QuantizedLinear):
         return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer, *self._cached("generic"))
 
     @torch.no_grad()
-    def refresh_weight_cache(self, compiled: bool = False) -> None:
+    def refresh_weight_cache(self) -> None:
         """Where the fused path may run (CUDA, Triton, fused option): its BF16 W, for a BF16 activation whose
-        token count is a multiple of 16. Elsewhere the generic path's."""
+        token count is a multiple of 16. Elsewhere the generic path's. Only for an uncompiled forward (see
+        QuantizedLinear.reuses_weight_when: NVFP4's weight quantizer is torch ops on either path)."""
         from training.precision import nvfp4_triton
 
         if not (self.weight.is_cuda and nvfp4_triton.HAVE_TRITON and self.quantizer.fused):
-            return super().refresh_weight_cache(compiled)
-        fn = compiled_fn(fused_weight_operands) if compiled else fused_weight_operands
-        self.cached_weight = ("fused", *fn(self.quantizer, self.weight))
-
-
-def fused_weight_operands(q: "NVFP4Quantizer", w: torch.Tensor) -> tuple:
-    """W's Fprop and Dgrad operands as NVFP4FusedFn makes them (16x16 tiles: one quantization, transposed)."""
-    f = q.weight_fprop(w, dtype=torch.bfloat16)
-    d = f.t() if q.weight_2d else q.weight_dgrad(w, dtype=torch.bfloat16)
-    return f.values, f.outer, d.values, d.outer
+            return super().refresh_weight_cache()
+        q = self.quantizer
+        f = q.weight_fprop(self.weight, dtype=torch.bfloat16)
+        d = f.t() if q.weight_2d else q.weight_dgrad(self.weight, dtype=torch.bfloat16)
+        self.cached_weight = ("fused", f.values, f.outer, d.values, d.outer)
 
 
 class NVFP4EmulatedGemmOps(EmulatedTorchaoOps):
