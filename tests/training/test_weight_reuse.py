@@ -139,3 +139,26 @@ def test_where_reuse_applies():
 def test_the_option_is_validated(make_spec):
     with pytest.raises(SpecError, match="reuse_quantized_weights"):
         RunSpec.from_dict(make_spec(training={"perf": {"reuse_quantized_weights": "yes"}}), check_paths=False)
+
+
+def test_moving_a_module_drops_its_cached_weight():
+    import torch
+    from torch import nn
+
+    from training.precision import apply_recipe
+    from training.precision.weight_reuse import QuantizedWeightReuse
+
+    holder = nn.Module()
+    holder.model = nn.Module()
+    block = nn.Module()
+    block.proj = nn.Linear(64, 32, bias=False)
+    block.forward = lambda x: block.proj(x)
+    holder.model.layers = nn.ModuleList([block])
+    apply_recipe(holder, "mxfp8")
+    QuantizedWeightReuse([block])
+    x = torch.randn(4, 64)
+    block(x)
+    assert block.proj.cached_weight is not None
+    holder.to(torch.float64)
+    assert block.proj.cached_weight is None
+    assert block(x.double()).dtype == torch.float64  # quantizes the moved weight itself

@@ -200,6 +200,12 @@ class QuantizedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer, *self._cached("generic"))
 
+    def _apply(self, fn, recurse=True):
+        # `.to()`, `.cuda()`, `.bfloat16()`: the cached operands belong to the old weight (the next forward
+        # quantizes W itself until the reuse hook refreshes the cache after the next optimizer step).
+        self.cached_weight = None
+        return super()._apply(fn, recurse)
+
     def _cached(self, path: str) -> tuple:
         """The cached operands for `path` (see the class docstring), or () to quantize W in the forward."""
         c = self.cached_weight
