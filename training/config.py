@@ -462,9 +462,9 @@ class PerfOptions:
     # lab's batches never carry position ids (the model makes 0..T-1), so the answer is known: give it without
     # the sync (training.model.CausalLMLoss). Same numbers either way.
     sync_free_mask: bool = True
-    # With gradient accumulation: the emulated recipes quantize each weight once per optimizer step instead of
-    # once per micro-batch (training.precision.weight_reuse; same bits). Not under FSDP2. Holds a quantized copy
-    # of the converted weights between micro-batches.
+    # With gradient accumulation: the emulated linears quantize each weight once per optimizer step instead of
+    # once per micro-batch (training.precision.weight_reuse; same bits): MXFP8's fused GPU quantizer, and any
+    # emulated recipe in an uncompiled run. Not under FSDP2. Holds a quantized copy of those weights.
     reuse_quantized_weights: bool = True
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
