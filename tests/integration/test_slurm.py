@@ -87,9 +87,11 @@ def test_runs_train_cancel_and_resume_through_slurm(slurm_stack):
     stack.wait(lambda: _job_state(stack, job) == "COMPLETED", 60, "the Slurm job to complete")
 
     def logs():
-        return [a for a in stack.api.get(f"/runs/{run_id}/artifacts").json() if a["kind"] == "log"]
-    logs = stack.wait(logs, 60, "the ranks' logs recorded as artifacts")
-    assert sorted(a["meta"]["rank"] for a in logs if a["meta"].get("rank") is not None) == [0, 1]
+        # The worker records the job's log files one by one: wait for both ranks', not for the first file.
+        found = [a for a in stack.api.get(f"/runs/{run_id}/artifacts").json() if a["kind"] == "log"]
+        ranks = sorted(a["meta"]["rank"] for a in found if a["meta"].get("rank") is not None)
+        return found if ranks == [0, 1] else None
+    logs = stack.wait(logs, 60, "both ranks' logs recorded as artifacts")
     assert all(a["exists"] and not a["path"].startswith("/") for a in logs)
 
     exp = stack.wait_final(requeued["id"], timeout=300)
