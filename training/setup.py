@@ -24,6 +24,7 @@ from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, c
                             meta_model, model_config)
 from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
 from training.parallel import OverlappedShardedStep, apply_activation_checkpointing, resolve_parallel, shard_model
+from training.precision.weight_reuse import QuantizedWeightReuse
 from training.sink import MetricSink
 
 
@@ -79,7 +80,7 @@ class Run:
                 "world_size": self.ctx.world, "param_dtype": self.param_dtype, "fused_qkv": self.fused_qkv,
                 "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer,
                 "parallel": self.parallel, "activation_checkpointing": self.activation_checkpointing,
-                "reuse_quantized_weights": any(type(h).__name__ == "QuantizedWeightReuse" for h in self.hooks),
+                "reuse_quantized_weights": any(isinstance(h, QuantizedWeightReuse) for h in self.hooks),
                 "data": dict(self.dataset.info)}
 
 
@@ -155,8 +156,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
 
 def _weight_reuse(model, t, parallel: str) -> list:
     """[QuantizedWeightReuse] when this run quantizes its weights once per step for all its micro-batches."""
-    from training.model import decoder_blocks
-    from training.precision.weight_reuse import QuantizedWeightReuse, reuse_applies
+    from training.precision.weight_reuse import reuse_applies
 
     if reuse_applies(t.grad_accum, parallel, t.perf.reuse_quantized_weights) is not None:
         return []

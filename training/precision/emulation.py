@@ -185,7 +185,6 @@ class QuantizedLinear(nn.Linear):
     forward, as without reuse. Its first element names the path it was made for; a forward on another path
     (e.g. a CPU copy of a GPU-cached module) quantizes W itself."""
 
-    reuses_quantized_weight = True  # False where W's quantization is not a pure function of W (fp8_delayed)
 
     def __init__(self, linear: nn.Linear, quantizer: GemmQuantizer, recipe: str):
         nn.Module.__init__(self)
@@ -212,7 +211,8 @@ class QuantizedLinear(nn.Linear):
         return c[1:] if c is not None and c[0] == path else ()
 
     def reuses_weight_when(self, compiled: bool) -> bool:
-        """Whether caching W pays here. The torch quantizers under torch.compile: no. The compiled forward
+        """Whether W may be cached (its quantization a pure function of W) and caching pays here. The torch
+        quantizers under torch.compile: no. The compiled forward
         quantizes W inside the layer's graph at no host cost, while a cache would need W quantized by the same
         inductor kernels (eager arithmetic can differ in the last bit) in a compiled call of its own per linear:
         on an H100 that host time cost more than it saved (nvfp4, grad_accum 2: 191.8 against 180.1 ms)."""

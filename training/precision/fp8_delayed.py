@@ -211,7 +211,8 @@ def _advance_history(history: torch.Tensor, pending: torch.Tensor, scales: torch
 
 
 class DelayedScalingLinear(QuantizedLinear):
-    reuses_quantized_weight = False  # W's scale comes from an amax history that every micro-batch updates
+    def reuses_weight_when(self, compiled: bool) -> bool:
+        return False  # W's scale comes from an amax history that every micro-batch updates
 
     def __init__(self, linear: nn.Linear, history_len: int, real: bool, fused_cast: bool = False):
         super().__init__(linear, GemmQuantizer(), "fp8_delayed")

@@ -124,17 +124,15 @@ class NVFP4FusedFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).to(out_dtype)
         h = quantizer.rht_operand(x2.device)
         xa, xb, pts = nvfp4_dual_quantize(x2, h, rht=quantizer.rht, stochastic=False)
-        wq = Quantized(wf, wf_outer) if wf is not None else quantizer.weight_fprop(weight, dtype=torch.bfloat16)
+        if wf is not None:
+            wq, w_dgrad = Quantized(wf, wf_outer), (Quantized(wd, wd_outer) if wd is not None else None)
+        else:
+            wq, w_dgrad = fused_weight_operands(quantizer, weight)
         y = emulated_mm(Quantized(xa, pts[0]), wq, out_dtype, bias)
-        if wd is not None:  # the cached Dgrad operand (W^T, a view)
-            ctx.save_for_backward(xb, pts, weight, wd, wd_outer)
-            ctx.cached_dgrad = True
-        elif quantizer.weight_2d:
-            ctx.save_for_backward(xb, pts, weight, wq.values, wq.outer)
-            ctx.cached_dgrad = False
+        if w_dgrad is not None:  # W^T for Dgrad, known now (16x16 tiles, or cached): saved, not requantized
+            ctx.save_for_backward(xb, pts, weight, w_dgrad.values, w_dgrad.outer)
         else:
             ctx.save_for_backward(xb, pts, weight)
-            ctx.cached_dgrad = False
         ctx.quantizer = quantizer
         ctx.has_bias = bias is not None
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -153,10 +151,7 @@ class NVFP4FusedFn(torch.autograd.Function):
                                                stochastic=q.stochastic_rounding)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            if ctx.cached_dgrad:
-                w_dgrad = Quantized(wq[0], wq[1])
-            else:
-                w_dgrad = Quantized(wq[0], wq[1]).t() if wq else q.weight_dgrad(weight, dtype=torch.bfloat16)
+            w_dgrad = Quantized(wq[0], wq[1]) if wq else q.weight_dgrad(weight, dtype=torch.bfloat16)
             grad_x = emulated_mm(Quantized(dya, pts_dy[0]), w_dgrad, ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = emulated_mm(Quantized(dyb, pts_dy[1]).t(), Quantized(xb, pts_x[1]).t(), weight.dtype)
@@ -186,10 +181,16 @@ class NVFP4EmulatedLinear(QuantizedLinear):
 
         if not (self.weight.is_cuda and nvfp4_triton.HAVE_TRITON and self.quantizer.fused):
             return super().refresh_weight_cache()
-        q = self.quantizer
-        f = q.weight_fprop(self.weight, dtype=torch.bfloat16)
-        d = f.t() if q.weight_2d else q.weight_dgrad(self.weight, dtype=torch.bfloat16)
+        f, d = fused_weight_operands(self.quantizer, self.weight)
+        d = d or self.quantizer.weight_dgrad(self.weight, dtype=torch.bfloat16)
         self.cached_weight = ("fused", f.values, f.outer, d.values, d.outer)
+
+
+def fused_weight_operands(q: NVFP4Quantizer, w: torch.Tensor) -> tuple[Quantized, Quantized | None]:
+    """W's Fprop operand on the fused path (BF16), and its Dgrad operand where that is the same quantization
+    transposed (16x16 tiles); None: 1x16 blocks along the other dimension, quantized when Dgrad needs them."""
+    f = q.weight_fprop(w, dtype=torch.bfloat16)
+    return f, (f.t() if q.weight_2d else None)
 
 
 class NVFP4EmulatedGemmOps(EmulatedTorchaoOps):

@@ -35,8 +35,7 @@ class QuantizedWeightReuse:
     def __init__(self, blocks: list[torch.nn.Module], *, compiled: bool = False):
         self.blocks: list[tuple[torch.nn.Module, list[QuantizedLinear]]] = []
         for block in blocks:
-            linears = [m for m in block.modules() if isinstance(m, QuantizedLinear)
-                       and type(m).reuses_quantized_weight and m.reuses_weight_when(compiled)]
+            linears = [m for m in block.modules() if isinstance(m, QuantizedLinear) and m.reuses_weight_when(compiled)]
             if linears:
                 self.blocks.append((block, linears))
         self.stale = [True] * len(self.blocks)
