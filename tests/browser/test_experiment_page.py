@@ -30,7 +30,8 @@ def test_experiment_page_draws_one_loss_trace_per_run_and_no_console_errors(serv
     assert rows.count() == 3
     assert page.locator("#runs-table .badge.status-succeeded").count() == 3
     assert page.locator("#runs-table .gemm-emulated").count() == 1
-    # All runs are final: the page must stop polling.
+    # All runs are final: the page must stop polling (the state the script writes, not the template's default).
+    page.wait_for_function("() => document.getElementById('live-status').dataset.state === 'done'")
     assert page.locator("#live-status").get_attribute("data-polling") == "false"
     assert page.console_log.errors == []
 

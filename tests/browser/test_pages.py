@@ -201,8 +201,10 @@ def test_states_failed_record_only_and_queued_without_a_worker(server, page, fin
     row = page.locator(f"#runs-table tr[data-run-id='{rec['id']}']")
     row.locator(".badge.record-only").wait_for()
     assert row.locator("button.cancel-run").count() == 0
-    page.wait_for_function("() => document.getElementById('live-status').dataset.polling === 'false'")
-    assert "record-only" in status.inner_text()
+    # The template's own data-polling="false" holds before the script's first poll: wait for the state the
+    # script writes once it has drawn the runs and the worker note.
+    page.wait_for_function("() => document.getElementById('live-status').dataset.state === 'done'")
+    assert "record-only" in status.inner_text() and status.get_attribute("data-polling") == "false"
     # Panels with nothing to show are one line.
     assert page.locator("#numerics-panel.collapsed .empty-note").is_visible()
     assert page.console_log.errors == []
