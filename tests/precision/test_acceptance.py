@@ -24,38 +24,57 @@ SPEC = {
 }
 
 
-def _train_every_recipe(cache) -> dict:
-    out = {}
-    for recipe in RECIPES:
-        sink = ListSink()
-        result = train({**SPEC, "recipe": recipe}, sink, cache_dir=cache)
-        first = next(p["metrics"]["train/loss"] for p in sink.points if "train/loss" in p["metrics"])
-        report = next(e["report"] for e in sink.events if e["kind"] == "conversion_report")
-        out[recipe] = (result, first, report)
-    return out
+def _train(recipe: str, cache) -> tuple:
+    sink = ListSink()
+    result = train({**SPEC, "recipe": recipe}, sink, cache_dir=cache)
+    first = next(p["metrics"]["train/loss"] for p in sink.points if "train/loss" in p["metrics"])
+    report = next(e["report"] for e in sink.events if e["kind"] == "conversion_report")
+    return result, first, report
+
+
+class _Runs:
+    """Each recipe's run, trained once per test session, when a test first asks for it. Under pytest-xdist the
+    module's tests land on both workers: the first worker to ask for a recipe trains it, under a lock on that
+    recipe in the session's shared temporary folder, and the others read its result - so the two workers train
+    different recipes at once instead of one training all seven while the other waits on the lock."""
+
+    def __init__(self, shared, make_cache):
+        self._shared, self._make_cache, self._cache, self._got = shared, make_cache, None, {}
+
+    def __getitem__(self, recipe: str) -> tuple:
+        if recipe not in self._got:
+            self._got[recipe] = self._load_or_train(recipe)
+        return self._got[recipe]
+
+    def _train(self, recipe: str) -> tuple:
+        if self._cache is None:
+            self._cache = self._make_cache()
+        return _train(recipe, self._cache)
+
+    def _load_or_train(self, recipe: str) -> tuple:
+        if self._shared is None:  # one process
+            return self._train(recipe)
+        store = self._shared / f"acceptance-run-{recipe}.pkl"
+        with open(self._shared / f"acceptance-run-{recipe}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not store.exists():
+                store.write_bytes(pickle.dumps(self._train(recipe)))
+            return pickle.loads(store.read_bytes())
 
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """The seven runs, trained once per test session. Under pytest-xdist's work stealing this module's tests can
-    land on both workers, and a worker that leaves the module and comes back rebuilds a module fixture (the CI log
-    showed them trained three times, ~7 minutes of the suite): the first worker to get here trains, under a lock on
-    the session's shared temporary folder, and the others read its results."""
-    if getattr(request.config, "workerinput", None) is None:  # one process: built once anyway
-        return _train_every_recipe(tmp_path_factory.mktemp("plab-cache"))
-    shared = tmp_path_factory.getbasetemp().parent  # this session's folder, common to its workers
-    store = shared / "acceptance-runs.pkl"
-    with open(shared / "acceptance-runs.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not store.exists():
-            store.write_bytes(pickle.dumps(_train_every_recipe(tmp_path_factory.mktemp("plab-cache"))))
-        return pickle.loads(store.read_bytes())
+    """The seven runs, each trained once per test session (a worker that leaves the module and comes back rebuilds
+    a module fixture, which then reads the stored runs)."""
+    shared = (None if getattr(request.config, "workerinput", None) is None
+              else tmp_path_factory.getbasetemp().parent)  # this session's folder, common to its workers
+    return _Runs(shared, lambda: tmp_path_factory.mktemp("plab-cache"))
 
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "bf16"])
 def test_every_recipe_trains_to_within_3_percent_of_bf16(runs, recipe):
+    result, first, report = runs[recipe]  # before bf16's, so that two workers start on two recipes at once
     base, base_first, _ = runs["bf16"]
-    result, first, report = runs[recipe]
     assert result.status == "succeeded" and result.steps == STEPS
     assert result.gemm_backend == ("bf16" if report["converted_layers"] == 0 else "emulated")
     assert report["converted_layers"] > 0, f"{recipe} converted nothing on the tiny model"
