@@ -141,13 +141,33 @@ def _model_label(model: str, results: list[dict]) -> str:
     return f"{model} ({params / 1e9:.2f}B)" if params else model
 
 
+def model_value(model: str):
+    """The spec's `model` for --model: a preset name as is, or `PRESET:key=value,...` as that preset's dims with
+    some changed (e.g. `8b:num_hidden_layers=40`, Llama-3-8B's blocks 40 deep), which the spec validates."""
+    from training.config import CUSTOM_MODEL_KEYS, MODEL_PRESETS
+
+    preset, colon, opts = model.partition(":")
+    if not colon:
+        return model
+    if preset not in MODEL_PRESETS:
+        raise SystemExit(f"--model {model!r}: unknown preset {preset!r}; use one of {list(MODEL_PRESETS)}")
+    dims = dict(MODEL_PRESETS[preset])
+    for item in filter(None, opts.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in CUSTOM_MODEL_KEYS or not value.isdigit():
+            raise SystemExit(f"--model {model!r}: expected key=positive integer with key one of "
+                             f"{list(CUSTOM_MODEL_KEYS)}, got {item!r}")
+        dims[key] = int(value)
+    return dims
+
+
 def run_spec(config: dict, *, steps: int, batch: int, seq: int, model: str = "1b", device: str = "cuda",
              gpus: int = 1) -> dict:
     training = {"steps": steps, "batch_size": batch, "gpus": gpus, "lr": 1e-4, "warmup_steps": 1, "val_every": 0,
                 "val_batches": 0, "checkpoint_every": 0, "compile": True, "device": device,
                 "perf": dict(config["perf"])}
     training.update(config["training"])
-    return {"model": model, "data": {"corpus": "random", "vocab_size": 32000, "seq_len": seq},
+    return {"model": model_value(model), "data": {"corpus": "random", "vocab_size": 32000, "seq_len": seq},
             "training": training, "seed": 0, "recipe": config["recipe"],
             "recipe_options": dict(config.get("recipe_options", {}))}
 
@@ -631,7 +651,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", default="bf16",
                     help="the config label the 'vs bf16' column divides by (e.g. bf16:grad_accum=2 for a scaling run)")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
-    ap.add_argument("--model", default="1b", help="model preset (1b is the anchor's shape)")
+    ap.add_argument("--model", default="1b",
+                    help="model preset (1b is the anchor's shape), or PRESET:key=value,... for that preset with "
+                         "some dims changed, e.g. 8b:num_hidden_layers=40")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--concurrency", type=int, default=2,
                     help="configs built and compiled at once (each is then timed alone); one whose memory the group's "
@@ -653,6 +675,11 @@ def main(argv=None) -> int:
         ap.error(f"--concurrency must be >= 1, got {a.concurrency}")
     if not 1 <= a.rounds <= a.steps:
         ap.error(f"--rounds must be between 1 and --steps ({a.steps}), got {a.rounds}")
+    from training.config import ModelSpec, SpecError
+    try:
+        ModelSpec.from_value(model_value(a.model))
+    except SpecError as e:
+        ap.error(f"--model {a.model!r}: {e}")
 
     if a.worker is not None:
         res = worker(a.worker, a.steps, a.warmup, a.batch, a.seq, Path(a.worker_out), a.model, a.device, a.gpus,

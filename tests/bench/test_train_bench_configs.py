@@ -59,3 +59,21 @@ def test_recipe_options_parse_into_the_run_spec(bench):
     spec = bench.run_spec(config, steps=3, batch=8, seq=64, model="tiny", device="cpu")
     assert spec["recipe_options"] == {"fused_quantize": False, "scale_rounding": "floor"}
     assert bench.run_spec(bench.parse_config("bf16"), steps=3, batch=8, seq=64)["recipe_options"] == {}
+
+
+def test_model_takes_a_preset_with_some_dims_changed(bench):
+    from training.config import MODEL_PRESETS, ModelSpec
+
+    assert bench.run_spec(bench.parse_config("bf16"), steps=1, batch=1, seq=8, model="8b")["model"] == "8b"
+    deeper = bench.run_spec(bench.parse_config("bf16"), steps=1, batch=1, seq=8, model="8b:num_hidden_layers=40")
+    assert deeper["model"] == {**MODEL_PRESETS["8b"], "num_hidden_layers": 40}
+    assert ModelSpec.from_value(deeper["model"]).num_hidden_layers == 40
+    for bad in ("9b:num_hidden_layers=40", "8b:layers=40", "8b:num_hidden_layers=-1", "8b:num_hidden_layers"):
+        with pytest.raises(SystemExit, match="--model"):
+            bench.model_value(bad)
+
+
+def test_a_model_the_spec_refuses_stops_the_bench_before_it_starts(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "8b:num_attention_heads=7", "--device", "cpu", "--no-anchor", "--configs", "bf16"])
+    assert "--model '8b:num_attention_heads=7'" in capsys.readouterr().err
