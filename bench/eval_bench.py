@@ -35,7 +35,7 @@ from bench.benchmeta import git_commit  # noqa: E402
 BUDGET_S = 600  # the bar: all shipped tasks in under 10 minutes on one H100
 
 
-def build_checkpoint(dest: Path, corpus: str, vocab_size: int, seq_len: int) -> dict:
+def build_checkpoint(dest: Path, corpus: str, vocab_size: int, seq_len: int, preset: str = "125m") -> dict:
     from training.model import build_model, llama_config
     from training.tokenizer import get_tokenizer
 
@@ -43,7 +43,7 @@ def build_checkpoint(dest: Path, corpus: str, vocab_size: int, seq_len: int) -> 
     t0 = time.perf_counter()
     tokenizer = get_tokenizer(data_dir / corpus, vocab_size, cache_dir=dest.parent / "cache")
     t_tok = time.perf_counter() - t0
-    config = llama_config("125m", vocab_size=vocab_size, seq_len=seq_len)
+    config = llama_config(preset, vocab_size=vocab_size, seq_len=seq_len)
     model = build_model(config, seed=0)
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)

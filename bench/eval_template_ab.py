@@ -6,10 +6,11 @@ plain, cached, ...), and keeps each task's fastest time per mode, so a first rou
 caches do not favour either side. The metrics of both modes must be equal (the prompts are the same strings);
 the script fails if they are not.
 
-    PLAB_DATA_DIR=../shared/data python bench/eval_template_ab.py --checkpoint DIR --device cpu \
+    PLAB_DATA_DIR=../shared/data python bench/eval_template_ab.py --preset tiny --device cpu \
         --tasks plab_arc_easy,plab_blimp --limit 200
 
-Without --checkpoint it builds eval_bench's random 125m checkpoint. Writes
+Without --checkpoint it builds a random-init checkpoint of `--preset` (125m, as eval_bench; tiny on a CPU) with
+eval_bench's tokenizer (32,000 BPE tokens on Tiny Shakespeare). Writes
 bench/results/eval_template_ab_<device>_<time>.json (and $OUT/eval_template_ab.json when $OUT is set).
 """
 
@@ -69,7 +70,8 @@ def run(checkpoint, tasks: str, limit, device: str, batch_size, rounds: int) -> 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", default=None, help="HF checkpoint dir (default: eval_bench's random 125m)")
+    parser.add_argument("--checkpoint", default=None, help="HF checkpoint dir (default: a random-init --preset model)")
+    parser.add_argument("--preset", default="125m", help="model preset of the random-init checkpoint (e.g. tiny on a CPU)")
     parser.add_argument("--tasks", default="plab_arc_easy,plab_blimp")
     parser.add_argument("--limit", type=int, default=None, help="documents per task (per BLiMP paradigm)")
     parser.add_argument("--device", default="auto")
@@ -89,8 +91,8 @@ def main(argv=None) -> int:
         checkpoint = args.checkpoint
         if checkpoint is None:
             from bench.eval_bench import build_checkpoint
-            checkpoint = Path(tmp) / "ckpt-125m"
-            build_checkpoint(checkpoint, "tinyshakespeare", 32000, 2048)
+            checkpoint = Path(tmp) / f"ckpt-{args.preset}"
+            build_checkpoint(checkpoint, "tinyshakespeare", 32000, 2048, preset=args.preset)
         ab = run(checkpoint, args.tasks, args.limit, args.device, batch_size, args.rounds)
 
     print(f"\n{'task':<24} {'plain s':>8} {'cached s':>9} {'speedup':>8}   (fastest of {args.rounds} per mode)")
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
         print(f"{name:<24} {plain:8.1f} {ab['time_s']['cached'][name]:9.1f} {ab['speedup'][name]:7.2f}x")
     summary = {"bench": "eval_template_ab", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                "device": device_name, "cpu_threads": torch.get_num_threads(), "git_commit": git_commit(),
-               "checkpoint": str(args.checkpoint or "random-init 125m"), "tasks": args.tasks, "limit": args.limit,
+               "checkpoint": str(args.checkpoint or f"random-init {args.preset}, vocabulary 32000"), "tasks": args.tasks, "limit": args.limit,
                "rounds": args.rounds, **ab}
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M")
     slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
