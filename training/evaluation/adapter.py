@@ -516,8 +516,8 @@ def _compile_templates_once() -> None:
     """Make lm-eval compile each of a task's Jinja templates once instead of once per document.
 
     `lm_eval.utils.apply_template` (0.4.x) calls `env.from_string(template)` on every call: the doc_to_text,
-    doc_to_choice and doc_to_target of every document are parsed and compiled again, ~1-2 ms each on a CPU core,
-    ~15 % of a full plab_arc_easy run of a tiny model on CPU and more of BLiMP's 67,000 documents. The replacement
+    doc_to_choice and doc_to_target of every document are parsed and compiled again, ~1 ms per document on a CPU
+    core (bench/eval_template_ab.py: BLiMP 1.10x faster with a tiny model on a CPU). The replacement
     keeps the compiled `Template` per template string, from the same environment (same filters,
     `StrictUndefined`), and renders it with the same document, so every prompt is the same string; lm-eval looks
     the function up as `utils.apply_template` at each call, so this reaches every task. Installed once per
