@@ -17,3 +17,22 @@ def git_commit() -> str:
                               timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def write_result(summary: dict, bench: str, device_name: str) -> list[Path]:
+    """`summary` as JSON in bench/results/<bench>_<device>_<UTC time>.json and, when $OUT is set (the GPU
+    machine), as $OUT/<bench>.json; prints and returns the paths."""
+    import datetime as dt
+    import json
+
+    text = json.dumps(summary, indent=1)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+    paths = [REPO / "bench" / "results" / f"{bench}_{slug}_{stamp}.json"]
+    if os.environ.get("OUT"):
+        paths.append(Path(os.environ["OUT"]) / f"{bench}.json")
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    return paths

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.benchmeta import git_commit  # noqa: E402
+from bench.benchmeta import git_commit, write_result  # noqa: E402
 
 BUDGET_S = 600  # the bar: all shipped tasks in under 10 minutes on one H100
 
@@ -113,16 +112,7 @@ def main(argv=None) -> int:
         "within_budget": total < BUDGET_S,
         "result": {**result, "tasks": {n: {k: v for k, v in t.items() if k != "samples"} for n, t in result["tasks"].items()}},
     }
-    text = json.dumps(summary, indent=1)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
-    paths = [REPO / "bench" / "results" / f"eval_bench_{slug}_{stamp}.json"]
-    if os.environ.get("OUT"):
-        paths.append(Path(os.environ["OUT"]) / "eval_bench.json")
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}")
+    write_result(summary, "eval_bench", device_name)
     return 0
 
 

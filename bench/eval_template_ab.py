@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.benchmeta import git_commit  # noqa: E402
+from bench.benchmeta import git_commit, write_result  # noqa: E402
 
 
 def _metrics(result: dict) -> dict:
@@ -100,16 +100,9 @@ def main(argv=None) -> int:
         print(f"{name:<24} {plain:8.1f} {ab['time_s']['cached'][name]:9.1f} {ab['speedup'][name]:7.2f}x")
     summary = {"bench": "eval_template_ab", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                "device": device_name, "cpu_threads": torch.get_num_threads(), "git_commit": git_commit(),
-               "checkpoint": str(args.checkpoint or f"random-init {args.preset}, vocabulary 32000"), "tasks": args.tasks, "limit": args.limit,
-               "rounds": args.rounds, **ab}
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M")
-    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
-    paths = [REPO / "bench" / "results" / f"eval_template_ab_{slug}_{stamp}.json"]
-    if os.environ.get("OUT"):
-        paths.append(Path(os.environ["OUT"]) / "eval_template_ab.json")
-    for path in paths:
-        path.write_text(json.dumps(summary, indent=1))
-        print(f"wrote {path}")
+               "checkpoint": str(args.checkpoint or f"random-init {args.preset}, vocabulary 32000"),
+               "tasks": args.tasks, "limit": args.limit, "rounds": args.rounds, **ab}
+    write_result(summary, "eval_template_ab", device_name)
     return 0
 
 

@@ -46,19 +46,19 @@ class _Runs:
             self._got[recipe] = self._load_or_train(recipe)
         return self._got[recipe]
 
-    def _train(self, recipe: str) -> tuple:
+    def _train_here(self, recipe: str) -> tuple:
         if self._cache is None:
             self._cache = self._make_cache()
         return _train(recipe, self._cache)
 
     def _load_or_train(self, recipe: str) -> tuple:
         if self._shared is None:  # one process
-            return self._train(recipe)
+            return self._train_here(recipe)
         store = self._shared / f"acceptance-run-{recipe}.pkl"
         with open(self._shared / f"acceptance-run-{recipe}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not store.exists():
-                store.write_bytes(pickle.dumps(self._train(recipe)))
+                store.write_bytes(pickle.dumps(self._train_here(recipe)))
             return pickle.loads(store.read_bytes())
 
 
