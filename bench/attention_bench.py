@@ -82,7 +82,7 @@ def _auto_choice(q, k, v) -> str:
 
 def run(a) -> dict:
     dev = torch.device("cuda")
-    ceilings = device_ceilings(dev)
+    ceilings = device_ceilings()
     q, k, v, dout = _inputs(a, dev)
     with sdpa_kernel([SDPBackend.MATH]):
         ref = _fwd_bwd(*(t.float() for t in (q, k, v, dout)), gqa="repeat")
