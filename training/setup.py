@@ -53,6 +53,7 @@ class Run:
     flops_per_token: float
     micro_batch: int
     model_info: dict = field(default_factory=dict)  # training.model.describe_model: architecture, params, source
+    compile_mode: str | None = None    # the torch.compile mode the step runs under (None: inductor's default)
 
     @property
     def on_cuda(self) -> bool:
@@ -81,6 +82,7 @@ class Run:
                 "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer,
                 "parallel": self.parallel, "activation_checkpointing": self.activation_checkpointing,
                 "reuse_quantized_weights": any(isinstance(h, QuantizedWeightReuse) for h in self.hooks),
+                "compile_mode": self.compile_mode if self.spec.training.compile else None,
                 "data": dict(self.dataset.info)}
 
 
@@ -128,14 +130,15 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
         net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=False, parallel=parallel,
                                        bf16_compute=param_dtype == "bf16")
     params, optimizer = _optimizer(model, spec, param_dtype, sharded=parallel == "fsdp")
-    # Randomness inside the step (NVFP4's stochastic rounding of gradients) draws from the global generators:
-    # seed them from the run's seed and rank so the same spec reproduces the same run; a resume restores
-    # their exact state from the checkpoint instead.
+    # Randomness in the step (NVFP4's stochastic rounding) draws from the global generators: seeded from the run's
+    # seed and rank so a spec reproduces its run; a resume restores their exact state from the checkpoint.
     torch.manual_seed(spec.seed * 1_000_003 + ctx.rank)
 
     overlap = on_cuda and param_dtype == "bf16" and t.perf.overlap_optimizer and parallel != "fsdp"
+    mode = _compile_mode(t, report, parallel, on_cuda, ac, per_layer=overlap)
     if parallel != "fsdp":
-        net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=overlap, parallel=parallel)
+        net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=overlap, parallel=parallel,
+                                       compile_mode=mode)
     stepper = OverlappedOptimizerStep(optimizer, _forward_buckets(model, params)) if overlap else None
     # After the stepper: the blocks' reuse hooks must run after its per-block waits.
     hooks = list(getattr(report, "hooks", []) or []) + _weight_reuse(model, t, parallel)
@@ -146,12 +149,23 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
         stepper = OverlappedShardedStep(optimizer, net, list(decoder_blocks(model)))
     return Run(spec=spec, ctx=ctx, device=device, device_name=device_name, param_dtype=param_dtype,
                autocast=autocast, tokenizer=tokenizer, dataset=dataset, model=model, report=report,
-               hooks=hooks, params=params,
-               optimizer=optimizer, net=net, eval_net=eval_net, stepper=stepper, parallel=parallel,
-               activation_checkpointing=ac, fused_qkv=fused_qkv,
+               hooks=hooks, params=params, optimizer=optimizer, net=net, eval_net=eval_net, stepper=stepper,
+               parallel=parallel, activation_checkpointing=ac, fused_qkv=fused_qkv,
                flops_per_token=flops_per_token(model.config, spec.data.seq_len),
                micro_batch=t.batch_size // (t.grad_accum * ctx.world),
-               model_info=describe_model(model, spec.model))
+               model_info=describe_model(model, spec.model), compile_mode=mode)
+
+
+def _compile_mode(t, report, parallel: str, on_cuda: bool, ac: dict, *, per_layer: bool) -> str | None:
+    """`training.perf.compile_mode` when the run names one; else the recipe's own (RecipeReport.compile_mode,
+    fp8_blockwise's CUDA graphs) where it has been measured to work: one process on a GPU, the layers compiled
+    one by one, no activation checkpointing; else inductor's default (None)."""
+    if t.perf.compile_mode is not None or not t.compile:
+        return t.perf.compile_mode
+    scope_ok = t.perf.compile_scope == "layers" or (t.perf.compile_scope == "auto" and per_layer)
+    if report.compile_mode and on_cuda and parallel == "single" and scope_ok and ac.get("mode") == "none":
+        return report.compile_mode
+    return None
 
 
 def _weight_reuse(model, t, parallel: str) -> list:
@@ -327,7 +341,7 @@ def _optimizer(model: torch.nn.Module, spec: RunSpec, param_dtype: str, *, shard
 
 
 def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device, *, compile_per_layer: bool,
-                   parallel: str = "single", bf16_compute: bool = False):
+                   parallel: str = "single", bf16_compute: bool = False, compile_mode: str | None = None):
     """(net, eval_net): the loss module for training steps (under DDP, or sharded by FSDP2, when several ranks
     train) and for validation, compiled as `training.compile` and `perf.compile_scope` ask. Under FSDP2 the
     blocks are compiled one by one before sharding (the sharding hooks run between them)."""
@@ -349,10 +363,10 @@ def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device,
                   bucket_cap_mb=t.perf.ddp_bucket_mb, static_graph=t.perf.ddp_static_graph)
     scope = t.perf.compile_scope if t.perf.compile_scope != "auto" else ("layers" if compile_per_layer else "model")
     if t.compile and scope == "layers":
-        compile_layers(loss_module, t.perf.compile_mode)
+        compile_layers(loss_module, compile_mode)
     elif t.compile:
-        net = torch.compile(net, mode=t.perf.compile_mode)
-        eval_net = torch.compile(loss_module, mode=t.perf.compile_mode)
+        net = torch.compile(net, mode=compile_mode)
+        eval_net = torch.compile(loss_module, mode=compile_mode)
     return net, eval_net
 
 

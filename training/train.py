@@ -204,8 +204,7 @@ def _mark_cudagraph_step(run: Run) -> None:
     trees cannot tell where a step begins: each layer's next forward finds backwards still pending and takes the
     slow path (warning "Unable to hit fast path of CUDAGraphs because of pending, uninvoked backwards"), copying
     its inputs into the graphs' buffers. Marking each step's start lets them replay."""
-    t = run.spec.training
-    if run.on_cuda and t.compile and t.perf.compile_mode == "reduce-overhead":
+    if run.on_cuda and run.spec.training.compile and run.compile_mode == "reduce-overhead":
         torch.compiler.cudagraph_mark_step_begin()
 
 

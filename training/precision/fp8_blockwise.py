@@ -269,6 +269,13 @@ class FP8BlockwiseRecipe(Recipe):
 
         return QuantizedLinear(linear, quantizer, self.name), quantizer, f"emulated: {quantizer.describe()}"
 
+    def compile_mode(self, options, real):
+        # torchao's quantizers and GEMM are launched from Python (~1,500 launches per 1b step): without graphs the
+        # step waits on the host and stalls (bench/NOTES_floor.md section 22).
+        if real and options["traced_gemm"] and options["cuda_graphs"] and not options.get("fsdp"):
+            return "reduce-overhead"
+        return None
+
     def gemm_ops(self, device):
         if has_capability(device, self.min_capability):
             return BlockwiseGemmOps(self.name, device, self.gemm_error_bound)

@@ -113,6 +113,11 @@ class Recipe:
     def make_hooks(self, converted: list[tuple[str, nn.Module]], options: dict) -> list:
         return []
 
+    def compile_mode(self, options: dict, real: bool) -> Optional[str]:
+        """The torch.compile mode this recipe's layers run best under when the run does not name one
+        (training.perf.compile_mode unset), or None for inductor's default."""
+        return None
+
     # The GEMM benchmark's relative-error bound ‖C − C_bf16‖ / ‖C_bf16‖ for a GEMM of Gaussian operands in this
     # recipe's format: about twice the expected error (two quantized operands, errors adding in quadrature), so
     # shape effects pass and a broken quantizer (error ≈ 1) fails. Recipes that own a GEMM format set it.
@@ -138,6 +143,7 @@ class RecipeReport:
     backend_requested: str = "auto"
     device: str = "cpu"
     notes: list = field(default_factory=list)
+    compile_mode: Optional[str] = None  # Recipe.compile_mode: the mode the recipe asks for when the run names none
     probe: NumericsProbe = field(default_factory=NumericsProbe, repr=False)
 
     def to_dict(self) -> dict:
@@ -154,6 +160,7 @@ class RecipeReport:
             "total_layers": len(self.layers),
             "layers": [dict(layer) for layer in self.layers],
             "notes": list(self.notes),
+            "compile_mode": self.compile_mode,
         }
 
     def set_numerics_sampling(self, on: bool) -> None:
@@ -185,8 +192,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     MoE's batched experts, its router) included. `backend`: "auto" (real kernels where the GPU has them, exact
     emulation elsewhere), "real" (error if unavailable) or "emulated". Returns a RecipeReport.
     Call it before building the optimizer and before torch.compile. `fsdp`: the model will be sharded with
-    FSDP2 (recipes with a sharding-aware form use it: torchao's FP8 all-gather); not a recipe option.
-    """
+    FSDP2 (recipes with a sharding-aware form use it: torchao's FP8 all-gather); not a recipe option."""
     recipe = get_recipe(name)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -253,6 +259,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     if backends_used:
         report.gemm_backend = "emulated" if "emulated" in backends_used else "real"
     report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
+    report.compile_mode = recipe.compile_mode({**resolved, "fsdp": fsdp}, real) if converted else None
     return report
 
 
