@@ -406,6 +406,7 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         "tokens_per_s": tokens_per_step / step_s, "step_time_s": step_s, "gpus": gpus,
         "tokens_per_s_per_gpu": tokens_per_step / step_s / gpus, "parallel": result.summary.get("parallel"),
         "activation_checkpointing": result.summary.get("activation_checkpointing"),
+        "compile_mode": result.summary.get("compile_mode"),
         "step_time_min_s": min(m["perf/step_time_s"] for m in timed),
         "step_time_max_s": max(m["perf/step_time_s"] for m in timed),
         "data_wait_share": sum(m["perf/data_wait_s"] for m in timed) / total_step_s,
