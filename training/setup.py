@@ -159,13 +159,13 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
 def _compile_mode(t, report, parallel: str, on_cuda: bool, ac: dict, *, per_layer: bool) -> str | None:
     """`training.perf.compile_mode` when the run names one; else the recipe's own (RecipeReport.compile_mode,
     fp8_blockwise's CUDA graphs) where it has been measured to work: one process on a GPU, the layers compiled
-    one by one, no activation checkpointing; else inductor's default (None)."""
+    one by one, no activation checkpointing, no numerics sampling (its forward hooks read the layers' inputs
+    eagerly); else inductor's default (None)."""
     if t.perf.compile_mode is not None or not t.compile:
         return t.perf.compile_mode
     scope_ok = t.perf.compile_scope == "layers" or (t.perf.compile_scope == "auto" and per_layer)
-    if report.compile_mode and on_cuda and parallel == "single" and scope_ok and ac.get("mode") == "none":
-        return report.compile_mode
-    return None
+    measured = on_cuda and parallel == "single" and scope_ok and ac.get("mode") == "none" and not t.numerics_every
+    return report.compile_mode if measured else None
 
 
 def _weight_reuse(model, t, parallel: str) -> list:

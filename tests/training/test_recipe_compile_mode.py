@@ -23,8 +23,9 @@ def test_blockwise_asks_for_cuda_graphs_only_for_its_traced_real_kernels(options
     assert FP8BlockwiseRecipe().compile_mode(options, real) == expected
 
 
-def _t(mode=None, scope="auto", compile_=True):
-    return SimpleNamespace(compile=compile_, perf=SimpleNamespace(compile_mode=mode, compile_scope=scope))
+def _t(mode=None, scope="auto", compile_=True, numerics_every=0):
+    return SimpleNamespace(compile=compile_, numerics_every=numerics_every,
+                           perf=SimpleNamespace(compile_mode=mode, compile_scope=scope))
 
 
 def _pick(t, recipe_mode=GRAPH, parallel="single", on_cuda=True, ac="none", per_layer=True):
@@ -41,6 +42,10 @@ def test_the_recipes_mode_applies_on_one_gpu_with_per_layer_graphs():
                                 dict(ac="blocks"), dict(per_layer=False), dict(recipe_mode=None)])
 def test_the_recipes_mode_is_not_taken_where_it_was_not_measured(kw):
     assert _pick(_t(), **kw) is None
+
+
+def test_numerics_sampling_keeps_inductors_default():
+    assert _pick(_t(numerics_every=10)) is None
 
 
 def test_a_mode_the_spec_names_wins_and_no_compile_means_no_mode():
