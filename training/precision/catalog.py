@@ -184,8 +184,9 @@ _BUILTIN = (
         options=(_bool("traced_gemm", True, "real kernels: the layer's forward and backward stay inside the "
                                             "compiled graph, torchao's GEMM called through its custom op (false: "
                                             "torchao's fp8_blockwise_mm, which the compiler runs eagerly)"),
-                 _bool("cuda_graphs", True, "real kernels in the compiled graph, one process: the compiled layers "
-                                            "replay as CUDA graphs (torch.compile mode reduce-overhead) unless "
+                 _bool("cuda_graphs", True, "real kernels in the compiled graph, one GPU, layers compiled one by one, "
+                                            "no activation checkpointing or numerics sampling: the layers replay as "
+                                            "CUDA graphs (torch.compile mode reduce-overhead) unless "
                                             "training.perf.compile_mode names a mode; the step is otherwise "
                                             "host-bound (torchao's kernels are launched from Python)")),
         quantizer_bytes=(4, 4),  # 1x128 / 128x128 scales are local
