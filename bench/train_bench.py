@@ -273,7 +273,7 @@ class GpuSampler:
     so a slow config can be told apart from a throttled GPU. Inactive without NVML or a GPU."""
 
     def __init__(self, interval_s: float = 0.1):
-        self.samples: list[tuple[float, int, float, int, int]] = []
+        self.samples: list[tuple[float, int, float, int, int, int]] = []
         self._stop = threading.Event()
         self._thread = None
         try:
@@ -291,11 +291,15 @@ class GpuSampler:
 
     def _run(self, interval_s: float):
         nv, h = self._nvml, self._handle
+        # Why the clock is below its maximum (NVML's clocks event / throttle reasons bitmask: 0x4 software power
+        # cap, 0x20 software thermal, 0x40 hardware thermal, 0x8 hardware slowdown); -1 where NVML lacks it.
+        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
         while not self._stop.wait(interval_s):
             try:
                 self.samples.append((time.perf_counter(), nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
                                      nv.nvmlDeviceGetPowerUsage(h) / 1000.0, nv.nvmlDeviceGetTemperature(h, 0),
-                                     nv.nvmlDeviceGetUtilizationRates(h).gpu))
+                                     nv.nvmlDeviceGetUtilizationRates(h).gpu, reasons(h) if reasons else -1))
             except Exception:  # noqa: BLE001
                 return
 
@@ -303,6 +307,11 @@ class GpuSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+
+    def trace(self, t_from: float, t_to: float) -> list[list[float]]:
+        """[seconds after t_from, SM clock MHz, power W, clock reasons bitmask] of every sample in [t_from, t_to]:
+        what a step's time can be set against (a clock drop at the power limit, say)."""
+        return [[round(s[0] - t_from, 3), s[1], round(s[2], 1), s[5]] for s in self.samples if t_from <= s[0] <= t_to]
 
     def summary(self, t_from: float, t_to: float) -> dict | None:
         window = [s for s in self.samples if t_from <= s[0] <= t_to]
@@ -427,7 +436,18 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         # GPU clock/power while the timed steps' metrics arrived (they are logged metrics_lag steps late).
         "gpu_during_timed_steps": (sampler.summary(sink.log_at.get(timed_steps[0], 0.0), sink.log_at.get(timed_steps[-1], 0.0))
                                    if sampler is not None and timed_steps else None),
+        **_gpu_trace(sampler, sink, timed_steps),
     }
+
+
+def _gpu_trace(sampler, sink, timed_steps: list[int]) -> dict:
+    """The NVML samples from the first timed step's log time to the last one's, and each timed step's log time on
+    the same clock (a step's metrics are logged metrics_lag steps after it ends)."""
+    if sampler is None or not timed_steps or timed_steps[0] not in sink.log_at:
+        return {}
+    t0, t1 = sink.log_at[timed_steps[0]], sink.log_at.get(timed_steps[-1], 0.0)
+    return {"gpu_trace": {"step_logged_s": [round(sink.log_at.get(s, t0) - t0, 3) for s in timed_steps],
+                          "samples_s_mhz_w_reasons": sampler.trace(t0, t1)}}
 
 
 # ---------------------------------------------------------------------------------------------------
