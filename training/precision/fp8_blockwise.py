@@ -271,7 +271,7 @@ class FP8BlockwiseRecipe(Recipe):
 
     def compile_mode(self, options, real):
         # torchao's quantizers and GEMM are launched from Python (~1,500 launches per 1b step): without graphs the
-        # step waits on the host and stalls (bench/NOTES_floor.md section 22).
+        # step waits on the host and stalls (bench/NOTES_floor.md section 23).
         if real and options["traced_gemm"] and options["cuda_graphs"] and not options.get("fsdp"):
             return "reduce-overhead"
         return None
