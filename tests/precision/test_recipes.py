@@ -478,7 +478,13 @@ def test_emulation_matches_torchao_float8_linear_which_also_runs_on_cpu(recipe):
         module, _, how = REGISTRY[recipe].convert(lin, "proj", {}, real)
         assert ("torchao" in how) == real
         x = x0.clone().requires_grad_()
-        y = module(x)
+        try:
+            y = module(x)
+        except RuntimeError as exc:  # torch 2.11's CPU _scaled_mm takes per-tensor scales only (2.13 takes rows)
+            if real and "per-tensor scaling for CPU" in str(exc):
+                pytest.skip(f"the reference cannot run here: torch {torch.__version__}'s CPU _scaled_mm has no "
+                            f"rowwise scales")
+            raise
         y.backward(dy)
         results.append((y.detach(), x.grad, lin.weight.grad))
     for what, a, b in zip(("Y", "dX", "dW"), *results):

@@ -112,13 +112,20 @@ def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias=None) -
     else:
         scale = a.outer if a.outer is not None else b.outer
     if scale is None and bias is None:
-        return out.to(out_dtype)
-    out = out.to(torch.float32)
+        return in_dtype(out, out_dtype)
+    out = in_dtype(out, torch.float32)
     if scale is not None:
         out = out * scale
     if bias is not None:
         out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
+    return in_dtype(out, out_dtype)
+
+
+def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as `dtype`, and `t` itself when it already is: under torch 2.11's torch.compile an autograd.Function
+    whose forward returns a same-dtype `.to()` of its result gets all-zero input gradients (FP32 runs on CPU;
+    fixed by torch 2.13; bench/NOTES_floor.md section 25)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
