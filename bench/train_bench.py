@@ -308,13 +308,16 @@ class GpuSampler:
         if self._thread is not None:
             self._thread.join(timeout=2)
 
+    def window(self, t_from: float, t_to: float) -> list[tuple]:
+        return [s for s in self.samples if t_from <= s[0] <= t_to]
+
     def trace(self, t_from: float, t_to: float) -> list[list[float]]:
         """[seconds after t_from, SM clock MHz, power W, clock reasons bitmask] of every sample in [t_from, t_to]:
         what a step's time can be set against (a clock drop at the power limit, say)."""
-        return [[round(s[0] - t_from, 3), s[1], round(s[2], 1), s[5]] for s in self.samples if t_from <= s[0] <= t_to]
+        return [[round(s[0] - t_from, 3), s[1], round(s[2], 1), s[5]] for s in self.window(t_from, t_to)]
 
     def summary(self, t_from: float, t_to: float) -> dict | None:
-        window = [s for s in self.samples if t_from <= s[0] <= t_to]
+        window = self.window(t_from, t_to)
         if not window:
             return None
         clocks, power = [s[1] for s in window], [s[2] for s in window]

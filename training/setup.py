@@ -82,7 +82,7 @@ class Run:
                 "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer,
                 "parallel": self.parallel, "activation_checkpointing": self.activation_checkpointing,
                 "reuse_quantized_weights": any(isinstance(h, QuantizedWeightReuse) for h in self.hooks),
-                "compile_mode": self.compile_mode if self.spec.training.compile else None,
+                "compile_mode": self.compile_mode,
                 "data": dict(self.dataset.info)}
 
 
@@ -157,11 +157,13 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
 
 
 def _compile_mode(t, report, parallel: str, on_cuda: bool, ac: dict, *, per_layer: bool) -> str | None:
-    """`training.perf.compile_mode` when the run names one; else the recipe's own (RecipeReport.compile_mode,
-    fp8_blockwise's CUDA graphs) where it has been measured to work: one process on a GPU, the layers compiled
-    one by one, no activation checkpointing, no numerics sampling (its forward hooks read the layers' inputs
-    eagerly); else inductor's default (None)."""
-    if t.perf.compile_mode is not None or not t.compile:
+    """None when nothing is compiled; `training.perf.compile_mode` when the run names one; else the recipe's own
+    (RecipeReport.compile_mode, fp8_blockwise's CUDA graphs) where it has been measured to work: one process on a
+    GPU, the layers compiled one by one, no activation checkpointing, no numerics sampling (its forward hooks read
+    the layers' inputs eagerly); else inductor's default (None)."""
+    if not t.compile:
+        return None
+    if t.perf.compile_mode is not None:
         return t.perf.compile_mode
     scope_ok = t.perf.compile_scope == "layers" or (t.perf.compile_scope == "auto" and per_layer)
     measured = on_cuda and parallel == "single" and scope_ok and ac.get("mode") == "none" and not t.numerics_every
