@@ -70,6 +70,45 @@ def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool) -> None:
         # The last block's weights are needed again at once by the backward: keep them gathered (torchtitan).
         fully_shard(layer, mp_policy=mp, reshard_after_forward=not alone and i < len(layers) - 1)
     fully_shard(loss_module, mp_policy=mp)
+    if dist.get_world_size() == 1:
+        for unit in [*layers, loss_module]:
+            unit.set_custom_reduce_scatter(OneRankReduceScatter())
+
+
+def _reduce_scatter_base():
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    return ReduceScatter
+
+
+class OneRankReduceScatter(_reduce_scatter_base()):
+    """FSDP2's reduce-scatter on a one-rank group, without its copy. FSDP2 packs a unit's gradients into a
+    reduce-scatter input buffer (cast to the reduce dtype), allocates an output buffer of the same size, and
+    with one rank copies the one into the other (`reduce_output.copy_(reduce_scatter_input)`): a device-to-device
+    copy of every FP32 gradient, 8 B per parameter, 8.3 ms per 1.14B step on an H100 as a copy-engine memcpy
+    (bench/results/step_profile_2026-11-25T0020_*). Here the output allocation returns the input buffer itself
+    (`allocate` is called for the input, then for the output, in that order, by `foreach_reduce`), so the copy
+    is a no-op (`copy_` of a tensor onto itself returns at once) and the sharded gradients are views of the one
+    buffer: the same values, one FP32 gradient buffer fewer in flight. Installed only on one-rank groups;
+    FSDP2 never calls the comm itself there, and `__call__` refuses a group of several ranks."""
+
+    def __init__(self):
+        self._input: torch.Tensor | None = None
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        pending, self._input = self._input, None
+        if pending is not None:  # the output: the input just packed (one rank: the same size)
+            if pending.dtype != dtype or pending.shape != torch.Size(size):
+                raise RuntimeError("FSDP2 asked for a reduce-scatter output unlike its input on a one-rank group")
+            return pending
+        self._input = torch.empty(*size, dtype=dtype, device=device)
+        return self._input
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        if group.size() != 1:
+            raise RuntimeError("OneRankReduceScatter is for one-rank groups only")
+        if output_tensor.data_ptr() != input_tensor.data_ptr():
+            output_tensor.copy_(input_tensor)
+        return None
 
 
 def _bf16_copy_is_small(module: torch.nn.Module) -> bool:
@@ -111,6 +150,9 @@ class LocalFusedAdamW:
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
+        # max(1, norm / clip) as a device scalar, or None: global-norm clipping folded into the update, which
+        # divides every gradient by it as it reads it (`clip_sharded(..., fold_into=self)`).
+        self.grad_scale: torch.Tensor | None = None
 
     @property
     def usable(self) -> bool:
@@ -137,6 +179,9 @@ class LocalFusedAdamW:
                 break
             batches.append((g, ps, states))
         if fallback:
+            if self.grad_scale is not None:  # the division the fused kernel makes as it reads each gradient
+                torch._foreach_div_([local(p.grad) for g in groups for p in g["params"]
+                                     if id(p) in ids and p.grad is not None], self.grad_scale)
             opt.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in ids]} for g in groups]
             try:
                 opt.step()
@@ -151,24 +196,35 @@ class LocalFusedAdamW:
                                 [local(st["exp_avg"]) for st in states], [local(st["exp_avg_sq"]) for st in states],
                                 [], steps, amsgrad=False, lr=g["lr"], beta1=float(beta1), beta2=float(beta2),
                                 weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
-                                grad_scale=None, found_inf=None)
+                                grad_scale=self.grad_scale, found_inf=None)
 
 
-def clip_sharded(params: list[torch.Tensor], clip: float, device: torch.device) -> torch.Tensor:
+def clip_sharded(params: list[torch.Tensor], clip: float, device: torch.device, *,
+                 fold_into: LocalFusedAdamW | None = None) -> torch.Tensor:
     """Global-norm clipping of sharded (DTensor) gradients: the squared norms of the local shards, summed over
-    ranks in one all-reduce, then every shard scaled in place by min(1, clip / (norm + 1e-6)) like
-    `clip_grad_norm_`. Returns the global norm (a plain device tensor, the same on every rank)."""
+    ranks in one all-reduce; then every gradient divided by max(1, (norm + 1e-6) / clip), the factor of
+    `clip_grad_norm_` in the form the unsharded run applies it (`training.optim.clip_gradients`: the optimizer
+    divides by it). Returns the global norm (a plain device tensor, the same on every rank).
+    `fold_into`: the update that will read these gradients (torch's fused AdamW on the local shards) takes the
+    factor as its `grad_scale` and divides each gradient as it reads it - the same division - instead of an
+    in-place pass over every FP32 gradient here (8 B per parameter on the step's critical path: the update
+    waits for it, and the next forward for the update's first unit)."""
     import torch.distributed as dist
 
     grads = [local(p.grad) for p in params if p.grad is not None]
+    if fold_into is not None:
+        fold_into.grad_scale = None
     if not grads:
         return torch.zeros((), device=device)
     sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
     dist.all_reduce(sq)
     norm = sq.sqrt()
     if clip != float("inf"):
-        factor = torch.clamp(clip / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, factor.to(grads[0].dtype))
+        scale = torch.clamp((norm.float() + 1e-6) / clip, min=1.0)
+        if fold_into is not None:
+            fold_into.grad_scale = scale
+        else:
+            torch._foreach_div_(grads, scale.to(grads[0].dtype))
     return norm
 
 
@@ -214,6 +270,8 @@ class OverlappedShardedStep(SideStreamStep):
     def step(self) -> None:
         groups = self.optimizer.param_groups
         self.stream.wait_stream(torch.cuda.current_stream())
+        if self.update.grad_scale is not None:
+            self.update.grad_scale.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             for i, (_, ids) in enumerate(self.units):
                 self.update.step(ids)

@@ -22,7 +22,7 @@ from training.data import BatchLoader
 from training.flops import peak_tflops
 from training.metrics_drain import MetricsDrain, StepRecord
 from training.optim import clip_gradients, lr_at
-from training.parallel import clip_sharded, gradient_sync
+from training.parallel import LocalFusedAdamW, clip_sharded, gradient_sync
 from training.setup import Run, join_processes, setup_run
 from training.sink import MetricSink, NullSink
 from training.validation import ValidationLoss
@@ -211,8 +211,15 @@ def _mark_cudagraph_step(run: Run) -> None:
 def _clip(run: Run, clip: float) -> torch.Tensor:
     """The global gradient norm (a device tensor); gradients clipped to `clip` (inf: never)."""
     if run.sharded:
-        return clip_sharded(run.params, clip, run.device)
+        return clip_sharded(run.params, clip, run.device, fold_into=_clip_folded_into(run))
     return clip_gradients(run.params, run.optimizer, clip, fused=run.spec.training.perf.fused_clip, device=run.device)
+
+
+def _clip_folded_into(run: Run):
+    """The sharded update that divides the gradients by the clipping factor as it reads them (FSDP2's overlapped
+    step, whose fused AdamW takes a `grad_scale`), when `perf.fused_clip` asks for it; None otherwise."""
+    update = getattr(run.stepper, "update", None)
+    return update if run.spec.training.perf.fused_clip and isinstance(update, LocalFusedAdamW) else None
 
 
 def _numerics_due(run: Run, step: int) -> bool:

@@ -1,12 +1,15 @@
 """training.parallel.LocalFusedAdamW (torch's fused AdamW step called on FSDP2's local shards) against
 `optimizer.step()` over the DTensors, on 2 gloo processes: the same bits after several steps, with two
 parameter groups (one without weight decay), a learning rate changing every step, and a subset update as the
-overlapped step makes (one FSDP unit at a time)."""
+overlapped step makes (one FSDP unit at a time). With a clipping factor folded in (`grad_scale`, as
+`clip_sharded(..., fold_into=...)` sets it), against dividing the gradients first and then `optimizer.step()`:
+the first step takes the fallback (no state yet), the later ones the fused call."""
 from __future__ import annotations
 
 import os
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -34,7 +37,7 @@ def _build(seed: int):
     return model, blocks, opt
 
 
-def _worker(rank: int, world: int, port: int, out: dict) -> None:
+def _worker(rank: int, world: int, port: int, out: dict, scaled: bool = False) -> None:
     import torch.distributed as dist
 
     from training.parallel import LocalFusedAdamW, local
@@ -53,6 +56,11 @@ def _worker(rank: int, world: int, port: int, out: dict) -> None:
             model(x).square().mean().backward()
             for group in opt.param_groups:
                 group["lr"] = 1e-2 / (step + 1)
+            scale = torch.tensor(1.0 + 0.37 * step) if scaled else None
+            if use_local:
+                update.grad_scale = scale
+            elif scaled:
+                torch._foreach_div_([local(p.grad) for p in model.parameters()], scale)
             if use_local:  # unit by unit, as OverlappedShardedStep: each block, then the rest (none here)
                 for b in blocks:
                     update.step({id(p) for p in b.parameters()})
@@ -76,10 +84,11 @@ def _initial(rank: int):
     return [local(p).detach().clone() for p in model.parameters()]
 
 
-def test_local_fused_adamw_gives_the_bits_of_the_optimizer_step_on_two_processes():
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "clipping_folded"])
+def test_local_fused_adamw_gives_the_bits_of_the_optimizer_step_on_two_processes(scaled):
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), out, scaled), nprocs=2, join=True)
     for rank in (0, 1):
         r = out[rank]
         assert r["moved"], "the parameters must have changed (the test would pass vacuously otherwise)"
