@@ -56,7 +56,8 @@ def _worker(rank: int, world: int, port: int, out: dict, scaled: bool = False) -
             model(x).square().mean().backward()
             for group in opt.param_groups:
                 group["lr"] = 1e-2 / (step + 1)
-            scale = torch.tensor(1.0 + 0.37 * step) if scaled else None
+            device = local(next(model.parameters())).device  # FSDP2 moves the model to the GPU where there is one
+            scale = torch.tensor(1.0 + 0.37 * step, device=device) if scaled else None
             if use_local:
                 update.grad_scale = scale
             elif scaled:
