@@ -440,6 +440,10 @@ class PerfOptions:
     # order, while the next step's forward proceeds behind per-layer events (training.optim.
     # OverlappedOptimizerStep). Needs the layers compiled one by one (compile_scope "layers").
     overlap_optimizer: bool = True
+    # FSDP2 on one process with the overlapped update: each next unit unsharded ahead (cast + copy of its
+    # shards) on a prefetch stream, beside the current unit's forward, instead of on the compute stream in
+    # its own pre-forward (training.parallel.OverlappedShardedStep). No effect elsewhere.
+    fsdp_prefetch: bool = True
     # How MasterAdamW updates a bucket (training.optim): "auto" (one Triton kernel launch per bucket on CUDA,
     # the eager update op for op; eager on CPU), "triton", "compiled" (torch.compile: one inductor kernel per
     # parameter, the update before the Triton kernel existed) or "eager".
@@ -646,6 +650,7 @@ class RunSpec:
             fused_clip=_bool("training.perf", "fused_clip", perf_d.get("fused_clip", pbase.fused_clip)),
             overlap_optimizer=_bool("training.perf", "overlap_optimizer",
                                     perf_d.get("overlap_optimizer", pbase.overlap_optimizer)),
+            fsdp_prefetch=_bool("training.perf", "fsdp_prefetch", perf_d.get("fsdp_prefetch", pbase.fsdp_prefetch)),
             compile_scope=_choice("training.perf", "compile_scope", perf_d.get("compile_scope", pbase.compile_scope),
                                   PerfOptions.COMPILE_SCOPES),
             optimizer_update=_choice("training.perf", "optimizer_update", perf_d.get(

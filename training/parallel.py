@@ -241,9 +241,20 @@ class OverlappedShardedStep(SideStreamStep):
     shards on the copy-in stream, with one rank it casts them on the compute stream. Gradients are marked as used
     by the side stream, so the memory `zero_grad` frees is not handed to the next forward before the update has
     read it. `synchronize()` joins the side stream into the compute stream (validation, checkpoints, the end).
+
+    One rank (`prefetch`): FSDP2's one-rank unshard (cast each FP32 shard to BF16, copy it into the unsharded
+    parameter: ~10 B per parameter) runs in the unit's pre-forward on the compute stream, between the previous
+    unit's kernels and its own. Here unit i's pre-hook instead unshards unit i+1 on a prefetch stream (FSDP2's
+    public `unshard()`, under that stream), after unit i+1's update and everything the compute stream has issued,
+    so the copies run beside unit i's GEMMs; unit i+1's hook makes the compute stream wait for them, and FSDP2's
+    own pre-forward finds the unit unsharded. Only between an update and the unit's first forward after it (the
+    first micro-batch of a step); every other unshard (validation, later micro-batches, recomputation in the
+    backward) stays FSDP2's. Allocations on the prefetch stream come after it has waited for the compute stream,
+    so memory the backward freed is not reused before the backward is done with it.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, root: torch.nn.Module, blocks: list[torch.nn.Module]):
+    def __init__(self, optimizer: torch.optim.Optimizer, root: torch.nn.Module, blocks: list[torch.nn.Module], *,
+                 prefetch: bool = False):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         units = [(root, [p for p in params if id(p) not in in_blocks])]
@@ -256,6 +267,9 @@ class OverlappedShardedStep(SideStreamStep):
         self.units = [(m, {id(p) for p in ps}) for m, ps in units]
         self.handles = [m.register_forward_pre_hook(self._waiter(i), prepend=True)
                         for i, (m, _) in enumerate(units)]
+        self.prefetch_stream = torch.cuda.Stream(device=params[0].device) if prefetch else None
+        self.prefetched: dict[int, torch.cuda.Event] = {}
+        self.prefetches = 0  # units unsharded ahead so far (tests read it)
 
     def _waiter(self, i: int):
         def hook(module, args):
@@ -264,7 +278,33 @@ class OverlappedShardedStep(SideStreamStep):
                 torch.cuda.current_stream().wait_event(event)
                 # Private FSDP2 state: the stream that casts and packs this unit's shards for its all-gather.
                 module._get_fsdp_state()._comm_ctx.all_gather_copy_in_stream.wait_event(event)
+            done = self.prefetched.pop(i, None)
+            if done is not None:
+                torch.cuda.current_stream().wait_event(done)
+            if self.prefetch_stream is not None and i + 1 < len(self.units):
+                self._prefetch(i + 1)
         return hook
+
+    def _prefetch(self, j: int) -> None:
+        """Unshard unit j on the prefetch stream, if its update is pending a first forward and it is sharded."""
+        update = self.events.get(j)
+        unit = self.units[j][0]
+        group = unit._get_fsdp_state()._fsdp_param_group  # private FSDP2 state, as above
+        if update is None or group is None or group.is_unsharded:
+            return
+        stream = self.prefetch_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        stream.wait_event(update)
+        with torch.cuda.stream(stream):
+            unit.unshard()
+            self.prefetched[j] = stream.record_event()
+        self.prefetches += 1
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        if self.prefetch_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.prefetch_stream)
+        self.prefetched.clear()
 
     @torch.no_grad()
     def step(self) -> None:

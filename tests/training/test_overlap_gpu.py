@@ -41,11 +41,23 @@ def test_regional_compile_matches_eager_closely():
         assert b == pytest.approx(a, rel=2e-2)
 
 
-def test_fsdp_update_overlapped_with_the_next_forward_trains_exactly_like_the_plain_step():
+def test_fsdp_update_overlapped_with_the_next_forward_trains_exactly_like_the_plain_step(monkeypatch):
     """FSDP2 on one process (training.parallel fsdp): the per-unit update on a side stream, each unit's
-    forward waiting for its own update, gives the losses of the update run between backward and forward."""
-    def fsdp(overlap: bool):
-        spec = _spec({"overlap_optimizer": overlap}, False)
+    forward waiting for its own update, and each next unit unsharded ahead on a prefetch stream (one rank),
+    gives the losses of the update run between backward and forward with FSDP2's own unshards."""
+    from training import parallel
+
+    steppers = []
+    init = parallel.OverlappedShardedStep.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        steppers.append(self)
+
+    monkeypatch.setattr(parallel.OverlappedShardedStep, "__init__", recording_init)
+
+    def fsdp(overlap: bool, prefetch: bool = True):
+        spec = _spec({"overlap_optimizer": overlap, "fsdp_prefetch": prefetch}, False)
         spec["training"]["parallel"] = "fsdp"
         sink = ListSink()
         result = train(spec, sink)
@@ -53,4 +65,13 @@ def test_fsdp_update_overlapped_with_the_next_forward_trains_exactly_like_the_pl
         assert result.summary.get("overlap_optimizer") is overlap
         return [v for _, v in sink.series("train/loss")], dict(sink.series("val/loss"))
 
-    assert fsdp(True) == fsdp(False)
+    plain = fsdp(False)
+    assert fsdp(True) == plain
+    assert fsdp(True, prefetch=False) == plain
+    assert len(steppers) == 2
+    assert steppers[0].prefetch_stream is not None and steppers[1].prefetch_stream is None
+    # The 4 blocks after the root, ahead of a training forward that follows an update (not the first step's, nor
+    # the one after a validation, which joins the streams): at most 11 steps x 4, always whole steps.
+    n = steppers[0].prefetches
+    assert 0 < n <= 11 * 4 and n % 4 == 0, n
+    assert steppers[1].prefetches == 0
