@@ -3,9 +3,9 @@
 Recorded with float.hex from the single-function loop this loop was split from (torch 2.13.0+cpu, one
 intra-op thread as in every training test), once per CPU kernel family torch dispatches to (AVX2, AVX512: their
 vectorised reductions round differently), and per machine within a family where the BLAS / oneDNN dispatch rounds
-differently (PINNED_AVX512_AMX); a machine with another family skips. A change that moves them changed the numerics - the order of RNG
-draws, of ops, of reductions - or the platform did: a torch upgrade may legitimately change CPU kernels, and
-then the values are re-recorded from the commit before the change under test, never from the change itself.
+differently (PINNED_AVX512_AMX); a machine with another family skips. A change that moves them changed the
+numerics - the order of RNG draws, of ops, of reductions - or the platform did: a torch upgrade may
+legitimately change CPU kernels, and then the values are re-recorded from the commit before the change under test, never from the change itself.
 """
 import pytest
 import torch
