@@ -5,7 +5,8 @@ intra-op thread as in every training test), once per CPU kernel family torch dis
 vectorised reductions round differently), and per machine within a family where the BLAS / oneDNN dispatch rounds
 differently (PINNED_AVX512_AMX); a machine with another family skips. A change that moves them changed the
 numerics - the order of RNG draws, of ops, of reductions - or the platform did: a torch upgrade may
-legitimately change CPU kernels, and then the values are re-recorded from the commit before the change under test, never from the change itself.
+legitimately change CPU kernels, and then the values are re-recorded from the commit before the change under
+test, never from the change itself.
 """
 import pytest
 import torch
