@@ -75,3 +75,23 @@ def test_fsdp_update_overlapped_with_the_next_forward_trains_exactly_like_the_pl
     n = steppers[0].prefetches
     assert 0 < n <= 11 * 4 and n % 4 == 0, n
     assert steppers[1].prefetches == 0
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_fsdp_prefetch_keeps_the_losses_with_checkpointing_accumulation_and_emulated_recipes(recipe):
+    """The one-rank prefetch (on by default) beside full activation checkpointing (the backward recomputes each
+    block's forward: no prefetch there) and gradient accumulation (only the first micro-batch's forward follows
+    an update): the same losses as without it, for emulated recipes (NVFP4's stochastic rounding draws from the
+    global generator, so the order of its draws is pinned too)."""
+    def run(prefetch: bool):
+        spec = _spec({"overlap_optimizer": True, "fsdp_prefetch": prefetch}, False)
+        spec["recipe"] = recipe
+        spec["training"].update(parallel="fsdp", activation_checkpointing="full", grad_accum=2, steps=8)
+        sink = ListSink()
+        result = train(spec, sink)
+        assert result.status == "succeeded" and result.summary.get("parallel") == "fsdp"
+        return [v for _, v in sink.series("train/loss")], dict(sink.series("val/loss"))
+
+    with_prefetch = run(True)
+    assert len(with_prefetch[0]) == 8
+    assert with_prefetch == run(False)
