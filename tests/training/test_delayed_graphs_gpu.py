@@ -1,5 +1,6 @@
-"""GPU only (SM89+, skipped elsewhere): fp8_delayed's real layers replayed as CUDA graphs (torch.compile mode
-reduce-overhead, layers compiled one by one) train like the same run without graphs: the amax history, fed by
+"""GPU only (SM89+, skipped elsewhere): fp8_delayed's real layers replayed as CUDA graphs (the recipe's
+`cuda_graphs` option, on: torch.compile mode reduce-overhead, layers compiled one by one) train like the same run
+without graphs: the amax history, fed by
 every micro-batch (dY's amax leaves each backward through a token's gradient) and pushed by the post-step hook,
 must see the same amaxes, with gradient accumulation and validation between steps."""
 import pytest
@@ -26,8 +27,8 @@ def _run(perf: dict):
     return [v for _, v in sink.series("train/loss")], dict(sink.series("val/loss")), result.summary
 
 
-def test_delayed_scaling_under_cuda_graphs_trains_like_without_them():
-    graphs, graphs_val, summary = _run({"compile_mode": "reduce-overhead"})
+def test_delayed_scaling_replays_cuda_graphs_by_default_and_trains_like_without_them():
+    graphs, graphs_val, summary = _run({})
     assert summary.get("compile_mode") == "reduce-overhead"
     plain, plain_val, summary_plain = _run({"compile_mode": "default"})
     assert summary_plain.get("compile_mode") == "default"

@@ -1,11 +1,13 @@
 """A recipe may name the torch.compile mode its layers run best under (fp8_blockwise: CUDA graphs, because torchao's
-kernels are launched from Python and the step is otherwise host-bound). The run takes it only where it has been
+kernels are launched from Python and the step is otherwise host-bound; fp8_delayed: CUDA graphs, its steps
+host-bound at times). The run takes it only where it has been
 measured to work, and a mode the spec names always wins."""
 from types import SimpleNamespace
 
 import pytest
 
 from training.precision.fp8_blockwise import FP8BlockwiseRecipe
+from training.precision.fp8_delayed import FP8DelayedRecipe
 from training.precision.registry import RecipeReport
 from training.setup import _compile_mode
 
@@ -21,6 +23,17 @@ GRAPH = "reduce-overhead"
 ])
 def test_blockwise_asks_for_cuda_graphs_only_for_its_traced_real_kernels(options, real, expected):
     assert FP8BlockwiseRecipe().compile_mode(options, real) == expected
+
+
+@pytest.mark.parametrize("options,real,expected", [
+    ({"cuda_graphs": True, "fused_cast": False}, True, GRAPH),
+    ({"cuda_graphs": False, "fused_cast": False}, True, None),
+    ({"cuda_graphs": True, "fused_cast": True}, True, None),     # not measured with the Triton cast kernels
+    ({"cuda_graphs": True, "fused_cast": False}, False, None),   # emulated
+    ({"cuda_graphs": True, "fused_cast": False, "fsdp": True}, True, None),
+])
+def test_delayed_asks_for_cuda_graphs_only_for_its_real_gemms_with_inductors_casts(options, real, expected):
+    assert FP8DelayedRecipe().compile_mode(options, real) == expected
 
 
 def _t(mode=None, scope="auto", compile_=True, numerics_every=0):

@@ -152,7 +152,12 @@ _BUILTIN = (
                               "from (the max over them)", minimum=1),
                  _bool("fused_cast", False, "real GEMMs take their FP8 operands from one Triton cast-transpose "
                                             "pass per operand (bit-identical codes; off: slower in the compiled "
-                                            "step than inductor's casts, which fuse into the producers)")),
+                                            "step than inductor's casts, which fuse into the producers)"),
+                 _bool("cuda_graphs", True, "real GEMMs with inductor's casts, one GPU, layers compiled one by one, "
+                                            "no activation checkpointing or numerics sampling: the layers replay as "
+                                            "CUDA graphs (torch.compile mode reduce-overhead) unless "
+                                            "training.perf.compile_mode names a mode; the same median step, "
+                                            "without the host-bound stretches of the plain step")),
         quantizer_bytes=(4, 4),  # scale from the history: the amax is recorded during the one cast pass
     ),
     RecipeEntry(

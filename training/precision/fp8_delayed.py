@@ -419,6 +419,14 @@ class FP8DelayedRecipe(Recipe):
         how = "torch._scaled_mm with delayed scaling" if real else f"emulated: {new.quantizer.describe()}"
         return new, new.quantizer, how
 
+    def compile_mode(self, options, real):
+        # The step is host-bound at times: ~1,200 Triton launches per 1b step, and rounds of 100-111 ms steps
+        # against 94-98 ms (bench/NOTES_floor.md 6, 10, 28). Replayed as graphs its steps stay at the fast ones
+        # (`..._1319_*_delayed_cudagraphs_ab_*`). Measured with inductor's casts, not with fused_cast's kernels.
+        if real and options["cuda_graphs"] and not options["fused_cast"] and not options.get("fsdp"):
+            return "reduce-overhead"
+        return None
+
     def make_hooks(self, converted, options):
         layers = [(name, mod) for name, mod in converted if isinstance(mod, DelayedScalingLinear)]
         return [DelayedScalingHook(layers, options["amax_history_len"])] if layers else []
