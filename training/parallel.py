@@ -29,6 +29,7 @@ import contextlib
 import functools
 
 import torch
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from training.optim import SideStreamStep
 
@@ -75,12 +76,7 @@ def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool) -> None:
             unit.set_custom_reduce_scatter(OneRankReduceScatter())
 
 
-def _reduce_scatter_base():
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    return ReduceScatter
-
-
-class OneRankReduceScatter(_reduce_scatter_base()):
+class OneRankReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter on a one-rank group, without its copy. FSDP2 packs a unit's gradients into a
     reduce-scatter input buffer (cast to the reduce dtype), allocates an output buffer of the same size, and
     with one rank copies the one into the other (`reduce_output.copy_(reduce_scatter_input)`): a device-to-device

@@ -159,9 +159,9 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
 
 def _compile_mode(t, report, parallel: str, on_cuda: bool, ac: dict, *, per_layer: bool) -> str | None:
     """None when nothing is compiled; `training.perf.compile_mode` when the run names one; else the recipe's own
-    (RecipeReport.compile_mode, fp8_blockwise's CUDA graphs) where it has been measured to work: one process on a
-    GPU, the layers compiled one by one, no activation checkpointing, no numerics sampling (its forward hooks read
-    the layers' inputs eagerly); else inductor's default (None)."""
+    (RecipeReport.compile_mode, fp8_blockwise's and fp8_delayed's CUDA graphs) where it has been measured to work:
+    one process on a GPU, the layers compiled one by one, no activation checkpointing, no numerics sampling (its
+    forward hooks read the layers' inputs eagerly); else inductor's default (None)."""
     if not t.compile:
         return None
     if t.perf.compile_mode is not None:
