@@ -448,6 +448,11 @@ class PerfOptions:
     # the eager update op for op; eager on CPU), "triton", "compiled" (torch.compile: one inductor kernel per
     # parameter, the update before the Triton kernel existed) or "eager".
     optimizer_update: str = "auto"
+    # How FSDP2's overlapped update steps the FP32 shards (training.parallel.LocalFusedAdamW): "auto" (the Triton
+    # kernel training.optim_kernels.adamw_shard_update on CUDA: torch's fused AdamW arithmetic without storing the
+    # clipped gradients back, 28 B per parameter instead of 32; torch's fused AdamW on CPU) or "torch"
+    # (`torch._fused_adamw_`, what `optimizer.step()` runs, everywhere).
+    shard_update: str = "auto"
     # torch.compile granularity: "model" (one graph with the loss), "layers" (each decoder layer, plus the
     # loss's chunk math), "auto" = "layers" when the optimizer step overlaps the forward, else "model".
     compile_scope: str = "auto"
@@ -474,6 +479,7 @@ class PerfOptions:
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
     COMPILE_SCOPES = ("auto", "model", "layers")
     OPTIMIZER_UPDATES = ("auto", "triton", "compiled", "eager")
+    SHARD_UPDATES = ("auto", "torch")
 
 
 PARAM_DTYPES = ("auto", "bf16", "fp32")
@@ -655,6 +661,8 @@ class RunSpec:
                                   PerfOptions.COMPILE_SCOPES),
             optimizer_update=_choice("training.perf", "optimizer_update", perf_d.get(
                 "optimizer_update", pbase.optimizer_update), PerfOptions.OPTIMIZER_UPDATES),
+            shard_update=_choice("training.perf", "shard_update", perf_d.get("shard_update", pbase.shard_update),
+                                 PerfOptions.SHARD_UPDATES),
             fuse_qkv=(None if perf_d.get("fuse_qkv") is None
                       else _bool("training.perf", "fuse_qkv", perf_d.get("fuse_qkv"))),
             fuse_gate_up=_bool("training.perf", "fuse_gate_up", perf_d.get("fuse_gate_up", pbase.fuse_gate_up)),

@@ -31,6 +31,7 @@ import functools
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from training import optim_kernels
 from training.optim import SideStreamStep
 
 PARALLEL_MODES = ("auto", "ddp", "fsdp")
@@ -144,8 +145,14 @@ class LocalFusedAdamW:
     this does not cover (amsgrad, maximize, capturable, a tensor learning rate) go through
     `optimizer.step()` restricted to the subset, which is always correct."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, *, kernel: str = "torch"):
+        if kernel not in ("auto", "torch"):
+            raise ValueError(f"kernel {kernel!r}: one of auto, torch")
         self.optimizer = optimizer
+        # "auto": on CUDA training.optim_kernels.adamw_shard_update (torch's arithmetic, the divided gradients not
+        # stored back); "torch", or where that does not apply: `torch._fused_adamw_`.
+        self.kernel = kernel
+        self._tables = None
         # max(1, norm / clip) as a device scalar, or None: global-norm clipping folded into the update, which
         # divides every gradient by it as it reads it (`clip_sharded(..., fold_into=self)`).
         self.grad_scale: torch.Tensor | None = None
@@ -188,11 +195,25 @@ class LocalFusedAdamW:
             steps = [st["step"] for st in states]
             torch._foreach_add_(steps, 1)
             beta1, beta2 = g["betas"]
-            torch._fused_adamw_([local(p) for p in ps], [local(p.grad) for p in ps],
-                                [local(st["exp_avg"]) for st in states], [local(st["exp_avg_sq"]) for st in states],
-                                [], steps, amsgrad=False, lr=g["lr"], beta1=float(beta1), beta2=float(beta2),
-                                weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
+            ws, gs = [local(p) for p in ps], [local(p.grad) for p in ps]
+            ms, vs = [local(st["exp_avg"]) for st in states], [local(st["exp_avg_sq"]) for st in states]
+            if self._use_kernel(ws, gs, ms, vs, steps):
+                if self._tables is None:
+                    self._tables = optim_kernels.AdamWTables()
+                optim_kernels.adamw_shard_update(
+                    ws, gs, ms, vs, steps, lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2),
+                    weight_decay=float(g["weight_decay"]), eps=float(g["eps"]), grad_scale=self.grad_scale,
+                    tables=self._tables)
+                continue
+            torch._fused_adamw_(ws, gs, ms, vs, [], steps, amsgrad=False, lr=g["lr"], beta1=float(beta1),
+                                beta2=float(beta2), weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
                                 grad_scale=self.grad_scale, found_inf=None)
+
+    def _use_kernel(self, ws, gs, ms, vs, steps) -> bool:
+        if self.kernel == "torch" or not ws[0].is_cuda:
+            return False
+        return (optim_kernels.shard_supported(ws + ms + vs, gs)
+                and all(s.dtype == torch.float32 and s.device == ws[0].device for s in steps))
 
 
 def clip_sharded(params: list[torch.Tensor], clip: float, device: torch.device, *,
@@ -250,7 +271,7 @@ class OverlappedShardedStep(SideStreamStep):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, root: torch.nn.Module, blocks: list[torch.nn.Module], *,
-                 prefetch: bool = False):
+                 prefetch: bool = False, kernel: str = "torch"):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         units = [(root, [p for p in params if id(p) not in in_blocks])]
@@ -259,7 +280,7 @@ class OverlappedShardedStep(SideStreamStep):
             raise ValueError("the optimizer's parameters must be the root's and the blocks' own")
         super().__init__(params[0].device)
         self.optimizer = optimizer
-        self.update = LocalFusedAdamW(optimizer)
+        self.update = LocalFusedAdamW(optimizer, kernel=kernel)
         self.units = [(m, {id(p) for p in ps}) for m, ps in units]
         self.handles = [m.register_forward_pre_hook(self._waiter(i), prepend=True)
                         for i, (m, _) in enumerate(units)]

@@ -147,7 +147,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     if parallel == "fsdp" and on_cuda and t.perf.overlap_optimizer and not any(
             hasattr(h, "post_optimizer_step") for h in hooks):
         stepper = OverlappedShardedStep(optimizer, net, list(decoder_blocks(model)),
-                                        prefetch=ctx.world == 1 and t.perf.fsdp_prefetch)
+                                        prefetch=ctx.world == 1 and t.perf.fsdp_prefetch, kernel=t.perf.shard_update)
     return Run(spec=spec, ctx=ctx, device=device, device_name=device_name, param_dtype=param_dtype,
                autocast=autocast, tokenizer=tokenizer, dataset=dataset, model=model, report=report,
                hooks=hooks, params=params, optimizer=optimizer, net=net, eval_net=eval_net, stepper=stepper,

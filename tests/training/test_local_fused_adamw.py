@@ -37,7 +37,7 @@ def _build(seed: int):
     return model, blocks, opt
 
 
-def _worker(rank: int, world: int, port: int, out: dict, scaled: bool = False) -> None:
+def _worker(rank: int, world: int, port: int, out: dict, scaled: bool = False, kernel: str = "torch") -> None:
     import torch.distributed as dist
 
     from training.parallel import LocalFusedAdamW, local
@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, port: int, out: dict, scaled: bool = False) -
     results = []
     for use_local in (False, True):
         model, blocks, opt = _build(0)
-        update = LocalFusedAdamW(opt)
+        update = LocalFusedAdamW(opt, kernel=kernel)
         assert update.usable
         g = torch.Generator().manual_seed(100 + rank)
         for step in range(5):
@@ -85,11 +85,14 @@ def _initial(rank: int):
     return [local(p).detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "clipping_folded"])
-def test_local_fused_adamw_gives_the_bits_of_the_optimizer_step_on_two_processes(scaled):
+def test_local_fused_adamw_gives_the_bits_of_the_optimizer_step_on_two_processes(scaled, kernel):
+    """`kernel="auto"` is the Triton shard update where FSDP2 put the model on a GPU (the GPU host), torch's fused
+    AdamW on CPU."""
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_worker, args=(2, _free_port(), out, scaled), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), out, scaled, kernel), nprocs=2, join=True)
     for rank in (0, 1):
         r = out[rank]
         assert r["moved"], "the parameters must have changed (the test would pass vacuously otherwise)"
