@@ -117,6 +117,35 @@ def element_forms(dev, elements: int, reps: int, base: dict) -> list[dict]:
     return rows
 
 
+def op_candidates(dev, elements: int = 1 << 24) -> dict:
+    """One step without decay or scale: torch's kernel and ours against m and v written as torch ops in FP64
+    (the C++ expression's types) and in FP32 (the betas rounded to FP32), elements differing."""
+    gen = torch.Generator(device=dev).manual_seed(7)
+    (p,), (m,), (v,), steps = _state([(elements,)], dev, gen, 0.0)
+    g = torch.randn(elements, device=dev, generator=gen) * 1e-3
+    b1, b2 = HYPER["beta1"], HYPER["beta2"]
+    d = torch.float64
+    cand_m = {"f64": (b1 * m.to(d) + (1 - b1) * g.to(d)).float(),
+              "f32": m * torch.tensor(b1, device=dev) + g * torch.tensor(1 - b1, device=dev),
+              "f32_lerp": torch.lerp(m, g, 1 - b1)}
+    cand_v = {"f64": (b2 * v.to(d) + (1 - b2) * g.to(d) * g.to(d)).float(),
+              "f32": v * torch.tensor(b2, device=dev) + (g * torch.tensor(1 - b2, device=dev)) * g}
+    runs = {}
+    for name in ("torch", "triton"):
+        st = [_clone(t) for t in ((p,), (m,), (v,), steps)]
+        if name == "torch":
+            _torch_step(st[0], [g], st[1], st[2], st[3], None, 0.0)
+        else:
+            _ours_step(st[0], [g], st[1], st[2], st[3], None, 0.0, {"m": 0, "v": 0}, ok.AdamWTables())
+        runs[name] = (st[1][0], st[2][0])
+    out = {"elements": elements}
+    for name, (mm, vv) in runs.items():
+        out[name] = {**{f"m_vs_{k}": _diff([mm], [c]) for k, c in cand_m.items()},
+                     **{f"v_vs_{k}": _diff([vv], [c]) for k, c in cand_v.items()}}
+        print(f"[op candidates] {name}: {out[name]}", flush=True)
+    return out
+
+
 def timing(dev, ceilings: dict, forms: dict) -> dict:
     shapes = [(VOCAB, HIDDEN)] + [s for _ in range(LAYERS) for s in
                                   ((QKV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER),
@@ -157,6 +186,7 @@ def main(argv=None) -> int:
     out = {"bench": "shard_adamw_bench", "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_commit": git_commit(),
            "ceilings": ceilings, "defaults": ok.SHARD_FORMS}
+    out["op_candidates"] = op_candidates(dev)
     out["scalar_forms"] = scalar_forms(dev)
     best = min(out["scalar_forms"], key=lambda r: r["param"] + r["exp_avg"] + r["exp_avg_sq"])
     base = {**ok.SHARD_FORMS, "bias2": best["bias2"], "bias1": best["bias1"]}
@@ -170,6 +200,7 @@ def main(argv=None) -> int:
         Path(os.environ["OUT"], name).write_text(json.dumps(out, indent=1))
     print(f"\n# shard_adamw_bench on {out['device']} (copy {ceilings['copy_gbps']:.0f} GB/s), defaults "
           f"{ok.SHARD_FORMS}")
+    print(f"op candidates (one step, elements differing): {out['op_candidates']}")
     print("scalar forms (bias2, bias1, first step): elements differing in param / m / v")
     for r in out["scalar_forms"]:
         print(f"  {r['bias2']:9s} {r['bias1']:4s} {r['first_step']:6.0f}: {r['param']:8d} {r['exp_avg']:8d} "
