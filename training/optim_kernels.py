@@ -151,22 +151,22 @@ def adamw_master_update(ps, gs, ws, ms, vs, lr, steps, grad_scale, beta1: float,
 # ---------------------------------------------------------------------------------------------------
 # torch's fused AdamW over FP32 shards (FSDP2's master parameters), without writing the gradients back
 #
-# `torch._fused_adamw_` (ATen/native/cuda/fused_adam_utils.cuh, `adam_math`) computes in FP32 (opmath) with its
-# hyperparameters as doubles, so several steps happen in FP64: the gradient divided by `grad_scale`, the
-# decoupled decay `param -= lr * weight_decay * param`, `exp_avg = beta1 * exp_avg + (1 - beta1) * grad`,
-# `exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad`, the step size lr / (1 - beta1^t) and the
-# denominator's `+ eps`; each result rounded to FP32 when it is stored in an FP32 variable. With a `grad_scale`
-# it also stores the divided gradient back (8 B per parameter with the read): nothing reads it after the update,
-# so this kernel does not. Which products nvcc contracts into FMAs, and whether the bias corrections reach the
-# element loop as FP32 or FP64, is not visible from Python: the constexpr forms below cover the candidates and
-# bench/shard_adamw_bench.py counts, on a GPU, the elements each form gets different from torch's kernel; the
-# defaults are the form that matched (SHARD_FORMS).
+# `torch._fused_adamw_` on CUDA computes in FP32 with its hyperparameters as FP32. Its arithmetic was read off
+# torch 2.11's kernel on an H100 by comparing its results with candidate expressions (bench/
+# shard_adamw_bench.py checks this kernel against it, element for element):
+#     g = g / grad_scale                                  (IEEE division)
+#     p = fma(-(lr * wd), p, p)                           (only when wd != 0)
+#     m = fma(beta1, m, (1 - beta1) * g)
+#     v = fma(beta2, v, (1 - beta2) * (g * g))
+#     p = p - (step_size * m) / (sqrt(v) / bc2_sqrt + eps)
+# with step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t) per tensor, FP32 (powf of the FP32
+# step counter). With a `grad_scale` torch's kernel also stores the divided gradient back (4 B per parameter):
+# nothing reads it after the update, so this kernel does not: 28 B per parameter instead of 32.
 if HAVE_TRITON:
     @triton.jit
-    def _adamw_shard_kernel(table_ptr, n_params, step_size_ptr, bc2s_ptr, hyper_ptr, grad_scale_ptr,
-                            HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, DENOM_F64: tl.constexpr,
-                            M_FORM: tl.constexpr, V_FORM: tl.constexpr, DECAY_FMA: tl.constexpr,
-                            BLOCK: tl.constexpr):
+    def _adamw_shard_kernel(table_ptr, n_params, step_size_ptr, bc2s_ptr, grad_scale_ptr,
+                            lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+                            HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(1)
         numel = tl.load(table_ptr + 4 * n_params + i)
         start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -181,90 +181,61 @@ if HAVE_TRITON:
             g = tl.load(g_ptr + offs, mask=mask, other=0.0)
             m = tl.load(m_ptr + offs, mask=mask, other=0.0)
             v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-            lr_wd = tl.load(hyper_ptr)
-            beta1 = tl.load(hyper_ptr + 1)
-            one_minus_beta1 = tl.load(hyper_ptr + 2)
-            beta2 = tl.load(hyper_ptr + 3)
-            one_minus_beta2 = tl.load(hyper_ptr + 4)
-            eps = tl.load(hyper_ptr + 5)
-            if HAS_SCALE:  # FP32 / FP64 in FP64, rounded to FP32: the correctly rounded FP32 quotient
-                g = (g.to(tl.float64) / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
+            if HAS_SCALE:
+                g = tl.math.div_rn(g, tl.load(grad_scale_ptr))
             if HAS_DECAY:
-                p64 = p.to(tl.float64)
-                if DECAY_FMA:
-                    p = tl.fma(-lr_wd, p64, p64).to(tl.float32)
-                else:
-                    p = (p64 - lr_wd * p64).to(tl.float32)
-            g64 = g.to(tl.float64)
-            m64 = m.to(tl.float64)
-            v64 = v.to(tl.float64)
-            if M_FORM == 0:
-                m = (beta1 * m64 + one_minus_beta1 * g64).to(tl.float32)
-            elif M_FORM == 1:
-                m = tl.fma(beta1, m64, one_minus_beta1 * g64).to(tl.float32)
-            else:
-                m = tl.fma(one_minus_beta1, g64, beta1 * m64).to(tl.float32)
-            if V_FORM == 0:
-                v = (beta2 * v64 + one_minus_beta2 * g64 * g64).to(tl.float32)
-            elif V_FORM == 1:
-                v = tl.fma(beta2, v64, one_minus_beta2 * g64 * g64).to(tl.float32)
-            else:
-                v = tl.fma(one_minus_beta2 * g64, g64, beta2 * v64).to(tl.float32)
-            root = tl.math.sqrt_rn(v)
-            if DENOM_F64:
-                denom = (root.to(tl.float64) / tl.load(bc2s_ptr + i) + eps).to(tl.float32)
-            else:
-                denom = (tl.math.div_rn(root, tl.load(bc2s_ptr + i).to(tl.float32)).to(tl.float64) + eps
-                         ).to(tl.float32)
+                p = tl.fma(-lr_wd, p, p)
+            m = tl.fma(beta1, m, one_minus_beta1 * g)
+            v = tl.fma(beta2, v, one_minus_beta2 * (g * g))
+            denom = tl.math.div_rn(tl.math.sqrt_rn(v), tl.load(bc2s_ptr + i)) + eps
             p = p - tl.math.div_rn(tl.load(step_size_ptr + i) * m, denom)
             tl.store(p_ptr + offs, p, mask=mask)
             tl.store(m_ptr + offs, m, mask=mask)
             tl.store(v_ptr + offs, v, mask=mask)
 
 
-# The candidate forms (see above): how the bias corrections reach the loop ("f32_sqrt": 1 - beta2^t rounded to
-# FP32, then sqrtf; "f32": sqrt in FP64, rounded to FP32; "f64": FP64 throughout, the denominator divided in
-# FP64), the step size's 1 - beta1^t in FP32 or FP64, and the FMA forms of m, v and the decay.
-SHARD_FORMS = {"bias2": "f32", "bias1": "f32", "m": 1, "v": 1, "decay_fma": True}
+_SCALARS: dict = {}
 
 
-def shard_scalars(steps: list[torch.Tensor], lr: float, beta1: float, beta2: float, *, bias2: str, bias1: str):
-    """Per parameter: the FP32 step size lr / (1 - beta1^t) and sqrt(1 - beta2^t) (FP64, holding an FP32 value
-    unless `bias2` is "f64"), from the FP32 step counters, with the device's FP64 pow as torch's kernel."""
-    s = torch.stack(steps).double()
-    b1 = 1.0 - torch.pow(beta1, s)
-    b2 = 1.0 - torch.pow(beta2, s)
-    if bias1 == "f32":
-        b1 = b1.float().double()
-    step_size = (lr / b1).float()
-    if bias2 == "f32_sqrt":
-        b2s = b2.float().sqrt().double()
-    elif bias2 == "f32":
-        b2s = b2.sqrt().float().double()
-    else:
-        b2s = b2.sqrt()
-    return step_size, b2s
+def _device_scalar(x: float, device: torch.device) -> torch.Tensor:
+    """x as a 0-d FP32 tensor on `device`, uploaded once per value (the learning rate changes every step, the
+    betas never; the update runs once per FSDP unit and step)."""
+    key = (x, device)
+    t = _SCALARS.get(key)
+    if t is None:
+        if len(_SCALARS) > 64:
+            _SCALARS.clear()
+        t = _SCALARS[key] = torch.tensor(x, dtype=torch.float32).to(device, non_blocking=True)
+    return t
+
+
+def shard_scalars(steps: list[torch.Tensor], lr: float, beta1: float, beta2: float):
+    """Per tensor, FP32: lr / (1 - beta1^t) and sqrt(1 - beta2^t) from the FP32 step counters, as torch's kernel
+    (FP32 pow, subtraction, square root and division)."""
+    s = torch.stack(steps)
+    b1, b2, lr_t = (_device_scalar(x, s.device) for x in (beta1, beta2, lr))
+    # a tensor numerator: `float / tensor` is torch's reciprocal times the float, not a division
+    return torch.div(lr_t, 1.0 - torch.pow(b1, s)), torch.sqrt(1.0 - torch.pow(b2, s))
 
 
 def shard_supported(params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
-    """FP32 parameters, gradients (and state) on one CUDA device (the interpreter runs it on CPU in tests)."""
+    """FP32 tensors (parameters, state and gradients) on one device."""
     return (HAVE_TRITON and bool(params) and all(p.dtype == torch.float32 for p in (*params, *grads))
-            and len({p.device for p in params}) == 1)
+            and len({p.device for p in (*params, *grads)}) == 1)
 
 
 def adamw_shard_update(ps, gs, ms, vs, steps, *, lr: float, beta1: float, beta2: float, weight_decay: float,
-                       eps: float, grad_scale: torch.Tensor | None, tables: AdamWTables, forms: dict | None = None):
+                       eps: float, grad_scale: torch.Tensor | None, tables: AdamWTables):
     """`torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=..., grad_scale=...)` (AdamW, not amsgrad, not
-    maximize, after the caller's `_foreach_add_(steps, 1)`) in one launch, without storing the divided
+    maximize; after the caller's `_foreach_add_(steps, 1)`) in one launch, without storing the divided
     gradients. All tensors FP32 on one device."""
-    forms = {**SHARD_FORMS, **(forms or {})}
-    step_size, b2s = shard_scalars(steps, lr, beta1, beta2, bias2=forms["bias2"], bias1=forms["bias1"])
-    hyper = torch.tensor([lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps], dtype=torch.float64)
-    hyper = hyper.to(ps[0].device, non_blocking=True)
+    step_size, bc2s = shard_scalars(steps, lr, beta1, beta2)
     table = tables.table(ps, gs, ms, vs, [])
+    b1, b2 = np.float32(beta1), np.float32(beta2)
     grid = (triton.cdiv(max(p.numel() for p in ps), BLOCK), len(ps))
     _adamw_shard_kernel[grid](
-        table, len(ps), step_size, b2s, hyper, grad_scale if grad_scale is not None else step_size,
-        HAS_SCALE=grad_scale is not None, HAS_DECAY=weight_decay != 0, DENOM_F64=forms["bias2"] == "f64",
-        M_FORM=forms["m"], V_FORM=forms["v"], DECAY_FMA=forms["decay_fma"], BLOCK=BLOCK,
+        table, len(ps), step_size, bc2s, grad_scale if grad_scale is not None else step_size,
+        float(np.float32(lr) * np.float32(weight_decay)), float(b1), float(np.float32(1.0) - b1), float(b2),
+        float(np.float32(1.0) - b2), f32(eps),
+        HAS_SCALE=grad_scale is not None, HAS_DECAY=weight_decay != 0, BLOCK=BLOCK,
         num_warps=NUM_WARPS, enable_fp_fusion=False)

@@ -138,7 +138,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 class LocalFusedAdamW:
     """torch's fused AdamW step for a subset of a `torch.optim.AdamW(fused=True)`'s parameters, called on the
     local shards of FSDP2's DTensors: the same `_foreach_add_` of the step counters and the same
-    `torch._fused_adamw_` call, with the same arguments, that `optimizer.step()` makes, so the same bits -
+    `torch._fused_adamw_` call, with the same arguments, that `optimizer.step()` makes, so the same bits (on CUDA
+    by default the Triton kernel `optim_kernels.adamw_shard_update`, which makes torch's kernel's arithmetic
+    without storing the divided gradients back: bench/shard_adamw_bench.py compares the two element for element) -
     without DTensor's dispatch, which cost more host time than the update's launches (bench/results/
     host_profile_2026-11-24T1900_*: torch's AdamW over the shards 27 ms of host time per 1b step under cProfile,
     ~16 of them in DTensor's argument unwrapping). Parameters without state yet (the first step) or anything

@@ -112,3 +112,58 @@ def test_bf16_rounding_of_the_parameter_is_torchs():
     _round_kernel[(1,)](x, out, N=128)
     assert torch.equal(out[:-1], x[:-1].to(torch.bfloat16).view(torch.int16))
     assert torch.isnan(out[-1:].view(torch.bfloat16)).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# adamw_shard_update: torch's CUDA fused AdamW over FP32 shards (training/optim_kernels.py gives its arithmetic)
+def _fmaf(a, b, c):
+    """FP32 fma: the product of two FP32 values is exact in FP64, then one FP64 add (rounding there changes the
+    FP32 result only in ~2^-29 of the cases, not in these tests), then FP32."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def _shard_reference(p, g, m, v, step_size, bc2s, *, lr, wd, beta1, beta2, eps, scale):
+    def f(x):
+        return torch.tensor(x, dtype=torch.float32)
+    if scale is not None:
+        g = (g.double() / scale.double()).float()  # the correctly rounded FP32 quotient
+    if wd:
+        p = _fmaf(-(f(lr) * f(wd)), p, p)
+    b1, b2 = f(beta1), f(beta2)
+    m = _fmaf(b1, m, (1 - b1) * g)
+    v = _fmaf(b2, v, (1 - b2) * (g * g))
+    root = v.double().sqrt().float()  # IEEE (torch's CPU float sqrt is not correctly rounded)
+    denom = (root.double() / bc2s.double()).float() + f(eps)
+    return p - ((step_size * m).double() / denom.double()).float(), m, v
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_shard_update_matches_torch_cuda_arithmetic(wd):
+    from training import optim_kernels as ok
+
+    g_ = torch.Generator().manual_seed(3)
+    shapes = [(48, 32), (37,), (3, 2049), (5000,)]
+    ps = [torch.randn(s, generator=g_) * 0.02 for s in shapes]
+    ms = [torch.zeros(s) for s in shapes]
+    vs = [torch.zeros(s) for s in shapes]
+    steps = [torch.tensor(0.0) for _ in shapes]
+    ref = [[t.clone() for t in ps], [t.clone() for t in ms], [t.clone() for t in vs]]
+    tables = ok.AdamWTables()
+    hyper = dict(beta1=0.9, beta2=0.95, eps=1e-8)
+    for k in range(4):
+        lr = 3e-2 / (k + 1)
+        gs = [torch.randn(s, generator=g_) * 10.0 ** (k - 3) for s in shapes]
+        kept = [g.clone() for g in gs]
+        scale = torch.tensor(1.0 + 0.37 * k) if k % 2 else None
+        torch._foreach_add_(steps, 1.0)
+        step_size, bc2s = ok.shard_scalars(steps, lr, 0.9, 0.95)
+        for j in range(len(shapes)):
+            ref[0][j], ref[1][j], ref[2][j] = _shard_reference(
+                ref[0][j], gs[j], ref[1][j], ref[2][j], step_size[j], bc2s[j], lr=lr, wd=wd, scale=scale, **hyper)
+        ok.adamw_shard_update(ps, gs, ms, vs, steps, lr=lr, weight_decay=wd, grad_scale=scale, tables=tables,
+                              **hyper)
+        assert all(torch.equal(a, b) for a, b in zip(gs, kept)), "the gradients must not be written"
+        for name, ours, theirs in (("param", ps, ref[0]), ("exp_avg", ms, ref[1]), ("exp_avg_sq", vs, ref[2])):
+            bad = sum(int((a.view(torch.int32) != b.view(torch.int32)).sum()) for a, b in zip(ours, theirs))
+            assert bad == 0, f"step {k + 1}: {bad} elements of {name} differ"
+    assert not torch.equal(ps[0], torch.zeros_like(ps[0]))
