@@ -110,24 +110,29 @@ def check(dev, elements: int, reps: int) -> dict:
 
 
 def timing(dev, ceilings: dict) -> dict:
-    shapes = [(VOCAB, HIDDEN)] + [s for _ in range(LAYERS) for s in
-                                  ((QKV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER),
-                                   (HIDDEN,), (HIDDEN,))] + [(HIDDEN,), (VOCAB, HIDDEN)]
+    """Both updates over the 1b model's FP32 parameters, unit by unit as the overlapped FSDP2 step calls them
+    (the root: embedding, final norm, LM head; then each decoder block's 7 tensors)."""
+    layer = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER), (HIDDEN,), (HIDDEN,)]
+    unit_shapes = [[(VOCAB, HIDDEN), (HIDDEN,), (VOCAB, HIDDEN)]] + [layer] * LAYERS
     gen = torch.Generator(device=dev).manual_seed(0)
-    ps, ms, vs, steps = _state(shapes, dev, gen, 10.0)
-    gs = [torch.randn(s, device=dev, generator=gen) * 1e-3 for s in shapes]
+    units = []
+    for shapes in unit_shapes:
+        ps, ms, vs, steps = _state(shapes, dev, gen, 10.0)
+        units.append((ps, [torch.randn(s, device=dev, generator=gen) * 1e-3 for s in shapes], ms, vs, steps))
     scale = torch.tensor(1.3, device=dev)
     tables = ok.AdamWTables()
-    n = sum(p.numel() for p in ps)
+    n = sum(p.numel() for u in units for p in u[0])
 
     def torch_fused():
-        torch._fused_adamw_(ps, gs, ms, vs, [], steps, amsgrad=False, lr=HYPER["lr"], beta1=HYPER["beta1"],
-                            beta2=HYPER["beta2"], weight_decay=0.1, eps=HYPER["eps"], maximize=False,
-                            grad_scale=scale, found_inf=None)
+        for ps, gs, ms, vs, steps in units:
+            torch._fused_adamw_(ps, gs, ms, vs, [], steps, amsgrad=False, lr=HYPER["lr"], beta1=HYPER["beta1"],
+                                beta2=HYPER["beta2"], weight_decay=0.1, eps=HYPER["eps"], maximize=False,
+                                grad_scale=scale, found_inf=None)
 
     def triton_shard():
-        ok.adamw_shard_update(ps, gs, ms, vs, steps, weight_decay=0.1, grad_scale=scale, tables=tables, **HYPER)
-    out = {"params": n}
+        for ps, gs, ms, vs, steps in units:
+            ok.adamw_shard_update(ps, gs, ms, vs, steps, weight_decay=0.1, grad_scale=scale, tables=tables, **HYPER)
+    out = {"params": n, "units": len(units)}
     for name, fn, nbytes in (("torch_fused_adamw", torch_fused, 32), ("triton_shard", triton_shard, 28)):
         ms_ = timed(fn, reps=20)
         floor = nbytes * n / (ceilings["copy_gbps"] * 1e6)

@@ -104,13 +104,15 @@ class AdamWTables:
     def __init__(self):
         self._tables: dict[tuple, tuple[tuple, torch.Tensor]] = {}
 
-    def table(self, ps, gs, ws, ms, vs) -> torch.Tensor:
+    def table(self, ps, gs, ws, ms, vs, extra: tuple = ()) -> torch.Tensor:
+        """[addresses of ps, gs, ws, ms, vs; numel of each p; `extra`] as an int64 device tensor."""
         key = tuple(t.data_ptr() for t in ps)
-        addresses = (*key, *(t.data_ptr() for t in (*gs, *ws, *ms, *vs)))
+        addresses = (*key, *(t.data_ptr() for t in (*gs, *ws, *ms, *vs)), *extra)
         cached = self._tables.get(key)
         if cached is not None and cached[0] == addresses:
             return cached[1]
-        host = torch.tensor([*addresses, *(p.numel() for p in ps)], dtype=torch.int64)
+        host = torch.tensor([*addresses[:len(addresses) - len(extra)], *(p.numel() for p in ps), *extra],
+                            dtype=torch.int64)
         # cudaMemcpyAsync from pageable memory: staged before it returns, without a device synchronisation
         table = host.to(ps[0].device, non_blocking=True)
         self._tables[key] = (addresses, table)
@@ -166,10 +168,16 @@ if HAVE_TRITON:
     @triton.jit
     def _adamw_shard_kernel(table_ptr, n_params, step_size_ptr, bc2s_ptr, grad_scale_ptr,
                             lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                            HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(1)
+                            HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr,
+                            P: tl.constexpr):
+        # A 1D grid over the list's blocks: the table's last column holds each tensor's first block (a prefix
+        # sum, n_params + 1 entries); a program finds its tensor by counting the starts at or below its id.
+        pid = tl.program_id(0)
+        j = tl.arange(0, P)
+        firsts = tl.load(table_ptr + 5 * n_params + j, mask=j <= n_params, other=2**62)
+        i = tl.sum((firsts <= pid).to(tl.int32)) - 1
         numel = tl.load(table_ptr + 4 * n_params + i)
-        start = tl.program_id(0).to(tl.int64) * BLOCK
+        start = (pid - tl.load(table_ptr + 5 * n_params + i)) * BLOCK
         if start < numel:
             p_ptr = tl.load(table_ptr + i).to(tl.pointer_type(tl.float32))
             g_ptr = tl.load(table_ptr + n_params + i).to(tl.pointer_type(tl.float32))
@@ -230,12 +238,14 @@ def adamw_shard_update(ps, gs, ms, vs, steps, *, lr: float, beta1: float, beta2:
     maximize; after the caller's `_foreach_add_(steps, 1)`) in one launch, without storing the divided
     gradients. All tensors FP32 on one device."""
     step_size, bc2s = shard_scalars(steps, lr, beta1, beta2)
-    table = tables.table(ps, gs, ms, vs, [])
+    blocks = [0]
+    for p in ps:
+        blocks.append(blocks[-1] + triton.cdiv(p.numel(), BLOCK))
+    table = tables.table(ps, gs, ms, vs, [], extra=tuple(blocks))
     b1, b2 = np.float32(beta1), np.float32(beta2)
-    grid = (triton.cdiv(max(p.numel() for p in ps), BLOCK), len(ps))
-    _adamw_shard_kernel[grid](
+    _adamw_shard_kernel[(blocks[-1],)](
         table, len(ps), step_size, bc2s, grad_scale if grad_scale is not None else step_size,
         float(np.float32(lr) * np.float32(weight_decay)), float(b1), float(np.float32(1.0) - b1), float(b2),
         float(np.float32(1.0) - b2), f32(eps),
         HAS_SCALE=grad_scale is not None, HAS_DECAY=weight_decay != 0, BLOCK=BLOCK,
-        num_warps=NUM_WARPS, enable_fp_fusion=False)
+        P=triton.next_power_of_2(len(ps) + 1), num_warps=NUM_WARPS, enable_fp_fusion=False)
