@@ -1,0 +1,48 @@
+"""The optimizer's Triton kernels compiled for the GPU the benchmarks run on (sm_90, Hopper), on this CPU machine:
+Triton's front end, its GPU passes and the bundled ptxas, down to a cubin. Triton's CPU interpreter (which the
+bit-exactness tests use) runs kernels as Python and accepts code the GPU compiler rejects - a helper reading a
+module global that is not a constexpr, say (found when such a kernel failed on an H100). Each constexpr
+combination the launchers use is compiled."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from training import optim_kernels as ok  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def _compile(fn, signature: dict, constexprs: dict):
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=SM90,
+                         options={"num_warps": ok.NUM_WARPS, "enable_fp_fusion": False})
+    assert out.asm.get("cubin"), "no cubin"
+    return out
+
+
+@pytest.mark.parametrize("small,scale,cuda_addcmul", list(itertools.product([True, False], repeat=3)))
+def test_master_adamw_kernel_compiles_for_sm90(small, scale, cuda_addcmul):
+    sig = {"table_ptr": "*i64", "n_params": "i32", "step_size_ptr": "*fp32", "bias2_sqrt_ptr": "*fp32",
+           "decay_ptr": "*fp32", "grad_scale_ptr": "*fp32", "lerp_coeff": "fp32", "beta2": "fp32",
+           "one_minus_beta2": "fp32", "eps": "fp32"}
+    _compile(ok._adamw_master_kernel, sig, {"LERP_SMALL": small, "HAS_SCALE": scale, "CUDA_ADDCMUL": cuda_addcmul,
+                                            "BLOCK": ok.BLOCK})
+
+
+@pytest.mark.parametrize("scale,decay", list(itertools.product([True, False], repeat=2)))
+def test_shard_adamw_kernel_compiles_for_sm90(scale, decay):
+    sig = {"table_ptr": "*i64", "n_params": "i32", "step_size_ptr": "*fp32", "bc2s_ptr": "*fp32",
+           "grad_scale_ptr": "*fp32", "lr_wd": "fp32", "beta1": "fp32", "one_minus_beta1": "fp32", "beta2": "fp32",
+           "one_minus_beta2": "fp32", "eps": "fp32"}
+    out = _compile(ok._adamw_shard_kernel, sig, {"HAS_SCALE": scale, "HAS_DECAY": decay, "BLOCK": ok.BLOCK,
+                                                 "P": 8})
+    # the FP32 arithmetic torch's kernel makes: explicit FMAs, IEEE division and square root, nothing fused else
+    ptx = out.asm["ptx"]
+    assert "fma.rn.f32" in ptx and "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx
