@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,13 +14,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_under_triton_interpreter(path: Path, timeout_s: float = 600) -> None:
-    """Runs the pytest file `path` with TRITON_INTERPRET=1; fails with its output unless every test passed."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in tail and "skipped" not in tail.split("\n")[-2], tail
+    """Runs the pytest file `path` with TRITON_INTERPRET=1; fails with its output unless every test passed.
+    Then compiles every kernel launch it made for sm_90 (tests/triton_launches.py: the interpreter accepts code
+    the GPU compiler rejects)."""
+    from tests.triton_launches import RECORD_ENV, compile_for_sm90
+
+    with tempfile.TemporaryDirectory() as tmp:
+        launches = Path(tmp) / "launches.jsonl"
+        env = {**os.environ, "TRITON_INTERPRET": "1", RECORD_ENV: str(launches)}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                               "tests.triton_launches", str(path)],
+                              env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        assert proc.returncode == 0, tail
+        assert " passed" in tail and "skipped" not in tail.split("\n")[-2], tail
+        assert launches.exists(), "no Triton kernel was launched"
+        assert compile_for_sm90(launches) > 0
 
 
 def require_interpreter(runner: str) -> None:
