@@ -64,6 +64,7 @@ def test_tokens_budget_becomes_steps_rounded_up():
     ({"training": {"param_dtype": "fp16"}}, "training.param_dtype must be one of"),
     ({"training": {"perf": {"ddp_bucket_mb": 0}}}, "training.perf.ddp_bucket_mb"),
     ({"training": {"perf": {"ddp_static_graph": "maybe"}}}, "training.perf.ddp_static_graph"),
+    ({"training": {"perf": {"shard_update": "triton"}}}, "training.perf.shard_update must be one of"),
     ({"data": {"vocab_size": 100}}, "data.vocab_size must be >= 300"),
     ({"training": {"batch_size": 2.5}}, "training.batch_size must be an integer"),
     ({"training": {"compile": "yes"}}, "training.compile must be true or false"),
