@@ -207,7 +207,9 @@ _SCALARS: dict = {}
 
 def _device_scalar(x: float, device: torch.device) -> torch.Tensor:
     """x as a 0-d FP32 tensor on `device`, uploaded once per value (the learning rate changes every step, the
-    betas never; the update runs once per FSDP unit and step)."""
+    betas never; the update runs once per FSDP unit and step). The cache assumes one stream: the overlapped FSDP2
+    step makes every call on its side stream, where the tensors are allocated, so clearing the cache never frees
+    memory a kernel on another stream still reads."""
     key = (x, device)
     t = _SCALARS.get(key)
     if t is None:
