@@ -5,7 +5,7 @@ reading a module global that is not a constexpr, found when such a kernel failed
 tests passed). So every launch the interpreter sees is recorded here (kernel, argument types, constexpr values,
 launch options: `pytest -p tests.triton_launches` with PLAB_TRITON_LAUNCHES naming the file), and
 `compile_for_sm90` compiles each distinct one for sm_90 down to a cubin, with Triton's front end, its GPU passes
-and its bundled ptxas, on this CPU machine. `tests.interpreted.run_under_triton_interpreter` does both."""
+and its bundled ptxas, on this CPU machine (the constexprs a launcher derives from the device at their GPU value). `tests.interpreted.run_under_triton_interpreter` does both."""
 from __future__ import annotations
 
 import inspect
@@ -14,6 +14,9 @@ import os
 from pathlib import Path
 
 RECORD_ENV = "PLAB_TRITON_LAUNCHES"
+# Constexprs the launchers set from the tensors' device (`x.is_cuda`): under the interpreter they take their CPU
+# value, which a GPU never compiles, so the launches are compiled with their GPU value.
+GPU_VALUES = {"DOT_BF16": True, "CUDA_SEMANTICS": True, "CUDA_ADDCMUL": True}
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 
 _POINTER = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "float64": "*fp64", "int8": "*i8",
@@ -83,10 +86,16 @@ def compile_for_sm90(path: Path) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    # the product's kernels (a checks file's own helper kernels are test code, and importing it outside the
-    # interpreter skips)
-    records = [r for r in records if r["module"].split(".")[0] == "training"]
+    records = {}
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line) if line.strip() else None
+        # the product's kernels (a checks file's own helper kernels are test code, and importing it outside the
+        # interpreter skips)
+        if r is None or r["module"].split(".")[0] != "training":
+            continue
+        r["constexprs"] = {k: GPU_VALUES.get(k, v) for k, v in r["constexprs"].items()}
+        records[json.dumps(r, sort_keys=True)] = r
+    records = list(records.values())
     for r in records:
         fn = getattr(importlib.import_module(r["module"]), r["name"])
         fn = getattr(fn, "fn", fn) if not isinstance(fn, triton.runtime.JITFunction) else fn
