@@ -2,8 +2,8 @@
 
 The update (training.optim's module docstring) moves 28 bytes per parameter: BF16 grad and parameter, FP32
 master, m and v. Compiled by inductor it is one kernel per parameter; this is one launch per list (an overlap
-bucket's parameters of one group): a 2D grid, axis 1 the parameter, axis 0 runs of BLOCK elements, each
-program finding its tensors through a table of addresses (parameter, grad, master, m, v, numel). The table is
+bucket's parameters of one group): a 1D grid over the list's runs of BLOCK elements, each program finding its
+tensors through a table of addresses (parameter, grad, master, m, v, numel, first block). The table is
 rebuilt only when an address changes (the gradients are new tensors each step, but the caching allocator
 usually hands out the same addresses), so a step usually uploads nothing.
 
@@ -39,13 +39,25 @@ NUM_WARPS = 8
 
 if HAVE_TRITON:
     @triton.jit
+    def _program_block(table_ptr, n_params, firsts_col, P: tl.constexpr, BLOCK: tl.constexpr):
+        """(tensor index, element offset) of this program in a 1D grid over a list's blocks of BLOCK elements:
+        column `firsts_col` of the table holds each tensor's first block (a prefix sum, n_params + 1 entries); a
+        program's tensor is the last whose first block is at or below its id. A 2D grid sized by the largest
+        tensor would launch programs past every shorter tensor's end that only exit. (BLOCK is an argument: a
+        jit function may not read a module global that is not a constexpr, which only the GPU compiler refuses.)"""
+        pid = tl.program_id(0)
+        j = tl.arange(0, P)
+        firsts = tl.load(table_ptr + firsts_col * n_params + j, mask=j <= n_params, other=2**62)
+        i = tl.sum((firsts <= pid).to(tl.int32)) - 1
+        return i, (pid - tl.load(table_ptr + firsts_col * n_params + i)) * BLOCK
+
+    @triton.jit
     def _adamw_master_kernel(table_ptr, n_params, step_size_ptr, bias2_sqrt_ptr, decay_ptr, grad_scale_ptr,
                              lerp_coeff, beta2, one_minus_beta2, eps,
                              LERP_SMALL: tl.constexpr, HAS_SCALE: tl.constexpr, CUDA_ADDCMUL: tl.constexpr,
-                             BLOCK: tl.constexpr):
-        i = tl.program_id(1)
+                             BLOCK: tl.constexpr, P: tl.constexpr):
+        i, start = _program_block(table_ptr, n_params, 6, P, BLOCK)
         numel = tl.load(table_ptr + 5 * n_params + i)
-        start = tl.program_id(0).to(tl.int64) * BLOCK
         if start < numel:
             p_ptr = tl.load(table_ptr + i).to(tl.pointer_type(tl.int16))  # BF16 parameter, written as bits
             g_ptr = tl.load(table_ptr + n_params + i).to(tl.pointer_type(tl.bfloat16))
@@ -119,6 +131,14 @@ class AdamWTables:
         return table
 
 
+def block_starts(ps) -> tuple[int, ...]:
+    """Each tensor's first block of BLOCK elements in a 1D grid over the list, and the total (`_program_block`)."""
+    firsts = [0]
+    for p in ps:
+        firsts.append(firsts[-1] + -(-p.numel() // BLOCK))
+    return tuple(firsts)
+
+
 def f32(x: float) -> float:
     """x rounded to FP32: kernel scalars are passed exact, so no scalar arithmetic happens in the kernel
     (the interpreter would do it in FP64)."""
@@ -140,14 +160,14 @@ def adamw_master_update(ps, gs, ws, ms, vs, lr, steps, grad_scale, beta1: float,
     bias1, bias2_sqrt = bias_corrections(steps, beta1, beta2)
     step_size = lr / bias1
     decay = 1.0 - lr * wd
-    table = tables.table(ps, gs, ws, ms, vs)
+    firsts = block_starts(ps)
+    table = tables.table(ps, gs, ws, ms, vs, extra=firsts)
     coeff, small = lerp_form(1.0 - beta1)
-    grid = (triton.cdiv(max(p.numel() for p in ps), BLOCK), len(ps))
-    _adamw_master_kernel[grid](
+    _adamw_master_kernel[(firsts[-1],)](
         table, len(ps), step_size, bias2_sqrt, decay, grad_scale if grad_scale is not None else decay,
         coeff, f32(beta2), f32(1.0 - beta2), f32(eps),
         LERP_SMALL=small, HAS_SCALE=grad_scale is not None, CUDA_ADDCMUL=ps[0].is_cuda, BLOCK=BLOCK,
-        num_warps=NUM_WARPS, enable_fp_fusion=False)
+        P=triton.next_power_of_2(len(ps) + 1), num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -170,14 +190,8 @@ if HAVE_TRITON:
                             lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
                             HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr,
                             P: tl.constexpr):
-        # A 1D grid over the list's blocks: the table's last column holds each tensor's first block (a prefix
-        # sum, n_params + 1 entries); a program finds its tensor by counting the starts at or below its id.
-        pid = tl.program_id(0)
-        j = tl.arange(0, P)
-        firsts = tl.load(table_ptr + 5 * n_params + j, mask=j <= n_params, other=2**62)
-        i = tl.sum((firsts <= pid).to(tl.int32)) - 1
+        i, start = _program_block(table_ptr, n_params, 5, P, BLOCK)
         numel = tl.load(table_ptr + 4 * n_params + i)
-        start = (pid - tl.load(table_ptr + 5 * n_params + i)) * BLOCK
         if start < numel:
             p_ptr = tl.load(table_ptr + i).to(tl.pointer_type(tl.float32))
             g_ptr = tl.load(table_ptr + n_params + i).to(tl.pointer_type(tl.float32))
@@ -240,12 +254,10 @@ def adamw_shard_update(ps, gs, ms, vs, steps, *, lr: float, beta1: float, beta2:
     maximize; after the caller's `_foreach_add_(steps, 1)`) in one launch, without storing the divided
     gradients. All tensors FP32 on one device."""
     step_size, bc2s = shard_scalars(steps, lr, beta1, beta2)
-    blocks = [0]
-    for p in ps:
-        blocks.append(blocks[-1] + triton.cdiv(p.numel(), BLOCK))
-    table = tables.table(ps, gs, ms, vs, [], extra=tuple(blocks))
+    firsts = block_starts(ps)
+    table = tables.table(ps, gs, ms, vs, [], extra=firsts)
     b1, b2 = np.float32(beta1), np.float32(beta2)
-    _adamw_shard_kernel[(blocks[-1],)](
+    _adamw_shard_kernel[(firsts[-1],)](
         table, len(ps), step_size, bc2s, grad_scale if grad_scale is not None else step_size,
         float(np.float32(lr) * np.float32(weight_decay)), float(b1), float(np.float32(1.0) - b1), float(b2),
         float(np.float32(1.0) - b2), f32(eps),
