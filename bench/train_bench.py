@@ -99,11 +99,16 @@ def parse_config(text: str) -> dict:
     """'bf16:sdpa_backend=cudnn,fused_loss=false' → {"label", "recipe", "perf": {...}, "training": {...},
     "recipe_options": {...}}; `recipe.NAME=value` sets a recipe option (e.g. `mxfp8:recipe.fused_quantize=false`)."""
     recipe, _, opts = text.partition(":")
-    perf, training, batch, recipe_options = {}, {}, None, {}
+    perf, training, batch, recipe_options, diagnostic = {}, {}, None, {}, {}
     for item in filter(None, opts.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
             raise SystemExit(f"config {text!r}: expected key=value, got {item!r}")
+        if key.startswith("bench."):
+            if key not in DIAGNOSTICS or value not in DIAGNOSTICS[key]:
+                raise SystemExit(f"config {text!r}: {key}={value!r}; diagnostics: {DIAGNOSTICS}")
+            diagnostic[key[len("bench."):]] = value
+            continue
         if key.startswith("recipe."):
             recipe_options[key[len("recipe."):]] = _recipe_option(value)
             continue
@@ -122,7 +127,30 @@ def parse_config(text: str) -> dict:
             continue
         (training if key in TRAINING_KEYS else perf)[key] = value
     return {"label": text, "recipe": recipe, "perf": perf, "training": training, "recipe_options": recipe_options,
-            **({"batch": batch} if batch is not None else {})}
+            **({"batch": batch} if batch is not None else {}), **({"diagnostic": diagnostic} if diagnostic else {})}
+
+
+# Diagnostic switches of the bench itself (not of training): they break training on purpose to time what is left.
+# `bench.update=skip`: MasterAdamW's Triton update does nothing (no scalar ops, no kernel): the step without it, so
+# the A/B against the plain config is the update's share of the critical path. `bench.update=host_only`: the host
+# work of the update (step counters, bias corrections, table) without the kernel launch.
+DIAGNOSTICS = {"bench.update": ("skip", "host_only")}
+
+
+def apply_diagnostics(diagnostic: dict) -> None:
+    """In the worker, before training: the monkeypatches of `DIAGNOSTICS` (the parameters then never change)."""
+    mode = diagnostic.get("update")
+    if mode is None:
+        return
+    from training import optim_kernels
+
+    if mode == "skip":
+        optim_kernels.adamw_master_update = lambda *args, **kwargs: None
+    else:
+        class _NoLaunch:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: None
+        optim_kernels._adamw_master_kernel = _NoLaunch()
 
 
 # Default order: the recipes with a speed bar first; fp8_blockwise last, since torchao's blockwise
@@ -364,6 +392,7 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
     from training.train import train
 
     config = json.loads(config_json)
+    apply_diagnostics(config.get("diagnostic", {}))
     # Steps: `warmup` untimed (compile, allocator), then per round a gate step (the worker may wait before
     # it for the driver's go, which lands in that step's time, so it is not timed) and the round's timed steps.
     gates, total_steps = gate_steps(warmup, steps, rounds)

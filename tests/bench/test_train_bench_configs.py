@@ -77,3 +77,19 @@ def test_a_model_the_spec_refuses_stops_the_bench_before_it_starts(bench, capsys
     with pytest.raises(SystemExit):
         bench.main(["--model", "8b:num_attention_heads=7", "--device", "cpu", "--no-anchor", "--configs", "bf16"])
     assert "--model '8b:num_attention_heads=7'" in capsys.readouterr().err
+
+
+def test_update_diagnostics_parse_and_patch_the_triton_update(bench, monkeypatch):
+    from training import optim_kernels
+
+    config = bench.parse_config("bf16:bench.update=host_only,fuse_qkv=true")
+    assert config["diagnostic"] == {"update": "host_only"} and config["perf"] == {"fuse_qkv": True}
+    assert "diagnostic" not in bench.parse_config("bf16")
+    with pytest.raises(SystemExit, match="bench.update"):
+        bench.parse_config("bf16:bench.update=never")
+    monkeypatch.setattr(optim_kernels, "_adamw_master_kernel", optim_kernels._adamw_master_kernel, raising=False)
+    monkeypatch.setattr(optim_kernels, "adamw_master_update", optim_kernels.adamw_master_update)
+    bench.apply_diagnostics(config["diagnostic"])
+    assert optim_kernels._adamw_master_kernel[(1,)](1, 2, x=3) is None  # launches nothing
+    bench.apply_diagnostics({"update": "skip"})
+    assert optim_kernels.adamw_master_update([], [], lr=1) is None
