@@ -97,6 +97,10 @@ class MasterAdamW(torch.optim.Optimizer):
         self.grad_scale: torch.Tensor | None = None
         self.update = update
         self._tables = None  # the Triton kernel's address tables (training.optim_kernels.AdamWTables)
+        # The Triton update's grid: None, one program per block of elements; an int, at most that many programs,
+        # each looping over blocks (so the update occupies that many SMs beside the forward; training.optim's
+        # OverlappedOptimizerStep with an SM carve-out).
+        self.update_programs: int | None = None
         # State exists from the start (not lazily at the first step), so a checkpoint written before any
         # step, and load_state_dict into a fresh optimizer, both see the master weights.
         for group in self.param_groups:
@@ -204,7 +208,8 @@ class MasterAdamW(torch.optim.Optimizer):
                                  "Triton installed; use update='auto'")
             if self._tables is None:
                 self._tables = optim_kernels.AdamWTables()
-            return functools.partial(optim_kernels.adamw_master_update, tables=self._tables), None
+            return functools.partial(optim_kernels.adamw_master_update, tables=self._tables,
+                                     programs=self.update_programs), None
         if mode == "compiled":
             return _compiled_update_fn(), CHUNK
         return _adamw_master_update_many, CHUNK

@@ -39,24 +39,35 @@ NUM_WARPS = 8
 
 if HAVE_TRITON:
     @triton.jit
-    def _program_block(table_ptr, n_params, firsts_col, P: tl.constexpr, BLOCK: tl.constexpr):
-        """(tensor index, element offset) of this program in a 1D grid over a list's blocks of BLOCK elements:
+    def _program_block(table_ptr, n_params, firsts_col, blk, P: tl.constexpr, BLOCK: tl.constexpr):
+        """(tensor index, element offset) of block `blk` in a 1D grid over a list's blocks of BLOCK elements:
         column `firsts_col` of the table holds each tensor's first block (a prefix sum, n_params + 1 entries); a
-        program's tensor is the last whose first block is at or below its id. A 2D grid sized by the largest
+        block's tensor is the last whose first block is at or below its id. A 2D grid sized by the largest
         tensor would launch programs past every shorter tensor's end that only exit. (BLOCK is an argument: a
         jit function may not read a module global that is not a constexpr, which only the GPU compiler refuses.)"""
-        pid = tl.program_id(0)
         j = tl.arange(0, P)
         firsts = tl.load(table_ptr + firsts_col * n_params + j, mask=j <= n_params, other=2**62)
-        i = tl.sum((firsts <= pid).to(tl.int32)) - 1
-        return i, (pid - tl.load(table_ptr + firsts_col * n_params + i)) * BLOCK
+        i = tl.sum((firsts <= blk).to(tl.int32)) - 1
+        return i, (blk - tl.load(table_ptr + firsts_col * n_params + i)) * BLOCK
 
     @triton.jit
-    def _adamw_master_kernel(table_ptr, n_params, step_size_ptr, bias2_sqrt_ptr, decay_ptr, grad_scale_ptr,
-                             lerp_coeff, beta2, one_minus_beta2, eps,
+    def _adamw_master_kernel(table_ptr, n_params, n_blocks, step_size_ptr, bias2_sqrt_ptr, decay_ptr,
+                             grad_scale_ptr, lerp_coeff, beta2, one_minus_beta2, eps,
                              LERP_SMALL: tl.constexpr, HAS_SCALE: tl.constexpr, CUDA_ADDCMUL: tl.constexpr,
                              BLOCK: tl.constexpr, P: tl.constexpr):
-        i, start = _program_block(table_ptr, n_params, 6, P, BLOCK)
+        # one block per program, or (a grid of fewer programs, see `adamw_master_update`'s `programs`) a
+        # grid-stride loop over the blocks
+        for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+            _adamw_master_block(table_ptr, n_params, blk, step_size_ptr, bias2_sqrt_ptr, decay_ptr, grad_scale_ptr,
+                                lerp_coeff, beta2, one_minus_beta2, eps, LERP_SMALL, HAS_SCALE, CUDA_ADDCMUL, BLOCK,
+                                P)
+
+    @triton.jit
+    def _adamw_master_block(table_ptr, n_params, blk, step_size_ptr, bias2_sqrt_ptr, decay_ptr, grad_scale_ptr,
+                            lerp_coeff, beta2, one_minus_beta2, eps,
+                            LERP_SMALL: tl.constexpr, HAS_SCALE: tl.constexpr, CUDA_ADDCMUL: tl.constexpr,
+                            BLOCK: tl.constexpr, P: tl.constexpr):
+        i, start = _program_block(table_ptr, n_params, 6, blk, P, BLOCK)
         numel = tl.load(table_ptr + 5 * n_params + i)
         if start < numel:
             p_ptr = tl.load(table_ptr + i).to(tl.pointer_type(tl.int16))  # BF16 parameter, written as bits
@@ -153,9 +164,11 @@ def lerp_form(weight: float) -> tuple[float, bool]:
 
 
 def adamw_master_update(ps, gs, ws, ms, vs, lr, steps, grad_scale, beta1: float, beta2: float, eps: float,
-                        wd, *, tables: AdamWTables):
+                        wd, *, tables: AdamWTables, programs: int | None = None):
     """`training.optim._adamw_master_update_many` in one kernel launch (same arguments; `lr` and `wd` are
-    0-d FP32 tensors on the parameters' device). Parameters and gradients BF16 (see `supported`)."""
+    0-d FP32 tensors on the parameters' device). Parameters and gradients BF16 (see `supported`). `programs`:
+    at most that many programs, each looping over blocks (the update then occupies only that many SMs' worth
+    of the GPU, beside kernels on another stream); None: one program per block."""
     torch._foreach_add_(steps, 1.0)
     bias1, bias2_sqrt = bias_corrections(steps, beta1, beta2)
     step_size = lr / bias1
@@ -163,8 +176,9 @@ def adamw_master_update(ps, gs, ws, ms, vs, lr, steps, grad_scale, beta1: float,
     firsts = block_starts(ps)
     table = tables.table(ps, gs, ws, ms, vs, extra=firsts)
     coeff, small = lerp_form(1.0 - beta1)
-    _adamw_master_kernel[(firsts[-1],)](
-        table, len(ps), step_size, bias2_sqrt, decay, grad_scale if grad_scale is not None else decay,
+    grid = firsts[-1] if programs is None else max(1, min(programs, firsts[-1]))
+    _adamw_master_kernel[(grid,)](
+        table, len(ps), firsts[-1], step_size, bias2_sqrt, decay, grad_scale if grad_scale is not None else decay,
         coeff, f32(beta2), f32(1.0 - beta2), f32(eps),
         LERP_SMALL=small, HAS_SCALE=grad_scale is not None, CUDA_ADDCMUL=ps[0].is_cuda, BLOCK=BLOCK,
         P=triton.next_power_of_2(len(ps) + 1), num_warps=NUM_WARPS, enable_fp_fusion=False)
@@ -190,7 +204,7 @@ if HAVE_TRITON:
                             lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
                             HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr,
                             P: tl.constexpr):
-        i, start = _program_block(table_ptr, n_params, 5, P, BLOCK)
+        i, start = _program_block(table_ptr, n_params, 5, tl.program_id(0), P, BLOCK)
         numel = tl.load(table_ptr + 4 * n_params + i)
         if start < numel:
             p_ptr = tl.load(table_ptr + i).to(tl.pointer_type(tl.float32))

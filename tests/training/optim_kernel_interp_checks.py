@@ -45,12 +45,13 @@ def _twins(seed=0):
     return [torch.nn.Parameter(t.clone()) for t in base], [torch.nn.Parameter(t.clone()) for t in base]
 
 
-def _run(betas, steps, *, bucketed=False, reuse_grads=False, seed=1):
+def _run(betas, steps, *, bucketed=False, reuse_grads=False, seed=1, programs=None):
     """Eager and Triton MasterAdamW on the same parameters and gradients; grad_scale every other step
     (global-norm clipping), gradients growing 10x per step (moments in several binades)."""
     a, b = _twins()
     eager = MasterAdamW(_groups(a), lr=3e-2, betas=betas, update="eager")
     fast = MasterAdamW(_groups(b), lr=3e-2, betas=betas, update="triton")
+    fast.update_programs = programs
     g = torch.Generator().manual_seed(seed)
     for step in range(steps):
         for x, y in zip(a, b):
@@ -80,8 +81,9 @@ def test_triton_update_is_bit_exact_with_the_eager_update(ieee_sqrt, betas):
         assert torch.equal(x.view(torch.int16), y.view(torch.int16)), tuple(x.shape)
 
 
-def test_bucketed_steps_and_reused_addresses_give_the_same_update(ieee_sqrt):
-    a, b, eager, fast = _run((0.9, 0.95), steps=3, bucketed=True, reuse_grads=True)
+@pytest.mark.parametrize("programs", [None, 2])  # 2: each program loops over several tensors' blocks
+def test_bucketed_steps_and_reused_addresses_give_the_same_update(ieee_sqrt, programs):
+    a, b, eager, fast = _run((0.9, 0.95), steps=3, bucketed=True, reuse_grads=True, programs=programs)
     for x, y in zip(a, b):
         assert torch.equal(eager.state[x]["master"], fast.state[y]["master"])
         assert torch.equal(x.view(torch.int16), y.view(torch.int16))
