@@ -454,7 +454,8 @@ class PerfOptions:
     # (`torch._fused_adamw_`, what `optimizer.step()` runs, everywhere).
     shard_update: str = "auto"
     # torch.compile granularity: "model" (one graph with the loss), "layers" (each decoder layer, plus the
-    # loss's chunk math), "auto" = "layers" when the optimizer step overlaps the forward, else "model".
+    # loss's chunk math), "auto" = "layers" on a GPU (faster there with or without the overlapped step), else
+    # "model".
     compile_scope: str = "auto"
     # TF32 for any FP32 matmul left (e.g. outside autocast); BF16 autocast GEMMs are unaffected.
     allow_tf32: bool = True

@@ -137,7 +137,10 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     overlap = on_cuda and param_dtype == "bf16" and t.perf.overlap_optimizer and parallel != "fsdp"
     mode = _compile_mode(t, report, parallel, on_cuda, ac, per_layer=overlap)
     if parallel != "fsdp":
-        net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=overlap, parallel=parallel,
+        # Layer by layer on every GPU run, overlapped or not: with the update serial (overlap_optimizer false)
+        # the whole-model graph ran the 1b BF16 step in 132.9 ms against 116.2 ms compiled layer by layer
+        # (bench/results/train_bench_2026-11-25T1811_*_overlap_ab_at_172e38c.json).
+        net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=on_cuda, parallel=parallel,
                                        compile_mode=mode)
     stepper = OverlappedOptimizerStep(optimizer, _forward_buckets(model, params)) if overlap else None
     # After the stepper: the blocks' reuse hooks must run after its per-block waits.
