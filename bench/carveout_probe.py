@@ -12,7 +12,8 @@ tokens, SiLU x up between, each layer waiting for its bucket's update as the ove
     the GPU by SMs; and `gemm` alone with the carve-out (what the products lose).
 Prints a table last, writes `$OUT/carveout_probe.json` and `bench/results/carveout_probe_<date>_<gpu>.json`.
 
-    python bench/carveout_probe.py [--carveouts 8 16 24 32] [--reps 5]
+    python bench/carveout_probe.py [--carveouts 8 16 24 32] [--reps 5] [--blas cublaslt]
+        [--update-shapes 8x2048 16x4096]    # the update's warps x elements per program (default 8 x 2048)
 """
 from __future__ import annotations
 
@@ -88,7 +89,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--carveouts", type=int, nargs="*", default=[8, 16, 24, 32])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default",
+                    help="torch.backends.cuda.preferred_blas_library (the carve-out is a cuBLASLt attribute)")
+    ap.add_argument("--update-shapes", nargs="*", default=["8x2048"],
+                    help="the update kernel's WARPSxBLOCK per program, each timed with every carve-out")
     a = ap.parse_args(argv)
+    from training import optim_kernels
+    if a.blas != "default":
+        torch.backends.cuda.preferred_blas_library(a.blas)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     buckets = model_buckets(dev)
@@ -103,12 +111,18 @@ def main(argv=None) -> int:
     events = [torch.cuda.Event() for _ in buckets]
     rows = []
 
+    shape = "8x2048"
+
     def measure(mode, carve, programs):
         torch._C._set_sm_carveout_experimental(carve)
         opt.update_programs = programs
         ms = run(mode, x, weights, opt, buckets, side, events, a.reps)
         torch._C._set_sm_carveout_experimental(None)
-        rows.append({"mode": mode, "carveout": carve, "programs": programs, "ms": ms})
+        rows.append({"mode": mode, "carveout": carve, "programs": programs, "update_shape": shape, "ms": ms})
+        if mode == "update":
+            rows[-1]["update_gbps"] = 28 * sum(q.numel() for q in params) / ms / 1e6
+            if programs:
+                rows[-1]["gbps_per_program"] = rows[-1]["update_gbps"] / programs
         print(f"[probe] {rows[-1]}", flush=True)
 
     measure("gemm", None, None)
@@ -116,10 +130,16 @@ def main(argv=None) -> int:
     measure("both", None, None)
     for c in a.carveouts:
         measure("gemm", c, None)
-        measure("update", None, c)
-        measure("both", c, c)
+    for shape in a.update_shapes:
+        warps, block = (int(v) for v in shape.split("x"))
+        optim_kernels.NUM_WARPS, optim_kernels.BLOCK = warps, block
+        for c in a.carveouts:
+            measure("update", None, c)
+            measure("both", c, c)
+    optim_kernels.NUM_WARPS, optim_kernels.BLOCK = 8, 2048
+    shape = "8x2048"
     measure("both", None, None)
-    out = {"bench": "carveout_probe", "device": torch.cuda.get_device_name(dev), "sms": sms,
+    out = {"bench": "carveout_probe", "device": torch.cuda.get_device_name(dev), "sms": sms, "blas": a.blas,
            "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "git_commit": git_commit(), "rows": rows}
     text = json.dumps(out, indent=1)
@@ -132,10 +152,15 @@ def main(argv=None) -> int:
     base = {r["mode"]: r["ms"] for r in rows if r["carveout"] is None and r["programs"] is None}
     print(f"gemm alone {base['gemm']:.2f} ms, update alone {base['update']:.2f} ms, sum "
           f"{base['gemm'] + base['update']:.2f} ms, both today {base['both']:.2f} ms")
-    print(f"{'carve-out':>9s} {'gemm alone':>11s} {'update alone':>13s} {'both':>8s} {'vs today':>9s}")
-    for c in a.carveouts:
-        r = {x["mode"]: x["ms"] for x in rows if (x["carveout"] == c or x["programs"] == c)}
-        print(f"{c:9d} {r['gemm']:11.2f} {r['update']:13.2f} {r['both']:8.2f} {r['both'] / base['both']:9.3f}")
+    print(f"{'update':>8s} {'carve-out':>9s} {'gemm alone':>11s} {'update alone':>13s} {'GB/s/SM':>8s} {'both':>8s} "
+          f"{'vs today':>9s}")
+    for shape in a.update_shapes:
+        for c in a.carveouts:
+            g = next(x["ms"] for x in rows if x["mode"] == "gemm" and x["carveout"] == c)
+            u = next(x for x in rows if x["mode"] == "update" and x["programs"] == c and x["update_shape"] == shape)
+            b = next(x["ms"] for x in rows if x["mode"] == "both" and x["programs"] == c and x["update_shape"] == shape)
+            print(f"{shape:>8s} {c:9d} {g:11.2f} {u['ms']:13.2f} {u['gbps_per_program']:8.1f} {b:8.2f} "
+                  f"{b / base['both']:9.3f}")
     return 0
 
 
