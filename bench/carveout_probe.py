@@ -21,7 +21,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.benchmeta import git_commit  # noqa: E402
-from bench.kernel_bench import HIDDEN, INTER, LAYERS, QKV, TOKENS, _groups, model_buckets  # noqa: E402
+from bench.kernel_bench import HIDDEN, INTER, LAYERS, QKV, TOKENS, _groups, model_buckets, timed  # noqa: E402
 
 
 def forward_weights(dev):
@@ -50,8 +49,9 @@ def layer(x, weights):
 
 
 def run(mode: str, x, weights, opt, buckets, side, events, reps: int) -> float:
-    """Median ms of `reps` iterations (after 2 warm-ups) of: the update bucket by bucket on `side`, each layer of the
-    forward waiting for its bucket (bucket 0 the embedding, bucket i + 1 layer i) on the current stream."""
+    """Median ms of `reps` iterations (after 3 warm-ups, `kernel_bench.timed`) of: the update bucket by bucket on
+    `side`, each layer of the forward waiting for its bucket (bucket 0 the embedding, bucket i + 1 layer i) on the
+    current stream."""
     main = torch.cuda.current_stream()
 
     def once():
@@ -69,18 +69,7 @@ def run(mode: str, x, weights, opt, buckets, side, events, reps: int) -> float:
                 h = layer(h, weights[i])
         main.wait_stream(side)
 
-    for _ in range(2):
-        once()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        once()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return timed(once, reps)
 
 
 def main(argv=None) -> int:
