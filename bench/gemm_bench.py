@@ -175,7 +175,7 @@ def load_anchor():
 
 
 def part_a(device, smoke: bool, quick: bool, rounds: int) -> dict:
-    main_shape = (256, 512, 384) if smoke else ANCHOR_SHAPE
+    main_shape = (128, 128, 128) if smoke else ANCHOR_SHAPE
     log(f"(a) {main_shape[0]}x{main_shape[1]}x{main_shape[2]}, {rounds} interleaved rounds")
     rows = compare_shape(*main_shape, device, rounds)
     table_rows = []
