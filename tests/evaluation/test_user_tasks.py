@@ -7,45 +7,13 @@ import math
 
 import pytest
 
+from tests.user_task import CAPITALS, USER_TASK_YAML, write_user_task
 from training.evaluation import EvaluationError, evaluate_checkpoint, list_tasks, main
-
-CAPITALS = [
-    ("France", "Paris", "Rome"),
-    ("Italy", "Rome", "Paris"),
-    ("Spain", "Madrid", "Lisbon"),
-    ("Portugal", "Lisbon", "Madrid"),
-    ("Germany", "Berlin", "Vienna"),
-    ("Austria", "Vienna", "Berlin"),
-]
-
-USER_TASK_YAML = """\
-task: my_capitals
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: ${TASK_DIR}/capitals.jsonl
-output_type: multiple_choice
-test_split: test
-doc_to_text: "The capital of {{country}} is"
-doc_to_choice: "{{[right, wrong]}}"
-doc_to_target: 0
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
 
 
 @pytest.fixture
 def user_tasks_dir(tmp_path, monkeypatch):
-    tasks_dir = tmp_path / "my-tasks"
-    tasks_dir.mkdir()
-    (tasks_dir / "my_capitals.yaml").write_text(USER_TASK_YAML)
-    with open(tasks_dir / "capitals.jsonl", "w") as fh:
-        for country, right, wrong in CAPITALS:
-            fh.write(json.dumps({"country": country, "right": right, "wrong": wrong}) + "\n")
+    tasks_dir = write_user_task(tmp_path / "my-tasks")
     monkeypatch.setenv("PLAB_EVAL_TASKS_DIR", str(tasks_dir))
     return tasks_dir
 

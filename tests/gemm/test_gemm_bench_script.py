@@ -22,7 +22,7 @@ def smoke(bench, tmp_path_factory):
     mp.setenv("OUT", str(out))
     mp.setenv("PLAB_GIT_COMMIT", "abc1234")
     try:
-        rc = bench.main(["--smoke", "--rounds", "2", "--step-times", "bf16=0.5,fp8_tensorwise=0.45"])
+        rc = bench.main(["--smoke", "--rounds", "2", "--repeats", "1", "--step-times", "bf16=0.5,fp8_tensorwise=0.45"])
     finally:
         mp.undo()
     files = list(out.glob("gemm_bench_smoke_*.json"))
