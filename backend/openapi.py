@@ -162,7 +162,11 @@ def _no_nul_strings(schema: dict) -> None:
                 k in node for k in ("pattern", "enum", "const", "format", "anyOf")):
             node["pattern"] = NO_NUL_PATTERN
         for key, value in node.items():
-            if key not in ("enum", "const", "default", "examples", "description"):
+            if key in ("properties", "patternProperties") and isinstance(value, dict):
+                # Field names, not keywords: a field called "description" (an experiment's) is a schema too.
+                for field in value.values():
+                    walk(field)
+            elif key not in ("enum", "const", "default", "examples", "description"):
                 walk(value)
 
     for operations in schema.get("paths", {}).values():

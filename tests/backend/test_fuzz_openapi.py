@@ -146,3 +146,51 @@ def test_every_operation_answers_as_its_document_says(database_url, tmp_path):
                 assert isinstance(detail, str) and detail, response.text
 
         check()
+
+
+def test_every_string_a_request_body_types_states_that_it_refuses_nul(tmp_path):
+    """What the fuzzing above finds only when it happens to draw a NUL, checked for every field: each string a request
+    body or a parameter types carries a pattern (or enum/const/format) that excludes U+0000, the API's rule. A field
+    whose name is also a JSON Schema keyword (an experiment's `description`) was once left without one: the document
+    allowed a NUL that the API refused with 422 (schemathesis' positive-data check failed on PostgreSQL)."""
+    import re
+
+    schema = _app(tmp_path, f"sqlite:///{tmp_path / 'plab.sqlite'}").openapi()
+    components = schema["components"]["schemas"]
+    found: list[str] = []
+
+    def walk(node, where: str, seen: frozenset):
+        if isinstance(node, list):
+            for i, n in enumerate(node):
+                walk(n, f"{where}[{i}]", seen)
+            return
+        if not isinstance(node, dict):
+            return
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+            name = ref.rsplit("/", 1)[1]
+            if name not in seen:
+                walk(components[name], name, seen | {name})
+            return
+        types = node.get("type")
+        if types == "string" or (isinstance(types, list) and "string" in types):
+            stated = any(k in node for k in ("enum", "const", "format", "anyOf"))
+            pattern = node.get("pattern")
+            if not stated and (pattern is None or re.search(pattern, "a\x00b")):
+                found.append(where)
+        for key, value in node.items():
+            if key in ("properties", "patternProperties") and isinstance(value, dict):
+                for field, sub in value.items():
+                    walk(sub, f"{where}.{field}", seen)
+            elif key not in ("enum", "const", "default", "examples", "description", "title"):
+                walk(value, where, seen)
+
+    for path, operations in schema["paths"].items():
+        for method, op in operations.items():
+            for parameter in op.get("parameters", []):
+                walk(parameter.get("schema"), f"{method.upper()} {path} {parameter['name']}", frozenset())
+            for media in (op.get("requestBody") or {}).get("content", {}).values():
+                walk(media.get("schema"), f"{method.upper()} {path}", frozenset())
+    assert found == []
+    body = components["ExperimentCreate"]["properties"]["description"]
+    assert body.get("pattern") and not re.search(body["pattern"], "a\x00b")
