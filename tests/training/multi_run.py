@@ -1,5 +1,6 @@
 """Train several run specs one after the other in the same torchrun process group (one launch, many runs:
-starting processes is most of the cost of a tiny CPU run). Used by the FSDP tests.
+starting processes is most of the cost of a tiny CPU run). Used by the FSDP tests: gloo processes where the jobs
+run on the CPU, NCCL with one GPU per process (LOCAL_RANK) where they run on CUDA.
 
     torchrun --standalone --nproc-per-node N tests/training/multi_run.py JOBS.json
 
@@ -42,7 +43,14 @@ def main(path: str) -> int:
     jobs = json.loads(Path(path).read_text())
     rank = int(os.environ.get("RANK", "0"))
     scales = record_delayed_scales()
-    dist.init_process_group("gloo")
+    device = {job["spec"].get("training", {}).get("device", "cpu") for job in jobs}
+    if len(device) != 1:
+        raise SystemExit(f"multi_run: the jobs must share one device kind, got {sorted(device)}")
+    if device == {"cuda"}:
+        from training.distributed import init_distributed
+        init_distributed("cuda")  # NCCL, this rank's GPU; train() joins the same group
+    else:
+        dist.init_process_group("gloo")
     try:
         for job in jobs:
             sink = JsonlSink(job["metrics"]) if rank == 0 else NullSink()
