@@ -444,6 +444,13 @@ class PerfOptions:
     # shards) on a prefetch stream, beside the current unit's forward, instead of on the compute stream in
     # its own pre-forward (training.parallel.OverlappedShardedStep). No effect elsewhere.
     fsdp_prefetch: bool = True
+    # FSDP2: whether each block frees its gathered weights after its forward and gathers them again for its backward
+    # (torch's default, "always"), or keeps them to the backward ("never": half the all-gathers, and with FP8
+    # all-gather half the weight casts, for the memory of every block's gathered BF16 weights). "auto": keep them on
+    # one process, and on a GPU where every block's BF16 weights take under a tenth of its memory (a 1.14B model on
+    # 4 x H200 ran fp8_tensorwise host-bound at 0.80x BF16 with "always", bench/results/*_1b_x4_*); else "always".
+    # The last block keeps its weights in every mode (the backward needs them at once).
+    fsdp_reshard_after_forward: str = "auto"
     # How MasterAdamW updates a bucket (training.optim): "auto" (one Triton kernel launch per bucket on CUDA,
     # the eager update op for op; eager on CPU), "triton", "compiled" (torch.compile: one inductor kernel per
     # parameter, the update before the Triton kernel existed) or "eager".
@@ -481,6 +488,7 @@ class PerfOptions:
     COMPILE_SCOPES = ("auto", "model", "layers")
     OPTIMIZER_UPDATES = ("auto", "triton", "compiled", "eager")
     SHARD_UPDATES = ("auto", "torch")
+    FSDP_RESHARD = ("auto", "always", "never")
 
 
 PARAM_DTYPES = ("auto", "bf16", "fp32")
@@ -658,6 +666,8 @@ class RunSpec:
             overlap_optimizer=_bool("training.perf", "overlap_optimizer",
                                     perf_d.get("overlap_optimizer", pbase.overlap_optimizer)),
             fsdp_prefetch=_bool("training.perf", "fsdp_prefetch", perf_d.get("fsdp_prefetch", pbase.fsdp_prefetch)),
+            fsdp_reshard_after_forward=_choice("training.perf", "fsdp_reshard_after_forward", perf_d.get(
+                "fsdp_reshard_after_forward", pbase.fsdp_reshard_after_forward), PerfOptions.FSDP_RESHARD),
             compile_scope=_choice("training.perf", "compile_scope", perf_d.get("compile_scope", pbase.compile_scope),
                                   PerfOptions.COMPILE_SCOPES),
             optimizer_update=_choice("training.perf", "optimizer_update", perf_d.get(

@@ -54,9 +54,11 @@ def resolve_parallel(requested: str, world: int, n_params: int, device: torch.de
     return "fsdp" if n_params * STATE_BYTES_PER_PARAM > AUTO_FSDP_SHARE * total else "ddp"
 
 
-def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool) -> None:
+def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool, reshard_after_forward: str = "auto") -> bool:
     """FSDP2 in place: each decoder block, then the loss module (root). `bf16_compute`: all-gather the FP32
-    shards as BF16 and reduce-scatter gradients in FP32; otherwise everything stays FP32."""
+    shards as BF16 and reduce-scatter gradients in FP32; otherwise everything stays FP32. `reshard_after_forward`
+    (`perf.fsdp_reshard_after_forward`): "always", "never" or "auto" (`keeps_gathered_weights`). Returns whether the
+    blocks keep their gathered weights from the forward to the backward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute
@@ -65,16 +67,27 @@ def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool) -> None:
 
     from training.model import decoder_blocks
     layers = list(decoder_blocks(loss_module.model))
-    # One process has no peers to shard across: it keeps its gathered (cast) weights from the forward to the
-    # backward instead of casting them twice, unless those BF16 copies would take a tenth of the GPU.
-    alone = dist.get_world_size() == 1 and _bf16_copy_is_small(loss_module)
+    keep = keeps_gathered_weights(loss_module, dist.get_world_size(), reshard_after_forward)
     for i, layer in enumerate(layers):
         # The last block's weights are needed again at once by the backward: keep them gathered (torchtitan).
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=not alone and i < len(layers) - 1)
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=not keep and i < len(layers) - 1)
     fully_shard(loss_module, mp_policy=mp)
     if dist.get_world_size() == 1:
         for unit in [*layers, loss_module]:
             unit.set_custom_reduce_scatter(OneRankReduceScatter())
+    return keep
+
+
+def keeps_gathered_weights(module: torch.nn.Module, world: int, policy: str = "auto") -> bool:
+    """Whether FSDP2's blocks keep their gathered weights from the forward to the backward instead of gathering
+    (and, with FP8 all-gather, casting) them twice. "auto": one process, which has no peers to shard across, keeps
+    them unless its BF16 copies would take a tenth of the GPU; several processes keep them on a GPU where they take
+    less than that (one of each block's gathers per step instead of two: a 1.14B model on 4 GPUs has 2.3 GB of
+    them), and free them on a CPU (torch's default, the path large models take)."""
+    if policy != "auto":
+        return policy == "never"
+    on_cuda = next(module.parameters()).device.type == "cuda"
+    return _bf16_copy_is_small(module) if (world == 1 or on_cuda) else False
 
 
 class OneRankReduceScatter(ReduceScatter):

@@ -23,7 +23,8 @@ from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, c
                             decoder_blocks, decoder_body, describe_model, fuse_gate_up, fuse_qkv, load_pretrained,
                             meta_model, model_config)
 from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
-from training.parallel import OverlappedShardedStep, apply_activation_checkpointing, resolve_parallel, shard_model
+from training.parallel import (OverlappedShardedStep, apply_activation_checkpointing, keeps_gathered_weights,
+                              resolve_parallel, shard_model)
 from training.precision.weight_reuse import QuantizedWeightReuse
 from training.sink import MetricSink
 
@@ -81,6 +82,9 @@ class Run:
                 "world_size": self.ctx.world, "param_dtype": self.param_dtype, "fused_qkv": self.fused_qkv,
                 "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer,
                 "parallel": self.parallel, "activation_checkpointing": self.activation_checkpointing,
+                "fsdp_keeps_gathered_weights": (keeps_gathered_weights(
+                    self.model, self.ctx.world, t.perf.fsdp_reshard_after_forward) if self.parallel == "fsdp"
+                    else None),
                 "reuse_quantized_weights": any(isinstance(h, QuantizedWeightReuse) for h in self.hooks),
                 "compile_mode": self.compile_mode,
                 "data": dict(self.dataset.info)}
@@ -360,7 +364,8 @@ def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device,
     if parallel == "fsdp":
         if t.compile:
             compile_layers(loss_module, t.perf.compile_mode)
-        shard_model(loss_module, bf16_compute=bf16_compute)
+        shard_model(loss_module, bf16_compute=bf16_compute,
+                    reshard_after_forward=t.perf.fsdp_reshard_after_forward)
         return loss_module, loss_module
     if ctx.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -74,8 +74,13 @@ def test_fsdp_on_2_and_4_processes_trains_every_recipe_and_resumes_exactly_or_re
         single[r] = dict(sink.series("train/loss"))
     # DDP on as many processes, for the exact first-step check, with one recipe of each kind of scaling (per
     # tensor, delayed, per row, per 1x128 run and 128x128 tile, per block of 16 elements).
+    # And bf16 with every block keeping its gathered weights to the backward (one all-gather per block and step
+    # instead of two): the same numbers.
+    keep = _job(spec("bf16", "fsdp", 2, perf={"fsdp_reshard_after_forward": "never"}), tmp_path, "keep2_bf16",
+                cache_dir)
     _launch(2, [_job(spec(r, p, 2, checkpoint_every=ckpt(r)), tmp_path, f"{p}2_{r}", cache_dir)
-                for p in ("fsdp", "ddp") for r in RECIPES if p == "fsdp" or r in DDP_CHECKED], tmp_path, "two")
+                for p in ("fsdp", "ddp") for r in RECIPES if p == "fsdp" or r in DDP_CHECKED] + [keep],
+            tmp_path, "two")
     _launch(4, [_job(spec(r, "fsdp", 4, checkpoint_every=ckpt(r)), tmp_path, f"fsdp4_{r}", cache_dir)
                 for r in RECIPES], tmp_path, "four")
 
@@ -92,6 +97,10 @@ def test_fsdp_on_2_and_4_processes_trains_every_recipe_and_resumes_exactly_or_re
         for step in (1, 2, 3, 4):
             assert fsdp2[step] == pytest.approx(single[r][step], abs=tol), (r, 2, step)
             assert fsdp4[step] == pytest.approx(single[r][step], abs=tol), (r, 4, step)
+
+    assert _losses(tmp_path, "keep2_bf16") == _losses(tmp_path, "fsdp2_bf16")
+    assert _result(tmp_path, "keep2_bf16")["summary"]["fsdp_keeps_gathered_weights"] is True
+    assert _result(tmp_path, "fsdp2_bf16")["summary"]["fsdp_keeps_gathered_weights"] is False  # auto, on a CPU
 
     # fp8_delayed: every rank casts with the same scales at every step (amaxes max-reduced across ranks).
     per_rank = [torch.load(tmp_path / f"fsdp4_fp8_delayed.jsonl.scales_rank{k}.pt") for k in range(4)]
@@ -138,6 +147,8 @@ def test_fsdp_on_one_process_is_the_unsharded_run(make_spec, cache_dir):
             sink = ListSink()
             result = train(make_spec(training={"steps": 3, "parallel": parallel}), sink, cache_dir=cache_dir)
             runs[parallel] = (result.summary["parallel"], [v for _, v in sink.series("train/loss")])
+            # One process keeps its gathered weights to the backward (nobody to shard across); DDP has none.
+            assert result.summary["fsdp_keeps_gathered_weights"] is (True if parallel == "fsdp" else None)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -209,7 +220,9 @@ def test_spec_validates_the_new_keys(make_spec):
     from training.config import RunSpec, SpecError
     for bad, match in (({"parallel": "zero3"}, "training.parallel must be one of"),
                        ({"activation_checkpointing": "some"}, "training.activation_checkpointing must be one of"),
-                       ({"activation_checkpointing_every": 0}, "activation_checkpointing_every")):
+                       ({"activation_checkpointing_every": 0}, "activation_checkpointing_every"),
+                       ({"perf": {"fsdp_reshard_after_forward": "sometimes"}},
+                        r"training.perf.fsdp_reshard_after_forward must be one of \['auto', 'always', 'never'\]")):
         with pytest.raises(SpecError, match=match):
             RunSpec.from_dict(make_spec(training=bad))
     assert RunSpec.from_dict(make_spec(training={"activation_checkpointing": True})).training.activation_checkpointing == "full"
