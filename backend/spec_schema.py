@@ -115,6 +115,7 @@ def training_schema() -> dict:
         "compile_scope": {"enum": list(p.COMPILE_SCOPES)},
         "optimizer_update": {"enum": list(p.OPTIMIZER_UPDATES)},
         "shard_update": {"enum": list(p.SHARD_UPDATES)}, "fuse_qkv": {"type": ["boolean", "null"]},
+        "fsdp_reshard_after_forward": {"enum": list(p.FSDP_RESHARD)},
         "fuse_gate_up": _bool(), "bf16_residual": _bool(), "ddp_bucket_mb": _int("training.perf", "ddp_bucket_mb", 1),
         "ddp_static_graph": _bool(), "gc_interval": _int("training.perf", "gc_interval", 0),
         "sync_free_mask": _bool(), "reuse_quantized_weights": _bool(),
