@@ -54,11 +54,10 @@ def resolve_parallel(requested: str, world: int, n_params: int, device: torch.de
     return "fsdp" if n_params * STATE_BYTES_PER_PARAM > AUTO_FSDP_SHARE * total else "ddp"
 
 
-def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool, reshard_after_forward: str = "auto") -> bool:
+def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool, keep_gathered: bool) -> None:
     """FSDP2 in place: each decoder block, then the loss module (root). `bf16_compute`: all-gather the FP32
-    shards as BF16 and reduce-scatter gradients in FP32; otherwise everything stays FP32. `reshard_after_forward`
-    (`perf.fsdp_reshard_after_forward`): "always", "never" or "auto" (`keeps_gathered_weights`). Returns whether the
-    blocks keep their gathered weights from the forward to the backward."""
+    shards as BF16 and reduce-scatter gradients in FP32; otherwise everything stays FP32. `keep_gathered`: the
+    blocks keep their gathered weights from the forward to the backward (`keeps_gathered_weights`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute
@@ -67,15 +66,13 @@ def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool, reshard_aft
 
     from training.model import decoder_blocks
     layers = list(decoder_blocks(loss_module.model))
-    keep = keeps_gathered_weights(loss_module, dist.get_world_size(), reshard_after_forward)
     for i, layer in enumerate(layers):
         # The last block's weights are needed again at once by the backward: keep them gathered (torchtitan).
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=not keep and i < len(layers) - 1)
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=not keep_gathered and i < len(layers) - 1)
     fully_shard(loss_module, mp_policy=mp)
     if dist.get_world_size() == 1:
         for unit in [*layers, loss_module]:
             unit.set_custom_reduce_scatter(OneRankReduceScatter())
-    return keep
 
 
 def keeps_gathered_weights(module: torch.nn.Module, world: int, policy: str = "auto") -> bool:

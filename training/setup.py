@@ -55,6 +55,7 @@ class Run:
     micro_batch: int
     model_info: dict = field(default_factory=dict)  # training.model.describe_model: architecture, params, source
     compile_mode: str | None = None    # the torch.compile mode the step runs under (None: inductor's default)
+    fsdp_keeps_gathered_weights: bool | None = None  # FSDP2 blocks keep their gathered weights to the backward
 
     @property
     def on_cuda(self) -> bool:
@@ -82,9 +83,7 @@ class Run:
                 "world_size": self.ctx.world, "param_dtype": self.param_dtype, "fused_qkv": self.fused_qkv,
                 "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer,
                 "parallel": self.parallel, "activation_checkpointing": self.activation_checkpointing,
-                "fsdp_keeps_gathered_weights": (keeps_gathered_weights(
-                    self.model, self.ctx.world, t.perf.fsdp_reshard_after_forward) if self.parallel == "fsdp"
-                    else None),
+                "fsdp_keeps_gathered_weights": self.fsdp_keeps_gathered_weights,
                 "reuse_quantized_weights": any(isinstance(h, QuantizedWeightReuse) for h in self.hooks),
                 "compile_mode": self.compile_mode,
                 "data": dict(self.dataset.info)}
@@ -129,10 +128,12 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     parallel = resolve_parallel(t.parallel, ctx.world, count_parameters(meta_model(config)), device)
     model, report, fused_qkv, ac = _model_with_recipe(spec, config, device, param_dtype, sink,
                                                       fsdp=parallel == "fsdp")
+    keep_gathered = None
     if parallel == "fsdp":
         # Sharded before the optimizer exists: its state is built on the FP32 shards.
+        keep_gathered = keeps_gathered_weights(model, ctx.world, t.perf.fsdp_reshard_after_forward)
         net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=False, parallel=parallel,
-                                       bf16_compute=param_dtype == "bf16")
+                                       bf16_compute=param_dtype == "bf16", keep_gathered=keep_gathered)
     params, optimizer = _optimizer(model, spec, param_dtype, sharded=parallel == "fsdp")
     # Randomness in the step (NVFP4's stochastic rounding) draws from the global generators: seeded from the run's
     # seed and rank so a spec reproduces its run; a resume restores their exact state from the checkpoint.
@@ -161,7 +162,8 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                parallel=parallel, activation_checkpointing=ac, fused_qkv=fused_qkv,
                flops_per_token=flops_per_token(model.config, spec.data.seq_len),
                micro_batch=t.batch_size // (t.grad_accum * ctx.world),
-               model_info=describe_model(model, spec.model), compile_mode=mode)
+               model_info=describe_model(model, spec.model), compile_mode=mode,
+               fsdp_keeps_gathered_weights=keep_gathered)
 
 
 def _compile_mode(t, report, parallel: str, on_cuda: bool, ac: dict, *, per_layer: bool) -> str | None:
@@ -351,7 +353,8 @@ def _optimizer(model: torch.nn.Module, spec: RunSpec, param_dtype: str, *, shard
 
 
 def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device, *, compile_per_layer: bool,
-                   parallel: str = "single", bf16_compute: bool = False, compile_mode: str | None = None):
+                   parallel: str = "single", bf16_compute: bool = False, compile_mode: str | None = None,
+                   keep_gathered: bool = False):
     """(net, eval_net): the loss module for training steps (under DDP, or sharded by FSDP2, when several ranks
     train) and for validation, compiled as `training.compile` and `perf.compile_scope` ask. Under FSDP2 the
     blocks are compiled one by one before sharding (the sharding hooks run between them)."""
@@ -364,8 +367,7 @@ def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device,
     if parallel == "fsdp":
         if t.compile:
             compile_layers(loss_module, t.perf.compile_mode)
-        shard_model(loss_module, bf16_compute=bf16_compute,
-                    reshard_after_forward=t.perf.fsdp_reshard_after_forward)
+        shard_model(loss_module, bf16_compute=bf16_compute, keep_gathered=keep_gathered)
         return loss_module, loss_module
     if ctx.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
