@@ -193,6 +193,12 @@ def _bool(section: str, name: str, value) -> bool:
     return value
 
 
+def _optional_bool(section: str, name: str, value, auto: str) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise SpecError(f"{section}.{name} must be true, false or null ({auto}), got {value!r}")
+    return value
+
+
 def _tokenizer_source(value, init_from) -> str:
     if value is None:
         return "checkpoint" if init_from is not None else "train"
@@ -438,8 +444,12 @@ class PerfOptions:
     fuse_gate_up: bool = False
     # GPU runs with BF16 parameters: the optimizer step runs on a side CUDA stream, layer by layer in forward
     # order, while the next step's forward proceeds behind per-layer events (training.optim.
-    # OverlappedOptimizerStep). Needs the layers compiled one by one (compile_scope "layers").
-    overlap_optimizer: bool = True
+    # OverlappedOptimizerStep; under FSDP2 training.parallel.OverlappedShardedStep). None (auto): overlapped
+    # under FSDP2 and with DDP on several processes; after the backward on one process without FSDP2, where on
+    # an H100 the overlapped step was no faster in any recipe measured (cuBLAS's persistent GEMMs hold every SM,
+    # so the update's programs run between the products, not beside them: bench/NOTES_floor.md 32, 36) and
+    # reserved 2-3 GiB more memory.
+    overlap_optimizer: bool | None = None
     # FSDP2 on one process with the overlapped update: each next unit unsharded ahead (cast + copy of its
     # shards) on a prefetch stream, beside the current unit's forward, instead of on the compute stream in
     # its own pre-forward (training.parallel.OverlappedShardedStep). No effect elsewhere.
@@ -663,8 +673,8 @@ class RunSpec:
             prefetch=_bool("training.perf", "prefetch", perf_d.get("prefetch", pbase.prefetch)),
             allow_tf32=_bool("training.perf", "allow_tf32", perf_d.get("allow_tf32", pbase.allow_tf32)),
             fused_clip=_bool("training.perf", "fused_clip", perf_d.get("fused_clip", pbase.fused_clip)),
-            overlap_optimizer=_bool("training.perf", "overlap_optimizer",
-                                    perf_d.get("overlap_optimizer", pbase.overlap_optimizer)),
+            overlap_optimizer=_optional_bool("training.perf", "overlap_optimizer", perf_d.get("overlap_optimizer"),
+                                             "auto: overlapped under FSDP2 and with DDP on several processes"),
             fsdp_prefetch=_bool("training.perf", "fsdp_prefetch", perf_d.get("fsdp_prefetch", pbase.fsdp_prefetch)),
             fsdp_reshard_after_forward=_choice("training.perf", "fsdp_reshard_after_forward", perf_d.get(
                 "fsdp_reshard_after_forward", pbase.fsdp_reshard_after_forward), PerfOptions.FSDP_RESHARD),

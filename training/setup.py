@@ -139,8 +139,9 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     # seed and rank so a spec reproduces its run; a resume restores their exact state from the checkpoint.
     torch.manual_seed(spec.seed * 1_000_003 + ctx.rank)
 
-    overlap = on_cuda and param_dtype == "bf16" and t.perf.overlap_optimizer and parallel != "fsdp"
-    mode = _compile_mode(t, report, parallel, on_cuda, ac, per_layer=overlap)
+    overlap_wanted = overlap_update(t.perf.overlap_optimizer, parallel, ctx.world)
+    overlap = on_cuda and param_dtype == "bf16" and overlap_wanted and parallel != "fsdp"
+    mode = _compile_mode(t, report, parallel, on_cuda, ac, per_layer=on_cuda and parallel != "fsdp")
     if parallel != "fsdp":
         # Layer by layer on every GPU run, overlapped or not: with the update serial (overlap_optimizer false)
         # the whole-model graph ran the 1b BF16 step in 132.9 ms against 116.2 ms compiled layer by layer
@@ -152,7 +153,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     hooks = list(getattr(report, "hooks", []) or []) + _weight_reuse(model, t, parallel)
     # Under FSDP2 the update overlaps the next forward unless a recipe hook reads the weights right after it
     # (tensorwise FP8's scale pass for the FP8 all-gather, delayed scaling's history).
-    if parallel == "fsdp" and on_cuda and t.perf.overlap_optimizer and not any(
+    if parallel == "fsdp" and on_cuda and overlap_wanted and not any(
             hasattr(h, "post_optimizer_step") for h in hooks):
         stepper = OverlappedShardedStep(optimizer, net, list(decoder_blocks(model)),
                                         prefetch=ctx.world == 1 and t.perf.fsdp_prefetch, kernel=t.perf.shard_update)
@@ -164,6 +165,16 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                micro_batch=t.batch_size // (t.grad_accum * ctx.world),
                model_info=describe_model(model, spec.model), compile_mode=mode,
                fsdp_keeps_gathered_weights=keep_gathered)
+
+
+def overlap_update(option: bool | None, parallel: str, world: int) -> bool:
+    """`training.perf.overlap_optimizer` resolved: the run's value when it gives one; auto (None) overlaps under
+    FSDP2 and with DDP on several processes, and runs the update after the backward on one process without FSDP2.
+    There an H100 ran the 1b step as fast serial as overlapped in every recipe measured (bf16 0.994-1.009x,
+    mxfp8 1.007x, nvfp4 1.002x; bench/NOTES_floor.md 32 and 36) with 2-3 GiB less memory reserved."""
+    if option is not None:
+        return option
+    return parallel == "fsdp" or world > 1
 
 
 def _compile_mode(t, report, parallel: str, on_cuda: bool, ac: dict, *, per_layer: bool) -> str | None:

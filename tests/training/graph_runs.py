@@ -22,12 +22,17 @@ def tiny_run(recipe: str, perf: dict, recipe_options: dict | None = None):
 
 
 def assert_graphs_by_default_train_like_without(recipe: str, recipe_options: dict | None = None) -> None:
+    # One process: the update runs after the backward by default (overlap_optimizer auto), and the graphs replay
+    # either way; the overlapped update (its per-layer waits before each graph) is checked too.
     graphs, graphs_val, summary = tiny_run(recipe, {}, recipe_options)
-    assert summary.get("compile_mode") == "reduce-overhead"
+    assert summary.get("compile_mode") == "reduce-overhead" and summary.get("overlap_optimizer") is False
+    overlapped, overlapped_val, summary_over = tiny_run(recipe, {"overlap_optimizer": True}, recipe_options)
+    assert summary_over.get("compile_mode") == "reduce-overhead" and summary_over.get("overlap_optimizer") is True
     plain, plain_val, summary_plain = tiny_run(recipe, {"compile_mode": "default"}, recipe_options)
     assert summary_plain.get("compile_mode") == "default"
     assert len(graphs) == len(plain) == 12 and sorted(graphs_val) == sorted(plain_val) == [4, 8, 12]
-    for a, b in zip(graphs, plain):
-        assert a == pytest.approx(b, rel=1e-3)
-    for step in plain_val:
-        assert graphs_val[step] == pytest.approx(plain_val[step], rel=1e-3)
+    for run, run_val in ((graphs, graphs_val), (overlapped, overlapped_val)):
+        for a, b in zip(run, plain):
+            assert a == pytest.approx(b, rel=1e-3)
+        for step in plain_val:
+            assert run_val[step] == pytest.approx(plain_val[step], rel=1e-3)
