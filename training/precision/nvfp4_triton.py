@@ -86,17 +86,13 @@ if HAVE_TRITON:
     @triton.jit
     def _nvfp4_dual_amax_kernel(x_ptr, h_ptr, partial_ptr, M, N, stride_m, BLOCK: tl.constexpr,
                                 GROUPS: tl.constexpr, HAS_RHT: tl.constexpr, DOT_BF16: tl.constexpr):
-        """Per program (GROUPS x 16 tokens, BLOCK features): max |x| and max |RHT(x)| into partial[pid].
-        The tiles are taken in the reverse of the launch order (the last program reads the first tile): the
-        quantize pass, which follows at once, starts with the tiles read last here, which may still be in L2."""
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-        pid_n = tl.num_programs(1) - 1 - tl.program_id(1)
-        pid = pid_m * tl.num_programs(1) + pid_n
-        cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+        """Per program (GROUPS x 16 tokens, BLOCK features): max |x| and max |RHT(x)| into partial[pid]."""
+        pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         amax_a = 0.0
         amax_b = 0.0
         for g in tl.static_range(GROUPS):
-            rows = (pid_m * GROUPS + g) * 16 + tl.arange(0, 16)
+            rows = (tl.program_id(0) * GROUPS + g) * 16 + tl.arange(0, 16)
             mask = (rows[:, None] < M) & (cols[None, :] < N)
             x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
             amax_a = tl.maximum(amax_a, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))
