@@ -307,19 +307,34 @@ def ours_worker(config_text: str, batch: int, seq: int) -> dict:
             pass
 
     calls = {"n": 0}
+    window = {}
+    # SM clock and power over the profiled steps (train_bench's NVML sampler): on an H100 at its 700 W cap the clock
+    # the power controller picks differs by recipe and by minute, and bandwidth-bound kernels (the update) run
+    # slower at a lower clock; a category's ratio is read against the clock it ran at.
+    from bench.train_bench import GpuSampler
+    sampler = GpuSampler()
 
     def should_stop():  # called at the start of every step: the profiler's step boundary
         calls["n"] += 1
         prof.step()
+        if calls["n"] == warmup + 2:  # wait + warm-up done: the first active step starts
+            window["from"] = time.perf_counter()
+        elif calls["n"] == warmup + 2 + active:
+            window["to"] = time.perf_counter()
         return False
     prof.start()
     result = train(spec, StepSink(), should_stop=should_stop)
     prof.stop()
+    sampler.stop()
     out = summarize(prof, active)
+    out["gpu_during_profiled_steps"] = (sampler.summary(window["from"], window["to"])
+                                        if {"from", "to"} <= set(window) else None)
     out["run"] = {"recipe": config["recipe"], "params": result.summary.get("params"),
                   "gemm_backend": result.gemm_backend, "batch": batch, "seq_len": seq,
                   "grad_accum": spec["training"].get("grad_accum", 1), "model": spec["model"],
-                  "vocab_size": spec["data"]["vocab_size"]}
+                  "vocab_size": spec["data"]["vocab_size"],
+                  "overlap_optimizer": result.summary.get("overlap_optimizer"),
+                  "compile_mode": result.summary.get("compile_mode")}
     return out
 
 
@@ -404,7 +419,9 @@ def _print_tables(profiles: dict) -> None:
     for target, r in profiles.items():
         if r.get("gpu_busy_share") is not None:
             print(f"{target}: GPU busy {r['gpu_busy_ms_per_step']:.1f} of {r['gpu_span_ms_per_step']:.1f} ms per step "
-                  f"({100 * r['gpu_busy_share']:.1f} %)")
+                  f"({100 * r['gpu_busy_share']:.1f} %)" + (
+                      f"; SM {g['sm_clock_mhz_median']:.0f} MHz (min {g['sm_clock_mhz_min']:.0f}), "
+                      f"{g['power_w_median']:.0f} W" if (g := r.get("gpu_during_profiled_steps")) else ""))
     for target, r in profiles.items():
         if r.get("gemm_fused_casts_ms"):
             print(f"{target}: of its gemm ms, {r['gemm_fused_casts_ms']:.1f} are inductor kernels named after a fused "
