@@ -147,8 +147,10 @@ def step_floors(config, recipe: str, *, micro_batch: int, seq_len: int, params: 
     return out
 
 
-def floor_rows(floors: dict, measured_ms: dict) -> list[dict]:
-    """Rows of the floor table: every category with a floor or a measurement, then the total."""
+def floor_rows(floors: dict, measured_ms: dict, unprofiled: dict | None = None) -> list[dict]:
+    """Rows of the floor table: every category with a floor or a measurement, then the total; then, where the
+    config's steps were also timed without the profiler (`_UnprofiledTimer`), the optimizer phase and the whole
+    step from CUDA events, against the same floors."""
     rows = []
     for cat in list(floors) + [c for c in measured_ms if c not in floors]:
         f = floors.get(cat, {})
@@ -162,6 +164,16 @@ def floor_rows(floors: dict, measured_ms: dict) -> list[dict]:
     rows.append({"category": "total", "work": None, "unit": None, "floor_ms": total_floor,
                  "measured_ms": total_ms, "ratio": total_ms / total_floor if total_floor else None,
                  "basis": "sum"})
+    opt = floors.get("optimizer", {})
+    extra = (("optimizer, unprofiled", opt.get("work"), opt.get("unit"), opt.get("floor_ms"),
+              (unprofiled or {}).get("optimizer_ms"),
+              "CUDA events: gradient norm to the end of the update (run after the backward), no profiler"),
+             ("step, unprofiled", None, None, total_floor, (unprofiled or {}).get("step_ms"),
+              "CUDA events: one whole step, no profiler"))
+    for cat, work, unit, floor, ms, basis in extra:
+        if ms is not None:
+            rows.append({"category": cat, "work": work, "unit": unit, "floor_ms": floor, "measured_ms": ms,
+                         "ratio": ms / floor if floor else None, "basis": basis})
     return rows
 
 
@@ -171,12 +183,12 @@ def format_floor_table(target: str, rows: list[dict]) -> str:
             return "-"
         return f"{r['work'] / 1e12:.1f} TFLOP" if r["unit"] == "FLOP" else f"{r['work'] / 1e9:.1f} GB"
     lines = [f"\n# floor table: {target} (ms per step; floor at this device's measured ceilings)",
-             f"{'category':20s}{'work':>14s}{'floor':>9s}{'measured':>10s}{'ratio':>8s}  basis"]
+             f"{'category':22s}{'work':>14s}{'floor':>9s}{'measured':>10s}{'ratio':>8s}  basis"]
     for r in rows:
         floor = f"{r['floor_ms']:9.2f}" if r["floor_ms"] is not None else f"{'-':>9s}"
         ms = f"{r['measured_ms']:10.2f}" if r["measured_ms"] is not None else f"{'-':>10s}"
         ratio = f"{r['ratio']:7.2f}x" if r["ratio"] is not None else f"{'-':>8s}"
-        lines.append(f"{r['category']:20s}{work(r):>14s}{floor}{ms}{ratio}  {r['basis']}")
+        lines.append(f"{r['category']:22s}{work(r):>14s}{floor}{ms}{ratio}  {r['basis']}")
     return "\n".join(lines)
 
 
@@ -286,6 +298,73 @@ def anchor_worker(batch: int, seq: int) -> dict:
     return _profile(step, warmup=4)
 
 
+class _UnprofiledTimer:
+    """CUDA events over steps `first`..`last` of our train(), while the profiler waits (its schedule's wait
+    steps trace nothing): each step's GPU time (start to next start) and, where the update runs after the
+    backward (no overlapped stepper), its optimizer phase: from the gradient norm (training.train._clip) to the
+    end of MasterAdamW.step. Profiled kernel durations run longer than unprofiled ones (on an H100 at a7a2efe the
+    bf16 step's profiled GPU work was 138.3 ms against a 114.2 ms unprofiled step), so the floor table sets these
+    unprofiled times beside the profiled categories."""
+
+    def __init__(self, first: int, last: int):
+        self.first, self.last = first, last
+        self.n = 0
+        self.starts: list = []
+        self.optimizer_events: list = []
+        self._pending = None
+        self._saved = None
+
+    def __enter__(self):
+        import torch
+
+        import training.train as tt
+        from training.optim import MasterAdamW
+        clip, step = tt._clip, MasterAdamW.step
+        timer = self
+
+        def timed_clip(run, clip_value):
+            if run.stepper is None and run.on_cuda and timer.first <= timer.n <= timer.last:
+                timer._pending = torch.cuda.Event(enable_timing=True)
+                timer._pending.record()
+            return clip(run, clip_value)
+
+        def timed_step(opt, *args, **kwargs):
+            out = step(opt, *args, **kwargs)
+            if timer._pending is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                timer.optimizer_events.append((timer._pending, end))  # read at the end: no sync in the step
+                timer._pending = None
+            return out
+        self._saved = (tt, clip, MasterAdamW, step)
+        tt._clip, MasterAdamW.step = timed_clip, timed_step
+        return self
+
+    def __exit__(self, *exc):
+        tt, clip, cls, step = self._saved
+        tt._clip, cls.step = clip, step
+        return False
+
+    def step_starts(self, n: int) -> None:
+        """Called at the start of step n (should_stop): the previous step's end."""
+        import torch
+        self.n = n
+        if self.first <= n <= self.last + 1 and torch.cuda.is_available():
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.starts.append(e)
+
+    def summary(self) -> dict | None:
+        import statistics
+        if len(self.starts) < 2:
+            return None
+        self.starts[-1].synchronize()
+        steps = [a.elapsed_time(b) for a, b in zip(self.starts, self.starts[1:])]
+        optimizer = [a.elapsed_time(b) for a, b in self.optimizer_events]
+        return {"steps": len(steps), "step_ms": statistics.median(steps),
+                "optimizer_ms": statistics.median(optimizer) if optimizer else None}
+
+
 def ours_worker(config_text: str, batch: int, seq: int) -> dict:
     """Our train() with a sink that opens the profiler after the warm-up steps' metrics arrive."""
     import torch
@@ -308,6 +387,7 @@ def ours_worker(config_text: str, batch: int, seq: int) -> dict:
 
     calls = {"n": 0}
     window = {}
+    unprofiled = _UnprofiledTimer(first=3, last=warmup)  # steps after the compiling ones, before the profiler
     # SM clock and power over the profiled steps (train_bench's NVML sampler): on an H100 at its 700 W cap the clock
     # the power controller picks differs by recipe and by minute, and bandwidth-bound kernels (the update) run
     # slower at a lower clock; a category's ratio is read against the clock it ran at.
@@ -316,6 +396,7 @@ def ours_worker(config_text: str, batch: int, seq: int) -> dict:
 
     def should_stop():  # called at the start of every step: the profiler's step boundary
         calls["n"] += 1
+        unprofiled.step_starts(calls["n"])
         prof.step()
         if calls["n"] == warmup + 2:  # wait + warm-up done: the first active step starts
             window["from"] = time.perf_counter()
@@ -323,10 +404,13 @@ def ours_worker(config_text: str, batch: int, seq: int) -> dict:
             window["to"] = time.perf_counter()
         return False
     prof.start()
-    result = train(spec, StepSink(), should_stop=should_stop)
+    with unprofiled:
+        result = train(spec, StepSink(), should_stop=should_stop)
     prof.stop()
     sampler.stop()
+    out_unprofiled = unprofiled.summary()
     out = summarize(prof, active)
+    out["unprofiled"] = out_unprofiled
     out["gpu_during_profiled_steps"] = (sampler.summary(window["from"], window["to"])
                                         if {"from", "to"} <= set(window) else None)
     out["run"] = {"recipe": config["recipe"], "params": result.summary.get("params"),
@@ -401,7 +485,7 @@ def add_floor_tables(profiles: dict, ceilings: dict | None) -> None:
         floors = step_floors(config, run["recipe"], micro_batch=run["batch"] // run["grad_accum"],
                              seq_len=run["seq_len"], grad_accum=run["grad_accum"], params=run["params"],
                              ceilings=ceilings, real_gemms=run["gemm_backend"] == "real")
-        r["floor_table"] = floor_rows(floors, r["ms_per_step"])
+        r["floor_table"] = floor_rows(floors, r["ms_per_step"], r.get("unprofiled"))
 
 
 def _print_tables(profiles: dict) -> None:

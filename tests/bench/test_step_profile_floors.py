@@ -74,6 +74,13 @@ def test_floor_rows_give_measured_over_floor_and_a_total(sp, config):
     assert rows["total"]["floor_ms"] == pytest.approx(sum(f["floor_ms"] for f in floors.values()))
     table = sp.format_floor_table("bf16", list(rows.values()))
     assert all(cat in table for cat in rows)
+    assert "optimizer, unprofiled" not in rows  # only where the steps were also timed without the profiler
+    timed = {r["category"]: r for r in sp.floor_rows(floors, measured, {"step_ms": 120.0, "optimizer_ms": 12.0})}
+    assert timed["optimizer, unprofiled"]["ratio"] == pytest.approx(12.0 / floors["optimizer"]["floor_ms"])
+    assert timed["step, unprofiled"]["ratio"] == pytest.approx(120.0 / rows["total"]["floor_ms"])
+    assert timed["total"] == rows["total"]  # the profiled sum is not changed by them
+    only_step = {r["category"] for r in sp.floor_rows(floors, measured, {"step_ms": 120.0, "optimizer_ms": None})}
+    assert "step, unprofiled" in only_step and "optimizer, unprofiled" not in only_step  # overlapped update
 
 
 @pytest.mark.parametrize("name,category", [
