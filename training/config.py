@@ -445,10 +445,10 @@ class PerfOptions:
     # GPU runs with BF16 parameters: the optimizer step runs on a side CUDA stream, layer by layer in forward
     # order, while the next step's forward proceeds behind per-layer events (training.optim.
     # OverlappedOptimizerStep; under FSDP2 training.parallel.OverlappedShardedStep). None (auto): overlapped
-    # under FSDP2 and with DDP on several processes; after the backward on one process without FSDP2, where on
-    # an H100 the overlapped step was no faster in any recipe measured (cuBLAS's persistent GEMMs hold every SM,
-    # so the update's programs run between the products, not beside them: bench/NOTES_floor.md 32, 36) and
-    # reserved 2-3 GiB more memory.
+    # under FSDP2 only. Without FSDP2, on one H100 or DDP on two, the overlapped step was never faster in any recipe
+    # measured (cuBLAS's persistent GEMMs hold every SM, so the update's programs run between the products, not
+    # beside them; an overlapped FP8 DDP step was host-bound, 0.90x) and reserved 2-3 GiB more on one GPU
+    # (setup.overlap_update, bench/NOTES_floor.md 32, 36, 39).
     overlap_optimizer: bool | None = None
     # FSDP2 on one process with the overlapped update: each next unit unsharded ahead (cast + copy of its
     # shards) on a prefetch stream, beside the current unit's forward, instead of on the compute stream in
@@ -674,7 +674,7 @@ class RunSpec:
             allow_tf32=_bool("training.perf", "allow_tf32", perf_d.get("allow_tf32", pbase.allow_tf32)),
             fused_clip=_bool("training.perf", "fused_clip", perf_d.get("fused_clip", pbase.fused_clip)),
             overlap_optimizer=_optional_bool("training.perf", "overlap_optimizer", perf_d.get("overlap_optimizer"),
-                                             "auto: overlapped under FSDP2 and with DDP on several processes"),
+                                             "auto: overlapped under FSDP2 only"),
             fsdp_prefetch=_bool("training.perf", "fsdp_prefetch", perf_d.get("fsdp_prefetch", pbase.fsdp_prefetch)),
             fsdp_reshard_after_forward=_choice("training.perf", "fsdp_reshard_after_forward", perf_d.get(
                 "fsdp_reshard_after_forward", pbase.fsdp_reshard_after_forward), PerfOptions.FSDP_RESHARD),

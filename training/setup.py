@@ -139,7 +139,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     # seed and rank so a spec reproduces its run; a resume restores their exact state from the checkpoint.
     torch.manual_seed(spec.seed * 1_000_003 + ctx.rank)
 
-    overlap_wanted = overlap_update(t.perf.overlap_optimizer, parallel, ctx.world)
+    overlap_wanted = overlap_update(t.perf.overlap_optimizer, parallel)
     overlap = on_cuda and param_dtype == "bf16" and overlap_wanted and parallel != "fsdp"
     mode = _compile_mode(t, report, parallel, on_cuda, ac, per_layer=on_cuda and parallel != "fsdp")
     if parallel != "fsdp":
@@ -167,14 +167,16 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                fsdp_keeps_gathered_weights=keep_gathered)
 
 
-def overlap_update(option: bool | None, parallel: str, world: int) -> bool:
-    """`training.perf.overlap_optimizer` resolved: the run's value when it gives one; auto (None) overlaps under
-    FSDP2 and with DDP on several processes, and runs the update after the backward on one process without FSDP2.
-    There an H100 ran the 1b step as fast serial as overlapped in every recipe measured (bf16 0.994-1.009x,
-    mxfp8 1.007x, nvfp4 1.002x; bench/NOTES_floor.md 32 and 36) with 2-3 GiB less memory reserved."""
+def overlap_update(option: bool | None, parallel: str) -> bool:
+    """`training.perf.overlap_optimizer` resolved: the run's value when it gives one; auto (None) overlaps the update
+    with the next forward under FSDP2 only. On H100s without FSDP2 the overlapped step was never faster: one GPU,
+    serial / overlapped, bf16 0.994-1.009x, fp8_tensorwise 1.006x, fp8_delayed 1.010x, fp8_blockwise 1.016x, mxfp8
+    1.007x, nvfp4 1.002x, with 2-3 GiB less memory reserved; DDP on 2 GPUs bf16 1.001x, fp8_tensorwise 1.115x (the
+    overlapped FP8 step was host-bound). Under FSDP2 on one process the overlap pays: 0.936x against 0.902x the
+    unwrapped BF16 (bench/NOTES_floor.md 32, 36, 39)."""
     if option is not None:
         return option
-    return parallel == "fsdp" or world > 1
+    return parallel == "fsdp"
 
 
 def _compile_mode(t, report, parallel: str, on_cuda: bool, ac: dict, *, per_layer: bool) -> str | None:
