@@ -111,7 +111,7 @@ def training_schema() -> dict:
         "sdpa_backend": {"enum": list(p.SDPA_BACKENDS)},
         "compile_mode": {"enum": [None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]},
         "metrics_lag": _int("training.perf", "metrics_lag", 0), "prefetch": _bool(), "allow_tf32": _bool(),
-        "fused_clip": _bool(), "overlap_optimizer": {"type": ["boolean", "null"]}, "fsdp_prefetch": _bool(),
+        "fused_clip": _bool(), "overlap_optimizer": {"type": ["boolean", "null"]}, "fsdp_prefetch": _bool(), "fsdp_fused_cast": _bool(),
         "compile_scope": {"enum": list(p.COMPILE_SCOPES)},
         "optimizer_update": {"enum": list(p.OPTIMIZER_UPDATES)},
         "shard_update": {"enum": list(p.SHARD_UPDATES)}, "fuse_qkv": {"type": ["boolean", "null"]},

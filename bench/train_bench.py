@@ -65,7 +65,8 @@ from bench.benchmeta import git_commit  # noqa: E402
 ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared" / "tools" / "hf_llama_anchor.py"]
 BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
              "fuse_qkv", "overlap_optimizer", "ddp_static_graph",
-             "fuse_gate_up", "sync_free_mask", "reuse_quantized_weights", "fsdp_prefetch"}
+             "fuse_gate_up", "sync_free_mask", "reuse_quantized_weights", "fsdp_prefetch",
+             "fsdp_fused_cast"}
 INT_KEYS = {"loss_chunk_tokens", "metrics_lag", "gpus", "grad_accum", "batch", "ddp_bucket_mb", "gc_interval",
             "activation_checkpointing_every"}
 TRAINING_KEYS = {"compile", "activation_checkpointing", "activation_checkpointing_every", "param_dtype", "gpus",

@@ -454,6 +454,10 @@ class PerfOptions:
     # shards) on a prefetch stream, beside the current unit's forward, instead of on the compute stream in
     # its own pre-forward (training.parallel.OverlappedShardedStep). No effect elsewhere.
     fsdp_prefetch: bool = True
+    # FSDP2 on one process: each unshard casts the FP32 shard straight into the BF16 unsharded parameter (6 B per
+    # parameter) instead of casting it into a new tensor and copying that (10 B; training.parallel.
+    # one_rank_cast_into_output, same bits). No effect elsewhere.
+    fsdp_fused_cast: bool = True
     # FSDP2: whether each block frees its gathered weights after its forward and gathers them again for its backward
     # (torch's default, "always"), or keeps them to the backward ("never": half the all-gathers, and with FP8
     # all-gather half the weight casts, for the memory of every block's gathered BF16 weights). "auto": keep them on
@@ -676,6 +680,8 @@ class RunSpec:
             overlap_optimizer=_optional_bool("training.perf", "overlap_optimizer", perf_d.get("overlap_optimizer"),
                                              "auto: overlapped under FSDP2 only"),
             fsdp_prefetch=_bool("training.perf", "fsdp_prefetch", perf_d.get("fsdp_prefetch", pbase.fsdp_prefetch)),
+            fsdp_fused_cast=_bool("training.perf", "fsdp_fused_cast",
+                                  perf_d.get("fsdp_fused_cast", pbase.fsdp_fused_cast)),
             fsdp_reshard_after_forward=_choice("training.perf", "fsdp_reshard_after_forward", perf_d.get(
                 "fsdp_reshard_after_forward", pbase.fsdp_reshard_after_forward), PerfOptions.FSDP_RESHARD),
             compile_scope=_choice("training.perf", "compile_scope", perf_d.get("compile_scope", pbase.compile_scope),

@@ -54,10 +54,12 @@ def resolve_parallel(requested: str, world: int, n_params: int, device: torch.de
     return "fsdp" if n_params * STATE_BYTES_PER_PARAM > AUTO_FSDP_SHARE * total else "ddp"
 
 
-def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool, keep_gathered: bool) -> None:
+def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool, keep_gathered: bool,
+                fused_cast: bool = True) -> None:
     """FSDP2 in place: each decoder block, then the loss module (root). `bf16_compute`: all-gather the FP32
     shards as BF16 and reduce-scatter gradients in FP32; otherwise everything stays FP32. `keep_gathered`: the
-    blocks keep their gathered weights from the forward to the backward (`keeps_gathered_weights`)."""
+    blocks keep their gathered weights from the forward to the backward (`keeps_gathered_weights`). `fused_cast`:
+    on one rank, each unshard casts the shards straight into the unsharded parameters (`one_rank_cast_into_output`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute
@@ -73,6 +75,8 @@ def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool, keep_gather
     if dist.get_world_size() == 1:
         for unit in [*layers, loss_module]:
             unit.set_custom_reduce_scatter(OneRankReduceScatter())
+            if fused_cast:
+                one_rank_cast_into_output(unit)
 
 
 def keeps_gathered_weights(module: torch.nn.Module, world: int, policy: str = "auto") -> bool:
@@ -116,6 +120,57 @@ class OneRankReduceScatter(ReduceScatter):
         if output_tensor.data_ptr() != input_tensor.data_ptr():
             output_tensor.copy_(input_tensor)
         return None
+
+
+def one_rank_cast_into_output(unit: torch.nn.Module) -> int:
+    """FSDP2's one-rank unshard in one pass: the FP32 shard cast straight into the BF16 unsharded parameter's
+    storage. On a one-rank group `FSDPParamGroup.wait_for_unshard` reads `FSDPParam.all_gather_inputs` (the shard
+    cast to BF16 into a new tensor: 6 B per parameter) and copies that into `all_gather_outputs[0]`, the unsharded
+    parameter's storage (4 B more, a Memcpy DtoD). Here, once FSDP2 has made that output (the first unshard takes
+    its own path), `all_gather_inputs` casts into the output itself and returns it, and FSDP2's copy of a tensor
+    onto itself returns at once: the same bits, 6 B per parameter instead of 10. Only for plain tensors with a
+    mixed-precision cast, not offloaded: a parameter whose tensor subclass brings its own pre-all-gather (torchao's
+    FP8 all-gather) or anything unexpected keeps FSDP2's path. Returns the number of parameters marked (0 where
+    this torch's FSDP2 lacks the internals it relies on)."""
+    try:
+        params = unit._get_fsdp_state()._fsdp_param_group.fsdp_params
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except (AttributeError, ImportError):
+        return 0
+    if not isinstance(getattr(FSDPParam, "all_gather_inputs", None), property):
+        return 0
+    if not getattr(FSDPParam, "_plab_cast_into_output_installed", False):
+        original = FSDPParam.all_gather_inputs
+
+        def all_gather_inputs(self):
+            if getattr(self, "_plab_cast_into_output", False):
+                out = _cast_into_output(self)
+                if out is not None:
+                    return [out]
+            return original.fget(self)
+        FSDPParam.all_gather_inputs = property(all_gather_inputs)
+        FSDPParam._plab_cast_into_output_installed = True
+    for p in params:
+        p._plab_cast_into_output = True
+    return len(params)
+
+
+def _cast_into_output(p) -> torch.Tensor | None:
+    """The unsharded parameter's storage with the FP32 shard cast into it, or None where FSDP2's own path applies."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState, alloc_storage
+    if (getattr(p, "sharded_state", None) != ShardedState.SHARDED or getattr(p, "offload_to_cpu", True)
+            or hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")):
+        return None
+    src, dtype, outs = p._sharded_param_data, p.param_dtype, p.all_gather_outputs
+    if dtype is None or src.dtype == dtype or len(outs) != 1:
+        return None
+    out = outs[0]
+    if out.dtype != dtype or out.numel() != src.numel() or out.device != src.device:
+        return None
+    alloc_storage(out)  # freed at each reshard; FSDP2 allocates it next anyway (then a no-op)
+    with torch.autograd._unsafe_preserve_version_counter(out):  # as FSDP2 writes it: saved views stay valid
+        out.copy_(src)
+    return out
 
 
 def _bf16_copy_is_small(module: torch.nn.Module) -> bool:

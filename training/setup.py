@@ -380,7 +380,8 @@ def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device,
     if parallel == "fsdp":
         if t.compile:
             compile_layers(loss_module, t.perf.compile_mode)
-        shard_model(loss_module, bf16_compute=bf16_compute, keep_gathered=keep_gathered)
+        shard_model(loss_module, bf16_compute=bf16_compute, keep_gathered=keep_gathered,
+                    fused_cast=t.perf.fsdp_fused_cast)
         return loss_module, loss_module
     if ctx.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
