@@ -36,8 +36,8 @@ activation_checkpointing_every, init_device cpu|device), e.g. the 8B shape on 2 
         --configs bf16:parallel=fsdp,activation_checkpointing=full,init_device=device \
                   fp8_tensorwise:parallel=fsdp,activation_checkpointing=full,init_device=device
 
-Perf switches added since: fuse_qkv, fuse_gate_up, overlap_optimizer, compile_scope, ddp_bucket_mb,
-ddp_static_graph, gc_interval (docs/INTERFACES.md); per config also gpus, grad_accum, batch; and the training
+Perf switches added since: fuse_qkv, fuse_gate_up, overlap_optimizer (true|false; null = auto), compile_scope,
+ddp_bucket_mb, ddp_static_graph, gc_interval, fsdp_prefetch, fsdp_fused_cast (docs/INTERFACES.md); per config also gpus, grad_accum, batch; and the training
 key param_dtype (bf16|fp32|auto).
 
 Writes `$OUT/train_bench.json` (when $OUT is set) and, on a GPU, `bench/results/train_bench_<date>_<gpu>.json`,
