@@ -5,33 +5,19 @@ gradients must be views of one buffer (the copy really gone)."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.training.one_rank_fsdp import free_port, sharded_blocks
 
 
 def _grads(custom: bool):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     from training.parallel import OneRankReduceScatter, local
 
-    torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 24))
-              for _ in range(3)]
-    model = torch.nn.Sequential(*blocks)
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in blocks:
-        fully_shard(b, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+    blocks, model = sharded_blocks()
     if custom:
         for unit in blocks:
             unit.set_custom_reduce_scatter(OneRankReduceScatter())
@@ -79,7 +65,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 def test_one_rank_reduce_scatter_gives_fsdp2s_gradients_without_the_copy():
     out = mp.Manager().dict()
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=1, join=True)
+    mp.spawn(_worker, args=(free_port(), out), nprocs=1, join=True)
     assert out["nonzero"], "every gradient must be non-zero (the comparison would pass vacuously otherwise)"
     assert out["equal"]
     # Each block's gradients share one buffer either way; what differs is the copy into it: FSDP2's own path

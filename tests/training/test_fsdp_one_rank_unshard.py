@@ -5,17 +5,12 @@ the backward, the shards changed by an optimizer step between steps), and the co
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.training.one_rank_fsdp import free_port, sharded_blocks
 
 
 class _Copies(TorchDispatchMode):
@@ -40,18 +35,9 @@ class _Copies(TorchDispatchMode):
 
 
 def _train(fused: bool):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     from training.parallel import local, one_rank_cast_into_output
 
-    torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 24))
-              for _ in range(3)]
-    model = torch.nn.Sequential(*blocks)
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in blocks:
-        fully_shard(b, mp_policy=mp_policy, reshard_after_forward=True)
-    fully_shard(model, mp_policy=mp_policy)
+    blocks, model = sharded_blocks()
     marked = sum(one_rank_cast_into_output(unit) for unit in [*blocks, model]) if fused else 0
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(7)
@@ -85,7 +71,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 def test_one_rank_unshard_casts_into_the_unsharded_parameter_with_fsdp2s_bits():
     out = mp.Manager().dict()
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=1, join=True)
+    mp.spawn(_worker, args=(free_port(), out), nprocs=1, join=True)
     plain_losses, fused_losses = out["losses"]
     assert out["params_moved"], "the losses must change from step to step (the shards are updated)"
     assert fused_losses == plain_losses

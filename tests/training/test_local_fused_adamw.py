@@ -7,17 +7,12 @@ the first step takes the fallback (no state yet), the later ones the fused call.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.training.one_rank_fsdp import free_port
 
 
 def _build(seed: int):
@@ -93,7 +88,7 @@ def test_local_fused_adamw_gives_the_bits_of_the_optimizer_step_on_two_processes
     AdamW on CPU."""
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_worker, args=(2, _free_port(), out, scaled, kernel), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), out, scaled, kernel), nprocs=2, join=True)
     for rank in (0, 1):
         r = out[rank]
         assert r["moved"], "the parameters must have changed (the test would pass vacuously otherwise)"
