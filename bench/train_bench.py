@@ -37,7 +37,7 @@ activation_checkpointing_every, init_device cpu|device), e.g. the 8B shape on 2 
                   fp8_tensorwise:parallel=fsdp,activation_checkpointing=full,init_device=device
 
 Perf switches added since: fuse_qkv, fuse_gate_up, overlap_optimizer (true|false; null = auto), compile_scope,
-ddp_bucket_mb, ddp_static_graph, gc_interval, fsdp_prefetch, fsdp_fused_cast (docs/INTERFACES.md); per config also gpus, grad_accum, batch; and the training
+ddp_bucket_mb, ddp_static_graph, gc_interval, fsdp_prefetch, fsdp_fused_cast, fsdp_one_rank_direct (docs/INTERFACES.md); per config also gpus, grad_accum, batch; and the training
 key param_dtype (bf16|fp32|auto).
 
 Writes `$OUT/train_bench.json` (when $OUT is set) and, on a GPU, `bench/results/train_bench_<date>_<gpu>.json`,
@@ -66,7 +66,7 @@ ANCHOR_PATHS = [REPO / ".devcarry" / "hf_llama_anchor.py", REPO.parent / "shared
 BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residual", "compile",
              "fuse_qkv", "overlap_optimizer", "ddp_static_graph",
              "fuse_gate_up", "sync_free_mask", "reuse_quantized_weights", "fsdp_prefetch",
-             "fsdp_fused_cast"}
+             "fsdp_fused_cast", "fsdp_one_rank_direct"}
 INT_KEYS = {"loss_chunk_tokens", "metrics_lag", "gpus", "grad_accum", "batch", "ddp_bucket_mb", "gc_interval",
             "activation_checkpointing_every"}
 TRAINING_KEYS = {"compile", "activation_checkpointing", "activation_checkpointing_every", "param_dtype", "gpus",

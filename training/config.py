@@ -458,6 +458,13 @@ class PerfOptions:
     # parameter) instead of casting it into a new tensor and copying that (10 B; training.parallel.
     # one_rank_cast_into_output, same bits). No effect elsewhere.
     fsdp_fused_cast: bool = True
+    # FSDP2 on one process, with the update after the backward: the one-rank group keeps its BF16 unsharded
+    # parameters and gradients from step to step, as the unwrapped run keeps its BF16 parameters, instead of
+    # packing the gradients into FP32 and casting every shard again before each forward (~12 B per parameter
+    # per step that nothing needs at one rank). The update reads the BF16 gradients and writes the FP32 shard and
+    # the BF16 parameter in one pass (training.parallel.OneRankDirectStep, same bits as FSDP2's path). Not with
+    # torchao's FP8 all-gather or an overlapped update (those keep FSDP2's path). No effect on several processes.
+    fsdp_one_rank_direct: bool = True
     # FSDP2: whether each block frees its gathered weights after its forward and gathers them again for its backward
     # (torch's default, "always"), or keeps them to the backward ("never": half the all-gathers, and with FP8
     # all-gather half the weight casts, for the memory of every block's gathered BF16 weights). "auto": keep them on
@@ -682,6 +689,8 @@ class RunSpec:
             fsdp_prefetch=_bool("training.perf", "fsdp_prefetch", perf_d.get("fsdp_prefetch", pbase.fsdp_prefetch)),
             fsdp_fused_cast=_bool("training.perf", "fsdp_fused_cast",
                                   perf_d.get("fsdp_fused_cast", pbase.fsdp_fused_cast)),
+            fsdp_one_rank_direct=_bool("training.perf", "fsdp_one_rank_direct",
+                                       perf_d.get("fsdp_one_rank_direct", pbase.fsdp_one_rank_direct)),
             fsdp_reshard_after_forward=_choice("training.perf", "fsdp_reshard_after_forward", perf_d.get(
                 "fsdp_reshard_after_forward", pbase.fsdp_reshard_after_forward), PerfOptions.FSDP_RESHARD),
             compile_scope=_choice("training.perf", "compile_scope", perf_d.get("compile_scope", pbase.compile_scope),

@@ -202,19 +202,25 @@ if HAVE_TRITON:
     @triton.jit
     def _adamw_shard_kernel(table_ptr, n_params, step_size_ptr, bc2s_ptr, grad_scale_ptr,
                             lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                            HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr,
-                            P: tl.constexpr):
+                            HAS_SCALE: tl.constexpr, HAS_DECAY: tl.constexpr, G_BF16: tl.constexpr,
+                            HAS_OUT: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr):
         i, start = _program_block(table_ptr, n_params, 5, tl.program_id(0), P, BLOCK)
         numel = tl.load(table_ptr + 4 * n_params + i)
         if start < numel:
             p_ptr = tl.load(table_ptr + i).to(tl.pointer_type(tl.float32))
-            g_ptr = tl.load(table_ptr + n_params + i).to(tl.pointer_type(tl.float32))
+            if G_BF16:
+                g_ptr = tl.load(table_ptr + n_params + i).to(tl.pointer_type(tl.bfloat16))
+            else:
+                g_ptr = tl.load(table_ptr + n_params + i).to(tl.pointer_type(tl.float32))
             m_ptr = tl.load(table_ptr + 2 * n_params + i).to(tl.pointer_type(tl.float32))
             v_ptr = tl.load(table_ptr + 3 * n_params + i).to(tl.pointer_type(tl.float32))
             offs = start + tl.arange(0, BLOCK)
             mask = offs < numel
             p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+            if G_BF16:
+                g = bf16_to_f32(tl.load(g_ptr + offs, mask=mask, other=0.0))
+            else:
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0)
             m = tl.load(m_ptr + offs, mask=mask, other=0.0)
             v = tl.load(v_ptr + offs, mask=mask, other=0.0)
             if HAS_SCALE:
@@ -228,6 +234,9 @@ if HAVE_TRITON:
             tl.store(p_ptr + offs, p, mask=mask)
             tl.store(m_ptr + offs, m, mask=mask)
             tl.store(v_ptr + offs, v, mask=mask)
+            if HAS_OUT:  # the BF16 copy of the updated shard, after the block's first n + 1 table entries
+                o_ptr = tl.load(table_ptr + 6 * n_params + 1 + i).to(tl.pointer_type(tl.int16))
+                tl.store(o_ptr + offs, bf16_bits_rne(p), mask=mask)
 
 
 _SCALARS: dict = {}
@@ -256,24 +265,38 @@ def shard_scalars(steps: list[torch.Tensor], lr: float, beta1: float, beta2: flo
     return torch.div(lr_t, 1.0 - torch.pow(b1, s)), torch.sqrt(1.0 - torch.pow(b2, s))
 
 
-def shard_supported(params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
-    """FP32 tensors (parameters, state and gradients) on one device."""
-    return (HAVE_TRITON and bool(params) and all(p.dtype == torch.float32 for p in (*params, *grads))
-            and len({p.device for p in (*params, *grads)}) == 1)
+def shard_supported(params: list[torch.Tensor], grads: list[torch.Tensor],
+                    outs: list[torch.Tensor] | None = None) -> bool:
+    """FP32 parameters and state on one device, their gradients all FP32 or all BF16, and `outs` (BF16 copies of
+    the parameters to write, if any) of the parameters' sizes; every tensor contiguous (the kernel walks flat
+    memory)."""
+    if not (HAVE_TRITON and params and len(grads) == len(params)):
+        return False
+    outs = outs or []
+    tensors = (*params, *grads, *outs)
+    return (all(p.dtype == torch.float32 for p in params) and len({g.dtype for g in grads}) == 1
+            and grads[0].dtype in (torch.float32, torch.bfloat16)
+            and all(g.numel() == p.numel() for g, p in zip(grads, params))
+            and (not outs or (len(outs) == len(params) and all(
+                o.dtype == torch.bfloat16 and o.numel() == p.numel() for o, p in zip(outs, params))))
+            and all(t.is_contiguous() for t in tensors) and len({t.device for t in tensors}) == 1)
 
 
 def adamw_shard_update(ps, gs, ms, vs, steps, *, lr: float, beta1: float, beta2: float, weight_decay: float,
-                       eps: float, grad_scale: torch.Tensor | None, tables: AdamWTables):
+                       eps: float, grad_scale: torch.Tensor | None, tables: AdamWTables, outs=None):
     """`torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=..., grad_scale=...)` (AdamW, not amsgrad, not
     maximize; after the caller's `_foreach_add_(steps, 1)`) in one launch, without storing the divided
-    gradients. All tensors FP32 on one device."""
+    gradients. Parameters and state FP32 on one device; the gradients FP32, or BF16 (read as their exact FP32
+    values: the same update as with their FP32 copies). `outs`: BF16 tensors that receive each updated parameter
+    rounded to nearest even (what `.to(torch.bfloat16)` gives), written by the same pass (see `shard_supported`)."""
     step_size, bc2s = shard_scalars(steps, lr, beta1, beta2)
     firsts = block_starts(ps)
-    table = tables.table(ps, gs, ms, vs, [], extra=firsts)
+    table = tables.table(ps, gs, ms, vs, [], extra=(*firsts, *(o.data_ptr() for o in outs or ())))
     b1, b2 = np.float32(beta1), np.float32(beta2)
     _adamw_shard_kernel[(firsts[-1],)](
         table, len(ps), step_size, bc2s, grad_scale if grad_scale is not None else step_size,
         float(np.float32(lr) * np.float32(weight_decay)), float(b1), float(np.float32(1.0) - b1), float(b2),
         float(np.float32(1.0) - b2), f32(eps),
-        HAS_SCALE=grad_scale is not None, HAS_DECAY=weight_decay != 0, BLOCK=BLOCK,
-        P=triton.next_power_of_2(len(ps) + 1), num_warps=NUM_WARPS, enable_fp_fusion=False)
+        HAS_SCALE=grad_scale is not None, HAS_DECAY=weight_decay != 0, G_BF16=gs[0].dtype == torch.bfloat16,
+        HAS_OUT=bool(outs), BLOCK=BLOCK, P=triton.next_power_of_2(len(ps) + 1), num_warps=NUM_WARPS,
+        enable_fp_fusion=False)

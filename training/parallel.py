@@ -55,28 +55,48 @@ def resolve_parallel(requested: str, world: int, n_params: int, device: torch.de
 
 
 def shard_model(loss_module: torch.nn.Module, *, bf16_compute: bool, keep_gathered: bool,
-                fused_cast: bool = True) -> None:
+                fused_cast: bool = True, one_rank_direct: bool = False, accumulates: bool = False) -> bool:
     """FSDP2 in place: each decoder block, then the loss module (root). `bf16_compute`: all-gather the FP32
     shards as BF16 and reduce-scatter gradients in FP32; otherwise everything stays FP32. `keep_gathered`: the
     blocks keep their gathered weights from the forward to the backward (`keeps_gathered_weights`). `fused_cast`:
-    on one rank, each unshard casts the shards straight into the unsharded parameters (`one_rank_cast_into_output`)."""
+    on one rank, each unshard casts the shards straight into the unsharded parameters (`one_rank_cast_into_output`).
+    `one_rank_direct`: on one rank, and where `one_rank_direct_applies`, the units keep their unsharded parameters
+    and gradients from step to step for `OneRankDirectStep` (`accumulates`: the steps sum several micro-batches'
+    gradients, which then add up in FP32 as FSDP2's reduce dtype asks; with one micro-batch nothing is summed and
+    the BF16 gradients stay as they are). Returns whether the direct path was set up."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute
-          else MixedPrecisionPolicy())
     import torch.distributed as dist
 
     from training.model import decoder_blocks
+    direct = one_rank_direct and dist.get_world_size() == 1 and one_rank_direct_applies(loss_module)
+    reduce_dtype = torch.bfloat16 if direct and not accumulates else torch.float32
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if bf16_compute
+          else MixedPrecisionPolicy())
     layers = list(decoder_blocks(loss_module.model))
     for i, layer in enumerate(layers):
         # The last block's weights are needed again at once by the backward: keep them gathered (torchtitan).
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=not keep_gathered and i < len(layers) - 1)
-    fully_shard(loss_module, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=(not keep_gathered and not direct
+                                                                and i < len(layers) - 1))
+    fully_shard(loss_module, mp_policy=mp, reshard_after_forward=not direct)
     if dist.get_world_size() == 1:
         for unit in [*layers, loss_module]:
             unit.set_custom_reduce_scatter(OneRankReduceScatter())
             if fused_cast:
                 one_rank_cast_into_output(unit)
+    if direct:
+        # No reduction ever (FSDP2's gradient sync stays off: `gradient_sync`), and nothing freed after the backward.
+        loss_module.set_requires_gradient_sync(False)
+        loss_module.set_reshard_after_backward(False)
+        loss_module._plab_one_rank_direct = True
+    return direct
+
+
+def one_rank_direct_applies(module: torch.nn.Module) -> bool:
+    """Whether `OneRankDirectStep` can take a one-rank FSDP2 run of `module` (before sharding): plain parameters.
+    torchao's FP8 all-gather weights bring their own pre-all-gather cast and a scale pass after each step that
+    expects the sharded parameters; they keep FSDP2's path."""
+    return all(type(p.data) is torch.Tensor and not hasattr(p, "fsdp_pre_all_gather") for p in module.parameters())
 
 
 def keeps_gathered_weights(module: torch.nn.Module, world: int, policy: str = "auto") -> bool:
@@ -186,7 +206,7 @@ def gradient_sync(net: torch.nn.Module, mode: str, sync: bool):
     micro-batch of a step); DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`."""
     if mode == "ddp" and not sync:
         return net.no_sync()
-    if mode == "fsdp":
+    if mode == "fsdp" and not getattr(net, "_plab_one_rank_direct", False):  # one rank, direct: never reduced
         net.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
 
@@ -235,12 +255,19 @@ class LocalFusedAdamW:
                 and not any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable"))
                 and not isinstance(group["lr"], torch.Tensor))
 
-    def step(self, ids: set[int]) -> None:
+    def step(self, ids: set[int], *, grads: dict[int, torch.Tensor] | None = None,
+             outs: dict[int, torch.Tensor] | None = None) -> None:
+        """Update the parameters in `ids` that have a gradient. `grads` (id -> tensor of the local shard's size):
+        the gradients to read instead of `p.grad` (BF16 or FP32: the same update as with their FP32 values).
+        `outs` (id -> tensor of the shard's size): copies that receive each updated parameter (cast to their
+        dtype) - `OneRankDirectStep`'s unsharded BF16 parameters."""
         opt = self.optimizer
         groups = opt.param_groups
+        grad_of = (lambda p: p.grad if p.grad is None else local(p.grad)) if grads is None else (
+            lambda p: grads.get(id(p)))
         fallback, batches = False, []
         for g in groups:
-            ps = [p for p in g["params"] if id(p) in ids and p.grad is not None]
+            ps = [p for p in g["params"] if id(p) in ids and grad_of(p) is not None]
             if not ps:
                 continue
             states = [opt.state.get(p) for p in ps]
@@ -249,42 +276,86 @@ class LocalFusedAdamW:
                 break
             batches.append((g, ps, states))
         if fallback:
-            if self.grad_scale is not None:  # the division the fused kernel makes as it reads each gradient
-                torch._foreach_div_([local(p.grad) for g in groups for p in g["params"]
-                                     if id(p) in ids and p.grad is not None], self.grad_scale)
-            opt.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in ids]} for g in groups]
-            try:
-                opt.step()
-            finally:
-                opt.param_groups = groups
+            self._fallback(ids, grads, outs)
             return
         for g, ps, states in batches:
             steps = [st["step"] for st in states]
             torch._foreach_add_(steps, 1)
             beta1, beta2 = g["betas"]
-            ws, gs = [local(p) for p in ps], [local(p.grad) for p in ps]
+            ws, gs = [local(p) for p in ps], [_shaped(grad_of(p), local(p)) for p in ps]
             ms, vs = [local(st["exp_avg"]) for st in states], [local(st["exp_avg_sq"]) for st in states]
-            if self._use_kernel(ws, gs, ms, vs, steps):
+            os = [outs[id(p)] for p in ps] if outs and all(id(p) in outs for p in ps) else None
+            if self._use_kernel(ws, gs, ms, vs, steps, os):
                 if self._tables is None:
                     self._tables = optim_kernels.AdamWTables()
                 optim_kernels.adamw_shard_update(
                     ws, gs, ms, vs, steps, lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2),
                     weight_decay=float(g["weight_decay"]), eps=float(g["eps"]), grad_scale=self.grad_scale,
-                    tables=self._tables)
+                    tables=self._tables, outs=os)
                 continue
+            # torch's kernel takes gradients of the parameters' dtype: a BF16 gradient's FP32 copy is exact
+            gs = [gr if gr.dtype == w.dtype else gr.to(w.dtype) for gr, w in zip(gs, ws)]
             torch._fused_adamw_(ws, gs, ms, vs, [], steps, amsgrad=False, lr=g["lr"], beta1=float(beta1),
                                 beta2=float(beta2), weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
                                 grad_scale=self.grad_scale, found_inf=None)
+            _copy_out(ps, outs)
 
-    def _use_kernel(self, ws, gs, ms, vs, steps) -> bool:
+    def _fallback(self, ids: set[int], grads, outs) -> None:
+        """`optimizer.step()` over the parameters in `ids`: always correct (the first step makes the state).
+        Gradients given in `grads` are set as the parameters' `.grad` for it (FP32 copies, exact) and taken off
+        again."""
+        opt = self.optimizer
+        groups = opt.param_groups
+        owned = []
+        if grads is not None:
+            for g in groups:
+                for p in g["params"]:
+                    gr = grads.get(id(p)) if id(p) in ids else None
+                    if gr is not None:
+                        p.grad = _as_param_grad(p, gr)
+                        owned.append(p)
+        if self.grad_scale is not None:  # the division the fused kernel makes as it reads each gradient
+            torch._foreach_div_([local(p.grad) for g in groups for p in g["params"]
+                                 if id(p) in ids and p.grad is not None], self.grad_scale)
+        opt.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in ids]} for g in groups]
+        try:
+            opt.step()
+        finally:
+            opt.param_groups = groups
+            for p in owned:
+                p.grad = None
+        _copy_out([p for g in groups for p in g["params"] if id(p) in ids], outs)
+
+    def _use_kernel(self, ws, gs, ms, vs, steps, outs=None) -> bool:
         if self.kernel == "torch" or not ws[0].is_cuda:
             return False
-        return (optim_kernels.shard_supported(ws + ms + vs, gs)
-                and all(s.dtype == torch.float32 and s.device == ws[0].device for s in steps))
+        return (optim_kernels.shard_supported(ws, gs, outs)
+                and all(t.dtype == torch.float32 and t.is_contiguous() and t.device == ws[0].device
+                        for t in (*ms, *vs, *steps)))
+
+
+def _shaped(grad: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """`grad` with the local shard's shape (`OneRankDirectStep`'s unsharded gradients: at one rank the shard is the
+    whole parameter, so only a view)."""
+    return grad if grad.shape == shard.shape else grad.view(shard.shape)
+
+
+def _as_param_grad(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A gradient for parameter `p` (a DTensor shard, or a plain tensor) holding `grad`'s values in p's dtype."""
+    out = torch.empty_like(p)
+    local(out).copy_(_shaped(grad, local(out)))
+    return out
+
+
+def _copy_out(params: list[torch.Tensor], outs: dict[int, torch.Tensor] | None) -> None:
+    for p in params:
+        out = outs.get(id(p)) if outs else None
+        if out is not None:
+            out.copy_(_shaped(local(p), out).detach())
 
 
 def clip_sharded(params: list[torch.Tensor], clip: float, device: torch.device, *,
-                 fold_into: LocalFusedAdamW | None = None) -> torch.Tensor:
+                 fold_into: LocalFusedAdamW | None = None, grads: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Global-norm clipping of sharded (DTensor) gradients: the squared norms of the local shards, summed over
     ranks in one all-reduce; then every gradient divided by max(1, (norm + 1e-6) / clip), the factor of
     `clip_grad_norm_` in the form the unsharded run applies it (`training.optim.clip_gradients`: the optimizer
@@ -292,10 +363,12 @@ def clip_sharded(params: list[torch.Tensor], clip: float, device: torch.device, 
     `fold_into`: the update that will read these gradients (torch's fused AdamW on the local shards) takes the
     factor as its `grad_scale` and divides each gradient as it reads it - the same division - instead of an
     in-place pass over every FP32 gradient here (8 B per parameter on the step's critical path: the update
-    waits for it, and the next forward for the update's first unit)."""
+    waits for it, and the next forward for the update's first unit).
+    `grads`: the gradients to clip instead of the parameters' (`OneRankDirectStep.gradients()`)."""
     import torch.distributed as dist
 
-    grads = [local(p.grad) for p in params if p.grad is not None]
+    if grads is None:
+        grads = [local(p.grad) for p in params if p.grad is not None]
     if fold_into is not None:
         fold_into.grad_scale = None
     if not grads:
@@ -404,6 +477,70 @@ class OverlappedShardedStep(SideStreamStep):
             for p in g["params"]:
                 if p.grad is not None:
                     local(p.grad).record_stream(self.stream)
+
+
+class OneRankDirectStep:
+    """FSDP2 on one process without the copies a one-rank group does not need. On N ranks each step casts every
+    FP32 shard to BF16 for the all-gather before a unit's forward, and after its backward packs the BF16 gradients
+    into an FP32 buffer for the reduce-scatter, which leaves FP32 sharded gradients for the update. On one rank
+    there is nothing to gather or reduce: the cast gives the BF16 parameter the update could have written, and
+    the pack gives an exact FP32 copy of the BF16 gradient (6 B per parameter, then 4 B instead of 2 B read by
+    the gradient norm and the update). FSDP1 switched itself to NO_SHARD at world size 1 for the same reason.
+
+    Here (set up by `shard_model(..., one_rank_direct=True)`) every unit keeps its unsharded BF16 parameters after
+    the forward and the backward (FSDP2's `reshard_after_forward=False` and `set_reshard_after_backward(False)`),
+    its gradient sync stays off (`set_requires_gradient_sync(False)`), so the backward's BF16 gradients stay on
+    the unsharded parameters, and this step reads them: one pass per parameter group reads each BF16 gradient,
+    updates the FP32 shard (the master) and its moments with torch's fused AdamW arithmetic, and writes the BF16
+    unsharded parameter (`optim_kernels.adamw_shard_update` with BF16 gradients and `outs`) - the 28 B per
+    parameter of the unwrapped run's update, the same bits as FSDP2's own one-rank path. The FP32 shards stay the
+    model's state: checkpoints (DCP), the Hugging Face export and resumes read and write them; FSDP2's state-dict
+    hooks reshard a unit before its state dict is taken or loaded, and its next forward unshards it again.
+    With several micro-batches FSDP2 sums them in an FP32 gradient (its reduce dtype), which this step reads.
+    Where a unit is not unsharded (after a checkpoint), the BF16 copy is left to its next unshard. Anything the
+    fast path does not cover (the first step, CPU, torch's kernel) goes through `LocalFusedAdamW`'s other paths
+    with the same gradients."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, units: list[torch.nn.Module], *, kernel: str = "auto"):
+        self.optimizer = optimizer
+        self.update = LocalFusedAdamW(optimizer, kernel=kernel)
+        self.entries = []  # (sharded parameter's id, FSDPParam, its FSDPParamGroup)
+        for unit in units:
+            group = unit._get_fsdp_state()._fsdp_param_group  # private FSDP2 state
+            if group is not None:
+                self.entries += [(id(fp.sharded_param), fp, group) for fp in group.fsdp_params]
+        self.ids = {i for i, _, _ in self.entries}
+        missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in self.ids]
+        if missing:
+            raise ValueError(f"{len(missing)} of the optimizer's parameters are not FSDP2's (one-rank direct step)")
+
+    def gradients(self) -> dict[int, torch.Tensor]:
+        """The step's gradients by sharded parameter id: FSDP2's FP32 sum over micro-batches where it made one,
+        else the unsharded parameter's BF16 gradient."""
+        out = {}
+        for i, fp, _ in self.entries:
+            g = fp.unsharded_accumulated_grad
+            if g is None and hasattr(fp, "_unsharded_param"):
+                g = fp._unsharded_param.grad
+            if g is not None:
+                out[i] = g
+        return out
+
+    @torch.no_grad()
+    def step(self) -> None:
+        outs = {i: fp._unsharded_param for i, fp, group in self.entries
+                if group.is_unsharded and hasattr(fp, "_unsharded_param")}
+        self.update.step(self.ids, grads=self.gradients(), outs=outs)
+        for _, fp, _ in self.entries:  # the optimizer's zero_grad sees only the (empty) sharded gradients
+            fp.unsharded_accumulated_grad = None
+            if hasattr(fp, "_unsharded_param"):
+                fp._unsharded_param.grad = None
+
+    def synchronize(self) -> None:
+        """Nothing runs beside the compute stream."""
+
+    def remove(self) -> None:
+        """No hooks to take off."""
 
 
 # ---------------------------------------------------------------------------------------------------

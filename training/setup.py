@@ -23,7 +23,7 @@ from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, c
                             decoder_blocks, decoder_body, describe_model, fuse_gate_up, fuse_qkv, load_pretrained,
                             meta_model, model_config)
 from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
-from training.parallel import (OverlappedShardedStep, apply_activation_checkpointing, keeps_gathered_weights,
+from training.parallel import (OneRankDirectStep, OverlappedShardedStep, apply_activation_checkpointing, keeps_gathered_weights,
                               resolve_parallel, shard_model)
 from training.precision.weight_reuse import QuantizedWeightReuse
 from training.sink import MetricSink
@@ -47,7 +47,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     net: torch.nn.Module               # what a step calls: the loss module, under DDP / torch.compile
     eval_net: torch.nn.Module          # what validation calls: the loss module, compiled when `net` is
-    stepper: OverlappedOptimizerStep | OverlappedShardedStep | None
+    stepper: OverlappedOptimizerStep | OverlappedShardedStep | OneRankDirectStep | None
     parallel: str                      # "single" | "ddp" | "fsdp" (training.parallel, resolved)
     activation_checkpointing: dict     # what training.parallel.apply_activation_checkpointing did
     fused_qkv: bool
@@ -56,6 +56,7 @@ class Run:
     model_info: dict = field(default_factory=dict)  # training.model.describe_model: architecture, params, source
     compile_mode: str | None = None    # the torch.compile mode the step runs under (None: inductor's default)
     fsdp_keeps_gathered_weights: bool | None = None  # FSDP2 blocks keep their gathered weights to the backward
+    fsdp_one_rank_direct: bool | None = None  # FSDP2 on one process through OneRankDirectStep (None: not FSDP2)
 
     @property
     def on_cuda(self) -> bool:
@@ -63,7 +64,7 @@ class Run:
 
     @property
     def overlap_optimizer(self) -> bool:
-        return self.stepper is not None
+        return isinstance(self.stepper, (OverlappedOptimizerStep, OverlappedShardedStep))
 
     @property
     def sharded(self) -> bool:
@@ -84,6 +85,7 @@ class Run:
                 "fused_gate_up": t.perf.fuse_gate_up, "overlap_optimizer": self.overlap_optimizer,
                 "parallel": self.parallel, "activation_checkpointing": self.activation_checkpointing,
                 "fsdp_keeps_gathered_weights": self.fsdp_keeps_gathered_weights,
+                "fsdp_one_rank_direct": self.fsdp_one_rank_direct,
                 "reuse_quantized_weights": any(isinstance(h, QuantizedWeightReuse) for h in self.hooks),
                 "compile_mode": self.compile_mode,
                 "data": dict(self.dataset.info)}
@@ -128,18 +130,22 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     parallel = resolve_parallel(t.parallel, ctx.world, count_parameters(meta_model(config)), device)
     model, report, fused_qkv, ac = _model_with_recipe(spec, config, device, param_dtype, sink,
                                                       fsdp=parallel == "fsdp")
-    keep_gathered = None
+    keep_gathered = direct = None
     if parallel == "fsdp":
         # Sharded before the optimizer exists: its state is built on the FP32 shards.
         keep_gathered = keeps_gathered_weights(model, ctx.world, t.perf.fsdp_reshard_after_forward)
+        # One process: FSDP2's one-rank copies left out (OneRankDirectStep), unless the update is to overlap.
         net, eval_net = _step_function(model, spec, ctx, device, compile_per_layer=False, parallel=parallel,
-                                       bf16_compute=param_dtype == "bf16", keep_gathered=keep_gathered)
+                                       bf16_compute=param_dtype == "bf16", keep_gathered=keep_gathered,
+                                       one_rank_direct=(t.perf.fsdp_one_rank_direct and ctx.world == 1
+                                                        and t.perf.overlap_optimizer is not True))
+        direct = bool(getattr(net, "_plab_one_rank_direct", False))
     params, optimizer = _optimizer(model, spec, param_dtype, sharded=parallel == "fsdp")
     # Randomness in the step (NVFP4's stochastic rounding) draws from the global generators: seeded from the run's
     # seed and rank so a spec reproduces its run; a resume restores their exact state from the checkpoint.
     torch.manual_seed(spec.seed * 1_000_003 + ctx.rank)
 
-    overlap_wanted = overlap_update(t.perf.overlap_optimizer, parallel)
+    overlap_wanted = overlap_update(t.perf.overlap_optimizer, parallel) and not direct
     overlap = on_cuda and param_dtype == "bf16" and overlap_wanted and parallel != "fsdp"
     mode = _compile_mode(t, report, parallel, on_cuda, ac, per_layer=on_cuda and parallel != "fsdp")
     if parallel != "fsdp":
@@ -157,6 +163,8 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
             hasattr(h, "post_optimizer_step") for h in hooks):
         stepper = OverlappedShardedStep(optimizer, net, list(decoder_blocks(model)),
                                         prefetch=ctx.world == 1 and t.perf.fsdp_prefetch, kernel=t.perf.shard_update)
+    if direct:
+        stepper = OneRankDirectStep(optimizer, [net, *decoder_blocks(model)], kernel=t.perf.shard_update)
     return Run(spec=spec, ctx=ctx, device=device, device_name=device_name, param_dtype=param_dtype,
                autocast=autocast, tokenizer=tokenizer, dataset=dataset, model=model, report=report,
                hooks=hooks, params=params, optimizer=optimizer, net=net, eval_net=eval_net, stepper=stepper,
@@ -164,7 +172,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                flops_per_token=flops_per_token(model.config, spec.data.seq_len),
                micro_batch=t.batch_size // (t.grad_accum * ctx.world),
                model_info=describe_model(model, spec.model), compile_mode=mode,
-               fsdp_keeps_gathered_weights=keep_gathered)
+               fsdp_keeps_gathered_weights=keep_gathered, fsdp_one_rank_direct=direct)
 
 
 def overlap_update(option: bool | None, parallel: str) -> bool:
@@ -367,7 +375,7 @@ def _optimizer(model: torch.nn.Module, spec: RunSpec, param_dtype: str, *, shard
 
 def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device, *, compile_per_layer: bool,
                    parallel: str = "single", bf16_compute: bool = False, compile_mode: str | None = None,
-                   keep_gathered: bool = False):
+                   keep_gathered: bool = False, one_rank_direct: bool = False):
     """(net, eval_net): the loss module for training steps (under DDP, or sharded by FSDP2, when several ranks
     train) and for validation, compiled as `training.compile` and `perf.compile_scope` ask. Under FSDP2 the
     blocks are compiled one by one before sharding (the sharding hooks run between them)."""
@@ -381,7 +389,7 @@ def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device,
         if t.compile:
             compile_layers(loss_module, t.perf.compile_mode)
         shard_model(loss_module, bf16_compute=bf16_compute, keep_gathered=keep_gathered,
-                    fused_cast=t.perf.fsdp_fused_cast)
+                    fused_cast=t.perf.fsdp_fused_cast, one_rank_direct=one_rank_direct, accumulates=t.grad_accum > 1)
         return loss_module, loss_module
     if ctx.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP

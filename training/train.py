@@ -22,7 +22,7 @@ from training.data import BatchLoader
 from training.flops import peak_tflops
 from training.metrics_drain import MetricsDrain, StepRecord
 from training.optim import clip_gradients, lr_at
-from training.parallel import LocalFusedAdamW, clip_sharded, gradient_sync
+from training.parallel import LocalFusedAdamW, OneRankDirectStep, clip_sharded, gradient_sync
 from training.setup import Run, join_processes, setup_run
 from training.sink import MetricSink, NullSink
 from training.validation import ValidationLoss
@@ -211,15 +211,23 @@ def _mark_cudagraph_step(run: Run) -> None:
 def _clip(run: Run, clip: float) -> torch.Tensor:
     """The global gradient norm (a device tensor); gradients clipped to `clip` (inf: never)."""
     if run.sharded:
-        return clip_sharded(run.params, clip, run.device, fold_into=_clip_folded_into(run))
+        grads = None
+        if isinstance(run.stepper, OneRankDirectStep):  # in the parameters' order, as the sharded gradients
+            by_id = run.stepper.gradients()
+            grads = [by_id[id(p)] for p in run.params if id(p) in by_id]
+        return clip_sharded(run.params, clip, run.device, fold_into=_clip_folded_into(run), grads=grads)
     return clip_gradients(run.params, run.optimizer, clip, fused=run.spec.training.perf.fused_clip, device=run.device)
 
 
 def _clip_folded_into(run: Run):
     """The sharded update that divides the gradients by the clipping factor as it reads them (FSDP2's overlapped
-    step, whose fused AdamW takes a `grad_scale`), when `perf.fused_clip` asks for it; None otherwise."""
+    step, whose fused AdamW takes a `grad_scale`), when `perf.fused_clip` asks for it; None otherwise. FSDP2's
+    one-rank direct step always divides as it reads: its BF16 gradients cannot be divided in place without a
+    rounding FSDP2's FP32 gradients do not have."""
     update = getattr(run.stepper, "update", None)
-    return update if run.spec.training.perf.fused_clip and isinstance(update, LocalFusedAdamW) else None
+    if not isinstance(update, LocalFusedAdamW):
+        return None
+    return update if run.spec.training.perf.fused_clip or isinstance(run.stepper, OneRankDirectStep) else None
 
 
 def _numerics_due(run: Run, step: int) -> bool:

@@ -139,8 +139,12 @@ def _shard_reference(p, g, m, v, step_size, bc2s, *, lr, wd, beta1, beta2, eps, 
     return p - ((step_size * m).double() / denom.double()).float(), m, v
 
 
-@pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_shard_update_matches_torch_cuda_arithmetic(wd):
+@pytest.mark.parametrize("wd,bf16_grads,outs", [(0.0, False, False), (0.1, False, False), (0.1, True, True),
+                                                (0.0, True, False)])
+def test_shard_update_matches_torch_cuda_arithmetic(wd, bf16_grads, outs):
+    """Also with BF16 gradients (FSDP2's one-rank direct step: read as their exact FP32 values, so the update of
+    their FP32 copies) and BF16 copies of the updated parameters written by the same pass (round to nearest even,
+    as `.to(torch.bfloat16)`)."""
     from training import optim_kernels as ok
 
     g_ = torch.Generator().manual_seed(3)
@@ -155,15 +159,23 @@ def test_shard_update_matches_torch_cuda_arithmetic(wd):
     for k in range(4):
         lr = 3e-2 / (k + 1)
         gs = [torch.randn(s, generator=g_) * 10.0 ** (k - 3) for s in shapes]
+        if bf16_grads:
+            gs = [g.to(torch.bfloat16) for g in gs]
+        copies = [torch.full(s, 7.0, dtype=torch.bfloat16) for s in shapes] if outs else None
         kept = [g.clone() for g in gs]
         scale = torch.tensor(1.0 + 0.37 * k) if k % 2 else None
         torch._foreach_add_(steps, 1.0)
         step_size, bc2s = ok.shard_scalars(steps, lr, 0.9, 0.95)
         for j in range(len(shapes)):
             ref[0][j], ref[1][j], ref[2][j] = _shard_reference(
-                ref[0][j], gs[j], ref[1][j], ref[2][j], step_size[j], bc2s[j], lr=lr, wd=wd, scale=scale, **hyper)
+                ref[0][j], gs[j].float(), ref[1][j], ref[2][j], step_size[j], bc2s[j], lr=lr, wd=wd, scale=scale,
+                **hyper)
+        assert ok.shard_supported(ps, gs, copies)
         ok.adamw_shard_update(ps, gs, ms, vs, steps, lr=lr, weight_decay=wd, grad_scale=scale, tables=tables,
-                              **hyper)
+                              outs=copies, **hyper)
+        if outs:
+            for c, p in zip(copies, ref[0]):
+                assert torch.equal(c.view(torch.int16), p.to(torch.bfloat16).view(torch.int16))
         assert all(torch.equal(a, b) for a, b in zip(gs, kept)), "the gradients must not be written"
         for name, ours, theirs in (("param", ps, ref[0]), ("exp_avg", ms, ref[1]), ("exp_avg_sq", vs, ref[2])):
             bad = sum(int((a.view(torch.int32) != b.view(torch.int32)).sum()) for a, b in zip(ours, theirs))
