@@ -504,37 +504,61 @@ class OneRankDirectStep:
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[torch.nn.Module], *, kernel: str = "auto"):
         self.optimizer = optimizer
         self.update = LocalFusedAdamW(optimizer, kernel=kernel)
-        self.entries = []  # (sharded parameter's id, FSDPParam, its FSDPParamGroup)
+        self.units = []  # per FSDP2 unit: [(sharded parameter's id, sharded parameter, FSDPParam, its group)]
         for unit in units:
             group = unit._get_fsdp_state()._fsdp_param_group  # private FSDP2 state
             if group is not None:
-                self.entries += [(id(fp.sharded_param), fp, group) for fp in group.fsdp_params]
-        self.ids = {i for i, _, _ in self.entries}
+                self.units.append([(id(fp.sharded_param), fp.sharded_param, fp, group) for fp in group.fsdp_params])
+        self.entries = [e for entries in self.units for e in entries]
+        self.ids = {e[0] for e in self.entries}
         missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in self.ids]
         if missing:
             raise ValueError(f"{len(missing)} of the optimizer's parameters are not FSDP2's (one-rank direct step)")
 
-    def gradients(self) -> dict[int, torch.Tensor]:
+    @staticmethod
+    def _grad(fp) -> torch.Tensor | None:
+        g = fp.unsharded_accumulated_grad
+        if g is None and hasattr(fp, "_unsharded_param"):
+            g = fp._unsharded_param.grad
+        return g
+
+    def gradients(self, entries=None) -> dict[int, torch.Tensor]:
         """The step's gradients by sharded parameter id: FSDP2's FP32 sum over micro-batches where it made one,
         else the unsharded parameter's BF16 gradient."""
         out = {}
-        for i, fp, _ in self.entries:
-            g = fp.unsharded_accumulated_grad
-            if g is None and hasattr(fp, "_unsharded_param"):
-                g = fp._unsharded_param.grad
+        for i, _, fp, _ in self.entries if entries is None else entries:
+            g = self._grad(fp)
             if g is not None:
                 out[i] = g
         return out
 
-    @torch.no_grad()
-    def step(self) -> None:
-        outs = {i: fp._unsharded_param for i, fp, group in self.entries
+    @staticmethod
+    def _outs(entries) -> dict[int, torch.Tensor]:
+        return {i: fp._unsharded_param for i, _, fp, group in entries
                 if group.is_unsharded and hasattr(fp, "_unsharded_param")}
-        self.update.step(self.ids, grads=self.gradients(), outs=outs)
-        for _, fp, _ in self.entries:  # the optimizer's zero_grad sees only the (empty) sharded gradients
+
+    @staticmethod
+    def _clear(entries) -> None:
+        for _, _, fp, _ in entries:  # the optimizer's zero_grad sees only the (empty) sharded gradients
             fp.unsharded_accumulated_grad = None
             if hasattr(fp, "_unsharded_param"):
                 fp._unsharded_param.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        state = self.optimizer.state
+        if all(state.get(p) for _, p, fp, _ in self.entries if self._grad(fp) is not None):
+            self.update.step(self.ids, grads=self.gradients(), outs=self._outs(self.entries))
+            self._clear(self.entries)
+            return
+        # The first step makes the optimizer's state through `optimizer.step()`, which needs FP32 gradients on the
+        # shards: made and freed one unit at a time, so the step never holds FP32 copies of every gradient (on a
+        # GPU filled to its last gigabytes by the largest model it trains, 4 B per parameter would not fit).
+        for entries in self.units:
+            grads = self.gradients(entries)
+            self.update.step({e[0] for e in entries}, grads=grads, outs=self._outs(entries))
+            del grads
+            self._clear(entries)
 
     def synchronize(self) -> None:
         """Nothing runs beside the compute stream."""
