@@ -11,7 +11,8 @@
   torchao's tensorwise float8 linears all-gather their weights in FP8 (`enable_fsdp_float8_all_gather`)
   with one scale pass for all of them after each optimizer step (the recipe's hook); fp8_delayed takes the
   max of its amaxes over ranks (as under DDP); the emulated formats quantize the unsharded weight, which
-  FSDP2 has gathered before the block's forward, exactly as on one GPU.
+  FSDP2 has gathered before the block's forward, exactly as on one GPU. On one process, where nothing is gathered
+  or reduced, `OneRankDirectStep` keeps the BF16 weights and gradients from step to step (`perf.fsdp_one_rank_direct`).
 - "auto": FSDP when several processes train and the training state (16 bytes per parameter: FP32 master,
   gradient, two moments) would take more than half of one GPU's memory; DDP otherwise.
 

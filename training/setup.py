@@ -181,7 +181,8 @@ def overlap_update(option: bool | None, parallel: str) -> bool:
     serial / overlapped, bf16 0.994-1.009x, fp8_tensorwise 1.006x, fp8_delayed 1.010x, fp8_blockwise 1.016x, mxfp8
     1.007x, nvfp4 1.002x, with 2-3 GiB less memory reserved; DDP on 2 GPUs bf16 1.001x, fp8_tensorwise 1.115x (the
     overlapped FP8 step was host-bound). Under FSDP2 on one process the overlap pays: 0.936x against 0.902x the
-    unwrapped BF16 (bench/NOTES_floor.md 32, 36, 39)."""
+    unwrapped BF16 (bench/NOTES_floor.md 32, 36, 39). FSDP2's one-rank direct path (`OneRankDirectStep`, setup_run)
+    runs it after the backward whatever auto says here: it is as fast as the unwrapped run (NOTES_floor.md 41)."""
     if option is not None:
         return option
     return parallel == "fsdp"
