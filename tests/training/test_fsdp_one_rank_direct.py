@@ -47,19 +47,23 @@ class _GradientPacks(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("grad_accum,clip", [(1, 0.0), (1, 0.05), (2, 0.05)])
-def test_direct_path_trains_to_the_bits_of_fsdp2s_one_rank_path(make_spec, cache_dir, grad_accum, clip):
+@pytest.mark.parametrize("grad_accum,clip,extra", [(1, 0.0, {}), (1, 0.05, {}), (2, 0.05, {}),
+                                                   (1, 0.05, {"activation_checkpointing": "full", "val_every": 2})])
+def test_direct_path_trains_to_the_bits_of_fsdp2s_one_rank_path(make_spec, cache_dir, grad_accum, clip, extra):
+    """Also with every block recomputed in the backward (the kept unsharded weights serve the recomputation) and
+    validation between steps (the same forward, outside the step)."""
     runs = {}
     for direct in (False, True):
         sink = ListSink()
-        result = train(_fsdp_spec(make_spec, direct=direct, grad_accum=grad_accum, grad_clip=clip), sink,
+        result = train(_fsdp_spec(make_spec, direct=direct, grad_accum=grad_accum, grad_clip=clip, **extra), sink,
                        cache_dir=cache_dir)
-        runs[direct] = (_series(sink, "train/loss"), _series(sink, "train/grad_norm"), result.summary)
+        runs[direct] = (_series(sink, "train/loss") + _series(sink, "val/loss"), _series(sink, "train/grad_norm"),
+                        result.summary)
         import torch.distributed as dist
         dist.destroy_process_group()
     assert runs[True][2]["fsdp_one_rank_direct"] is True and runs[False][2]["fsdp_one_rank_direct"] is False
     assert runs[True][2]["parallel"] == "fsdp" and runs[True][2]["overlap_optimizer"] is False
-    assert len(runs[True][0]) == 4
+    assert len(runs[True][0]) == 4 + (2 if extra else 1)  # the run's final validation, and one at step 2
     assert runs[True][0] == runs[False][0], "losses must be bit-identical"
     assert runs[True][1] == runs[False][1], "gradient norms must be bit-identical"
 

@@ -24,7 +24,8 @@ def test_spec_takes_true_false_or_null_and_names_the_choices_otherwise(make_spec
     for value in (True, False, None):
         spec = RunSpec.from_dict(make_spec(training={"perf": {"overlap_optimizer": value}}))
         assert spec.training.perf.overlap_optimizer is value
-    expected = r"training.perf.overlap_optimizer must be true, false or null \(auto: overlapped under FSDP2 only\)"
+    expected = (r"training.perf.overlap_optimizer must be true, false or null \(auto: overlapped under FSDP2 only, "
+                r"not on its one-rank direct path\)")
     with pytest.raises(SpecError, match=expected + r", got 'auto'"):
         RunSpec.from_dict(make_spec(training={"perf": {"overlap_optimizer": "auto"}}))
 
@@ -36,3 +37,12 @@ def test_a_cpu_run_reports_its_update_serial(make_spec, cache_dir):
                    cache_dir=cache_dir)
     assert result.status == "succeeded"
     assert result.summary["overlap_optimizer"] is False  # the side stream is CUDA's: a CPU run is always serial
+
+
+def test_fuse_qkv_takes_true_false_or_null_and_says_so(make_spec):
+    from training.config import RunSpec, SpecError
+
+    for value in (True, False, None):
+        assert RunSpec.from_dict(make_spec(training={"perf": {"fuse_qkv": value}})).training.perf.fuse_qkv is value
+    with pytest.raises(SpecError, match=r"training.perf.fuse_qkv must be true, false or null \(auto: on for GPU runs"):
+        RunSpec.from_dict(make_spec(training={"perf": {"fuse_qkv": "yes"}}))
