@@ -23,8 +23,8 @@ from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, c
                             decoder_blocks, decoder_body, describe_model, fuse_gate_up, fuse_qkv, load_pretrained,
                             meta_model, model_config)
 from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
-from training.parallel import (OneRankDirectStep, OverlappedShardedStep, apply_activation_checkpointing, keeps_gathered_weights,
-                              resolve_parallel, shard_model)
+from training.parallel import (OneRankDirectStep, OverlappedShardedStep, apply_activation_checkpointing,
+                              keeps_gathered_weights, resolve_parallel, shard_model)
 from training.precision.weight_reuse import QuantizedWeightReuse
 from training.sink import MetricSink
 
