@@ -446,9 +446,10 @@ class PerfOptions:
     # order, while the next step's forward proceeds behind per-layer events (training.optim.
     # OverlappedOptimizerStep; under FSDP2 training.parallel.OverlappedShardedStep). None (auto): overlapped
     # under FSDP2 only, and not on one process where fsdp_one_rank_direct applies. Without FSDP2, on one H100 or
-    # DDP on two, the overlapped step was never faster in any recipe measured (cuBLAS's persistent GEMMs hold every SM, so the update's programs run between the products, not
-    # beside them; an overlapped FP8 DDP step was host-bound, 0.90x) and reserved 2-3 GiB more on one GPU
-    # (setup.overlap_update, bench/NOTES_floor.md 32, 36, 39).
+    # DDP on two, the overlapped step was never faster in any recipe measured (cuBLAS's persistent GEMMs hold
+    # every SM, so the update's programs run between the products, not beside them; an overlapped FP8 DDP step
+    # was host-bound, 0.90x) and reserved 2-3 GiB more on one GPU (setup.overlap_update, bench/NOTES_floor.md 32,
+    # 36, 39).
     overlap_optimizer: bool | None = None
     # FSDP2 on one process with the overlapped update: each next unit unsharded ahead (cast + copy of its
     # shards) on a prefetch stream, beside the current unit's forward, instead of on the compute stream in
