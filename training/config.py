@@ -465,6 +465,8 @@ class PerfOptions:
     # per step that nothing needs at one rank). The update reads the BF16 gradients and writes the FP32 shard and
     # the BF16 parameter in one pass (training.parallel.OneRankDirectStep, same bits as FSDP2's path). Not with
     # torchao's FP8 all-gather or an overlapped update (those keep FSDP2's path). No effect on several processes.
+    # Memory: both hold 16 B per parameter after the backward, but through the forward this path already holds the
+    # BF16 weights (+2 B per parameter at the activations' peak); false where that peak is what does not fit.
     fsdp_one_rank_direct: bool = True
     # FSDP2: whether each block frees its gathered weights after its forward and gathers them again for its backward
     # (torch's default, "always"), or keeps them to the backward ("never": half the all-gathers, and with FP8
