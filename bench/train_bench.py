@@ -37,8 +37,8 @@ activation_checkpointing_every, init_device cpu|device), e.g. the 8B shape on 2 
                   fp8_tensorwise:parallel=fsdp,activation_checkpointing=full,init_device=device
 
 Perf switches added since: fuse_qkv, fuse_gate_up, overlap_optimizer (true|false; null = auto), compile_scope,
-ddp_bucket_mb, ddp_static_graph, gc_interval, fsdp_prefetch, fsdp_fused_cast, fsdp_one_rank_direct (docs/INTERFACES.md); per config also gpus, grad_accum, batch; and the training
-key param_dtype (bf16|fp32|auto).
+ddp_bucket_mb, ddp_static_graph, gc_interval, fsdp_prefetch, fsdp_fused_cast, fsdp_one_rank_direct
+(docs/INTERFACES.md); per config also gpus, grad_accum, batch; and the training key param_dtype (bf16|fp32|auto).
 
 Writes `$OUT/train_bench.json` (when $OUT is set) and, on a GPU, `bench/results/train_bench_<date>_<gpu>.json`,
 and prints the ratio table last.

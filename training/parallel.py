@@ -533,6 +533,12 @@ class OneRankDirectStep:
                 out[i] = g
         return out
 
+    def gradients_of(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of `params` (sharded parameters), in that order, those without one left out: what the
+        gradient norm reads, in the order FSDP2's path reads its sharded gradients (the same sum, the same bits)."""
+        by_id = self.gradients()
+        return [by_id[id(p)] for p in params if id(p) in by_id]
+
     @staticmethod
     def _outs(entries) -> dict[int, torch.Tensor]:
         return {i: fp._unsharded_param for i, _, fp, group in entries
@@ -548,10 +554,13 @@ class OneRankDirectStep:
     @torch.no_grad()
     def step(self) -> None:
         state = self.optimizer.state
-        if all(state.get(p) for _, p, fp, _ in self.entries if self._grad(fp) is not None):
-            self.update.step(self.ids, grads=self.gradients(), outs=self._outs(self.entries))
+        grads = self.gradients()
+        if all(state.get(p) for i, p, _, _ in self.entries if i in grads):
+            self.update.step(self.ids, grads=grads, outs=self._outs(self.entries))
+            del grads
             self._clear(self.entries)
             return
+        del grads
         # The first step makes the optimizer's state through `optimizer.step()`, which needs FP32 gradients on the
         # shards: made and freed one unit at a time, so the step never holds FP32 copies of every gradient (on a
         # GPU filled to its last gigabytes by the largest model it trains, 4 B per parameter would not fit).

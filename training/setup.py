@@ -56,7 +56,6 @@ class Run:
     model_info: dict = field(default_factory=dict)  # training.model.describe_model: architecture, params, source
     compile_mode: str | None = None    # the torch.compile mode the step runs under (None: inductor's default)
     fsdp_keeps_gathered_weights: bool | None = None  # FSDP2 blocks keep their gathered weights to the backward
-    fsdp_one_rank_direct: bool | None = None  # FSDP2 on one process through OneRankDirectStep (None: not FSDP2)
 
     @property
     def on_cuda(self) -> bool:
@@ -69,6 +68,11 @@ class Run:
     @property
     def sharded(self) -> bool:
         return self.parallel == "fsdp"
+
+    @property
+    def fsdp_one_rank_direct(self) -> bool | None:
+        """FSDP2 on one process through OneRankDirectStep (None: not FSDP2)."""
+        return isinstance(self.stepper, OneRankDirectStep) if self.sharded else None
 
     def settle(self) -> None:
         """Before anything reads the weights or optimizer state outside the forward (validation,
@@ -130,7 +134,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     parallel = resolve_parallel(t.parallel, ctx.world, count_parameters(meta_model(config)), device)
     model, report, fused_qkv, ac = _model_with_recipe(spec, config, device, param_dtype, sink,
                                                       fsdp=parallel == "fsdp")
-    keep_gathered = direct = None
+    keep_gathered, direct = None, False
     if parallel == "fsdp":
         # Sharded before the optimizer exists: its state is built on the FP32 shards.
         keep_gathered = keeps_gathered_weights(model, ctx.world, t.perf.fsdp_reshard_after_forward)
@@ -172,7 +176,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                flops_per_token=flops_per_token(model.config, spec.data.seq_len),
                micro_batch=t.batch_size // (t.grad_accum * ctx.world),
                model_info=describe_model(model, spec.model), compile_mode=mode,
-               fsdp_keeps_gathered_weights=keep_gathered, fsdp_one_rank_direct=direct)
+               fsdp_keeps_gathered_weights=keep_gathered)
 
 
 def overlap_update(option: bool | None, parallel: str) -> bool:

@@ -211,10 +211,7 @@ def _mark_cudagraph_step(run: Run) -> None:
 def _clip(run: Run, clip: float) -> torch.Tensor:
     """The global gradient norm (a device tensor); gradients clipped to `clip` (inf: never)."""
     if run.sharded:
-        grads = None
-        if isinstance(run.stepper, OneRankDirectStep):  # in the parameters' order, as the sharded gradients
-            by_id = run.stepper.gradients()
-            grads = [by_id[id(p)] for p in run.params if id(p) in by_id]
+        grads = run.stepper.gradients_of(run.params) if isinstance(run.stepper, OneRankDirectStep) else None
         return clip_sharded(run.params, clip, run.device, fold_into=_clip_folded_into(run), grads=grads)
     return clip_gradients(run.params, run.optimizer, clip, fused=run.spec.training.perf.fused_clip, device=run.device)
 
