@@ -76,6 +76,16 @@ if HAVE_TRITON:
         return tl.dot(h.to(tl.float32), x.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
 
     @triton.jit
+    def _rht_tile_t(h_ptr, x, DOT_BF16: tl.constexpr):
+        """RHT(x)^T of a (16, BLOCK_N) tile, (BLOCK_N, 16): x^T @ rht (h holds rht^T, loaded transposed), the
+        same exact products as _rht_tile summed in FP32 (by the tensor cores in their own order on the GPU)."""
+        r16 = tl.arange(0, 16)
+        ht = tl.load(h_ptr + r16[None, :] * 16 + r16[:, None])
+        if DOT_BF16:
+            return tl.dot(tl.trans(x.to(tl.bfloat16)), ht, out_dtype=tl.float32)
+        return tl.dot(tl.trans(x.to(tl.float32)), ht.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+
+    @triton.jit
     def _scalar_div(x, d: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
         """x / d for a Python-float d as torch computes it: on CUDA torch multiplies by the FP32 reciprocal
         (its division kernel's CPU-scalar path); on CPU it divides (IEEE)."""
@@ -86,20 +96,23 @@ if HAVE_TRITON:
     @triton.jit
     def _nvfp4_dual_amax_kernel(x_ptr, h_ptr, partial_ptr, M, N, stride_m, BLOCK: tl.constexpr,
                                 GROUPS: tl.constexpr, HAS_RHT: tl.constexpr, DOT_BF16: tl.constexpr):
-        """Per program (GROUPS x 16 tokens, BLOCK features): max |x| and max |RHT(x)| into partial[pid]."""
+        """Per program (GROUPS x 16 tokens, BLOCK features): max |x| and max |RHT(x)| into partial[pid]. The
+        maxima are kept element by element over the groups and reduced across the threads once, at the end."""
         pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        amax_a = 0.0
-        amax_b = 0.0
+        acc_a = tl.zeros((16, BLOCK), dtype=tl.float32)
+        acc_b = tl.zeros((16, BLOCK), dtype=tl.float32)
         for g in tl.static_range(GROUPS):
             rows = (tl.program_id(0) * GROUPS + g) * 16 + tl.arange(0, 16)
             mask = (rows[:, None] < M) & (cols[None, :] < N)
             x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
-            amax_a = tl.maximum(amax_a, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))
+            acc_a = tl.maximum(acc_a, tl.abs(x.to(tl.float32)))
             if HAS_RHT:
-                y = _rht_tile(h_ptr, x, DOT_BF16)
-                amax_b = tl.maximum(amax_b, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
-        if not HAS_RHT:
+                acc_b = tl.maximum(acc_b, tl.abs(_rht_tile(h_ptr, x, DOT_BF16)))
+        amax_a = tl.max(tl.max(acc_a, axis=1), axis=0)
+        if HAS_RHT:
+            amax_b = tl.max(tl.max(acc_b, axis=1), axis=0)
+        else:
             amax_b = amax_a
         tl.store(partial_ptr + 2 * pid, amax_a)
         tl.store(partial_ptr + 2 * pid + 1, amax_b)
@@ -143,8 +156,11 @@ if HAVE_TRITON:
             # adder: a + M lands where the spacing of FP32 numbers is that step (M = 1.5 * 2^22, 2^23, 2^24),
             # so the addition itself rounds to the grid, ties to even (an even significand is an even
             # multiple of the step), and subtracting M back is exact. Two adds instead of floor, fraction
-            # and tie tests: same values as torch.round(a / step) * step.
-            magic = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
+            # and tie tests: same values as torch.round(a / step) * step. M is 1.5 * 2^23 times the step, i.e.
+            # 1.5 * 2^22 times the power of two of max(a, 1) (1, 2 or 4): its exponent field plus that of
+            # 1.5 * 2^22 / 1 (three integer operations instead of two compares and two selects).
+            magic = ((tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000) + 0x0B400000).to(
+                tl.float32, bitcast=True)
             mag = (a + magic) - magic
         # copysign on the bits (a negated +0.0 may compile to 0 - 0 = +0.0; torch.copysign gives -0.0)
         sign = scaled.to(tl.int32, bitcast=True) & -2147483648
@@ -177,14 +193,17 @@ if HAVE_TRITON:
         va = tl.where(amax_a > 0, tl.reshape(va, (16, W)), 0.0)
         tl.store(a_ptr + rows[:, None] * N + cols[None, :], va.to(tl.bfloat16), mask=mask)
         # b: RHT along the tokens, then 1x16 blocks along the tokens (one block per column of the tile).
+        # Computed transposed, (W, 16): each block is a row, so its maximum and its scale are worked out by the few
+        # threads of a row of the product's layout (4) rather than by every thread of a column (8 in the (16, W)
+        # product's), and the W x 16 product is one Hopper wgmma (M = W) instead of W / 8 mma.sync tiles.
         if HAS_RHT:
-            y = _rht_tile(h_ptr, x_raw, DOT_BF16)
+            yt = _rht_tile_t(h_ptr, x_raw, DOT_BF16)
         else:
-            y = x
-        cmax = tl.max(tl.abs(y), axis=0)
-        vb = _nvfp4_values(y, cmax[None, :], pts_b, r_b, STOCH, CUDA_SEMANTICS)
+            yt = tl.trans(x)
+        cmax = tl.max(tl.abs(yt), axis=1)
+        vb = _nvfp4_values(yt, cmax[:, None], pts_b, tl.trans(r_b), STOCH, CUDA_SEMANTICS)
         vb = tl.where(amax_b > 0, vb, 0.0)
-        tl.store(b_ptr + rows[:, None] * N + cols[None, :], vb.to(tl.bfloat16), mask=mask)
+        tl.store(b_ptr + rows[None, :] * N + cols[:, None], vb.to(tl.bfloat16), mask=tl.trans(mask))
 
     @triton.jit
     def _nvfp4_dual_quant_kernel(x_ptr, h_ptr, amax_ptr, seed_ptr, a_ptr, b_ptr, pts_ptr, M, N, stride_m,
