@@ -235,6 +235,7 @@ def summarize(prof, active: int) -> dict:
     by_cat: dict[str, float] = {}
     fused_casts = 0.0
     top = []
+    calls: dict[str, float] = {}
     for evt in prof.key_averages():
         us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
         if us <= 0 or evt.key.startswith("ProfilerStep"):
@@ -246,8 +247,10 @@ def summarize(prof, active: int) -> dict:
         by_cat[cat] = by_cat.get(cat, 0.0) + us / 1e3 / active
         fused_casts += us / 1e3 / active if fused_cast_in_gemm(evt.key, cat) else 0.0
         top.append((us / 1e3 / active, evt.key[:110], cat))
+        calls[evt.key[:110]] = evt.count / active
     top.sort(reverse=True)
     return {"ms_per_step": by_cat, "total_ms": sum(by_cat.values()), "top": top[:25],
+            "top_calls_per_step": {name: calls[name] for _, name, _ in top[:25]},
             "gemm_fused_casts_ms": fused_casts, **gpu_busy(prof, active)}
 
 
@@ -492,8 +495,9 @@ def _print_tables(profiles: dict) -> None:
     for target, r in profiles.items():
         if "top" in r:
             print(f"\n## {target}: top kernels (ms/step)")
+            calls = r.get("top_calls_per_step", {})
             for ms, name, cat in r["top"][:14]:
-                print(f"{ms:8.2f}  {cat:18s} {name}")
+                print(f"{ms:8.2f}  {calls.get(name, float('nan')):6.1f}x  {cat:18s} {name}")
     cats = sorted({c for r in profiles.values() for c in r.get("ms_per_step", {})})
     print("\n# GPU ms per step by category (profiled)")
     print(f"{'category':20s}" + "".join(f"{t[:22]:>24s}" for t in profiles))

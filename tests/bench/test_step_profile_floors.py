@@ -98,9 +98,10 @@ class _Range:
 
 
 class _Evt:
-    def __init__(self, key, us, start=0.0):
+    def __init__(self, key, us, start=0.0, count=1):
         self.key, self.device_time_total, self.device_type = key, us, "DeviceType.CUDA"
         self.time_range = _Range(start, start + us)
+        self.count = count
 
 
 class _Prof:
@@ -115,10 +116,12 @@ class _Prof:
 
 
 def test_summary_sums_categories_per_step_and_counts_inductor_casts_named_after_a_gemm(sp):
-    evts = [_Evt("nvjet_sm90_tst_128x128_TNT", 4000, 0), _Evt("triton_red_fused__scaled_mm_abs_amax_0", 1000, 4000),
+    evts = [_Evt("nvjet_sm90_tst_128x128_TNT", 4000, 0, count=6),
+            _Evt("triton_red_fused__scaled_mm_abs_amax_0", 1000, 4000),
             _Evt("triton_tem_fused__scaled_mm_1", 500, 5000), _Evt("_adamw_master_kernel", 1500, 8000)]
     out = sp.summarize(_Prof(evts), active=2)
     assert out["ms_per_step"] == {"gemm": 2.75, "optimizer": 0.75}
     assert out["gemm_fused_casts_ms"] == 0.5          # the triton_red_ kernel only, not the GEMM template
     assert out["gpu_busy_ms_per_step"] == 3.5 and out["gpu_span_ms_per_step"] == 4.75  # a 2.5 ms gap at 5.5-8 ms
     assert [name for _, name, _ in out["top"]][0] == "nvjet_sm90_tst_128x128_TNT"
+    assert out["top_calls_per_step"]["nvjet_sm90_tst_128x128_TNT"] == 3  # 6 launches over the 2 active steps
