@@ -25,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -254,6 +255,25 @@ def summarize(prof, active: int) -> dict:
             "gemm_fused_casts_ms": fused_casts, **gpu_busy(prof, active)}
 
 
+FUSED_QUANTIZER = re.compile(r"^_(nvfp4|mxfp8|fp8)_\w*kernel")
+
+
+def launch_grids(trace_events: list, active: int, pattern=FUSED_QUANTIZER) -> dict:
+    """Per kernel whose name matches `pattern` (our fused quantizers), per launch grid: launches and GPU ms per step,
+    from the profiler's Chrome-trace kernel events ("args": {"grid": [x, y, z]}). A quantizer's grid gives the
+    operand it ran on (rows / 16 / groups x features / block), so a step's launches can be checked against the
+    operands its layers have."""
+    out: dict = {}
+    for e in trace_events:
+        if e.get("cat") != "kernel" or not pattern.search(e.get("name", "")):
+            continue
+        grid = "x".join(str(g) for g in (e.get("args") or {}).get("grid", []))
+        row = out.setdefault(e["name"], {}).setdefault(grid, {"launches": 0.0, "ms": 0.0})
+        row["launches"] += 1 / active
+        row["ms"] += e.get("dur", 0.0) / 1e3 / active
+    return out
+
+
 def gpu_busy(prof, active: int) -> dict:
     """How much of the profiled steps' span the GPU was running at least one kernel or copy: the union of the
     device events' intervals against first start to last end. A share well below 1 means the host (launches,
@@ -413,6 +433,10 @@ def ours_worker(config_text: str, batch: int, seq: int) -> dict:
     sampler.stop()
     out_unprofiled = unprofiled.summary()
     out = summarize(prof, active)
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json")) as f:
+            out["quantizer_launch_grids"] = launch_grids(json.load(f).get("traceEvents", []), active)
     out["unprofiled"] = out_unprofiled
     out["gpu_during_profiled_steps"] = (sampler.summary(window["from"], window["to"])
                                         if {"from", "to"} <= set(window) else None)
@@ -498,6 +522,9 @@ def _print_tables(profiles: dict) -> None:
             calls = r.get("top_calls_per_step", {})
             for ms, name, cat in r["top"][:14]:
                 print(f"{ms:8.2f}  {calls.get(name, float('nan')):6.1f}x  {cat:18s} {name}")
+            for kernel, grids in r.get("quantizer_launch_grids", {}).items():
+                print(f"  {kernel}: " + ", ".join(f"grid {g} {v['launches']:.1f}x {v['ms']:.2f} ms"
+                                                 for g, v in sorted(grids.items(), key=lambda kv: -kv[1]["ms"])))
     cats = sorted({c for r in profiles.values() for c in r.get("ms_per_step", {})})
     print("\n# GPU ms per step by category (profiled)")
     print(f"{'category':20s}" + "".join(f"{t[:22]:>24s}" for t in profiles))

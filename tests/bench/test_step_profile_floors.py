@@ -125,3 +125,14 @@ def test_summary_sums_categories_per_step_and_counts_inductor_casts_named_after_
     assert out["gpu_busy_ms_per_step"] == 3.5 and out["gpu_span_ms_per_step"] == 4.75  # a 2.5 ms gap at 5.5-8 ms
     assert [name for _, name, _ in out["top"]][0] == "nvjet_sm90_tst_128x128_TNT"
     assert out["top_calls_per_step"]["nvjet_sm90_tst_128x128_TNT"] == 3  # 6 launches over the 2 active steps
+
+
+def test_launch_grids_count_each_fused_quantizer_launch_per_grid_and_step(sp):
+    k = {"cat": "kernel", "args": {"grid": [512, 16, 1]}, "dur": 200.0}
+    events = [{**k, "name": "_nvfp4_dual_quant_kernel"}, {**k, "name": "_nvfp4_dual_quant_kernel"},
+              {**k, "name": "_nvfp4_dual_quant_kernel", "args": {"grid": [512, 64, 1]}},
+              {**k, "name": "nvjet_sm90_tst_256x128"},  # a GEMM: not a quantizer
+              {"cat": "cpu_op", "name": "_nvfp4_dual_quant_kernel", "dur": 5.0}]  # the host side: not counted
+    grids = sp.launch_grids(events, active=2)
+    assert grids == {"_nvfp4_dual_quant_kernel": {"512x16x1": {"launches": 1.0, "ms": 0.2},
+                                                  "512x64x1": {"launches": 0.5, "ms": 0.1}}}
