@@ -55,6 +55,22 @@ def _timed_launch(module, x, h, seed, sr: bool, cfg: dict):
     return timed(lambda: module.dual_quantize_launch(x, h, seed, True, sr, **cfg))
 
 
+def _timed_amax(module, x, h) -> float:
+    """ms of the amax pass alone (its kernel and the reduction of its partial maxima), at the module's own tile."""
+    import triton
+
+    m, n = x.shape
+    bn, groups = module.AMAX_BLOCK_N, module.AMAX_GROUPS
+    grid = (triton.cdiv(m, 16 * groups), triton.cdiv(n, bn))
+    partial = torch.empty((grid[0] * grid[1], 2), device=x.device, dtype=torch.float32)
+
+    def run():
+        module._nvfp4_dual_amax_kernel[grid](x, h, partial, m, n, x.stride(0), BLOCK=bn, GROUPS=groups, HAS_RHT=True,
+                                              DOT_BF16=True, num_warps=module.NUM_WARPS)
+        return partial.amax(dim=0)
+    return timed(run)
+
+
 def _load_module(path: str):
     import importlib.util
     spec = importlib.util.spec_from_file_location("nvfp4_triton_compared", path)
@@ -92,11 +108,17 @@ def main(argv=None) -> int:
         ref_b = quantize_nvfp4(random_hadamard_transform(x, m, axis=0, dtype=torch.float32), axis=0,
                                dtype=torch.bfloat16)
         base = {sr: timed(lambda: compiled(x, sr)) for sr in (False, True)}
+        amax_ms = {"amax_ms": _timed_amax(nt, x, h)}
+        if other is not None:
+            amax_ms["compared_amax_ms"] = _timed_amax(other, x, h)
+            amax_ms["amax_ms"] = min(amax_ms["amax_ms"], _timed_amax(nt, x, h))
+        print(f"amax pass alone, {shape[0]}x{shape[1]}: " + ", ".join(f"{k} {v:.4f}" for k, v in amax_ms.items()),
+              flush=True)
         configs = CONFIGS if args.configs == "sweep" else [nt.launch_config(shape[1], sr) for sr in (False, True)]
         for cfg in configs:
             seed0 = torch.zeros(1, device=dev, dtype=torch.int64)
             a, b, pts = nt.dual_quantize_launch(x, h, seed0, True, False, **cfg)
-            row = {"shape": list(shape), **cfg,
+            row = {"shape": list(shape), **cfg, **amax_ms,
                    "a_bit_mismatch_frac": float((a.view(torch.int16) != ref_a.values.view(torch.int16)).float().mean()),
                    "a_scale_equal": bool(torch.equal(pts[0], ref_a.outer)),
                    "b_bit_mismatch_frac": float((b.view(torch.int16) != ref_b.values.view(torch.int16)).float().mean()),
