@@ -125,44 +125,56 @@ if HAVE_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _step_magic(a, OFFSET: tl.constexpr):
+        """1.5 * 2^k * step for the E2M1 grid step at a >= 0 (0.5 below 2, 1 below 4, 2 up to 6), on the bits:
+        the step is half the power of two of max(a, 1), so its exponent field plus OFFSET, the exponent field of
+        1.5 * 2^(k - 1) less that of 1 (three integer operations instead of two compares and two selects)."""
+        return ((tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000) + OFFSET).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _add_rz(a, b, PTX: tl.constexpr):
+        """a + b rounded toward zero, for a, b >= 0 with b the larger: PTX's add.rz.f32 on the GPU; elsewhere
+        (Triton's interpreter) the nearest sum, one ulp less where it rounded up (the difference to b is exact
+        there, so comparing it with a tells)."""
+        if PTX:
+            return tl.inline_asm_elementwise("add.rz.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        s = a + b
+        return (s.to(tl.int32, bitcast=True) - ((s - b) > a).to(tl.int32)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _nvfp4_values(data, max_abs, pts, rbits, STOCH: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
         """E2M1 element x E4M3 block scale for FP32 `data` with block maxima `max_abs` (broadcastable)
         and the FP32 per-tensor scale `pts` > 0: formats._nvfp4_blocked, op for op. `rbits`: int32 with
-        8 random bits at bits 14..21 and zeros elsewhere, for stochastic rounding (ignored without STOCH)."""
+        8 random bits at bits 0..7 and zeros elsewhere, for stochastic rounding (ignored without STOCH)."""
         block_scale = _scalar_div(max_abs, 6.0, CUDA_SEMANTICS)
         scaled_block = tl.math.div_rn(block_scale, pts)
         e4m3 = _round_e4m3(tl.minimum(tl.maximum(scaled_block, 0.015625), 448.0))
         reciprocal = tl.math.div_rn(tl.math.div_rn(1.0, pts), e4m3)
         scaled = tl.where(data == 0, 0.0, data * reciprocal)
-        scaled = tl.minimum(tl.maximum(scaled, -6.0), 6.0)
-        a = tl.abs(scaled)
+        # torch clamps `scaled` to [-6, 6] and rounds its magnitude with its sign kept apart: the clamp on the
+        # magnitude alone is the same (one min instead of a max and a min), the sign being read from `scaled`.
+        a = tl.minimum(tl.abs(scaled), 6.0)
         if STOCH:
             # Stochastic rounding with 8 random bits, as Blackwell's cvt.rs.satfinite.e2m1x4.f32: the random
             # bits are added just below the bits E2M1 keeps, then everything below those is cut off. With
-            # t = a / step and f = t - floor(t), that rounds up with probability floor(256 f) / 256. On the
-            # FP32 bits: from 1 to 6 E2M1 keeps the exponent and the top mantissa bit (steps 0.5, 1, 2 in
-            # [1, 2), [2, 4), [4, 6]), so f is mantissa bits 0..21 / 2^22 and floor(256 f) is bits 14..21;
-            # adding the random byte there carries into the kept bits with probability bits[14..21] / 256
-            # (into the exponent too: 1.75 -> 2), and the mask drops the rest. Below 1 (E2M1's 0 and 0.5,
-            # step 0.5) a + 1 puts the same fraction at the same bits of [1, 2); that addition rounds to
-            # nearest, so it is truncated back (one ulp less where it rounded up), and 1 comes off at the
-            # end (exact). a <= 6 and 6 has no fraction, so nothing goes past 6.
-            one = tl.where(a < 1.0, 1.0, 0.0)
-            s = a + one
-            bits = s.to(tl.int32, bitcast=True) - ((s - one) > a).to(tl.int32)
-            mag = ((bits + rbits) & -4194304).to(tl.float32, bitcast=True) - one  # mask 0xFFC00000
+            # t = a / step and f = t - floor(t), that rounds up with probability floor(256 f) / 256. With the
+            # FP32 adder: M = 1.5 * 2^15 * step has an ulp of step / 256, so a + M rounded toward zero is M plus
+            # floor(256 a / step) ulps, i.e. 256 floor(t) + floor(256 f). Adding the random byte (0..255, at bits
+            # 0..7) to those bits carries into the step's bits with probability floor(256 f) / 256, the mask
+            # cuts the 8 bits below the step off, and M comes off exactly. a <= 6 stays in M's binade.
+            magic = _step_magic(a, 0x07400000)
+            t = _add_rz(a, magic, CUDA_SEMANTICS)
+            mag = ((t.to(tl.int32, bitcast=True) + rbits) & -256).to(tl.float32, bitcast=True) - magic
         else:
-            # Round half to even onto E2M1's grid (steps 0.5 below 2, 1 below 4, 2 up to 6) with the FP32
-            # adder: a + M lands where the spacing of FP32 numbers is that step (M = 1.5 * 2^22, 2^23, 2^24),
-            # so the addition itself rounds to the grid, ties to even (an even significand is an even
-            # multiple of the step), and subtracting M back is exact. Two adds instead of floor, fraction
-            # and tie tests: same values as torch.round(a / step) * step. M is 1.5 * 2^23 times the step, i.e.
-            # 1.5 * 2^22 times the power of two of max(a, 1) (1, 2 or 4): its exponent field plus that of
-            # 1.5 * 2^22 / 1 (three integer operations instead of two compares and two selects).
-            magic = ((tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000) + 0x0B400000).to(
-                tl.float32, bitcast=True)
+            # Round half to even onto E2M1's grid with the FP32 adder: a + M lands where the spacing of FP32
+            # numbers is the step (M = 1.5 * 2^23 * step), so the addition itself rounds to the grid, ties to
+            # even (an even significand is an even multiple of the step), and subtracting M back is exact. Two
+            # adds instead of floor, fraction and tie tests: same values as torch.round(a / step) * step.
+            magic = _step_magic(a, 0x0B400000)
             mag = (a + magic) - magic
-        # copysign on the bits (a negated +0.0 may compile to 0 - 0 = +0.0; torch.copysign gives -0.0)
+        # copysign on the bits (a negated +0.0 may compile to 0 - 0 = +0.0; torch.copysign gives -0.0). The sign
+        # of the unclamped `scaled` is that of the clamped one.
         sign = scaled.to(tl.int32, bitcast=True) & -2147483648
         element = (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         return element * e4m3
@@ -170,15 +182,15 @@ if HAVE_TRITON:
     @triton.jit
     def _spread_bytes(w_lo, w_hi, CH: tl.constexpr):
         """The 8 bytes of two (16, CH) Philox output words as one byte per element of a (16, 8 CH) tile, each
-        moved to bits 14..21 of an int32 (see _nvfp4_values): column 8 j + 4 i + b gets byte b of word i
-        (w_lo, w_hi) at chunk column j."""
+        in bits 0..7 of an int32 (see _nvfp4_values): column 8 j + 4 i + b gets byte b of word i (w_lo, w_hi)
+        at chunk column j."""
         pair = tl.join(w_lo, w_hi).to(tl.uint32, bitcast=True)  # (16, CH, 2)
         shifts = tl.arange(0, 4).to(tl.uint32) * 8
-        r = ((pair[:, :, :, None] >> shifts[None, None, None, :]) & 0xFF) << 14  # (16, CH, 2, 4)
+        r = (pair[:, :, :, None] >> shifts[None, None, None, :]) & 0xFF  # (16, CH, 2, 4)
         return tl.reshape(r, (16, CH * 8)).to(tl.int32, bitcast=True)
 
     @triton.jit
-    def _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a, pts_b,
+    def _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, pts_a, pts_b,
                     r_a, r_b, W: tl.constexpr, HAS_RHT: tl.constexpr, STOCH: tl.constexpr,
                     DOT_BF16: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
         """Both outputs of one (16 tokens, W features) tile; W a multiple of 16."""
@@ -190,7 +202,7 @@ if HAVE_TRITON:
         bmax = tl.max(tl.abs(blocks), axis=2)
         va = _nvfp4_values(blocks, bmax[:, :, None], pts_a, tl.reshape(r_a, (16, W // 16, 16)),
                            STOCH, CUDA_SEMANTICS)
-        va = tl.where(amax_a > 0, tl.reshape(va, (16, W)), 0.0)
+        va = tl.reshape(va, (16, W))
         tl.store(a_ptr + rows[:, None] * N + cols[None, :], va.to(tl.bfloat16), mask=mask)
         # b: RHT along the tokens, then 1x16 blocks along the tokens (one block per column of the tile).
         # Computed transposed, (W, 16): each block is a row, so its maximum and its scale are worked out by the few
@@ -202,7 +214,6 @@ if HAVE_TRITON:
             yt = tl.trans(x)
         cmax = tl.max(tl.abs(yt), axis=1)
         vb = _nvfp4_values(yt, cmax[:, None], pts_b, tl.trans(r_b), STOCH, CUDA_SEMANTICS)
-        vb = tl.where(amax_b > 0, vb, 0.0)
         tl.store(b_ptr + rows[None, :] * N + cols[:, None], vb.to(tl.bfloat16), mask=tl.trans(mask))
 
     @triton.jit
@@ -217,6 +228,11 @@ if HAVE_TRITON:
         if (pid_m == 0) & (pid_n == 0):
             tl.store(pts_ptr, pts_a)
             tl.store(pts_ptr + 1, pts_b)
+        # An all-zero operand (amax 0, scale 0) quantizes to zeros, as in torch; computed with a scale of 1 instead,
+        # it does (every element is 0, and so is what it rounds to) without the NaN of 0 / 0 in the block scales,
+        # so no per-element select is needed. The stored scales stay 0.
+        pts_a = tl.where(amax_a > 0, pts_a, 1.0)
+        pts_b = tl.where(amax_b > 0, pts_b, 1.0)
         seed = tl.load(seed_ptr)
         CH: tl.constexpr = BLOCK // 8  # chunk columns of 8 features per tile (stochastic rounding)
         for g in tl.static_range(GROUPS):
@@ -237,7 +253,7 @@ if HAVE_TRITON:
             else:  # not read without STOCH
                 r_a = tl.zeros((16, BLOCK), dtype=tl.int32)
                 r_b = r_a
-            _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, amax_a, amax_b, pts_a, pts_b,
+            _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, pts_a, pts_b,
                         r_a, r_b, BLOCK, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
 
 
