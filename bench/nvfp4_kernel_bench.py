@@ -55,18 +55,19 @@ def _timed_launch(module, x, h, seed, sr: bool, cfg: dict):
     return timed(lambda: module.dual_quantize_launch(x, h, seed, True, sr, **cfg))
 
 
-def _timed_amax(module, x, h) -> float:
-    """ms of the amax pass alone (its kernel and the reduction of its partial maxima), at the module's own tile."""
+def _timed_amax(module, x, h, bn=None, groups=None, warps=None) -> float:
+    """ms of the amax pass alone (its kernel and the reduction of its partial maxima), at the module's own tile
+    unless given."""
     import triton
 
     m, n = x.shape
-    bn, groups = module.AMAX_BLOCK_N, module.AMAX_GROUPS
+    bn, groups = bn or module.AMAX_BLOCK_N, groups or module.AMAX_GROUPS
     grid = (triton.cdiv(m, 16 * groups), triton.cdiv(n, bn))
     partial = torch.empty((grid[0] * grid[1], 2), device=x.device, dtype=torch.float32)
 
     def run():
         module._nvfp4_dual_amax_kernel[grid](x, h, partial, m, n, x.stride(0), BLOCK=bn, GROUPS=groups, HAS_RHT=True,
-                                              DOT_BF16=True, num_warps=module.NUM_WARPS)
+                                              DOT_BF16=True, num_warps=warps or module.NUM_WARPS)
         return partial.amax(dim=0)
     return timed(run)
 
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", choices=["default", "sweep"], default="sweep",
                     help="default: the launch configuration training uses per shape; sweep: all of CONFIGS")
     ap.add_argument("--compare-module", default=None, help="another nvfp4_triton.py, timed side by side")
+    ap.add_argument("--amax-sweep", action="store_true",
+                    help="also time the amax pass alone over tiles (features x 16-token groups) and warps")
     args = ap.parse_args(argv)
     other = _load_module(args.compare_module) if args.compare_module else None
     dev = torch.device("cuda")
@@ -101,6 +104,7 @@ def main(argv=None) -> int:
     compiled = torch.compile(torch_path)
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
+    amax_sweep: dict = {}
     for shape in SHAPES:
         x = (torch.randn(shape, device=dev, generator=g)
              / torch.rand(shape, device=dev, generator=g).clamp_min(0.02).sqrt()).bfloat16()
@@ -114,6 +118,12 @@ def main(argv=None) -> int:
             amax_ms["amax_ms"] = min(amax_ms["amax_ms"], _timed_amax(nt, x, h))
         print(f"amax pass alone, {shape[0]}x{shape[1]}: " + ", ".join(f"{k} {v:.4f}" for k, v in amax_ms.items()),
               flush=True)
+        if args.amax_sweep:
+            sweep = {f"{bn}x{g}x{w}": _timed_amax(nt, x, h, bn, g, w)
+                     for bn, g, w in itertools.product((128, 256, 512), (1, 2, 4, 8), (4, 8))}
+            amax_sweep[f"{shape[0]}x{shape[1]}"] = sweep
+            print(f"  amax sweep (features x groups x warps), best: "
+                  + ", ".join(f"{k} {v:.4f}" for k, v in sorted(sweep.items(), key=lambda kv: kv[1])[:4]), flush=True)
         configs = CONFIGS if args.configs == "sweep" else [nt.launch_config(shape[1], sr) for sr in (False, True)]
         for cfg in configs:
             seed0 = torch.zeros(1, device=dev, dtype=torch.int64)
@@ -167,7 +177,7 @@ def main(argv=None) -> int:
                                               if all(r[k] == v for k, v in c.items())))
     payload = {"bench": "nvfp4_kernel_bench", "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_commit": git_commit(),
-               "compared_module": args.compare_module, "rows": rows, "best": best, "best_overall": overall, "wall_s": round(time.perf_counter() - t0, 1)}
+               "compared_module": args.compare_module, "rows": rows, "amax_sweep": amax_sweep, "best": best, "best_overall": overall, "wall_s": round(time.perf_counter() - t0, 1)}
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "nvfp4_kernel_bench.json").write_text(json.dumps(payload, indent=1))
     print(f"\n{'shape':>11} {'BN':>4} {'G':>2} {'W':>2} {'rne ms':>7} {'GB/s':>6} {'sr ms':>7} {'GB/s':>6} "
