@@ -11,7 +11,13 @@ element). Here it is two passes over the operand in Triton (8 bytes per element)
   2. quantize: each tile is read once more and written twice, as BF16 values (E2M1 element x E4M3 block
      scale, exact in BF16): output `a` with 1x16 blocks along the features, output `b` = RHT(x) with 1x16
      blocks along the tokens (each column of the tile is one block), both in x's [tokens, features]
-     layout, so the Wgrad GEMM reads `b` transposed, in place.
+     layout, so the Wgrad GEMM reads `b` transposed, in place. `b` is computed transposed in registers
+     ((BLOCK_N, 16) = x^T @ rht: one wgmma on Hopper, each block a row of the product) and stored back in
+     x's layout.
+
+Both passes are bound by their instructions more than by their bytes (the quantize pass, sm_90 SASS per 16 x 128
+tile and thread: 968 instructions rounding to nearest, 1256 stochastically, for 16 elements and two outputs;
+bench/NOTES_floor.md 42), so the per-element arithmetic is kept to adds, multiplies, min/max and bit operations.
 
 The per-block arithmetic is that of formats.py `_nvfp4_blocked` (torchao `nvfp4_quantize`) operation for
 operation, with IEEE divisions (`div_rn`; Triton's `/` is an approximate division) and the E4M3 rounding
@@ -22,8 +28,8 @@ hardware kernel does), where the torch path on GPU rounds them to BF16 first. St
 (gradients) draws with Triton's Philox (4x32, 10 rounds) from a seed tensor drawn from torch's CUDA
 generator, so runs are reproducible under torch.manual_seed. It uses 8 random bits per element and output,
 the resolution of Blackwell's cvt.rs.satfinite.e2m1x4.f32 (one 32-bit word per 4 FP4 values): it rounds up
-with probability floor(256 f) / 256 for a fraction f of the grid step, as formats.round_to_e2m1 does; one
-Philox call serves 16 roundings.
+with probability floor(256 f) / 256 for a fraction f of the grid step, as formats.round_to_e2m1 does (on the
+GPU with one add rounded toward zero, PTX add.rz.f32); one Philox call serves 16 roundings.
 
 `nvfp4_dual_quantize` is a `torch.library.triton_op`: torch.compile calls the two kernels from the
 compiled graph (no graph break). It needs a CUDA tensor in BF16, 2D, with both dims multiples of 16;
