@@ -7,8 +7,10 @@ Profiles 3 steps (after warm-up) of
     (same syntax as bench/train_bench.py, e.g. `bf16`, `bf16:param_dtype=fp32`),
 each in its own subprocess, and prints per category (GEMM, attention, optimizer, quantizers, other
 elementwise or reduction kernels, copies/casts, communication) the GPU milliseconds per step, so that a gap
-between two stacks can be attributed. Profiled steps run slower than unprofiled ones: compare categories, not
-totals with train_bench.
+between two stacks can be attributed. The profiled window synchronizes the device at its edges, so it holds its
+steps' kernels and no others (without that, the previous step's queued backward ran inside it: section 42 of
+bench/NOTES_floor.md); its GPU work per step then matches the unprofiled step timed in the same run (nvfp4 135.3
+against 135.4 ms). Launches per step of the top kernels and the fused quantizers' launch grids say which operands ran.
 
 For each of our configs it also prints the **floor table**: per category the FLOPs it must do or the bytes it
 must move for this model, batch and recipe (`step_floors`), the floor time at this device's ceilings measured
