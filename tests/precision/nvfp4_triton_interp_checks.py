@@ -237,7 +237,8 @@ def test_gate_and_up_sharing_their_input_quantization_give_the_two_layers_bits(n
 
 
 def test_a_converted_llama_mlp_quantizes_its_input_once_with_the_same_bits(nt, monkeypatch):
-    """apply_recipe("nvfp4") on a tiny Llama (BF16) sets every block's MLP up to quantize its input once, and with
+    """apply_recipe("nvfp4", share_mlp_input=True) on a tiny Llama (BF16) sets every block's MLP up to quantize its
+    input once, and with
     the fused path taken (forced on here, the kernels interpreted on CPU) a training step's loss and every gradient
     equal, to the bit, those of the same model whose MLPs call gate and up separately; SR on, as by default."""
     from training.model import build_model, llama_config
@@ -252,7 +253,7 @@ def test_a_converted_llama_mlp_quantizes_its_input_once_with_the_same_bits(nt, m
     runs = []
     for share in (True, False):
         model = build_model(llama_config("tiny", 256, 32), 0).bfloat16()
-        report = apply_recipe(model, "nvfp4")
+        report = apply_recipe(model, "nvfp4", share_mlp_input=True)
         layers = model.model.layers
         assert f"{len(layers)} block(s): linears reading the same input quantize it once (MLP gate and up)" in report.notes
         if not share:

@@ -398,8 +398,8 @@ class NVFP4Recipe(Recipe):
         return (NVFP4EmulatedLinear(linear, quantizer, self.name), quantizer,
                 f"emulated: {quantizer.describe()}{fused}")
 
-    def share_inputs(self, block, real: bool) -> int:
-        return 0 if real else share_mlp_input(block)
+    def share_inputs(self, block, options: dict, real: bool) -> int:
+        return share_mlp_input(block) if options["share_mlp_input"] and options["fused_quantize"] and not real else 0
 
     def gemm_ops(self, device):
         real = has_capability(device, self.min_capability)

@@ -110,7 +110,7 @@ class Recipe:
         """Return (new module, quantizer describing its formats for telemetry, one-line description)."""
         raise NotImplementedError
 
-    def share_inputs(self, block: nn.Module, real: bool) -> int:
+    def share_inputs(self, block: nn.Module, options: dict, real: bool) -> int:
         """After a block's linears are converted: let linears that read the same input quantize it once (the
         same values). Returns how many groups were set up; none by default."""
         return 0
@@ -256,7 +256,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                 report.probe.add_layer(full, new, quantizer)
             report.layers.append(entry)
         report.layers += _unconverted_block_weights(block, i, keep, matched)
-        shared += recipe.share_inputs(block, real) if name != catalog.BASELINE else 0
+        shared += recipe.share_inputs(block, resolved, real) if name != catalog.BASELINE else 0
     unmatched = [p for p in keep if p not in matched]
     if unmatched:
         names = [layer["name"] for layer in report.layers if layer["block"] == 0][:4]
