@@ -256,6 +256,21 @@ def _api_stub_main(conn):
     server.serve_forever()
 
 
+def profiler_stepper(prof, wait: int, active: int, sync=None):
+    """`prof.step` for the sink's per-step callback, with `sync()` (the device's synchronize) at the active window's
+    edges: the (wait + 1)-th call opens it and the (wait + 1 + active)-th closes it. The host runs ahead of the
+    GPU, so without the sync the window also counted work queued before it (bench/NOTES_floor.md 42, found with
+    step_profile's launch counts)."""
+    calls = [0]
+
+    def step():
+        calls[0] += 1
+        if sync is not None and calls[0] in (wait + 1, wait + 1 + active):
+            sync()
+        prof.step()
+    return step
+
+
 class TimedApiSink(MetricSink):
     """The workers' ApiSink (real HTTP client, batching thread) plus a local copy of the points; records
     the time the training thread spends in `log`."""
@@ -411,7 +426,8 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
             wait=gate_step, warmup=1, active=3, repeat=1))
         prof.start()
-        sink.on_step = prof.step
+        sink.on_step = profiler_stepper(prof, gate_step, 3,
+                                        torch.cuda.synchronize if torch.cuda.is_available() else None)
     sampler = GpuSampler() if device != "cpu" else None
     t0 = time.perf_counter()
     try:

@@ -164,3 +164,23 @@ def test_a_squeezed_config_keeps_its_group_result_when_the_budget_is_spent(bench
     big = results[1]
     assert big["allocator"]["alloc_retries"] == 1 and "retimed_alone" not in big
     assert big["not_retimed_alone"].startswith("1 allocator retries") and "budget" in big["not_retimed_alone"]
+
+
+def test_the_profiler_window_is_synchronized_at_its_edges_only(bench):
+    """--profile: the profiler steps once per logged step; the device is synchronized when the active window opens
+    (call wait + 1) and closes (call wait + 1 + active), so the window holds only work launched inside it."""
+    events = []
+
+    class Prof:
+        def step(self):
+            events.append("step")
+
+    step = bench.profiler_stepper(Prof(), wait=3, active=3, sync=lambda: events.append("sync"))
+    for _ in range(9):
+        step()
+    assert events == ["step"] * 3 + ["sync", "step"] + ["step"] * 2 + ["sync", "step"] + ["step"] * 2
+    no_gpu = bench.profiler_stepper(Prof(), wait=3, active=3, sync=None)
+    events.clear()
+    for _ in range(9):
+        no_gpu()
+    assert events == ["step"] * 9
