@@ -416,18 +416,16 @@ def ours_worker(config_text: str, batch: int, seq: int) -> dict:
     # SM clock and power over the profiled steps (train_bench's NVML sampler): on an H100 at its 700 W cap the clock
     # the power controller picks differs by recipe and by minute, and bandwidth-bound kernels (the update) run
     # slower at a lower clock; a category's ratio is read against the clock it ran at.
-    from bench.train_bench import GpuSampler
+    from bench.train_bench import GpuSampler, profiler_stepper
     sampler = GpuSampler()
+    profiler_step = profiler_stepper(prof, warmup, active, torch.cuda.synchronize)
 
     def should_stop():  # called at the start of every step: the profiler's step boundary
         calls["n"] += 1
         unprofiled.step_starts(calls["n"])
-        if calls["n"] in (warmup + 1, warmup + 1 + active):
-            # The host runs up to a step ahead of the GPU: without a sync, the kernels still queued from the step
-            # before the window (most of its backward) ran inside it and were counted as the active steps' (3
-            # forwards and ~3.75 backwards of kernels in 3 steps, found from the launch counts per step).
-            torch.cuda.synchronize()
-        prof.step()
+        # synchronized at the window's edges: without it the window held 3 forwards and ~3.75 backwards of
+        # kernels for its 3 steps (the previous step's queued backward), found from the launch counts per step
+        profiler_step()
         if calls["n"] == warmup + 2:  # wait + warm-up done: the first active step starts
             window["from"] = time.perf_counter()
         elif calls["n"] == warmup + 2 + active:
