@@ -135,11 +135,17 @@ def parse_config(text: str) -> dict:
 # `bench.update=skip`: MasterAdamW's Triton update does nothing (no scalar ops, no kernel): the step without it, so
 # the A/B against the plain config is the update's share of the critical path. `bench.update=host_only`: the host
 # work of the update (step counters, bias corrections, table) without the kernel launch.
-DIAGNOSTICS = {"bench.update": ("skip", "host_only")}
+# `bench.inductor=emulate_precision_casts`: inductor rounds every intermediate to its dtype as eager does (its
+# default keeps fused BF16 intermediates in FP32), to tell a graph change's last-bit effects from a real difference.
+DIAGNOSTICS = {"bench.update": ("skip", "host_only"), "bench.inductor": ("emulate_precision_casts",)}
 
 
 def apply_diagnostics(diagnostic: dict) -> None:
     """In the worker, before training: the monkeypatches of `DIAGNOSTICS` (the parameters then never change)."""
+    if diagnostic.get("inductor") == "emulate_precision_casts":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.emulate_precision_casts = True
     mode = diagnostic.get("update")
     if mode is None:
         return

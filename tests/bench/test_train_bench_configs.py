@@ -93,3 +93,16 @@ def test_update_diagnostics_parse_and_patch_the_triton_update(bench, monkeypatch
     assert optim_kernels._adamw_master_kernel[(1,)](1, 2, x=3) is None  # launches nothing
     bench.apply_diagnostics({"update": "skip"})
     assert optim_kernels.adamw_master_update([], [], lr=1) is None
+
+
+def test_inductor_diagnostic_makes_inductor_round_as_eager_does(bench, monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    config = bench.parse_config("nvfp4:bench.inductor=emulate_precision_casts,compile=true")
+    assert config["diagnostic"] == {"inductor": "emulate_precision_casts"}
+    assert config["training"] == {"compile": True}
+    with pytest.raises(SystemExit, match="bench.inductor"):
+        bench.parse_config("nvfp4:bench.inductor=fast")
+    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)
+    bench.apply_diagnostics(config["diagnostic"])
+    assert inductor_config.emulate_precision_casts is True

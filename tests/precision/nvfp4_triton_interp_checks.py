@@ -204,6 +204,72 @@ def test_fused_autograd_function_matches_the_torch_path(nt, weight_2d):
         assert rel < 1e-2, (what, rel)
 
 
+@pytest.mark.parametrize("stochastic,bias", [(False, False), (True, True)])
+def test_gate_and_up_sharing_their_input_quantization_give_the_two_layers_bits(nt, stochastic, bias):
+    """NVFP4SharedInputFn (a gated MLP's gate and up reading one X, quantized once) against gate and up as two
+    NVFP4FusedFn layers, as autograd runs them: the same Y, dX, dW and bias gradients to the bit, stochastic
+    rounding of dY included (its seeds drawn in the order autograd's engine runs the two layers), cached W
+    operands for one of the two."""
+    from training.precision.nvfp4 import NVFP4FusedFn, NVFP4Quantizer, NVFP4SharedInputFn
+
+    qg, qu = (NVFP4Quantizer(rht=True, stochastic_rounding=stochastic, weight_2d=True, rht_seed=0) for _ in range(2))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 32, 64, generator=g).bfloat16()
+    wg, wu = ((torch.randn(48, 64, generator=g) * 0.1).bfloat16() for _ in range(2))
+    bg, bu = ((torch.randn(48, generator=g) * 0.1).bfloat16() if bias else None for _ in range(2))
+    dgate, dup = (torch.randn(2, 32, 48, generator=g).bfloat16() for _ in range(2))
+    fprop = qu.weight_fprop(wu, dtype=torch.bfloat16)
+    cached_u = (fprop.values, fprop.outer, fprop.t().values, fprop.t().outer)  # as refresh_weight_cache makes them
+    results = []
+    for shared in (False, True):
+        leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, wg, bg, wu, bu)]
+        xi, wgi, bgi, wui, bui = leaves
+        torch.manual_seed(3)  # the SR seeds come from torch's generator
+        if shared:
+            gate, up = NVFP4SharedInputFn.apply(xi, wgi, bgi, wui, bui, qg, qu, None, None, None, None, *cached_u)
+        else:
+            gate = NVFP4FusedFn.apply(xi, wgi, bgi, qg)
+            up = NVFP4FusedFn.apply(xi, wui, bui, qu, *cached_u)
+        torch.autograd.backward([gate, up], [dgate, dup])
+        results.append([gate, up] + [t.grad for t in leaves if t is not None])
+    for a, b in zip(*results):
+        assert _same_bits(a, b)
+
+
+def test_a_converted_llama_mlp_quantizes_its_input_once_with_the_same_bits(nt, monkeypatch):
+    """apply_recipe("nvfp4", share_mlp_input=True) on a tiny Llama (BF16) sets every block's MLP up to quantize its
+    input once, and with
+    the fused path taken (forced on here, the kernels interpreted on CPU) a training step's loss and every gradient
+    equal, to the bit, those of the same model whose MLPs call gate and up separately; SR on, as by default."""
+    from training.model import build_model, llama_config
+    from training.precision import apply_recipe
+    from training.precision.nvfp4 import NVFP4EmulatedLinear, NVFP4SharedInputFn
+
+    monkeypatch.setattr(NVFP4EmulatedLinear, "_fused_path", lambda self, x: True)
+    calls = []
+    original = NVFP4SharedInputFn.apply
+    monkeypatch.setattr(NVFP4SharedInputFn, "apply", lambda *a: calls.append(1) or original(*a))
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))  # 16 tokens: one block
+    runs = []
+    for share in (True, False):
+        model = build_model(llama_config("tiny", 256, 32), 0).bfloat16()
+        report = apply_recipe(model, "nvfp4", share_mlp_input=True)
+        layers = model.model.layers
+        assert f"{len(layers)} block(s): linears reading the same input quantize it once (MLP gate and up)" in report.notes
+        if not share:
+            for layer in layers:
+                del layer.mlp.forward  # back to LlamaMLP.forward: gate and up each quantize X
+        calls.clear()
+        torch.manual_seed(1)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert len(calls) == (len(layers) if share else 0)
+        runs.append([loss.detach()] + [p.grad for p in model.parameters()])
+    bits = {2: torch.int16, 4: torch.int32}
+    assert all(torch.equal(a.reshape(-1).view(bits[a.element_size()]), b.reshape(-1).view(bits[b.element_size()]))
+               for a, b in zip(*runs))
+
+
 def test_the_gemm_benchmarks_fused_quantizers_are_the_training_steps(nt, monkeypatch):
     """The GEMM benchmark's "with quantization" mode on CUDA (forced on here, the kernels interpreted on CPU):
     X and dY through the fused kernel exactly as NVFP4FusedFn calls it (dY with stochastic rounding), both

@@ -50,7 +50,8 @@ def test_options_and_defaults_are_the_recipes_documented_ones():
         "bf16": {}, "fp8_tensorwise": {}, "fp8_rowwise": {}, "fp8_blockwise": {"traced_gemm": True, "cuda_graphs": True},
         "fp8_delayed": {"amax_history_len": 1024, "fused_cast": False, "cuda_graphs": True},
         "mxfp8": {"scale_rounding": "rceil", "fused_quantize": True},
-        "nvfp4": {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_seed": 0, "fused_quantize": True},
+        "nvfp4": {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_seed": 0, "fused_quantize": True,
+                  "share_mlp_input": False},
     }
     for entry in catalog.recipes():
         assert all(option.help for option in entry.options), entry.name
@@ -71,7 +72,7 @@ def test_capability_says_where_real_kernels_run():
     ("fp8_delayed", {"amax_history_len": 0}, "option amax_history_len of fp8_delayed must be a positive integer"),
     ("mxfp8", {"scale_rounding": "even"}, "option scale_rounding of mxfp8 must be one of floor, rceil, got 'even'"),
     ("nvfp4", {"hadamard": True}, "unknown option(s) hadamard for recipe 'nvfp4'; valid options: fused_quantize, "
-                                  "rht, rht_seed, stochastic_rounding, weight_2d"),
+                                  "rht, rht_seed, share_mlp_input, stochastic_rounding, weight_2d"),
     ("fp8_tensorwise", {"amax_history_len": 16}, "valid options: none"),
 ])
 def test_a_bad_option_names_the_option_the_value_and_what_is_allowed(recipe, options, message):

@@ -106,6 +106,46 @@ class NVFP4Quantizer(GemmQuantizer):
         return "NVFP4 E2M1 + E4M3/16 + FP32 tensor scale, " + ", ".join(parts)
 
 
+def _fused_fprop(xq: tuple, weight, bias, quantizer: "NVFP4Quantizer", out_dtype, wf, wf_outer, wd, wd_outer):
+    """One linear's Fprop on the fused path from X's quantization `xq` = (xa, xb, pts): (Y as [tokens, out],
+    W's Dgrad operand (values, outer) or None). `wf`.. : W's operands from the per-step weight cache, or None."""
+    xa, _, pts = xq
+    if wf is not None:
+        wq, w_dgrad = Quantized(wf, wf_outer), (Quantized(wd, wd_outer) if wd is not None else None)
+    else:
+        wq, w_dgrad = fused_weight_operands(quantizer, weight)
+    y = emulated_mm(Quantized(xa, pts[0]), wq, out_dtype, bias)
+    return y, w_dgrad
+
+
+def _fused_bprop(dy, xb, pts_x, weight, w_dgrad: tuple, q: "NVFP4Quantizer", needs_x: bool, needs_w: bool,
+                 has_bias: bool, x_dtype, x_shape, bias_dtype):
+    """One linear's Dgrad, Wgrad and bias gradient on the fused path: dY quantized into both layouts, X's Wgrad
+    operand `xb` (with its scales `pts_x`) saved by the forward; `w_dgrad` the saved (values, outer) or ()."""
+    from training.precision.nvfp4_triton import nvfp4_dual_quantize
+
+    dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
+    dya, dyb, pts_dy = nvfp4_dual_quantize(dy2, q.rht_operand(dy2.device), rht=q.rht,
+                                           stochastic=q.stochastic_rounding)
+    grad_x = grad_w = grad_b = None
+    if needs_x:
+        wdq = Quantized(w_dgrad[0], w_dgrad[1]) if w_dgrad else q.weight_dgrad(weight, dtype=torch.bfloat16)
+        grad_x = emulated_mm(Quantized(dya, pts_dy[0]), wdq, x_dtype).reshape(x_shape)
+    if needs_w:
+        grad_w = emulated_mm(Quantized(dyb, pts_dy[1]).t(), Quantized(xb, pts_x[1]).t(), weight.dtype)
+    if has_bias:
+        grad_b = dy2.to(torch.float32).sum(0).to(bias_dtype)
+    return grad_x, grad_w, grad_b
+
+
+def _quantize_input(x, quantizer: "NVFP4Quantizer"):
+    """(x as [tokens, features] in the compute dtype, (xa, xb, pts)): X's Fprop and Wgrad operands, one pass."""
+    from training.precision.nvfp4_triton import nvfp4_dual_quantize
+
+    x2 = x.reshape(-1, x.shape[-1]).to(compute_dtype(x))
+    return x2, nvfp4_dual_quantize(x2, quantizer.rht_operand(x2.device), rht=quantizer.rht, stochastic=False)
+
+
 class NVFP4FusedFn(torch.autograd.Function):
     """The emulated NVFP4 linear on the GPU fast path (nvfp4_triton.py): X and dY are each quantized once
     into both layouts they are needed in (Fprop/Dgrad: 1x16 along features; Wgrad: RHT then 1x16 along
@@ -118,46 +158,82 @@ class NVFP4FusedFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, quantizer: "NVFP4Quantizer", wf=None, wf_outer=None, wd=None, wd_outer=None):
         """`wf`, `wd` (and outer scales): W's Fprop and Dgrad operands (BF16) from the per-step weight cache
         (QuantizedLinear), or None."""
-        from training.precision.nvfp4_triton import nvfp4_dual_quantize
-
-        out_dtype = compute_dtype(x)
-        x2 = x.reshape(-1, x.shape[-1]).to(out_dtype)
-        h = quantizer.rht_operand(x2.device)
-        xa, xb, pts = nvfp4_dual_quantize(x2, h, rht=quantizer.rht, stochastic=False)
-        if wf is not None:
-            wq, w_dgrad = Quantized(wf, wf_outer), (Quantized(wd, wd_outer) if wd is not None else None)
-        else:
-            wq, w_dgrad = fused_weight_operands(quantizer, weight)
-        y = emulated_mm(Quantized(xa, pts[0]), wq, out_dtype, bias)
-        if w_dgrad is not None:  # W^T for Dgrad, known now (16x16 tiles, or cached): saved, not requantized
-            ctx.save_for_backward(xb, pts, weight, w_dgrad.values, w_dgrad.outer)
-        else:
-            ctx.save_for_backward(xb, pts, weight)
-        ctx.quantizer = quantizer
-        ctx.has_bias = bias is not None
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        x2, xq = _quantize_input(x, quantizer)
+        y, w_dgrad = _fused_fprop(xq, weight, bias, quantizer, x2.dtype, wf, wf_outer, wd, wd_outer)
+        _save(ctx, xq, weight, w_dgrad, quantizer, bias, x)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
-        from training.precision.nvfp4_triton import nvfp4_dual_quantize
-
-        q: NVFP4Quantizer = ctx.quantizer
         xb, pts_x, weight, *wq = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
-        dya, dyb, pts_dy = nvfp4_dual_quantize(dy2, q.rht_operand(dy2.device), rht=q.rht,
-                                               stochastic=q.stochastic_rounding)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            w_dgrad = Quantized(wq[0], wq[1]) if wq else q.weight_dgrad(weight, dtype=torch.bfloat16)
-            grad_x = emulated_mm(Quantized(dya, pts_dy[0]), w_dgrad, ctx.x_dtype).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = emulated_mm(Quantized(dyb, pts_dy[1]).t(), Quantized(xb, pts_x[1]).t(), weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        grads = _fused_bprop(dy, xb, pts_x, weight, wq, ctx.quantizer, ctx.needs_input_grad[0],
+                             ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2], ctx.x_dtype,
+                             ctx.x_shape, ctx.bias_dtype)
+        return (*grads, None, None, None, None, None)
+
+
+def _save(ctx, xq, weight, w_dgrad, quantizer, bias, x) -> None:
+    _, xb, pts = xq
+    if w_dgrad is not None:  # W^T for Dgrad, known now (16x16 tiles, or cached): saved, not requantized
+        ctx.save_for_backward(xb, pts, weight, w_dgrad.values, w_dgrad.outer)
+    else:
+        ctx.save_for_backward(xb, pts, weight)
+    ctx.quantizer = quantizer
+    ctx.has_bias = bias is not None
+    ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+class NVFP4SharedInputFn(torch.autograd.Function):
+    """Two emulated NVFP4 linears on the fused path that read the same X (a gated MLP's gate and up
+    projections): X is quantized once for both, and its Wgrad operand saved once; each linear's GEMMs, W
+    operands and dY quantization are NVFP4FusedFn's. The same values as two NVFP4FusedFn calls: X's
+    quantization rounds to nearest (deterministic), and dX is the sum of the two Dgrad products, as autograd
+    adds them (two BF16 tensors). With stochastic rounding the two dY quantizations draw their seeds in this
+    function's order (up's first, as autograd's engine runs them), not necessarily the compiled graph's."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, w1, b1, w2, b2, q1: "NVFP4Quantizer", q2: "NVFP4Quantizer", wf1=None, wfo1=None, wd1=None,
+                wdo1=None, wf2=None, wfo2=None, wd2=None, wdo2=None):
+        x2, xq = _quantize_input(x, q1)
+        y1, wdq1 = _fused_fprop(xq, w1, b1, q1, x2.dtype, wf1, wfo1, wd1, wdo1)
+        y2, wdq2 = _fused_fprop(xq, w2, b2, q2, x2.dtype, wf2, wfo2, wd2, wdo2)
+        _, xb, pts = xq
+        saved = [xb, pts, w1, w2]
+        ctx.dgrad = []  # per linear: where its saved Dgrad operand is in saved_tensors, or None
+        for wdq in (wdq1, wdq2):
+            ctx.dgrad.append(len(saved) if wdq is not None else None)
+            saved += [wdq.values, wdq.outer] if wdq is not None else []
+        ctx.save_for_backward(*saved)
+        ctx.quantizers = (q1, q2)
+        ctx.has_bias = (b1 is not None, b2 is not None)
+        ctx.bias_dtype = tuple(b.dtype if b is not None else None for b in (b1, b2))
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        lead = x.shape[:-1]
+        return y1.reshape(*lead, w1.shape[0]), y2.reshape(*lead, w2.shape[0])
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy1, dy2):
+        saved = ctx.saved_tensors
+        xb, pts_x = saved[0], saved[1]
+        needs = ctx.needs_input_grad
+        out = {}
+        for k in (1, 0):  # up's backward first, as autograd's engine orders the two separate layers
+            dy = (dy1, dy2)[k]
+            w = saved[2 + k]
+            at = ctx.dgrad[k]
+            wq = saved[at:at + 2] if at is not None else ()
+            if dy is None:
+                out[k] = (None, None, None)
+                continue
+            out[k] = _fused_bprop(dy, xb, pts_x, w, wq, ctx.quantizers[k], needs[0], needs[1 + 2 * k],
+                                  ctx.has_bias[k] and needs[2 + 2 * k], ctx.x_dtype, ctx.x_shape, ctx.bias_dtype[k])
+        gx = [g for g in (out[1][0], out[0][0]) if g is not None]
+        grad_x = (gx[0] + gx[1] if len(gx) == 2 else gx[0]) if gx else None
+        return (grad_x, out[0][1], out[0][2], out[1][1], out[1][2]) + (None,) * 10
 
 
 class NVFP4EmulatedLinear(QuantizedLinear):
@@ -165,12 +241,24 @@ class NVFP4EmulatedLinear(QuantizedLinear):
     count a multiple of 16), the torch quantizers of EmulatedLinearFn elsewhere (CPU, FP32, odd shapes)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and compute_dtype(x) == torch.bfloat16 and (x.numel() // x.shape[-1]) % BLOCK == 0:
-            from training.precision import nvfp4_triton
-
-            if nvfp4_triton.HAVE_TRITON and self.quantizer.fused:
-                return NVFP4FusedFn.apply(x, self.weight, self.bias, self.quantizer, *self._cached("fused"))
+        if self._fused_path(x):
+            return NVFP4FusedFn.apply(x, self.weight, self.bias, self.quantizer, *self._cached("fused"))
         return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer, *self._cached("generic"))
+
+    def forward_shared(self, x: torch.Tensor, other: "NVFP4EmulatedLinear") -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x), other(x)), with X quantized once for both where the fused path runs (NVFP4SharedInputFn)."""
+        if self._fused_path(x) and other._fused_path(x):
+            c1, c2 = self._cached("fused") or (None,) * 4, other._cached("fused") or (None,) * 4
+            return NVFP4SharedInputFn.apply(x, self.weight, self.bias, other.weight, other.bias, self.quantizer,
+                                            other.quantizer, *c1, *c2)
+        return self(x), other(x)
+
+    def _fused_path(self, x: torch.Tensor) -> bool:
+        if not (x.is_cuda and compute_dtype(x) == torch.bfloat16 and (x.numel() // x.shape[-1]) % BLOCK == 0):
+            return False
+        from training.precision import nvfp4_triton
+
+        return nvfp4_triton.HAVE_TRITON and self.quantizer.fused
 
     @torch.no_grad()
     def refresh_weight_cache(self) -> None:
@@ -184,6 +272,33 @@ class NVFP4EmulatedLinear(QuantizedLinear):
         f, d = fused_weight_operands(self.quantizer, self.weight)
         d = d or self.quantizer.weight_dgrad(self.weight, dtype=torch.bfloat16)
         self.cached_weight = ("fused", f.values, f.outer, d.values, d.outer)
+
+
+def _shared_input_mlp_forward(self, x):
+    """LlamaMLP.forward (down(act(gate(x)) * up(x))) with gate and up quantizing X once (share_mlp_input)."""
+    gate, up = self.gate_proj.forward_shared(x, self.up_proj)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def share_mlp_input(block) -> int:
+    """In a Llama decoder block whose MLP's gate and up projections are both emulated NVFP4 linears with the same
+    transform, have them quantize their common input once (NVFP4SharedInputFn, on the fused path; elsewhere each
+    its own, as before): X's two layouts are then made and its Wgrad operand saved once instead of twice. Returns 1
+    if the MLP was set up so, else 0 (another MLP class, gate and up fused into one linear, kept in BF16, ...)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = getattr(block, "mlp", None)
+    if type(mlp) is not LlamaMLP or getattr(mlp, "_plab_shared_input", False):
+        return 0
+    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+    if not (isinstance(gate, NVFP4EmulatedLinear) and isinstance(up, NVFP4EmulatedLinear)):
+        return 0
+    qg, qu = gate.quantizer, up.quantizer
+    if qg.rht != qu.rht or not torch.equal(qg.signs, qu.signs):
+        return 0
+    mlp.forward = _shared_input_mlp_forward.__get__(mlp)
+    mlp._plab_shared_input = True
+    return 1
 
 
 def fused_weight_operands(q: NVFP4Quantizer, w: torch.Tensor) -> tuple[Quantized, Quantized | None]:
@@ -282,6 +397,9 @@ class NVFP4Recipe(Recipe):
         fused = " (fused Triton quantizers on CUDA)" if quantizer.fused else ""
         return (NVFP4EmulatedLinear(linear, quantizer, self.name), quantizer,
                 f"emulated: {quantizer.describe()}{fused}")
+
+    def share_inputs(self, block, options: dict, real: bool) -> int:
+        return share_mlp_input(block) if options["share_mlp_input"] and options["fused_quantize"] and not real else 0
 
     def gemm_ops(self, device):
         real = has_capability(device, self.min_capability)

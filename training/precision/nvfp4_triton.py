@@ -157,7 +157,11 @@ if HAVE_TRITON:
         scaled_block = tl.math.div_rn(block_scale, pts)
         e4m3 = _round_e4m3(tl.minimum(tl.maximum(scaled_block, 0.015625), 448.0))
         reciprocal = tl.math.div_rn(tl.math.div_rn(1.0, pts), e4m3)
-        scaled = tl.where(data == 0, 0.0, data * reciprocal)
+        # torch's where(data == 0, 0.0, data * reciprocal) keeps zeros zero where the reciprocal overflows to inf
+        # (tensor amax below ~8e-36) and turns -0.0 into +0.0. Without the select, one FFMA per element: the
+        # reciprocal capped at FLT_MAX (0 * FLT_MAX = 0), and + 0.0, under which -0.0 becomes +0.0 and every other
+        # product is unchanged (fma(x, r, 0) = RN(x r); the sign of a product that underflows to zero is kept).
+        scaled = data * tl.minimum(reciprocal, 3.4028234663852886e38) + 0.0
         # torch clamps `scaled` to [-6, 6] and rounds its magnitude with its sign kept apart: the clamp on the
         # magnitude alone is the same (one min instead of a max and a min), the sign being read from `scaled`.
         a = tl.minimum(tl.abs(scaled), 6.0)

@@ -110,6 +110,11 @@ class Recipe:
         """Return (new module, quantizer describing its formats for telemetry, one-line description)."""
         raise NotImplementedError
 
+    def share_inputs(self, block: nn.Module, options: dict, real: bool) -> int:
+        """After a block's linears are converted: let linears that read the same input quantize it once (the
+        same values). Returns how many groups were set up; none by default."""
+        return 0
+
     def make_hooks(self, converted: list[tuple[str, nn.Module]], options: dict) -> list:
         return []
 
@@ -223,6 +228,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
             report.notes.append(f"emulated: {unavailable}" if backend == "auto" else "emulated: backend='emulated' requested")
 
     converted: list[tuple[str, nn.Module]] = []
+    shared = 0
     backends_used = set()
     matched = set()
     for i, block in enumerate(blocks):
@@ -250,12 +256,15 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                 report.probe.add_layer(full, new, quantizer)
             report.layers.append(entry)
         report.layers += _unconverted_block_weights(block, i, keep, matched)
+        shared += recipe.share_inputs(block, resolved, real) if name != catalog.BASELINE else 0
     unmatched = [p for p in keep if p not in matched]
     if unmatched:
         names = [layer["name"] for layer in report.layers if layer["block"] == 0][:4]
         raise ValueError(f"keep_bf16 pattern(s) {unmatched} match no linear layer of the model's blocks; "
                          f"names look like {names}")
     report.layers += _outside_blocks(model, blocks)
+    if shared:
+        report.notes.append(f"{shared} block(s): linears reading the same input quantize it once (MLP gate and up)")
     if backends_used:
         report.gemm_backend = "emulated" if "emulated" in backends_used else "real"
     report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
