@@ -255,7 +255,7 @@ def test_a_converted_llama_mlp_quantizes_its_input_once_with_the_same_bits(nt, m
         model = build_model(llama_config("tiny", 256, 32), 0).bfloat16()
         report = apply_recipe(model, "nvfp4", share_mlp_input=True)
         layers = model.model.layers
-        assert f"{len(layers)} block(s): linears reading the same input quantize it once (MLP gate and up)" in report.notes
+        assert f"{len(layers)} block(s): linears reading the same input quantize it once where the fused kernels run (MLP gate and up)" in report.notes
         if not share:
             for layer in layers:
                 del layer.mlp.forward  # back to LlamaMLP.forward: gate and up each quantize X
@@ -268,6 +268,37 @@ def test_a_converted_llama_mlp_quantizes_its_input_once_with_the_same_bits(nt, m
     bits = {2: torch.int16, 4: torch.int32}
     assert all(torch.equal(a.reshape(-1).view(bits[a.element_size()]), b.reshape(-1).view(bits[b.element_size()]))
                for a, b in zip(*runs))
+
+
+def test_shared_mlp_input_is_the_default_and_numerics_sampling_sees_gate_and_up(nt, monkeypatch):
+    """share_mlp_input is on by default. The numerics probe samples each converted linear through a forward hook,
+    which the shared call would bypass: while it samples, gate and up run as their own modules (no shared call,
+    a sample for each), with the values of the shared call; when it stops, the shared call is back."""
+    from training.model import build_model, llama_config
+    from training.precision import apply_recipe
+    from training.precision.nvfp4 import NVFP4EmulatedLinear, NVFP4SharedInputFn
+
+    monkeypatch.setattr(NVFP4EmulatedLinear, "_fused_path", lambda self, x: True)
+    calls = []
+    original = NVFP4SharedInputFn.apply
+    monkeypatch.setattr(NVFP4SharedInputFn, "apply", lambda *a: calls.append(1) or original(*a))
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    model = build_model(llama_config("tiny", 256, 32), 0).bfloat16()
+    report = apply_recipe(model, "nvfp4")
+    layers = len(model.model.layers)
+    assert f"{layers} block(s): linears reading the same input quantize it once where the fused kernels run (MLP gate and up)" in report.notes
+    losses = []
+    for sampling in (False, True, False):
+        report.set_numerics_sampling(sampling)
+        calls.clear()
+        with torch.no_grad():
+            losses.append(model(input_ids=ids, labels=ids).loss)
+        assert len(calls) == (0 if sampling else layers)
+        if sampling:
+            stats = report.collect_numerics()
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                assert any(f"mlp.{name}/amax_input" in key for key in stats), name
+    assert torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2])
 
 
 def test_the_gemm_benchmarks_fused_quantizers_are_the_training_steps(nt, monkeypatch):

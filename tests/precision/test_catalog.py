@@ -51,7 +51,7 @@ def test_options_and_defaults_are_the_recipes_documented_ones():
         "fp8_delayed": {"amax_history_len": 1024, "fused_cast": False, "cuda_graphs": True},
         "mxfp8": {"scale_rounding": "rceil", "fused_quantize": True},
         "nvfp4": {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_seed": 0, "fused_quantize": True,
-                  "share_mlp_input": False},
+                  "share_mlp_input": True},
     }
     for entry in catalog.recipes():
         assert all(option.help for option in entry.options), entry.name

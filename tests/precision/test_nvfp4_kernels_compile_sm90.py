@@ -37,7 +37,7 @@ def test_quantize_kernel_compiles_to_the_instructions_its_speed_rests_on(stochas
     assert "wgmma.mma_async" in ptx
     # The block scales' IEEE divisions (bit-exact with torch), never the approximate one.
     assert "div.rn.f32" in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx
-    # Stochastic rounding with one add rounded toward zero per element and output; none in round-to-nearest.
-    assert ("add.rz.f32" in ptx) == stochastic
+    # Stochastic rounding with one FMA rounded toward zero per element and output; none in round-to-nearest.
+    assert ("fma.rz.f32" in ptx) == stochastic
     # The tile is read and both outputs written with 16-byte vectors along the features.
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx

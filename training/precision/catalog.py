@@ -227,9 +227,9 @@ _BUILTIN = (
             RecipeOption("rht_seed", "integer", 0, "seed of the transform's random sign vector", minimum=0),
             _bool("fused_quantize", True, "on CUDA, quantize X and dY with the fused Triton kernels (false: the "
                                           "torch quantizers, for an A/B)"),
-            _bool("share_mlp_input", False, "with fused_quantize, a Llama MLP's gate and up quantize their common "
-                                            "input once (the same values run eagerly; off until its compiled "
-                                            "step's first loss, which moved, is explained)"),
+            _bool("share_mlp_input", True, "with fused_quantize, a Llama MLP's gate and up quantize their common "
+                                           "input once instead of twice (the same values; false: each its own, "
+                                           "for an A/B)"),
         ),
         quantizer_bytes=(8, 6),  # per-tensor amax first; W's 16x16 tiles are transpose-invariant: one layout
     ),

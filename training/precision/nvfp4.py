@@ -246,8 +246,10 @@ class NVFP4EmulatedLinear(QuantizedLinear):
         return EmulatedLinearFn.apply(x, self.weight, self.bias, self.quantizer, *self._cached("generic"))
 
     def forward_shared(self, x: torch.Tensor, other: "NVFP4EmulatedLinear") -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(x), other(x)), with X quantized once for both where the fused path runs (NVFP4SharedInputFn)."""
-        if self._fused_path(x) and other._fused_path(x):
+        """(self(x), other(x)), with X quantized once for both where the fused path runs (NVFP4SharedInputFn).
+        Each module's own call where either has hooks (the numerics probe samples gate and up through forward
+        hooks, which a shared call would bypass): the same values."""
+        if self._fused_path(x) and other._fused_path(x) and not (_has_hooks(self) or _has_hooks(other)):
             c1, c2 = self._cached("fused") or (None,) * 4, other._cached("fused") or (None,) * 4
             return NVFP4SharedInputFn.apply(x, self.weight, self.bias, other.weight, other.bias, self.quantizer,
                                             other.quantizer, *c1, *c2)
@@ -272,6 +274,13 @@ class NVFP4EmulatedLinear(QuantizedLinear):
         f, d = fused_weight_operands(self.quantizer, self.weight)
         d = d or self.quantizer.weight_dgrad(self.weight, dtype=torch.bfloat16)
         self.cached_weight = ("fused", f.values, f.outer, d.values, d.outer)
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    from torch.nn.modules import module as nn_module
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
 def _shared_input_mlp_forward(self, x):

@@ -16,8 +16,8 @@ element). Here it is two passes over the operand in Triton (8 bytes per element)
      x's layout.
 
 Both passes are bound by their instructions more than by their bytes (the quantize pass, sm_90 SASS per 16 x 128
-tile and thread: 968 instructions rounding to nearest, 1256 stochastically, for 16 elements and two outputs;
-bench/NOTES_floor.md 42), so the per-element arithmetic is kept to adds, multiplies, min/max and bit operations.
+tile and thread: 848 instructions rounding to nearest, 1136 stochastically, for 16 elements and two outputs;
+bench/NOTES_floor.md 42, 44), so the per-element arithmetic is kept to adds, multiplies, min/max and bit operations.
 
 The per-block arithmetic is that of formats.py `_nvfp4_blocked` (torchao `nvfp4_quantize`) operation for
 operation, with IEEE divisions (`div_rn`; Triton's `/` is an approximate division) and the E4M3 rounding
@@ -29,7 +29,7 @@ hardware kernel does), where the torch path on GPU rounds them to BF16 first. St
 generator, so runs are reproducible under torch.manual_seed. It uses 8 random bits per element and output,
 the resolution of Blackwell's cvt.rs.satfinite.e2m1x4.f32 (one 32-bit word per 4 FP4 values): it rounds up
 with probability floor(256 f) / 256 for a fraction f of the grid step, as formats.round_to_e2m1 does (on the
-GPU with one add rounded toward zero, PTX add.rz.f32); one Philox call serves 16 roundings.
+GPU with one FMA rounded toward zero, PTX fma.rz.f32); one Philox call serves 16 roundings.
 
 `nvfp4_dual_quantize` is a `torch.library.triton_op`: torch.compile calls the two kernels from the
 compiled graph (no graph break). It needs a CUDA tensor in BF16, 2D, with both dims multiples of 16;
@@ -131,20 +131,21 @@ if HAVE_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _step_magic(a, OFFSET: tl.constexpr):
-        """1.5 * 2^k * step for the E2M1 grid step at a >= 0 (0.5 below 2, 1 below 4, 2 up to 6), on the bits:
-        the step is half the power of two of max(a, 1), so its exponent field plus OFFSET, the exponent field of
-        1.5 * 2^(k - 1) less that of 1 (three integer operations instead of two compares and two selects)."""
-        return ((tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000) + OFFSET).to(tl.float32, bitcast=True)
+    def _grid_power(a):
+        """2^k for the E2M1 grid step 2^(k - 1) at a >= 0 (0.5 below 2, 1 below 4, 2 up to 6): the power of two of
+        max(a, 1), on the bits (its exponent field alone). The rounding constants below are this times a constant,
+        a product that is exact, so each add of a constant is one FFMA (a + 2^k C rounds once, as a + M did)."""
+        return (tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _add_rz(a, b, PTX: tl.constexpr):
-        """a + b rounded toward zero, for a, b >= 0 with b the larger: PTX's add.rz.f32 on the GPU; elsewhere
-        (Triton's interpreter) the nearest sum, one ulp less where it rounded up (the difference to b is exact
-        there, so comparing it with a tells)."""
+    def _fma_rz(p, c: tl.constexpr, a, PTX: tl.constexpr):
+        """p * c + a rounded toward zero, for a >= 0 and an exact product p * c >= a: PTX's fma.rz.f32 on the GPU;
+        elsewhere (Triton's interpreter) the nearest sum, one ulp less where it rounded up (the difference to
+        b = p * c is exact there, so comparing it with a tells)."""
         if PTX:
-            return tl.inline_asm_elementwise("add.rz.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
-                                             is_pure=True, pack=1)
+            return tl.inline_asm_elementwise("fma.rz.f32 $0, $1, $2, $3;", "=f,f,f,f", [p, tl.full(p.shape, c,
+                                             tl.float32), a], dtype=tl.float32, is_pure=True, pack=1)
+        b = p * c
         s = a + b
         return (s.to(tl.int32, bitcast=True) - ((s - b) > a).to(tl.int32)).to(tl.float32, bitcast=True)
 
@@ -173,16 +174,16 @@ if HAVE_TRITON:
             # floor(256 a / step) ulps, i.e. 256 floor(t) + floor(256 f). Adding the random byte (0..255, at bits
             # 0..7) to those bits carries into the step's bits with probability floor(256 f) / 256, the mask
             # cuts the 8 bits below the step off, and M comes off exactly. a <= 6 stays in M's binade.
-            magic = _step_magic(a, 0x07400000)
-            t = _add_rz(a, magic, CUDA_SEMANTICS)
-            mag = ((t.to(tl.int32, bitcast=True) + rbits) & -256).to(tl.float32, bitcast=True) - magic
+            p = _grid_power(a)  # M = 1.5 * 2^14 * p
+            t = _fma_rz(p, 24576.0, a, CUDA_SEMANTICS)
+            mag = ((t.to(tl.int32, bitcast=True) + rbits) & -256).to(tl.float32, bitcast=True) - p * 24576.0
         else:
             # Round half to even onto E2M1's grid with the FP32 adder: a + M lands where the spacing of FP32
             # numbers is the step (M = 1.5 * 2^23 * step), so the addition itself rounds to the grid, ties to
             # even (an even significand is an even multiple of the step), and subtracting M back is exact. Two
             # adds instead of floor, fraction and tie tests: same values as torch.round(a / step) * step.
-            magic = _step_magic(a, 0x0B400000)
-            mag = (a + magic) - magic
+            p = _grid_power(a)  # M = 1.5 * 2^22 * p
+            mag = (a + p * 6291456.0) - p * 6291456.0
         # copysign on the bits (a negated +0.0 may compile to 0 - 0 = +0.0; torch.copysign gives -0.0). The sign
         # of the unclamped `scaled` is that of the clamped one.
         sign = scaled.to(tl.int32, bitcast=True) & -2147483648

@@ -264,7 +264,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                          f"names look like {names}")
     report.layers += _outside_blocks(model, blocks)
     if shared:
-        report.notes.append(f"{shared} block(s): linears reading the same input quantize it once (MLP gate and up)")
+        report.notes.append(f"{shared} block(s): linears reading the same input quantize it once where the fused kernels run (MLP gate and up)")
     if backends_used:
         report.gemm_backend = "emulated" if "emulated" in backends_used else "real"
     report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
