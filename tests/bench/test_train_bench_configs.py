@@ -95,7 +95,7 @@ def test_update_diagnostics_parse_and_patch_the_triton_update(bench, monkeypatch
     assert optim_kernels.adamw_master_update([], [], lr=1) is None
 
 
-def test_inductor_diagnostic_makes_inductor_round_as_eager_does(bench, monkeypatch):
+def test_inductor_diagnostic_makes_inductor_round_as_eager_does(bench):
     import torch._inductor.config as inductor_config
 
     config = bench.parse_config("nvfp4:bench.inductor=emulate_precision_casts,compile=true")
@@ -103,6 +103,8 @@ def test_inductor_diagnostic_makes_inductor_round_as_eager_does(bench, monkeypat
     assert config["training"] == {"compile": True}
     with pytest.raises(SystemExit, match="bench.inductor"):
         bench.parse_config("nvfp4:bench.inductor=fast")
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)
-    bench.apply_diagnostics(config["diagnostic"])
-    assert inductor_config.emulate_precision_casts is True
+    # inductor's own patch restores the setting (pytest's monkeypatch would delete it from the config module)
+    with inductor_config.patch(emulate_precision_casts=False):
+        bench.apply_diagnostics(config["diagnostic"])
+        assert inductor_config.emulate_precision_casts is True
+    assert inductor_config.emulate_precision_casts is False

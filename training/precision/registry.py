@@ -212,21 +212,10 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     for module_name, module in model.named_modules():
         if getattr(module, "_plab_converted", False):
             raise ValueError(f"model is already converted ({module_name}); build a fresh model to apply another recipe")
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     report = RecipeReport(recipe=name, options=resolved, bf16_first_layers=first, bf16_last_layers=last,
                           backend_requested=backend, device=str(device), keep_bf16=list(keep))
-    real = False
-    if name != catalog.BASELINE:
-        unavailable = recipe.real_unavailable(device, resolved)
-        if backend == "real" and unavailable:
-            raise ValueError(f"backend='real' is unavailable for {name}: {unavailable}; use backend='auto' or 'emulated'")
-        real = backend != "emulated" and unavailable is None
-        if not real:
-            report.notes.append(f"emulated: {unavailable}" if backend == "auto" else "emulated: backend='emulated' requested")
-
+    real = _real_kernels(recipe, name, backend, device, resolved, report)
     converted: list[tuple[str, nn.Module]] = []
     shared = 0
     backends_used = set()
@@ -264,12 +253,27 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                          f"names look like {names}")
     report.layers += _outside_blocks(model, blocks)
     if shared:
-        report.notes.append(f"{shared} block(s): linears reading the same input quantize it once where the fused kernels run (MLP gate and up)")
+        report.notes.append(f"{shared} block(s): linears reading the same input quantize it once where the fused "
+                            "kernels run (MLP gate and up)")
     if backends_used:
         report.gemm_backend = "emulated" if "emulated" in backends_used else "real"
     report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
     report.compile_mode = recipe.compile_mode({**resolved, "fsdp": fsdp}, real) if converted else None
     return report
+
+
+def _real_kernels(recipe: Recipe, name: str, backend: str, device, resolved: dict, report: RecipeReport) -> bool:
+    """Whether the recipe's real kernels run (else its exact emulation, noted in the report): `backend` "real"
+    raises where they are unavailable on `device`."""
+    if name == catalog.BASELINE:
+        return False
+    unavailable = recipe.real_unavailable(device, resolved)
+    if backend == "real" and unavailable:
+        raise ValueError(f"backend='real' is unavailable for {name}: {unavailable}; use backend='auto' or 'emulated'")
+    real = backend != "emulated" and unavailable is None
+    if not real:
+        report.notes.append(f"emulated: {unavailable}" if backend == "auto" else "emulated: backend='emulated' requested")
+    return real
 
 
 def _kept_reason(name: str, i: int, n: int, first: int, last: int, rule) -> str | None:
