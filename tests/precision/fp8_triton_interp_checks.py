@@ -57,3 +57,12 @@ def test_a_strided_operand_is_cast_as_its_values(ft):
     q, qt, _ = ft.fp8_cast_transpose(x, torch.tensor(2.0), E4M3)
     ref, _ = fp8_cast(x, torch.tensor(2.0), E4M3)
     assert torch.equal(_codes(q), _codes(ref)) and torch.equal(_codes(qt), _codes(ref.t().contiguous()))
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("rows,cols", [(64, 128), (130, 70), (8, 300)])  # whole, partial and thin tiles
+def test_the_code_transpose_is_the_torch_transpose(ft, fp8_dtype, rows, cols):
+    q, _ = fp8_cast(_operand(rows, cols, torch.float32, seed=rows), torch.tensor(2.0), fp8_dtype)
+    qt = ft.byte_transpose_launch(q)
+    assert qt.dtype == fp8_dtype and qt.shape == (cols, rows)
+    assert torch.equal(_codes(qt), _codes(q.t().contiguous()))

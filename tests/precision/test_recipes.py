@@ -462,6 +462,34 @@ def test_delayed_real_path_compiles_into_one_graph_and_matches_eager():
     assert torch.equal(layer.scales, twin.scales)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("options", [dict(amax_by_rows=True), dict(transpose_from_codes=True),
+                                     dict(amax_by_rows=True, transpose_from_codes=True)], ids=["rows", "codes", "both"])
+def test_delayed_amax_by_rows_and_transposes_from_codes_keep_every_bit(options, compiled):
+    # The two options change how the amax and the transposed FP8 layouts are computed (the real torch._scaled_mm
+    # path, which runs on CPU too), not their values: Y, dX, dW, history and scales equal the default layer's.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = DelayedScalingLinear(nn.Linear(64, 48, bias=False), history_len=4, real=True)
+    other = DelayedScalingLinear(nn.Linear(64, 48, bias=False), history_len=4, real=True, **options)
+    other.load_state_dict(base.state_dict())
+    run = [torch.compile(m, backend="inductor", fullgraph=True) if compiled else m for m in (base, other)]
+    for step in range(3):
+        x, dy = torch.randn(32, 64) * (step + 1), torch.randn(32, 48)
+        outs = []
+        for module, layer in zip(run, (base, other)):
+            layer.weight.grad = None
+            xi = x.clone().requires_grad_()
+            y = module(xi)
+            y.backward(dy)
+            outs.append((y.detach(), xi.grad, layer.weight.grad))
+            layer.update_scales()
+        for what, a, b in zip(("Y", "dX", "dW"), *outs):
+            assert torch.equal(a, b), (step, what)
+        assert torch.equal(base.amax_history, other.amax_history) and base.amax_history[:, 0].gt(0).all()
+        assert torch.equal(base.scales, other.scales)
+
+
 @pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise"])
 def test_emulation_matches_torchao_float8_linear_which_also_runs_on_cpu(recipe):
     # The real-kernel module (torchao Float8Linear over torch._scaled_mm) runs on CPU too: our emulation

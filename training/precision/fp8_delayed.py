@@ -97,6 +97,13 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _amax(t: torch.Tensor, by_rows: bool) -> torch.Tensor:
+    """max |t| in FP32 (exact either way). by_rows: as a reduction along each row, then over the rows, the shape
+    of the row-major cast's loop, so the compiler can compute it in the cast's own pass."""
+    a = t.detach().abs()
+    return (a.amax(dim=-1).amax() if by_rows and a.dim() == 2 else a.amax()).to(torch.float32)
+
+
 def _fp8_mm(real: bool, a8, inv_a, b8, inv_b, out_dtype, *, fast_accum: bool, bias=None) -> torch.Tensor:
     """a8 @ b8 (+ bias) with per-tensor scales. Real: torch._scaled_mm, the bias added in the output dtype
     (as torchao's Float8Linear). Emulated: the exact emulation of emulation.py (FP8 codes are exact in
@@ -118,14 +125,20 @@ class DelayedFP8Fn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x2, weight, bias, s_x, s_w, scales, ready, token, real: bool, out_dtype,
-                ready_host: bool = False):
+                ready_host: bool = False, by_rows: bool = False, from_codes: bool = False):
         x8 = _to_fp8(x2, s_x, E4M3)
         w8 = _to_fp8(weight, s_w, E4M3)
         inv_x, inv_w = s_x.reciprocal(), s_w.reciprocal()
         y = _fp8_mm(real, x8, inv_x, w8.t(), inv_w, out_dtype, fast_accum=True, bias=bias)
-        # The FP8 copies are what backward needs (1 byte per element instead of the activation's 2-4).
+        # The FP8 copies are what backward needs (1 byte per element instead of the activation's 2-4). With
+        # from_codes (real GEMMs) the transposed layouts Wgrad and Dgrad read are copied from the codes here.
+        ctx.from_codes = from_codes and real
+        if ctx.from_codes:
+            from training.precision.fp8_triton import fp8_transpose
+
+            x8, w8 = fp8_transpose(x8), fp8_transpose(w8)
         ctx.save_for_backward(x8, w8, inv_x, inv_w, scales, ready)
-        ctx.real, ctx.ready_host = real, ready_host
+        ctx.real, ctx.ready_host, ctx.by_rows = real, ready_host, by_rows
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
@@ -133,19 +146,26 @@ class DelayedFP8Fn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
-        x8, w8, inv_x, inv_w, scales, ready = ctx.saved_tensors
+        x8, w8, inv_x, inv_w, scales, ready = ctx.saved_tensors  # x8, w8 transposed under from_codes
         dy2 = dy.reshape(-1, dy.shape[-1])
-        amax = dy2.detach().abs().amax().to(torch.float32)
+        amax = _amax(dy2, ctx.by_rows)
         # Once the history exists (known on the host), dY's scale does not depend on dY: the cast need not
         # wait for the amax reduction, and the compiler may fuse both into one pass over dY.
         s_g = scales[GRAD] if ctx.ready_host else torch.where(ready, scales[GRAD], fp8_scale_from_amax(amax, E5M2))
         g8 = _to_fp8(dy2, s_g, E5M2)
         inv_g = s_g.reciprocal()
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
+        if ctx.from_codes:
+            from training.precision.fp8_triton import fp8_transpose
+
+            if ctx.needs_input_grad[0]:
+                grad_x = _fp8_mm(True, g8, inv_g, w8.t(), inv_w, ctx.x_dtype, fast_accum=False)
+            if ctx.needs_input_grad[1]:
+                grad_w = _fp8_mm(True, fp8_transpose(g8), inv_g, x8.t(), inv_x, ctx.w_dtype, fast_accum=False)
+        elif ctx.needs_input_grad[0]:
             w8_second = _col_major(w8) if ctx.real else w8
             grad_x = _fp8_mm(ctx.real, g8, inv_g, w8_second, inv_w, ctx.x_dtype, fast_accum=False)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not ctx.from_codes:
             if ctx.real:
                 grad_w = _fp8_mm(True, g8.t().contiguous(), inv_g, _col_major(x8), inv_x, ctx.w_dtype,
                                  fast_accum=False)
@@ -154,7 +174,7 @@ class DelayedFP8Fn(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
         grad_token = amax if ctx.needs_input_grad[7] else None
-        return grad_x, grad_w, grad_b, None, None, None, None, grad_token, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, grad_token, None, None, None, None, None
 
 
 class DelayedFP8FusedFn(torch.autograd.Function):
@@ -214,9 +234,12 @@ class DelayedScalingLinear(QuantizedLinear):
     def reuses_weight_when(self, compiled: bool) -> bool:
         return False  # W's scale comes from an amax history that every micro-batch updates
 
-    def __init__(self, linear: nn.Linear, history_len: int, real: bool, fused_cast: bool = False):
+    def __init__(self, linear: nn.Linear, history_len: int, real: bool, fused_cast: bool = False,
+                 amax_by_rows: bool = False, transpose_from_codes: bool = False):
         super().__init__(linear, GemmQuantizer(), "fp8_delayed")
         self.fused_cast = fused_cast  # real GEMMs with history: fp8_triton's cast-transpose (else torch casts)
+        self.amax_by_rows = amax_by_rows  # amax along rows, then over them (same value; the cast's loop shape)
+        self.transpose_from_codes = transpose_from_codes  # real GEMMs: transposed layouts copied from the codes
         device = linear.weight.device
         # Rows: input, weight, grad. Non-persistent: HF checkpoints stay plain; the hook saves them.
         self.register_buffer("amax_history", torch.zeros(3, history_len, device=device), persistent=False)
@@ -274,8 +297,8 @@ class DelayedScalingLinear(QuantizedLinear):
 
             if fp8_triton.HAVE_TRITON:
                 return self._fused_forward(x2, record, out_dtype).reshape(*x.shape[:-1], self.out_features)
-        amax_x = x2.detach().abs().amax().to(torch.float32)
-        amax_w = self.weight.detach().abs().amax().to(torch.float32)
+        amax_x = _amax(x2, self.amax_by_rows)
+        amax_w = _amax(self.weight, self.amax_by_rows)
         if record:
             pending = self.pending_amax
             pending.copy_(torch.maximum(pending, torch.stack([amax_x, amax_w, pending[GRAD]])))
@@ -287,7 +310,8 @@ class DelayedScalingLinear(QuantizedLinear):
         # torch._scaled_mm needs every dim divisible by 16; other token counts take the emulated path.
         real = self.real and x2.shape[0] % 16 == 0
         y = DelayedFP8Fn.apply(x2, self.weight, self.bias, s_x, s_w, self.scales, self.history_ready,
-                               self.grad_amax_token if record else None, real, out_dtype, self.ready_host)
+                               self.grad_amax_token if record else None, real, out_dtype, self.ready_host,
+                               self.amax_by_rows, self.transpose_from_codes)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _fused_forward(self, x2: torch.Tensor, record: bool, out_dtype) -> torch.Tensor:
@@ -415,7 +439,9 @@ class FP8DelayedRecipe(Recipe):
         return scaled_mm_shape_reason(linear, self.name) if real else None
 
     def convert(self, linear, name, options, real):
-        new = DelayedScalingLinear(linear, options["amax_history_len"], real, fused_cast=options["fused_cast"])
+        new = DelayedScalingLinear(linear, options["amax_history_len"], real, fused_cast=options["fused_cast"],
+                                   amax_by_rows=options["amax_by_rows"],
+                                   transpose_from_codes=options["transpose_from_codes"])
         how = "torch._scaled_mm with delayed scaling" if real else f"emulated: {new.quantizer.describe()}"
         return new, new.quantizer, how
 

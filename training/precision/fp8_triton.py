@@ -73,6 +73,43 @@ if HAVE_TRITON:
                                      wrap=wrap_triton)
 
 
+TM, TN = 64, 128  # the transpose's tile: 128-byte rows read, 64-byte rows written per warp's share
+
+if HAVE_TRITON:
+    @triton.jit
+    def _fp8_transpose_kernel(x_ptr, y_ptr, M, N, TM: tl.constexpr, TN: tl.constexpr):
+        rows = tl.program_id(0) * TM + tl.arange(0, TM)
+        cols = tl.program_id(1) * TN + tl.arange(0, TN)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tile = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask)
+        tl.store(y_ptr + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+def byte_transpose_launch(x: torch.Tensor, wrap=lambda kernel: kernel) -> torch.Tensor:
+    """x.t().contiguous() for a contiguous 2D tensor of a 1-byte dtype (FP8 codes loaded and stored as they are)."""
+    m, n = x.shape
+    y = torch.empty((n, m), device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(m, TM), triton.cdiv(n, TN))
+    wrap(_fp8_transpose_kernel)[grid](x, y, m, n, TM=TM, TN=TN, num_warps=4)
+    return y
+
+
+if HAVE_TRITON:
+    @triton_op("plab::fp8_transpose", mutates_args=())
+    def _transpose_op(x: torch.Tensor) -> torch.Tensor:
+        return byte_transpose_launch(x, wrap=wrap_triton)
+
+
+def fp8_transpose(q: torch.Tensor) -> torch.Tensor:
+    """q.t().contiguous() for FP8 codes, as a kernel torch.compile calls but does not fuse into q's producer:
+    q is written once (row-major, its cast fused with the amax reduction) and its transposed layout copied
+    from its 1-byte codes, where an inlined transpose re-reads (and recomputes) the BF16 source. CPU, or no
+    Triton: the torch copy."""
+    if not (HAVE_TRITON and q.is_cuda) or q.dim() != 2:
+        return q.t().contiguous()
+    return torch.ops.plab.fp8_transpose(q.contiguous())
+
+
 def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
     """(q, qt, amax): the FP8 codes of clamp(x * scale) in x's layout and transposed (both contiguous), and
     max |x| (FP32). x: 2D BF16/FP32; scale: an FP32 device scalar."""
