@@ -463,15 +463,13 @@ def test_delayed_real_path_compiles_into_one_graph_and_matches_eager():
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("options", [dict(amax_by_rows=True), dict(transpose_from_codes=True),
-                                     dict(amax_by_rows=True, transpose_from_codes=True)], ids=["rows", "codes", "both"])
-def test_delayed_amax_by_rows_and_transposes_from_codes_keep_every_bit(options, compiled):
-    # The two options change how the amax and the transposed FP8 layouts are computed (the real torch._scaled_mm
-    # path, which runs on CPU too), not their values: Y, dX, dW, history and scales equal the default layer's.
+def test_delayed_one_pass_cast_keeps_every_bit(compiled):
+    # one_pass_cast changes how the amax and the transposed FP8 layouts are computed (the real torch._scaled_mm
+    # path, which runs on CPU too), not their values: Y, dX, dW, history and scales equal the layer without it.
     torch._dynamo.reset()
     torch.manual_seed(0)
-    base = DelayedScalingLinear(nn.Linear(64, 48, bias=False), history_len=4, real=True)
-    other = DelayedScalingLinear(nn.Linear(64, 48, bias=False), history_len=4, real=True, **options)
+    base = DelayedScalingLinear(nn.Linear(64, 48, bias=False), history_len=4, real=True, one_pass_cast=False)
+    other = DelayedScalingLinear(nn.Linear(64, 48, bias=False), history_len=4, real=True, one_pass_cast=True)
     other.load_state_dict(base.state_dict())
     run = [torch.compile(m, backend="inductor", fullgraph=True) if compiled else m for m in (base, other)]
     for step in range(3):

@@ -158,12 +158,12 @@ _BUILTIN = (
                                             "CUDA graphs (torch.compile mode reduce-overhead) unless "
                                             "training.perf.compile_mode names a mode; the same median step, "
                                             "without the host-bound stretches of the plain step"),
-                 _bool("amax_by_rows", False, "each operand's amax as a reduction along its rows, then over "
-                                              "them (the same value), the loop shape of its row-major cast, so "
-                                              "the compiler can record it in the cast's own pass"),
-                 _bool("transpose_from_codes", False, "real GEMMs: the transposed FP8 layouts Wgrad and Dgrad "
-                                                      "read are copied from the 1-byte codes by a Triton kernel "
-                                                      "(same codes), not recomputed from the BF16 source")),
+                 _bool("one_pass_cast", True, "real GEMMs with inductor's casts: each operand's cast writes its "
+                                              "row-major FP8 codes and records its amax in one pass (the amax "
+                                              "reduced along rows, then over them), and the transposed layouts "
+                                              "Wgrad and Dgrad read are copied from the 1-byte codes by a Triton "
+                                              "kernel; same codes and amaxes (off: a separate amax pass and "
+                                              "casts that re-read the BF16 operand for the transposed layout)")),
         quantizer_bytes=(4, 4),  # scale from the history: the amax is recorded during the one cast pass
     ),
     RecipeEntry(

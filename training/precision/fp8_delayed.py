@@ -28,6 +28,15 @@ X and W saved in forward (per-tensor scaling is transpose-invariant); the column
 are transposed FP8 copies (1 byte per element). Elsewhere (CPU, pre-Ada GPUs, token counts not divisible
 by 16) the same casts feed the exact emulation of emulation.py.
 
+Option `one_pass_cast` (on by default; real GEMMs with inductor's casts): each operand's amax is reduced along its
+rows, then over them (the same value), which is the loop shape of its row-major cast, so inductor records the amax
+in the cast's own pass (from the kernel that produces the operand: RMSNorm, SwiGLU and its backward); the
+transposed layouts Wgrad and Dgrad read are copied from the 1-byte codes by a Triton kernel the compiler does not
+inline (fp8_triton.fp8_transpose), and X and W are saved in that layout. Without it inductor wrote both layouts from
+the BF16 operand in a 2D-tiled kernel that cannot hold a row reduction, and ran a separate amax pass over the
+operand (torch 2.11; one H100, 1b step: 91.7 against 95.5 ms, bench/NOTES_floor.md 47). Same codes, amaxes and
+GEMMs, so the training is the same (the tests, eager and compiled).
+
 Option `fused_cast` (off by default): once the history exists, the real path casts each operand with one
 fused Triton pass (fp8_triton.py): X, W and dY are each read once, their amax recorded and their FP8 codes
 written in both layouts the GEMMs read (DelayedFP8FusedFn); codes bit-identical with the torch casts, the GEMMs
@@ -99,7 +108,7 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 def _amax(t: torch.Tensor, by_rows: bool) -> torch.Tensor:
     """max |t| in FP32 (exact either way). by_rows: as a reduction along each row, then over the rows, the shape
-    of the row-major cast's loop, so the compiler can compute it in the cast's own pass."""
+    of the row-major cast's loop, so the compiler can compute it in the cast's own pass (`one_pass_cast`)."""
     a = t.detach().abs()
     return (a.amax(dim=-1).amax() if by_rows and a.dim() == 2 else a.amax()).to(torch.float32)
 
@@ -125,20 +134,20 @@ class DelayedFP8Fn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x2, weight, bias, s_x, s_w, scales, ready, token, real: bool, out_dtype,
-                ready_host: bool = False, by_rows: bool = False, from_codes: bool = False):
+                ready_host: bool = False, one_pass: bool = False):
         x8 = _to_fp8(x2, s_x, E4M3)
         w8 = _to_fp8(weight, s_w, E4M3)
         inv_x, inv_w = s_x.reciprocal(), s_w.reciprocal()
         y = _fp8_mm(real, x8, inv_x, w8.t(), inv_w, out_dtype, fast_accum=True, bias=bias)
         # The FP8 copies are what backward needs (1 byte per element instead of the activation's 2-4). With
-        # from_codes (real GEMMs) the transposed layouts Wgrad and Dgrad read are copied from the codes here.
-        ctx.from_codes = from_codes and real
+        # one_pass (real GEMMs) the transposed layouts Wgrad and Dgrad read are copied from the codes here.
+        ctx.from_codes = one_pass and real
         if ctx.from_codes:
             from training.precision.fp8_triton import fp8_transpose
 
             x8, w8 = fp8_transpose(x8), fp8_transpose(w8)
         ctx.save_for_backward(x8, w8, inv_x, inv_w, scales, ready)
-        ctx.real, ctx.ready_host, ctx.by_rows = real, ready_host, by_rows
+        ctx.real, ctx.ready_host, ctx.by_rows = real, ready_host, one_pass
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
@@ -174,7 +183,7 @@ class DelayedFP8Fn(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
         grad_token = amax if ctx.needs_input_grad[7] else None
-        return grad_x, grad_w, grad_b, None, None, None, None, grad_token, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, grad_token, None, None, None, None
 
 
 class DelayedFP8FusedFn(torch.autograd.Function):
@@ -235,11 +244,12 @@ class DelayedScalingLinear(QuantizedLinear):
         return False  # W's scale comes from an amax history that every micro-batch updates
 
     def __init__(self, linear: nn.Linear, history_len: int, real: bool, fused_cast: bool = False,
-                 amax_by_rows: bool = False, transpose_from_codes: bool = False):
+                 one_pass_cast: bool = True):
         super().__init__(linear, GemmQuantizer(), "fp8_delayed")
         self.fused_cast = fused_cast  # real GEMMs with history: fp8_triton's cast-transpose (else torch casts)
-        self.amax_by_rows = amax_by_rows  # amax along rows, then over them (same value; the cast's loop shape)
-        self.transpose_from_codes = transpose_from_codes  # real GEMMs: transposed layouts copied from the codes
+        # Amaxes along rows, then over them (the same values, the row-major cast's loop shape); real GEMMs: the
+        # transposed layouts copied from the FP8 codes (catalog option one_pass_cast).
+        self.one_pass_cast = one_pass_cast
         device = linear.weight.device
         # Rows: input, weight, grad. Non-persistent: HF checkpoints stay plain; the hook saves them.
         self.register_buffer("amax_history", torch.zeros(3, history_len, device=device), persistent=False)
@@ -297,8 +307,8 @@ class DelayedScalingLinear(QuantizedLinear):
 
             if fp8_triton.HAVE_TRITON:
                 return self._fused_forward(x2, record, out_dtype).reshape(*x.shape[:-1], self.out_features)
-        amax_x = _amax(x2, self.amax_by_rows)
-        amax_w = _amax(self.weight, self.amax_by_rows)
+        amax_x = _amax(x2, self.one_pass_cast)
+        amax_w = _amax(self.weight, self.one_pass_cast)
         if record:
             pending = self.pending_amax
             pending.copy_(torch.maximum(pending, torch.stack([amax_x, amax_w, pending[GRAD]])))
@@ -311,7 +321,7 @@ class DelayedScalingLinear(QuantizedLinear):
         real = self.real and x2.shape[0] % 16 == 0
         y = DelayedFP8Fn.apply(x2, self.weight, self.bias, s_x, s_w, self.scales, self.history_ready,
                                self.grad_amax_token if record else None, real, out_dtype, self.ready_host,
-                               self.amax_by_rows, self.transpose_from_codes)
+                               self.one_pass_cast)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _fused_forward(self, x2: torch.Tensor, record: bool, out_dtype) -> torch.Tensor:
@@ -440,8 +450,7 @@ class FP8DelayedRecipe(Recipe):
 
     def convert(self, linear, name, options, real):
         new = DelayedScalingLinear(linear, options["amax_history_len"], real, fused_cast=options["fused_cast"],
-                                   amax_by_rows=options["amax_by_rows"],
-                                   transpose_from_codes=options["transpose_from_codes"])
+                                   one_pass_cast=options["one_pass_cast"])
         how = "torch._scaled_mm with delayed scaling" if real else f"emulated: {new.quantizer.describe()}"
         return new, new.quantizer, how
 
