@@ -137,15 +137,21 @@ def parse_config(text: str) -> dict:
 # work of the update (step counters, bias corrections, table) without the kernel launch.
 # `bench.inductor=emulate_precision_casts`: inductor rounds every intermediate to its dtype as eager does (its
 # default keeps fused BF16 intermediates in FP32), to tell a graph change's last-bit effects from a real difference.
-DIAGNOSTICS = {"bench.update": ("skip", "host_only"), "bench.inductor": ("emulate_precision_casts",)}
+# `bench.inductor=coordinate_descent`: inductor tunes each pointwise/reduction kernel's block sizes by timing them
+# at compile time (its coordinate_descent_tuning, part of max-autotune, here without the GEMM autotuning).
+DIAGNOSTICS = {"bench.update": ("skip", "host_only"),
+               "bench.inductor": ("emulate_precision_casts", "coordinate_descent")}
 
 
 def apply_diagnostics(diagnostic: dict) -> None:
     """In the worker, before training: the monkeypatches of `DIAGNOSTICS` (the parameters then never change)."""
-    if diagnostic.get("inductor") == "emulate_precision_casts":
+    if diagnostic.get("inductor") in DIAGNOSTICS["bench.inductor"]:
         import torch._inductor.config as inductor_config
 
-        inductor_config.emulate_precision_casts = True
+        if diagnostic["inductor"] == "emulate_precision_casts":
+            inductor_config.emulate_precision_casts = True
+        else:
+            inductor_config.coordinate_descent_tuning = True
     mode = diagnostic.get("update")
     if mode is None:
         return

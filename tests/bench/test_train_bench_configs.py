@@ -108,3 +108,14 @@ def test_inductor_diagnostic_makes_inductor_round_as_eager_does(bench):
         bench.apply_diagnostics(config["diagnostic"])
         assert inductor_config.emulate_precision_casts is True
     assert inductor_config.emulate_precision_casts is False
+
+
+def test_inductor_diagnostic_turns_on_coordinate_descent_tuning_alone(bench):
+    import torch._inductor.config as inductor_config
+
+    config = bench.parse_config("bf16:bench.inductor=coordinate_descent")
+    with inductor_config.patch(coordinate_descent_tuning=False, emulate_precision_casts=False, max_autotune=False):
+        bench.apply_diagnostics(config["diagnostic"])
+        assert inductor_config.coordinate_descent_tuning is True
+        assert inductor_config.emulate_precision_casts is False and inductor_config.max_autotune is False
+    assert inductor_config.coordinate_descent_tuning is False
