@@ -58,6 +58,29 @@ def test_fused_chunked_loss_equals_standard_cross_entropy_in_value_and_gradients
     assert torch.allclose(reference, grads[False][0], atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_chunk_gives_the_scatter_add_formulation_bit_for_bit(dtype):
+    # _ce_chunk's gradient as one select (p - 1 at the target) against the softmax with -1 scatter-added at the
+    # target, which it replaced: loss, dL/dh and the accumulated dL/dW equal to the bit, eagerly and compiled (each
+    # against the same mode: inductor's exp and reductions differ from eager's in the last bit either way).
+    from training.model import _ce_chunk
+
+    def scattered(hc, w, tc, grad_w):
+        logits = (hc @ w.t()).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        loss = (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+        g = torch.exp(logits - lse[:, None])
+        g = g.scatter_add(1, tc[:, None], torch.full_like(lse[:, None], -1.0)).to(hc.dtype)
+        return loss, g @ w, grad_w + (g.t() @ hc).float()
+
+    gen = torch.Generator().manual_seed(0)
+    hc, w = torch.randn(48, 64, generator=gen).to(dtype), (torch.randn(300, 64, generator=gen) * 0.3).to(dtype)
+    tc, acc = torch.randint(0, 300, (48,), generator=gen), torch.randn(300, 64, generator=gen)
+    for compile_ in (lambda f: f, lambda f: torch.compile(f, dynamic=False)):
+        for a, b in zip(compile_(_ce_chunk)(hc, w, tc, acc), compile_(scattered)(hc, w, tc, acc)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_fused_qkv_gives_the_same_logits_and_gradients_and_splits_back_to_hf_names():
     import torch
 
