@@ -139,19 +139,17 @@ def parse_config(text: str) -> dict:
 # default keeps fused BF16 intermediates in FP32), to tell a graph change's last-bit effects from a real difference.
 # `bench.inductor=coordinate_descent`: inductor tunes each pointwise/reduction kernel's block sizes by timing them
 # at compile time (its coordinate_descent_tuning, part of max-autotune, here without the GEMM autotuning).
-DIAGNOSTICS = {"bench.update": ("skip", "host_only"),
-               "bench.inductor": ("emulate_precision_casts", "coordinate_descent")}
+INDUCTOR_SETTINGS = {"emulate_precision_casts": "emulate_precision_casts",
+                     "coordinate_descent": "coordinate_descent_tuning"}  # value -> inductor config flag set on
+DIAGNOSTICS = {"bench.update": ("skip", "host_only"), "bench.inductor": tuple(INDUCTOR_SETTINGS)}
 
 
 def apply_diagnostics(diagnostic: dict) -> None:
     """In the worker, before training: the monkeypatches of `DIAGNOSTICS` (the parameters then never change)."""
-    if diagnostic.get("inductor") in DIAGNOSTICS["bench.inductor"]:
+    if diagnostic.get("inductor") in INDUCTOR_SETTINGS:
         import torch._inductor.config as inductor_config
 
-        if diagnostic["inductor"] == "emulate_precision_casts":
-            inductor_config.emulate_precision_casts = True
-        else:
-            inductor_config.coordinate_descent_tuning = True
+        setattr(inductor_config, INDUCTOR_SETTINGS[diagnostic["inductor"]], True)
     mode = diagnostic.get("update")
     if mode is None:
         return

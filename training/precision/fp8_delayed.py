@@ -164,18 +164,15 @@ class DelayedFP8Fn(torch.autograd.Function):
         g8 = _to_fp8(dy2, s_g, E5M2)
         inv_g = s_g.reciprocal()
         grad_x = grad_w = grad_b = None
-        if ctx.from_codes:
-            from training.precision.fp8_triton import fp8_transpose
-
-            if ctx.needs_input_grad[0]:
-                grad_x = _fp8_mm(True, g8, inv_g, w8.t(), inv_w, ctx.x_dtype, fast_accum=False)
-            if ctx.needs_input_grad[1]:
-                grad_w = _fp8_mm(True, fp8_transpose(g8), inv_g, x8.t(), inv_x, ctx.w_dtype, fast_accum=False)
-        elif ctx.needs_input_grad[0]:
-            w8_second = _col_major(w8) if ctx.real else w8
+        if ctx.needs_input_grad[0]:
+            w8_second = w8.t() if ctx.from_codes else _col_major(w8) if ctx.real else w8
             grad_x = _fp8_mm(ctx.real, g8, inv_g, w8_second, inv_w, ctx.x_dtype, fast_accum=False)
-        if ctx.needs_input_grad[1] and not ctx.from_codes:
-            if ctx.real:
+        if ctx.needs_input_grad[1]:
+            if ctx.from_codes:  # real GEMMs, X saved transposed
+                from training.precision.fp8_triton import fp8_transpose
+
+                grad_w = _fp8_mm(True, fp8_transpose(g8), inv_g, x8.t(), inv_x, ctx.w_dtype, fast_accum=False)
+            elif ctx.real:
                 grad_w = _fp8_mm(True, g8.t().contiguous(), inv_g, _col_major(x8), inv_x, ctx.w_dtype,
                                  fast_accum=False)
             else:
