@@ -109,10 +109,10 @@ class MetricPoint(Base):
     """One point of a series, keyed (run_id, key, step).
 
     No foreign key to `runs`: its per-row check was a fifth of a metric batch's insert on PostgreSQL. Locks keep
-    the rule instead (migration 0007): ingest holds the run row FOR KEY SHARE for its transaction
-    (`services.runs.ingest_metrics`, 404 when the run is gone) and deletion takes it FOR UPDATE before deleting the
-    run's points (`services.housekeeping`), so no point is stored for a deleted run. Whatever deletes a run deletes
-    its points itself."""
+    the rule instead (migration 0007): ingest holds the run row FOR NO KEY UPDATE for its transaction
+    (`services.runs.ingest_metrics`, 404 when the run is gone) and deletion takes it FOR UPDATE before deleting
+    the run's points (`services.housekeeping`), so no point is stored for a deleted run. Whatever deletes a run
+    deletes its points itself."""
     __tablename__ = "metric_points"
     __table_args__ = (PrimaryKeyConstraint("run_id", "key", "step", name="metric_points_pkey"),)
 

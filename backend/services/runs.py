@@ -170,14 +170,24 @@ def get_run(session: Session, run_id: int) -> Run:
 
 
 def lock_run(session: Session, run_id: int, *, delete: bool = False) -> Run:
-    """The run, its row locked until the transaction ends: FOR KEY SHARE to write its metrics (a deletion waits
-    for the writer), FOR UPDATE to delete it (a writer of its metrics waits for the deletion, then finds the run
-    gone: 404). Metric rows have no foreign key to the run (migration 0007); these locks are what keeps a point
-    from being stored for a deleted run. On SQLite the database's write lock, taken here, does the same."""
+    """The run, its row locked until the transaction ends: FOR NO KEY UPDATE to write its metrics (a deletion, and
+    the next writer of the same run, wait for the writer), FOR UPDATE to delete it (a writer of its metrics waits
+    for the deletion, then finds the run gone: 404). Metric rows have no foreign key to the run (migration 0007);
+    these locks are what keeps a point from being stored for a deleted run. On SQLite the database's write lock,
+    taken here, does the same.
+
+    Not FOR KEY SHARE, as it was until 2026-11-27: every batch with a `train/loss` point also updates the row
+    (progress), and a shared lock taken while another writer's update of the row was in flight did not always
+    hold off the deletion on PostgreSQL 15: in about 1 of 90 runs of
+    tests/backend/test_metric_integrity.py::test_many_writers_racing_a_deletion_leave_no_orphan under load, a
+    writer's insert met a run deleted after its lock (the rollup's foreign key refused it; the points themselves,
+    which have none, would have been orphans) or a writer deadlocked in that key's check. An exclusive row lock
+    leaves one row version per writer and no shared locker to carry across versions; writers of one run queue
+    (each one's transaction is a few statements), and a waiting deletion is no longer overtaken by new writers."""
     if session.get_bind().dialect.name == "sqlite":
         metrics.begin_write(session)
     run = session.scalars(select(Run).where(Run.id == run_id)
-                          .with_for_update(read=not delete, key_share=not delete)
+                          .with_for_update(key_share=not delete)  # FOR NO KEY UPDATE / FOR UPDATE
                           .execution_options(populate_existing=True)).first()
     if run is None:
         raise NotFound(f"run {run_id} does not exist")

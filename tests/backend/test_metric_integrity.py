@@ -67,7 +67,7 @@ def test_a_deletion_waits_for_an_ingest_in_flight_and_removes_its_points(env):
         runs.ingest_metrics(s, other, _batch(0))
         s.commit()
     writer = factory()
-    runs.ingest_metrics(writer, run, _batch(0))  # not committed: the run row is held FOR KEY SHARE
+    runs.ingest_metrics(writer, run, _batch(0))  # not committed: the run row is held FOR NO KEY UPDATE
 
     def delete():
         with factory() as s:
@@ -121,9 +121,9 @@ def test_many_writers_racing_a_deletion_leave_no_orphan(env):
                     runs.ingest_metrics(s, rid, _batch((w * 1000 + b) * 50, 50))
                     s.commit()
                     outcomes.append("ok")
-                    # A pause between batches, as a training loop makes: PostgreSQL lets a new KEY SHARE locker
-                    # past a waiting FOR UPDATE, so writers that never pause would hold the deletion off until
-                    # they stop (as the foreign key's own row locks did).
+                    # A pause between batches, as a training loop makes (with the FOR KEY SHARE lock ingest took
+                    # until 2026-11-27, PostgreSQL let new writers past a waiting deletion, so writers that never
+                    # paused held it off until they stopped).
                     time.sleep(0.02)
                 except NotFound:
                     s.rollback()
