@@ -236,6 +236,12 @@ def test_gate_and_up_sharing_their_input_quantization_give_the_two_layers_bits(n
         assert _same_bits(a, b)
 
 
+# The tiny preset's widths with two blocks instead of four: the interpreter's time is per quantized layer, and two
+# blocks still show every block's MLP set up alike.
+TWO_BLOCKS = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2}
+
+
 def test_a_converted_llama_mlp_quantizes_its_input_once_with_the_same_bits(nt, monkeypatch):
     """apply_recipe("nvfp4", share_mlp_input=True) on a tiny Llama (BF16) sets every block's MLP up to quantize its
     input once, and with
@@ -252,7 +258,7 @@ def test_a_converted_llama_mlp_quantizes_its_input_once_with_the_same_bits(nt, m
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))  # 16 tokens: one block
     runs = []
     for share in (True, False):
-        model = build_model(llama_config("tiny", 256, 32), 0).bfloat16()
+        model = build_model(llama_config(TWO_BLOCKS, 256, 32), 0).bfloat16()
         report = apply_recipe(model, "nvfp4", share_mlp_input=True)
         layers = model.model.layers
         assert f"{len(layers)} block(s): linears reading the same input quantize it once where the fused kernels run (MLP gate and up)" in report.notes
@@ -283,7 +289,7 @@ def test_shared_mlp_input_is_the_default_and_numerics_sampling_sees_gate_and_up(
     original = NVFP4SharedInputFn.apply
     monkeypatch.setattr(NVFP4SharedInputFn, "apply", lambda *a: calls.append(1) or original(*a))
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
-    model = build_model(llama_config("tiny", 256, 32), 0).bfloat16()
+    model = build_model(llama_config(TWO_BLOCKS, 256, 32), 0).bfloat16()
     report = apply_recipe(model, "nvfp4")
     layers = len(model.model.layers)
     assert f"{layers} block(s): linears reading the same input quantize it once where the fused kernels run (MLP gate and up)" in report.notes
