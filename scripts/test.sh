@@ -27,9 +27,10 @@ if [ -z "${PLAB_DATA_DIR:-}" ] && [ -d ../shared/data ]; then export PLAB_DATA_D
 export PYTHONUNBUFFERED=1
 # With several pytest workers on this many cores, one intra-op thread per process (a second one spins against
 # the other worker's).
-if [ "${PLAB_TEST_WORKERS:-3}" -gt 1 ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
-# Three pytest workers on a 2-core machine: the CPU-bound tests run one torch thread each (tests/training,
+if [ "${PLAB_TEST_WORKERS:-4}" -gt 1 ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
+# Four pytest workers on a 2-core machine: the CPU-bound tests run one torch thread each (tests/training,
 # tests/precision conftests), and the service, cluster and browser tests spend much of their time waiting on other
 # processes (a served stack, slurmd, Chromium). With two workers the cores were busy 1.7 of 2 on average and a fresh
-# clone's suite took 902 s; with three, 808 s (PLAB_TEST_WORKERS=N to change it).
-exec python -m pytest -q -p no:cacheprovider --durations=40 -n "${PLAB_TEST_WORKERS:-3}" --dist worksteal "$@"
+# clone's suite took 902 s; with three, 808 s (2026-11-26). On 2026-11-27, a slower day on this machine, three took
+# 977 s and four 881 s, fresh clones of the same tests one after the other (PLAB_TEST_WORKERS=N to change it).
+exec python -m pytest -q -p no:cacheprovider --durations=40 -n "${PLAB_TEST_WORKERS:-4}" --dist worksteal "$@"
