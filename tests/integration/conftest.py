@@ -37,17 +37,31 @@ def compose_command(service: str) -> list[str]:
 
 def _claim_redis_db():
     """A Redis database no other suite on this machine uses right now: an exclusive lock per database number
-    (1-15), held for the stack's life (parallel suites once collided on `1 + pid % 14`)."""
+    (1-15), held for the stack's life (parallel suites once collided on `1 + pid % 14`), on a database no client
+    is connected to. The lock dies with the pytest process, but a stack's API and worker run in their own
+    sessions: a suite killed mid-test leaves them consuming from their database, and a later stack that flushed
+    and reused it had its jobs taken by that orphaned worker (an evaluation that never finished)."""
     import fcntl
 
-    for db in range(1, 16):
-        handle = open(f"/tmp/plab-test-redis-db-{db}.lock", "w")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    import redis
+
+    server = redis.Redis.from_url(REDIS_URL)
+    try:
+        for db in range(1, 16):
+            handle = open(f"/tmp/plab-test-redis-db-{db}.lock", "w")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                continue
+            if any(c.get("db") == str(db) for c in server.client_list()):
+                handle.close()  # an orphan of an interrupted suite still uses it
+                continue
             return db, handle
-        except BlockingIOError:
-            handle.close()
-    raise RuntimeError("all Redis databases 1-15 are held by other test stacks on this machine")
+    finally:
+        server.close()
+    raise RuntimeError("all Redis databases 1-15 are held by other test stacks, or used by processes a killed "
+                       "suite left behind (`redis-cli client list` shows them; stop them)")
 
 
 class Stack:
