@@ -32,5 +32,6 @@ if [ "${PLAB_TEST_WORKERS:-4}" -gt 1 ]; then export OMP_NUM_THREADS="${OMP_NUM_T
 # tests/precision conftests), and the service, cluster and browser tests spend much of their time waiting on other
 # processes (a served stack, slurmd, Chromium). With two workers the cores were busy 1.7 of 2 on average and a fresh
 # clone's suite took 902 s; with three, 808 s (2026-11-26). On 2026-11-27, a slower day on this machine, three took
-# 977 s and four 881 s, fresh clones of the same tests one after the other (PLAB_TEST_WORKERS=N to change it).
+# 977 s and four 881 s, fresh clones of the same tests one after the other; a third fresh clone, four workers, took
+# 1,033 s: the day's spread is as large as the gain (PLAB_TEST_WORKERS=N to change it).
 exec python -m pytest -q -p no:cacheprovider --durations=40 -n "${PLAB_TEST_WORKERS:-4}" --dist worksteal "$@"
