@@ -60,6 +60,37 @@ def test_runs_list_filters_by_status_and_recipe(server, page):
     assert page.console_log.errors == []
 
 
+def test_an_older_list_answer_arriving_last_does_not_replace_the_filtered_list(server, page):
+    """Two filter changes in a row send two requests; on a loaded machine the first one's answer can come back
+    last (CI saw it). The list must show the answer to the newest request: the unfiltered answer is held here
+    until the filtered one is drawn, then let through."""
+    exp = server.create_experiment(["bf16", "fp8_rowwise"], name="runs-order")
+    page.goto(f"{server.base_url}/runs?recipe=bf16")
+    page.wait_for_selector("#runs-list-body tr[data-run-id]")
+    held = []
+
+    def hold_the_unfiltered_one(route):
+        if "recipe=" not in route.request.url and not held:
+            held.append(route)
+        else:
+            route.continue_()
+
+    page.route(re.compile(r"/api/v1/runs\?"), hold_the_unfiltered_one)
+    page.select_option("#filter-recipe", "")  # every recipe: the answer held
+    page.select_option("#filter-recipe", "fp8_rowwise")
+    only_fp8 = ("() => { const rows = [...document.querySelectorAll('#runs-list-body tr[data-run-id]')];"
+                " return rows.length > 0 && rows.every(r => r.querySelector('code').textContent === 'fp8_rowwise'); }")
+    page.wait_for_function(only_fp8)
+    assert len(held) == 1
+    with page.expect_response(lambda r: r.url == held[0].request.url):
+        held[0].continue_()
+    page.wait_for_timeout(300)  # the stale answer's JSON parsed and (before the fix) drawn
+    assert page.evaluate(only_fp8), page.locator("#runs-list-body").inner_text()
+    ids = page.locator("#runs-list-body tr[data-run-id]").evaluate_all("rows => rows.map(r => Number(r.dataset.runId))")
+    assert next(r["id"] for r in exp["runs"] if r["recipe"] == "fp8_rowwise") in ids
+    assert page.console_log.errors == []
+
+
 def test_ablation_creates_one_run_per_bf16_last_layers_value(server, page):
     page.goto(f"{server.base_url}/experiments/new")
     page.fill("#field-name", "nvfp4-ablation")

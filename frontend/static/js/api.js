@@ -89,6 +89,17 @@ export async function request(method, path, body) {
 }
 
 export const get = (path) => request("GET", path);
+
+// Answers can arrive out of order (a filter changed, or a zoom, while the previous request was in flight): a
+// loader takes a ticket per request and applies an answer only while its ticket is still the newest.
+// `const ticket = newestOnly();` then per request `const current = ticket();` ... `if (!current()) return;`.
+export function newestOnly() {
+  let newest = 0;
+  return () => {
+    const mine = ++newest;
+    return () => mine === newest;
+  };
+}
 export const post = (path, body) => request("POST", path, body ?? {});
 
 // List endpoints may answer a bare array or a page object; accept both so the pages do not care.

@@ -1,6 +1,6 @@
 // Experiment page: loss curves of every run (one trace per run), relative difference to the baseline, speed
 // and memory bars, and the runs table; polls every 2 s while any run is queued or running.
-import { get, post, items, formatDate, showGlobalError, LIVE_STATUSES } from "./api.js";
+import { get, post, items, formatDate, newestOnly, showGlobalError, LIVE_STATUSES } from "./api.js";
 import { html, joinHtml, plotText, setHTML, slurmNote, statusBadge, urlPath } from "./dom.js";
 import {
   BASELINE, dataPreparation, dataSummary, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName,
@@ -64,10 +64,10 @@ async function fetchSeries(keys, maxPoints, { withZoom }) {
 
 // Loss-series answers can arrive out of order (a poll in flight while the user zooms): only the answer to
 // the latest request is drawn.
-let lossRequests = 0;
+const lossTicket = newestOnly();
 function fetchLossSeries() {
-  const seq = ++lossRequests;
-  return fetchSeries(LOSS_KEYS, MAX_POINTS, { withZoom: true }).then((series) => ({ series, latest: seq === lossRequests }));
+  const current = lossTicket();
+  return fetchSeries(LOSS_KEYS, MAX_POINTS, { withZoom: true }).then((series) => ({ series, latest: current() }));
 }
 
 async function refresh() {

@@ -1,6 +1,6 @@
 // Experiments list: name, created, recipes, run status counts and the one-line verdict (GET .../verdict, the same
 // verdict as the experiment page and `plab demo`), filled in per row once the list is on screen.
-import { get, items, formatDate, showGlobalError } from "./api.js";
+import { get, items, formatDate, newestOnly, showGlobalError } from "./api.js";
 import { html, joinHtml, setHTML, statusBadge, urlPath } from "./dom.js";
 import { recipeName, statusCounts } from "./summary.js";
 import { tagList } from "./housekeeping.js";
@@ -8,6 +8,7 @@ import { renderMarkdownLine } from "./markdown.js";
 
 const PAGE = 50;
 let offset = 0;
+const loadTicket = newestOnly(); // a second search while the first loads: its answer must not land last
 
 function experimentRecipes(exp, runs) {
   if (Array.isArray(exp.recipes) && exp.recipes.length) {
@@ -36,6 +37,7 @@ function row(exp, runs) {
 
 async function load() {
   const body = document.getElementById("experiments-body");
+  const current = loadTicket();
   try {
     const params = searchParams();
     params.set("limit", String(PAGE));
@@ -44,6 +46,7 @@ async function load() {
     // The list may omit runs; fetch each experiment's detail then (a page holds at most PAGE).
     const details = await Promise.all(list.map((exp) => (Array.isArray(exp.runs)
       ? exp : get(`/api/v1/experiments/${encodeURIComponent(exp.id)}`).catch(() => exp))));
+    if (!current()) return;
     setHTML(body, details.length
       ? joinHtml(details.map((exp) => row(exp, Array.isArray(exp.runs) ? exp.runs : [])))
       : searchParams().toString() ? html`<tr class="placeholder"><td colspan="5">No experiments match.</td></tr>`
@@ -54,6 +57,7 @@ async function load() {
     document.getElementById("experiments-next").disabled = list.length < PAGE;
     showGlobalError("");
   } catch (err) {
+    if (!current()) return;
     setHTML(body, html`<tr class="placeholder"><td colspan="5">Could not load experiments.</td></tr>`);
     showGlobalError(err.message);
   }

@@ -1,6 +1,6 @@
 // All runs across experiments, filtered by status, recipe and free text (the filters live in the URL so
 // a filtered view can be bookmarked or shared).
-import { get, items, formatDate, showGlobalError } from "./api.js";
+import { get, items, formatDate, newestOnly, showGlobalError } from "./api.js";
 import { html, joinHtml, setHTML, slurmNote, statusBadge, urlPath } from "./dom.js";
 import { gemmBackend, runLabel } from "./summary.js";
 import { tagList } from "./housekeeping.js";
@@ -10,6 +10,7 @@ const form = document.getElementById("runs-filters");
 const fields = { status: "filter-status", recipe: "filter-recipe", q: "filter-q", tag: "filter-tag" };
 const archivedBox = document.getElementById("filter-archived");
 let offset = 0;
+const loadTicket = newestOnly(); // a filter changed twice: the older list's answer must not land last
 
 function readUrl() {
   const params = new URLSearchParams(window.location.search);
@@ -50,8 +51,10 @@ async function load() {
   const params = query();
   params.set("limit", String(PAGE));
   params.set("offset", String(offset));
+  const current = loadTicket();
   try {
     const data = await get(`/api/v1/runs?${params}`);
+    if (!current()) return;
     const list = items(data, "runs");
     setHTML(body, list.length ? joinHtml(list.map(row))
       : html`<tr class="placeholder"><td colspan="8">No runs match these filters.</td></tr>`);
@@ -62,6 +65,7 @@ async function load() {
     document.getElementById("runs-next").disabled = total != null ? offset + list.length >= total : list.length < PAGE;
     showGlobalError("");
   } catch (err) {
+    if (!current()) return;
     setHTML(body, html`<tr class="placeholder"><td colspan="8">Could not load runs.</td></tr>`);
     showGlobalError(err.message);
   }
