@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "/tmp/plab_probe_inductor"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    ceilings = device_ceilings(dev)
+    ceilings = device_ceilings()
     gen = torch.Generator(device=dev).manual_seed(0)
     m, i = args.tokens, args.inter
     gu = torch.randn((m, 2 * i), device=dev, generator=gen).to(torch.bfloat16) * 2
