@@ -140,6 +140,21 @@ def main(argv=None) -> int:
         row(f"triton_both {bm}x{bn} w{warps}", lambda: triton_cast(gu, dh, scale, True, bm, bn, warps),
             bytes_rows + 2 * m * i, q, qt, amax)
 
+    # The kernel fp8_delayed's fused_swiglu runs (training/precision/fp8_swiglu_triton.py): backward with two
+    # gradients of one dL/dh (gate's and up's, each its own scale and amax), forward from g and u; both layouts.
+    from training.precision import fp8_swiglu_triton as fs
+
+    g, u = gu[:, :i].contiguous(), gu[:, i:].contiguous()
+    bwd_bytes = 3 * m * i * 2 + 2 * 2 * m * i
+    fwd_bytes = 2 * m * i * 2 + 2 * m * i
+    for bm, bn, warps in ((32, 128, 4), (16, 128, 4), (32, 64, 4), (64, 64, 4), (32, 256, 8)):
+        out = fs.swiglu_fp8_launch(g, u, dh, scale, scale, bm=bm, bn=bn, num_warps=warps)
+        row(f"module bwd {bm}x{bn} w{warps}", lambda: fs.swiglu_fp8_launch(g, u, dh, scale, scale, bm=bm, bn=bn,
+                                                                         num_warps=warps), bwd_bytes,
+            torch.cat([out[0], out[3]], dim=1), None, torch.maximum(out[2], out[5]))
+        row(f"module fwd {bm}x{bn} w{warps}", lambda: fs.swiglu_fp8_launch(g, u, None, scale, None, bm=bm, bn=bn,
+                                                                         num_warps=warps), fwd_bytes)
+
     # inductor's generated kernels, for the record
     sources = {}
     for p in cache.rglob("*.py"):

@@ -48,7 +48,8 @@ def test_options_and_defaults_are_the_recipes_documented_ones():
     defaults = {entry.name: entry.defaults() for entry in catalog.recipes()}
     assert defaults == {
         "bf16": {}, "fp8_tensorwise": {}, "fp8_rowwise": {}, "fp8_blockwise": {"traced_gemm": True, "cuda_graphs": True},
-        "fp8_delayed": {"amax_history_len": 1024, "fused_cast": False, "cuda_graphs": True, "one_pass_cast": True},
+        "fp8_delayed": {"amax_history_len": 1024, "fused_cast": False, "cuda_graphs": True, "one_pass_cast": True,
+                        "fused_swiglu": True},
         "mxfp8": {"scale_rounding": "rceil", "fused_quantize": True},
         "nvfp4": {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_seed": 0, "fused_quantize": True,
                   "share_mlp_input": True},

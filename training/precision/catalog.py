@@ -163,7 +163,13 @@ _BUILTIN = (
                                               "reduced along rows, then over them), and the transposed layouts "
                                               "Wgrad and Dgrad read are copied from the 1-byte codes by a Triton "
                                               "kernel; same codes and amaxes (off: a separate amax pass and "
-                                              "casts that re-read the BF16 operand for the transposed layout)")),
+                                              "casts that re-read the BF16 operand for the transposed layout)"),
+                 _bool("fused_swiglu", True, "real GEMMs with the one-pass casts, Llama MLPs with separate gate and "
+                                             "up projections: once the amax history exists, the SwiGLU and its "
+                                             "backward each run as one Triton pass that writes the FP8 codes in "
+                                             "both layouts the next GEMMs read and records the amax (inductor's "
+                                             "math, the same codes; off: inductor's kernel and a transposing "
+                                             "copy of its codes)")),
         quantizer_bytes=(4, 4),  # scale from the history: the amax is recorded during the one cast pass
     ),
     RecipeEntry(

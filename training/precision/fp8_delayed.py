@@ -218,6 +218,115 @@ class DelayedFP8FusedFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, grad_token, None
 
 
+class DelayedSwiGLUMLPFn(torch.autograd.Function):
+    """A Llama MLP, down(silu(gate(x)) * up(x)), with real FP8 GEMMs and the history's scales (`fused_swiglu`):
+    the six GEMMs and the X, W and dY casts of DelayedFP8Fn's real one-pass path, operand for operand, except that
+    the activation and its backward each run as one Triton pass (fp8_swiglu_triton) that writes the FP8 codes in
+    both layouts the next GEMMs read and the amax, where inductor wrote the row-major codes and a second kernel
+    re-read them for the transposed layout. Forward returns (y, max |h|) (h: down's input); backward returns
+    each layer's dY amax as the gradient of its token."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x2, w_gate, w_up, w_down, sc_gate, sc_up, sc_down, tok_gate, tok_up, tok_down, out_dtype):
+        from training.precision.fp8_swiglu_triton import swiglu_fp8_fwd
+        from training.precision.fp8_triton import fp8_transpose
+
+        def fprop(a, s_a, w, s_w):
+            a8, w8 = _to_fp8(a, s_a, E4M3), _to_fp8(w, s_w, E4M3)
+            inv_a, inv_w = s_a.reciprocal(), s_w.reciprocal()
+            return _fp8_mm(True, a8, inv_a, w8.t(), inv_w, out_dtype, fast_accum=True), a8, w8, inv_a, inv_w
+
+        g, xg8, wg8, inv_xg, inv_wg = fprop(x2, sc_gate[INPUT], w_gate, sc_gate[WEIGHT])
+        u, xu8, wu8, inv_xu, inv_wu = fprop(x2, sc_up[INPUT], w_up, sc_up[WEIGHT])
+        h8, h8t, amax_h = swiglu_fp8_fwd(g, u, sc_down[INPUT])
+        wd8 = _to_fp8(w_down, sc_down[WEIGHT], E4M3)
+        inv_h, inv_wd = sc_down[INPUT].reciprocal(), sc_down[WEIGHT].reciprocal()
+        y = _fp8_mm(True, h8, inv_h, wd8.t(), inv_wd, out_dtype, fast_accum=True)
+        ctx.save_for_backward(fp8_transpose(xg8), fp8_transpose(wg8), fp8_transpose(xu8), fp8_transpose(wu8), g, u,
+                              h8t, fp8_transpose(wd8), inv_xg, inv_wg, inv_xu, inv_wu, inv_h, inv_wd, sc_gate, sc_up,
+                              sc_down)
+        ctx.x_dtype, ctx.h_dtype = x2.dtype, g.dtype
+        ctx.w_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
+        ctx.mark_non_differentiable(amax_h)
+        return y, amax_h
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy, _grad_amax_h):
+        from training.precision.fp8_swiglu_triton import swiglu_fp8_bwd
+        from training.precision.fp8_triton import fp8_transpose
+
+        (xg8t, wg8t, xu8t, wu8t, g, u, h8t, wd8t, inv_xg, inv_wg, inv_xu, inv_wu, inv_h, inv_wd, sc_gate, sc_up,
+         sc_down) = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        amax_dy = _amax(dy2, True)
+        gd8, inv_gd = _to_fp8(dy2, sc_down[GRAD], E5M2), sc_down[GRAD].reciprocal()
+        dh = _fp8_mm(True, gd8, inv_gd, wd8t.t(), inv_wd, ctx.h_dtype, fast_accum=False)
+        dw_down = _fp8_mm(True, fp8_transpose(gd8), inv_gd, h8t.t(), inv_h, ctx.w_dtypes[2], fast_accum=False)
+        dg8, dg8t, amax_dg, du8, du8t, amax_du = swiglu_fp8_bwd(g, u, dh, sc_gate[GRAD], sc_up[GRAD])
+        inv_dg, inv_du = sc_gate[GRAD].reciprocal(), sc_up[GRAD].reciprocal()
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (_fp8_mm(True, dg8, inv_dg, wg8t.t(), inv_wg, ctx.x_dtype, fast_accum=False)
+                  + _fp8_mm(True, du8, inv_du, wu8t.t(), inv_wu, ctx.x_dtype, fast_accum=False))
+        dw_gate = _fp8_mm(True, dg8t, inv_dg, xg8t.t(), inv_xg, ctx.w_dtypes[0], fast_accum=False)
+        dw_up = _fp8_mm(True, du8t, inv_du, xu8t.t(), inv_xu, ctx.w_dtypes[1], fast_accum=False)
+        tokens = tuple(a if ctx.needs_input_grad[7 + i] else None for i, a in enumerate((amax_dg, amax_du, amax_dy)))
+        return (dx, dw_gate, dw_up, dw_down, None, None, None, *tokens, None)
+
+
+def _fused_swiglu_mlp_forward(self, x):
+    """LlamaMLP.forward on fp8_delayed's fused SwiGLU path (DelayedSwiGLUMLPFn) where it applies, else the
+    three layers' own forwards (the first step, before the history exists; hooks; odd token counts)."""
+    gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+    out_dtype = compute_dtype(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    if not (gate.ready_host and up.ready_host and down.ready_host and x2.shape[0] % 16 == 0
+            and (x2.is_cuda or x2.dtype == out_dtype) and not any(_has_hooks(m) for m in (gate, up, down))):
+        return down(self.act_fn(gate(x)) * up(x))
+    if x2.dtype != out_dtype:
+        x2 = x2.to(out_dtype)
+    record = self.training and torch.is_grad_enabled()
+    tokens = (gate.grad_amax_token, up.grad_amax_token, down.grad_amax_token) if record else (None,) * 3
+    y, amax_h = DelayedSwiGLUMLPFn.apply(x2, gate.weight, up.weight, down.weight, gate.scales, up.scales,
+                                         down.scales, *tokens, out_dtype)
+    if record:
+        amax_x = _amax(x2, True)
+        for layer, amax_in in ((gate, amax_x), (up, amax_x), (down, amax_h)):
+            pending = layer.pending_amax
+            pending.copy_(torch.maximum(pending, torch.stack([amax_in, _amax(layer.weight, True), pending[GRAD]])))
+    return y.reshape(*x.shape[:-1], down.out_features)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    from torch.nn.modules import module as nn_module
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
+def fuse_swiglu_mlp(block) -> int:
+    """In a Llama decoder block whose MLP's gate, up and down projections are all real fp8_delayed layers with the
+    one-pass casts (no fused_cast), no biases and a SiLU activation: the MLP runs as DelayedSwiGLUMLPFn once the
+    amax history exists. Returns 1 if set up so, else 0 (gate and up fused into one linear, a layer kept in BF16,
+    another MLP class or activation, emulated GEMMs)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = getattr(block, "mlp", None)
+    if type(mlp) is not LlamaMLP or getattr(mlp, "_plab_fused_swiglu", False):
+        return 0
+    layers = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(m, DelayedScalingLinear) and m.real and m.one_pass_cast and not m.fused_cast
+               and m.bias is None for m in layers):
+        return 0
+    if not isinstance(mlp.act_fn, nn.SiLU) and type(mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
+        return 0
+    mlp.forward = _fused_swiglu_mlp_forward.__get__(mlp)
+    mlp._plab_fused_swiglu = True
+    return 1
+
+
 def _new_token(device) -> torch.Tensor:
     return torch.zeros((), device=device, requires_grad=True)
 
@@ -450,6 +559,11 @@ class FP8DelayedRecipe(Recipe):
                                    one_pass_cast=options["one_pass_cast"])
         how = "torch._scaled_mm with delayed scaling" if real else f"emulated: {new.quantizer.describe()}"
         return new, new.quantizer, how
+
+    def share_inputs(self, block, options: dict, real: bool) -> int:
+        if not (real and options["fused_swiglu"] and options["one_pass_cast"] and not options["fused_cast"]):
+            return 0
+        return fuse_swiglu_mlp(block)
 
     def compile_mode(self, options, real):
         # The step is host-bound at times: ~1,200 Triton launches per 1b step, and rounds of 100-111 ms steps
