@@ -8,8 +8,9 @@ dL/dh (down's Dgrad output), dL/dg = silu'(g) * u * dL/dh and dL/du = silu(g) * 
 its layer's gradient scale in both layouts (gate's and up's Dgrad and Wgrad), and their amaxes. Inductor's
 compiled step fuses the same math with the row-major cast and records the amax in that pass, but writes the
 transposed layout from a second kernel that re-reads the codes (fp8_triton.fp8_transpose): here one tile is
-read once and written twice (on the 1b shape, 8192 x 8192, one H100: 0.29 against 0.44 ms for the backward,
-bench/results/swiglu_cast_probe_*).
+read once and written twice. On the 1b shape (8192 tokens x 8192) on one H100, alone (bench/swiglu_cast_probe.py):
+backward 0.36 ms, forward 0.22 ms, where inductor's kernels took 0.276 and 0.158 ms in the step plus ~0.17 and ~0.09
+ms of transposing copies; in the whole step 90.4 against 92.1 ms (bench/NOTES_floor.md 51).
 
 The math is inductor's, operation for operation (torch 2.11; the generated kernel is recorded by the probe):
 silu(g) = g / (exp(-g) + 1); silu's backward (aten.silu_backward's decomposition) ((dh * u) * s) * (g * (1 - s)
