@@ -64,6 +64,24 @@ def _claim_redis_db():
                        "suite left behind (`redis-cli client list` shows them; stop them)")
 
 
+def die_with_parent() -> None:
+    """Popen preexec_fn: the child gets SIGTERM when the process that started it dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG). A stack's API and worker run in their own sessions, so an interrupted suite's Ctrl-C or kill
+    never reached them and they lived on, consuming from their Redis database."""
+    import ctypes
+
+    parent = int(os.environ.get("PLAB_TEST_PARENT_PID", "0"))
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if parent and os.getppid() != parent:  # the parent died before the prctl: nobody will signal us
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def spawn(argv: list[str], **kwargs) -> subprocess.Popen:
+    """A process of the served stack: its own session (a test can signal its whole group), dying with its parent."""
+    env = dict(kwargs.pop("env", None) or os.environ, PLAB_TEST_PARENT_PID=str(os.getpid()))
+    return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent, **kwargs)
+
+
 class Stack:
     def __init__(self, tmp: Path, database_url: str, slots: int, redis_url: str | None = None):
         self.tmp = tmp
@@ -88,8 +106,7 @@ class Stack:
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                start_new_session=True)
+        proc = spawn(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         self.procs[name] = proc
         return proc
 
