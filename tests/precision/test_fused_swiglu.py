@@ -153,3 +153,9 @@ def test_the_recipe_option_switches_it(monkeypatch):
     assert recipe.share_inputs(block, {**options, "fused_swiglu": False}, real=True) == 0
     assert recipe.share_inputs(block, options, real=False) == 0
     assert recipe.share_inputs(block, options, real=True) == 1
+
+
+def test_the_recipe_report_says_what_was_fused():
+    # apply_recipe's note for the blocks share_inputs set up is the recipe's own, not NVFP4's shared-input wording.
+    assert "fused_swiglu" in get_recipe("fp8_delayed").shared_note
+    assert "quantize it once" in get_recipe("nvfp4").shared_note

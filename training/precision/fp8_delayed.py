@@ -560,6 +560,9 @@ class FP8DelayedRecipe(Recipe):
         how = "torch._scaled_mm with delayed scaling" if real else f"emulated: {new.quantizer.describe()}"
         return new, new.quantizer, how
 
+    shared_note = ("the MLP's SwiGLU and its backward run as one Triton pass each, writing both FP8 layouts and the "
+                   "amax, once the amax history exists (fused_swiglu)")
+
     def share_inputs(self, block, options: dict, real: bool) -> int:
         if not (real and options["fused_swiglu"] and options["one_pass_cast"] and not options["fused_cast"]):
             return 0

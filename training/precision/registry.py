@@ -110,9 +110,12 @@ class Recipe:
         """Return (new module, quantizer describing its formats for telemetry, one-line description)."""
         raise NotImplementedError
 
+    # What share_inputs set up, for the report's note ("N block(s): ...").
+    shared_note = "linears reading the same input quantize it once where the fused kernels run (MLP gate and up)"
+
     def share_inputs(self, block: nn.Module, options: dict, real: bool) -> int:
-        """After a block's linears are converted: let linears that read the same input quantize it once (the
-        same values). Returns how many groups were set up; none by default."""
+        """After a block's linears are converted: let linears that read the same input quantize it once, or run
+        together in one fused function (the same values). Returns how many groups were set up; none by default."""
         return 0
 
     def make_hooks(self, converted: list[tuple[str, nn.Module]], options: dict) -> list:
@@ -253,8 +256,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                          f"names look like {names}")
     report.layers += _outside_blocks(model, blocks)
     if shared:
-        report.notes.append(f"{shared} block(s): linears reading the same input quantize it once where the fused "
-                            "kernels run (MLP gate and up)")
+        report.notes.append(f"{shared} block(s): {recipe.shared_note}")
     if backends_used:
         report.gemm_backend = "emulated" if "emulated" in backends_used else "real"
     report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
