@@ -128,6 +128,16 @@ def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling `module` runs hooks (its own or global ones): fused paths that bypass a layer's own forward
+    (NVFP4's shared MLP input, fp8_delayed's fused SwiGLU MLP) step aside for them (the numerics probe samples
+    layers through forward hooks)."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a plain nn.Linear would return here: the autocast dtype under CUDA autocast."""
     if x.is_cuda and torch.is_autocast_enabled("cuda"):

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from training.precision import emulation
-from training.precision.emulation import GemmQuantizer, QuantizedLinear, compute_dtype, emulated_mm
+from training.precision.emulation import GemmQuantizer, QuantizedLinear, compute_dtype, emulated_mm, has_hooks
 from training.precision.formats import (FP8_AMAX_EPS, Quantized, fp8_cast, fp8_scale_from_amax,
                                         quantize_fp8_tensorwise)
 from training.precision.fp8_tensorwise import scaled_mm_shape_reason
@@ -283,7 +283,7 @@ def _fused_swiglu_mlp_forward(self, x):
     out_dtype = compute_dtype(x)
     x2 = x.reshape(-1, x.shape[-1])
     if not (gate.ready_host and up.ready_host and down.ready_host and x2.shape[0] % 16 == 0
-            and (x2.is_cuda or x2.dtype == out_dtype) and not any(_has_hooks(m) for m in (gate, up, down))):
+            and (x2.is_cuda or x2.dtype == out_dtype) and not any(has_hooks(m) for m in (gate, up, down))):
         return down(self.act_fn(gate(x)) * up(x))
     if x2.dtype != out_dtype:
         x2 = x2.to(out_dtype)
@@ -297,13 +297,6 @@ def _fused_swiglu_mlp_forward(self, x):
             pending = layer.pending_amax
             pending.copy_(torch.maximum(pending, torch.stack([amax_in, _amax(layer.weight, True), pending[GRAD]])))
     return y.reshape(*x.shape[:-1], down.out_features)
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    from torch.nn.modules import module as nn_module
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
 def fuse_swiglu_mlp(block) -> int:

@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from training.precision.emulation import EmulatedLinearFn, GemmQuantizer, QuantizedLinear, compute_dtype, emulated_mm
+from training.precision.emulation import (EmulatedLinearFn, GemmQuantizer, QuantizedLinear, compute_dtype, emulated_mm,
+                                        has_hooks)
 from training.precision.formats import (Quantized, quantize_nvfp4, random_hadamard_transform, random_sign_vector,
                                         rht_matrix)
 from training.precision.gemm_ops import EmulatedTorchaoOps, TorchaoBlockScaled, TorchaoBlockScaledOps, has_capability
@@ -249,7 +250,7 @@ class NVFP4EmulatedLinear(QuantizedLinear):
         """(self(x), other(x)), with X quantized once for both where the fused path runs (NVFP4SharedInputFn).
         Each module's own call where either has hooks (the numerics probe samples gate and up through forward
         hooks, which a shared call would bypass): the same values."""
-        if self._fused_path(x) and other._fused_path(x) and not (_has_hooks(self) or _has_hooks(other)):
+        if self._fused_path(x) and other._fused_path(x) and not (has_hooks(self) or has_hooks(other)):
             c1, c2 = self._cached("fused") or (None,) * 4, other._cached("fused") or (None,) * 4
             return NVFP4SharedInputFn.apply(x, self.weight, self.bias, other.weight, other.bias, self.quantizer,
                                             other.quantizer, *c1, *c2)
@@ -274,13 +275,6 @@ class NVFP4EmulatedLinear(QuantizedLinear):
         f, d = fused_weight_operands(self.quantizer, self.weight)
         d = d or self.quantizer.weight_dgrad(self.weight, dtype=torch.bfloat16)
         self.cached_weight = ("fused", f.values, f.outer, d.values, d.outer)
-
-
-def _has_hooks(module: torch.nn.Module) -> bool:
-    from torch.nn.modules import module as nn_module
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
 def _shared_input_mlp_forward(self, x):
