@@ -61,8 +61,31 @@ def _fuse(mlp) -> int:
     return fuse_swiglu_mlp(block)
 
 
-def _layers(mlp):
+def layers(mlp):
     return [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+
+
+def one_step(mod, owner, x, backward) -> tuple:
+    """(y, dX, dW gate, up, down) of one training step of `mod` (owner: its uncompiled MLP), then the scales' update."""
+    for layer in layers(owner):
+        layer.weight.grad = None
+    xi = x.clone().requires_grad_()
+    y = mod(xi)
+    backward(y)
+    out = (y.detach().clone(), xi.grad.clone(), *[layer.weight.grad.clone() for layer in layers(owner)])
+    for layer in layers(owner):
+        layer.update_scales()
+    return out
+
+
+def assert_trained_alike(step, outs, base, fused) -> None:
+    """The two MLPs' step outputs, amax histories and scales equal to the bit (and the outputs not zero)."""
+    for name, want, got in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), *outs):
+        assert got.abs().sum() > 0, f"step {step}: {name} is zero"
+        assert torch.equal(got, want), f"step {step}: {name} differs ({(got != want).sum()} elements)"
+    for a, b in zip(layers(base), layers(fused)):
+        assert torch.equal(a.amax_history, b.amax_history), f"step {step}"
+        assert torch.equal(a.scales, b.scales), f"step {step}"
 
 
 class _Spy:
@@ -77,30 +100,15 @@ class _Spy:
         monkeypatch.setattr(fp8_delayed.DelayedSwiGLUMLPFn, "apply", counted)
 
 
-def _train_side_by_side(base, fused, steps, tokens=32, compiled=False):
-    run = [torch.compile(m, backend="inductor", fullgraph=False) if compiled else m for m in (base, fused)]
+def _train_side_by_side(base, fused, steps, tokens=32):
     for step in range(steps):
         x = torch.randn(tokens, base.gate_proj.in_features) * (1 + step)
         dy = torch.randn(tokens, base.down_proj.out_features)
-        outs = []
-        for mod, owner in zip(run, (base, fused)):
-            for layer in _layers(owner):
-                layer.weight.grad = None
-            xi = x.clone().requires_grad_()
-            y = mod(xi)
-            y.backward(dy)
-            outs.append((y.detach(), xi.grad, *[layer.weight.grad for layer in _layers(owner)]))
-            for layer in _layers(owner):
-                layer.update_scales()
-        for name, want, got in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), *outs):
-            assert got.abs().sum() > 0, f"step {step}: {name} is zero"
-            assert torch.equal(got, want), f"step {step}: {name} differs"
-        for a, b in zip(_layers(base), _layers(fused)):
-            assert torch.equal(a.amax_history, b.amax_history), f"step {step}"
-            assert torch.equal(a.scales, b.scales), f"step {step}"
+        outs = [one_step(m, m, x, lambda y: y.backward(dy)) for m in (base, fused)]
+        assert_trained_alike(step, outs, base, fused)
 
 
-def test_the_fused_mlp_trains_bit_for_bit_like_its_three_layers(monkeypatch):
+def test_the_fused_mlp_trains_bit_for_bit_like_its_threelayers(monkeypatch):
     base, fused = _pair()
     assert _fuse(fused) == 0  # once
     spy = _Spy(monkeypatch)
@@ -117,7 +125,7 @@ def test_without_gradients_it_records_nothing_and_gives_the_same_output(monkeypa
     with torch.no_grad():
         assert torch.equal(base(x), fused(x))
     assert spy.calls == 1
-    assert all(torch.equal(layer.pending_amax, torch.zeros(3)) for layer in _layers(fused))
+    assert all(torch.equal(layer.pending_amax, torch.zeros(3)) for layer in layers(fused))
 
 
 def test_hooks_or_an_odd_token_count_take_the_layers_own_path(monkeypatch):

@@ -13,15 +13,12 @@ import torch.nn as nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+from tests.precision.test_fused_swiglu import assert_trained_alike, one_step
 from training.precision.formats import fp8_cast
 from training.precision.fp8_delayed import DelayedScalingLinear, fuse_swiglu_mlp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                 reason="needs an SM89+ GPU (FP8 GEMMs)")
-
-
-def _layers(mlp):
-    return [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["compiled", "cuda_graphs"])
@@ -43,20 +40,8 @@ def test_the_fused_mlp_trains_bit_for_bit_like_its_three_layers_compiled(mode):
         for mod, owner in zip(run, (base, fused)):
             if mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()
-            for layer in _layers(owner):
-                layer.weight.grad = None
-            xi = x.clone().requires_grad_()
-            y = mod(xi)
-            y.float().square().sum().backward()
-            outs.append((y.detach().clone(), xi.grad.clone(), *[layer.weight.grad.clone() for layer in _layers(owner)]))
-            for layer in _layers(owner):
-                layer.update_scales()
-        for name, want, got in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), *outs):
-            assert got.abs().sum() > 0, f"step {step}: {name} is zero"
-            assert torch.equal(got, want), f"step {step}: {name} differs ({(got != want).sum()} elements)"
-        for a, b in zip(_layers(base), _layers(fused)):
-            assert torch.equal(a.amax_history, b.amax_history), f"step {step}"
-            assert torch.equal(a.scales, b.scales), f"step {step}"
+            outs.append(one_step(mod, owner, x, lambda y: y.float().square().sum().backward()))
+        assert_trained_alike(step, outs, base, fused)
 
 
 def test_the_kernel_gives_inductors_codes_and_amaxes():

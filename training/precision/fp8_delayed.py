@@ -304,6 +304,7 @@ def fuse_swiglu_mlp(block) -> int:
     one-pass casts (no fused_cast), no biases and a SiLU activation: the MLP runs as DelayedSwiGLUMLPFn once the
     amax history exists. Returns 1 if set up so, else 0 (gate and up fused into one linear, a layer kept in BF16,
     another MLP class or activation, emulated GEMMs)."""
+    from transformers.activations import SiLUActivation
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     mlp = getattr(block, "mlp", None)
@@ -313,7 +314,7 @@ def fuse_swiglu_mlp(block) -> int:
     if not all(isinstance(m, DelayedScalingLinear) and m.real and m.one_pass_cast and not m.fused_cast
                and m.bias is None for m in layers):
         return 0
-    if not isinstance(mlp.act_fn, nn.SiLU) and type(mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
+    if not isinstance(mlp.act_fn, (nn.SiLU, SiLUActivation)):
         return 0
     mlp.forward = _fused_swiglu_mlp_forward.__get__(mlp)
     mlp._plab_fused_swiglu = True
