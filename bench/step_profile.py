@@ -276,6 +276,36 @@ def launch_grids(trace_events: list, active: int, pattern=FUSED_QUANTIZER) -> di
     return out
 
 
+GPU_EVENT_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def idle_gaps(trace_events: list, active: int, min_us: float = 2.0, top: int = 12) -> dict:
+    """Where the GPU sits idle inside the profiled steps, from the Chrome trace's device events: the gaps between
+    the union of kernel/copy intervals, per step, by size (under 10 us: launch latency; 10-100 us: a host-side
+    op or a graph boundary; over 100 us: the host behind or a synchronisation), and the largest by the kernels on
+    either side of them (ms and count per step), which names the boundary that waits."""
+    evs = sorted((e["ts"], e["ts"] + e.get("dur", 0.0), e.get("name", "")) for e in trace_events
+                 if e.get("cat") in GPU_EVENT_CATS and e.get("dur", 0.0) > 0)
+    if not evs:
+        return {}
+    buckets = {"under_10us": 0.0, "10_100us": 0.0, "over_100us": 0.0}
+    pairs: dict = {}
+    cur_end, cur_name = evs[0][1], evs[0][2]
+    for s, e, name in evs[1:]:
+        gap = s - cur_end
+        if gap >= min_us:
+            bucket = "under_10us" if gap < 10 else "10_100us" if gap < 100 else "over_100us"
+            buckets[bucket] += gap / 1e3 / active
+            row = pairs.setdefault(f"{cur_name[:70]} -> {name[:70]}", {"ms": 0.0, "count": 0.0})
+            row["ms"] += gap / 1e3 / active
+            row["count"] += 1 / active
+        if e > cur_end:
+            cur_end, cur_name = e, name
+    largest = sorted(pairs.items(), key=lambda kv: -kv[1]["ms"])[:top]
+    return {"idle_ms_per_step": sum(buckets.values()), "by_size_ms_per_step": buckets,
+            "largest": [{"between": k, **v} for k, v in largest]}
+
+
 def gpu_busy(prof, active: int) -> dict:
     """How much of the profiled steps' span the GPU was running at least one kernel or copy: the union of the
     device events' intervals against first start to last end. A share well below 1 means the host (launches,
@@ -441,7 +471,9 @@ def ours_worker(config_text: str, batch: int, seq: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
         with open(os.path.join(tmp, "trace.json")) as f:
-            out["quantizer_launch_grids"] = launch_grids(json.load(f).get("traceEvents", []), active)
+            events = json.load(f).get("traceEvents", [])
+        out["quantizer_launch_grids"] = launch_grids(events, active)
+        out["idle_gaps"] = idle_gaps(events, active)
     out["unprofiled"] = out_unprofiled
     out["gpu_during_profiled_steps"] = (sampler.summary(window["from"], window["to"])
                                         if {"from", "to"} <= set(window) else None)
@@ -542,6 +574,12 @@ def _print_tables(profiles: dict) -> None:
                   f"({100 * r['gpu_busy_share']:.1f} %)" + (
                       f"; SM {g['sm_clock_mhz_median']:.0f} MHz (min {g['sm_clock_mhz_min']:.0f}), "
                       f"{g['power_w_median']:.0f} W" if (g := r.get("gpu_during_profiled_steps")) else ""))
+    for target, r in profiles.items():
+        if gaps := r.get("idle_gaps"):
+            sizes = ", ".join(f"{k} {v:.2f}" for k, v in gaps["by_size_ms_per_step"].items())
+            print(f"{target}: GPU idle {gaps['idle_ms_per_step']:.2f} ms per step ({sizes})")
+            for row in gaps["largest"][:8]:
+                print(f"  {row['ms']:6.3f} ms {row['count']:5.1f}x  {row['between']}")
     for target, r in profiles.items():
         if r.get("gemm_fused_casts_ms"):
             print(f"{target}: of its gemm ms, {r['gemm_fused_casts_ms']:.1f} are inductor kernels named after a fused "

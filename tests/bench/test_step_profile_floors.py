@@ -136,3 +136,21 @@ def test_launch_grids_count_each_fused_quantizer_launch_per_grid_and_step(sp):
     grids = sp.launch_grids(events, active=2)
     assert grids == {"_nvfp4_dual_quant_kernel": {"512x16x1": {"launches": 1.0, "ms": 0.2},
                                                   "512x64x1": {"launches": 0.5, "ms": 0.1}}}
+
+
+def test_idle_gaps_sum_the_gaps_between_device_events_by_size_and_by_the_kernels_around_them(sp):
+    def k(name, ts, dur, cat="kernel"):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur}
+    events = [k("gemm", 0.0, 100.0), k("cast", 50.0, 60.0),   # overlapping: no gap inside the union
+              k("norm", 115.0, 10.0),                            # 5 us after the union's end at 110
+              k("adamw", 175.0, 10.0),                           # 50 us
+              k("memcpy", 485.0, 5.0, cat="gpu_memcpy"),         # 300 us; a copy is device work too
+              k("host_op", 490.0, 900.0, cat="cpu_op"),          # host events are not device time
+              k("gemm", 491.0, 1.0)]                             # 1 us: under the 2 us threshold
+    gaps = sp.idle_gaps(events, active=2)
+    assert gaps["by_size_ms_per_step"] == pytest.approx({"under_10us": 0.0025, "10_100us": 0.025,
+                                                          "over_100us": 0.15})
+    assert gaps["idle_ms_per_step"] == pytest.approx(0.1775)
+    assert [r["between"] for r in gaps["largest"]] == ["adamw -> memcpy", "norm -> adamw", "cast -> norm"]  # the last to end
+    assert gaps["largest"][0]["count"] == 0.5
+    assert sp.idle_gaps([k("x", 0, 0)], active=1) == {}
