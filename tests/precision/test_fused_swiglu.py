@@ -115,6 +115,10 @@ def test_the_fused_mlp_trains_bit_for_bit_like_its_threelayers(monkeypatch):
     _train_side_by_side(base, fused, steps=4)
     # The first step has no history (just-in-time scales, the layers' own path); the other three are fused.
     assert spy.calls == 3
+    # What lets the fused MLP cast X once with gate's input scale: up's input history and scale are the same.
+    gate, up = fused.gate_proj, fused.up_proj
+    assert torch.equal(gate.amax_history[0], up.amax_history[0]) and gate.amax_history[0].max() > 0
+    assert torch.equal(gate.scales[0], up.scales[0])
 
 
 def test_without_gradients_it_records_nothing_and_gives_the_same_output(monkeypatch):

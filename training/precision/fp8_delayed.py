@@ -134,18 +134,19 @@ class DelayedFP8Fn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x2, weight, bias, s_x, s_w, scales, ready, token, real: bool, out_dtype,
-                ready_host: bool = False, one_pass: bool = False):
+                ready_host: bool = False, one_pass: bool = False, w8_given=None, w8t_given=None):
         x8 = _to_fp8(x2, s_x, E4M3)
-        w8 = _to_fp8(weight, s_w, E4M3)
+        w8 = _to_fp8(weight, s_w, E4M3) if w8_given is None else w8_given
         inv_x, inv_w = s_x.reciprocal(), s_w.reciprocal()
         y = _fp8_mm(real, x8, inv_x, w8.t(), inv_w, out_dtype, fast_accum=True, bias=bias)
         # The FP8 copies are what backward needs (1 byte per element instead of the activation's 2-4). With
-        # one_pass (real GEMMs) the transposed layouts Wgrad and Dgrad read are copied from the codes here.
+        # one_pass (real GEMMs) the transposed layouts Wgrad and Dgrad read are copied from the codes here, or
+        # W's comes with its codes (w8t_given: both written by one pass over W).
         ctx.from_codes = one_pass and real
         if ctx.from_codes:
             from training.precision.fp8_triton import fp8_transpose
 
-            x8, w8 = fp8_transpose(x8), fp8_transpose(w8)
+            x8, w8 = fp8_transpose(x8), fp8_transpose(w8) if w8t_given is None else w8t_given
         ctx.save_for_backward(x8, w8, inv_x, inv_w, scales, ready)
         ctx.real, ctx.ready_host, ctx.by_rows = real, ready_host, one_pass
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
@@ -180,7 +181,7 @@ class DelayedFP8Fn(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
         grad_token = amax if ctx.needs_input_grad[7] else None
-        return grad_x, grad_w, grad_b, None, None, None, None, grad_token, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, grad_token, None, None, None, None, None, None
 
 
 class DelayedFP8FusedFn(torch.autograd.Function):
@@ -221,10 +222,15 @@ class DelayedFP8FusedFn(torch.autograd.Function):
 class DelayedSwiGLUMLPFn(torch.autograd.Function):
     """A Llama MLP, down(silu(gate(x)) * up(x)), with real FP8 GEMMs and the history's scales (`fused_swiglu`):
     the six GEMMs and the X, W and dY casts of DelayedFP8Fn's real one-pass path, operand for operand, except that
-    the activation and its backward each run as one Triton pass (fp8_swiglu_triton) that writes the FP8 codes in
-    both layouts the next GEMMs read and the amax, where inductor wrote the row-major codes and a second kernel
-    re-read them for the transposed layout. Forward returns (y, max |h|) (h: down's input); backward returns
-    each layer's dY amax as the gradient of its token."""
+    - the activation and its backward each run as one Triton pass (fp8_swiglu_triton) that writes the FP8 codes in
+      both layouts the next GEMMs read and the amax, where inductor wrote the row-major codes and a second kernel
+      re-read them for the transposed layout;
+    - each weight is cast in one pass that writes both layouts and its amax (fp8_triton.fp8_cast_transpose), where
+      the amax-and-cast kernel was followed by a copy of the codes into the Dgrad layout;
+    - X is cast (and copied into the Wgrad layout) once, with gate's input scale, for gate and up: the two layers
+      record the same amax of the same X every step from the same empty history, so their input scales are equal.
+    Forward returns (y, max |h|, the three weights' max |W|) (h: down's input); backward returns each layer's dY
+    amax as the gradient of its token."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
@@ -232,32 +238,30 @@ class DelayedSwiGLUMLPFn(torch.autograd.Function):
         from training.precision.fp8_swiglu_triton import swiglu_fp8_fwd
         from training.precision.fp8_triton import fp8_transpose
 
-        def fprop(a, s_a, w, s_w):
-            a8, w8 = _to_fp8(a, s_a, E4M3), _to_fp8(w, s_w, E4M3)
-            inv_a, inv_w = s_a.reciprocal(), s_w.reciprocal()
-            return _fp8_mm(True, a8, inv_a, w8.t(), inv_w, out_dtype, fast_accum=True), a8, w8, inv_a, inv_w
-
-        g, xg8, wg8, inv_xg, inv_wg = fprop(x2, sc_gate[INPUT], w_gate, sc_gate[WEIGHT])
-        u, xu8, wu8, inv_xu, inv_wu = fprop(x2, sc_up[INPUT], w_up, sc_up[WEIGHT])
+        x8, inv_x = _to_fp8(x2, sc_gate[INPUT], E4M3), sc_gate[INPUT].reciprocal()
+        (wg8, wg8t, amax_wg), (wu8, wu8t, amax_wu), (wd8, wd8t, amax_wd) = (
+            _weight_both_layouts(w, sc[WEIGHT]) for w, sc in ((w_gate, sc_gate), (w_up, sc_up), (w_down, sc_down)))
+        inv_wg, inv_wu, inv_wd = sc_gate[WEIGHT].reciprocal(), sc_up[WEIGHT].reciprocal(), sc_down[WEIGHT].reciprocal()
+        g = _fp8_mm(True, x8, inv_x, wg8.t(), inv_wg, out_dtype, fast_accum=True)
+        u = _fp8_mm(True, x8, inv_x, wu8.t(), inv_wu, out_dtype, fast_accum=True)
         h8, h8t, amax_h = swiglu_fp8_fwd(g, u, sc_down[INPUT])
-        wd8 = _to_fp8(w_down, sc_down[WEIGHT], E4M3)
-        inv_h, inv_wd = sc_down[INPUT].reciprocal(), sc_down[WEIGHT].reciprocal()
+        inv_h = sc_down[INPUT].reciprocal()
         y = _fp8_mm(True, h8, inv_h, wd8.t(), inv_wd, out_dtype, fast_accum=True)
-        ctx.save_for_backward(fp8_transpose(xg8), fp8_transpose(wg8), fp8_transpose(xu8), fp8_transpose(wu8), g, u,
-                              h8t, fp8_transpose(wd8), inv_xg, inv_wg, inv_xu, inv_wu, inv_h, inv_wd, sc_gate, sc_up,
-                              sc_down)
+        ctx.save_for_backward(fp8_transpose(x8), wg8t, wu8t, g, u, h8t, wd8t, inv_x, inv_wg, inv_wu, inv_h, inv_wd,
+                              sc_gate, sc_up, sc_down)
         ctx.x_dtype, ctx.h_dtype = x2.dtype, g.dtype
         ctx.w_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
-        ctx.mark_non_differentiable(amax_h)
-        return y, amax_h
+        amax_w = torch.stack([amax_wg, amax_wu, amax_wd])
+        ctx.mark_non_differentiable(amax_h, amax_w)
+        return y, amax_h, amax_w
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, dy, _grad_amax_h):
+    def backward(ctx, dy, _grad_amax_h, _grad_amax_w):
         from training.precision.fp8_swiglu_triton import swiglu_fp8_bwd
         from training.precision.fp8_triton import fp8_transpose
 
-        (xg8t, wg8t, xu8t, wu8t, g, u, h8t, wd8t, inv_xg, inv_wg, inv_xu, inv_wu, inv_h, inv_wd, sc_gate, sc_up,
+        (x8t, wg8t, wu8t, g, u, h8t, wd8t, inv_x, inv_wg, inv_wu, inv_h, inv_wd, sc_gate, sc_up,
          sc_down) = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         amax_dy = _amax(dy2, True)
@@ -270,10 +274,21 @@ class DelayedSwiGLUMLPFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = (_fp8_mm(True, dg8, inv_dg, wg8t.t(), inv_wg, ctx.x_dtype, fast_accum=False)
                   + _fp8_mm(True, du8, inv_du, wu8t.t(), inv_wu, ctx.x_dtype, fast_accum=False))
-        dw_gate = _fp8_mm(True, dg8t, inv_dg, xg8t.t(), inv_xg, ctx.w_dtypes[0], fast_accum=False)
-        dw_up = _fp8_mm(True, du8t, inv_du, xu8t.t(), inv_xu, ctx.w_dtypes[1], fast_accum=False)
+        dw_gate = _fp8_mm(True, dg8t, inv_dg, x8t.t(), inv_x, ctx.w_dtypes[0], fast_accum=False)
+        dw_up = _fp8_mm(True, du8t, inv_du, x8t.t(), inv_x, ctx.w_dtypes[1], fast_accum=False)
         tokens = tuple(a if ctx.needs_input_grad[7 + i] else None for i, a in enumerate((amax_dg, amax_du, amax_dy)))
         return (dx, dw_gate, dw_up, dw_down, None, None, None, *tokens, None)
+
+
+def _weight_both_layouts(w: torch.Tensor, scale: torch.Tensor):
+    """(w8, w8 transposed, max |W|) in one pass over W on a GPU with Triton (fp8_cast_transpose; its codes and amax
+    equal the torch cast's and `_amax`'s); elsewhere by those torch ops and a copy."""
+    from training.precision import fp8_triton
+
+    if fp8_triton.HAVE_TRITON and w.is_cuda:
+        return fp8_triton.fp8_cast_transpose(w.detach(), scale, E4M3)
+    w8 = _to_fp8(w, scale, E4M3)
+    return w8, w8.t().contiguous(), _amax(w, True)
 
 
 def _fused_swiglu_mlp_forward(self, x):
@@ -289,13 +304,13 @@ def _fused_swiglu_mlp_forward(self, x):
         x2 = x2.to(out_dtype)
     record = self.training and torch.is_grad_enabled()
     tokens = (gate.grad_amax_token, up.grad_amax_token, down.grad_amax_token) if record else (None,) * 3
-    y, amax_h = DelayedSwiGLUMLPFn.apply(x2, gate.weight, up.weight, down.weight, gate.scales, up.scales,
-                                         down.scales, *tokens, out_dtype)
+    y, amax_h, amax_w = DelayedSwiGLUMLPFn.apply(x2, gate.weight, up.weight, down.weight, gate.scales, up.scales,
+                                                 down.scales, *tokens, out_dtype)
     if record:
         amax_x = _amax(x2, True)
-        for layer, amax_in in ((gate, amax_x), (up, amax_x), (down, amax_h)):
+        for i, (layer, amax_in) in enumerate(((gate, amax_x), (up, amax_x), (down, amax_h))):
             pending = layer.pending_amax
-            pending.copy_(torch.maximum(pending, torch.stack([amax_in, _amax(layer.weight, True), pending[GRAD]])))
+            pending.copy_(torch.maximum(pending, torch.stack([amax_in, amax_w[i], pending[GRAD]])))
     return y.reshape(*x.shape[:-1], down.out_features)
 
 
@@ -407,8 +422,14 @@ class DelayedScalingLinear(QuantizedLinear):
 
             if fp8_triton.HAVE_TRITON:
                 return self._fused_forward(x2, record, out_dtype).reshape(*x.shape[:-1], self.out_features)
+        # torch._scaled_mm needs every dim divisible by 16; other token counts take the emulated path.
+        real = self.real and x2.shape[0] % 16 == 0
         amax_x = _amax(x2, self.one_pass_cast)
-        amax_w = _amax(self.weight, self.one_pass_cast)
+        w8 = w8t = None
+        if real and self.one_pass_cast and self.ready_host:  # W's codes in both layouts and its amax, one pass
+            w8, w8t, amax_w = _weight_both_layouts(self.weight, self.scales[WEIGHT])
+        else:
+            amax_w = _amax(self.weight, self.one_pass_cast)
         if record:
             pending = self.pending_amax
             pending.copy_(torch.maximum(pending, torch.stack([amax_x, amax_w, pending[GRAD]])))
@@ -417,11 +438,9 @@ class DelayedScalingLinear(QuantizedLinear):
         else:
             s_x = self.effective_scale(INPUT, amax_x)
             s_w = self.effective_scale(WEIGHT, amax_w)
-        # torch._scaled_mm needs every dim divisible by 16; other token counts take the emulated path.
-        real = self.real and x2.shape[0] % 16 == 0
         y = DelayedFP8Fn.apply(x2, self.weight, self.bias, s_x, s_w, self.scales, self.history_ready,
                                self.grad_amax_token if record else None, real, out_dtype, self.ready_host,
-                               self.one_pass_cast)
+                               self.one_pass_cast, w8, w8t)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _fused_forward(self, x2: torch.Tensor, record: bool, out_dtype) -> torch.Tensor:
