@@ -2,7 +2,7 @@
 shapes, alone on a GPU, per tile shape, against what it replaced (inductor's amax-and-cast kernel, then
 fp8_transpose's copy of the codes).
 
-In the 1b fp8_delayed step at e3f7f0c the kernel with its 64 x 64 tiles took 2.89 ms per profiled step for the 80
+In the 1b fp8_delayed step at ca97ee5 the kernel with its 64 x 64 tiles took 2.89 ms per profiled step for the 80
 weight casts (~2x their 4 bytes per element), so the one-pass weights gained nothing over the two kernels. This
 times each tile shape on [8192, 2048] (gate, up), [2048, 8192] (down), [4096, 2048] (qkv), [2048, 2048] (o), checks
 every config's codes, transposed codes and amax equal to torch's cast, and prints ms and x the bytes' floor (the
