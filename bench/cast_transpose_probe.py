@@ -22,7 +22,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.benchmeta import git_commit  # noqa: E402
-from bench.kernel_bench import timed  # noqa: E402
 from bench.step_profile import device_ceilings  # noqa: E402
 from training.precision.formats import fp8_cast  # noqa: E402
 from training.precision.fp8_triton import cast_transpose_launch, fp8_transpose  # noqa: E402
@@ -33,6 +32,33 @@ TILES = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), 
 E4M3 = torch.float8_e4m3fn
 
 
+def timed(fn, calls: int = 20, reps: int = 10) -> float:
+    """GPU ms per call: `calls` calls captured in one CUDA graph (as in the compiled step, no host launch cost),
+    the graph replayed `reps` times between CUDA events, the median replay divided by `calls`."""
+    import statistics
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def main() -> int:
     dev = torch.device("cuda")
     ceilings = device_ceilings()
@@ -40,7 +66,7 @@ def main() -> int:
     torch.manual_seed(0)
     rows = []
 
-    @torch.compile
+    @torch.compile(dynamic=False)
     def inductor_cast(w, s):  # the one-pass layer's weight path before: amax along rows then over them, the cast
         return fp8_cast(w, s, E4M3)[0], w.abs().amax(dim=-1).amax().float()
 
