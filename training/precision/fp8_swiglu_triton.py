@@ -33,7 +33,7 @@ if HAVE_TRITON:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from training.triton_math import bf16_bits_rne, bf16_to_f32, fp8_code
+    from training.triton_math import bf16_bits_rne, bf16_to_f32, fp8_code_fast
 
 # Tile of one program: 32 rows x 64 columns, 4 warps (swiglu_cast_probe on an H100, 8192 x 8192, both layouts: backward
 # 0.36 ms, 1.63x its bytes' floor; 32 x 128: 2.07x, 64 x 64: 1.73x, 16 x 128: 1.92x; forward 0.22 ms, 1.62x).
@@ -75,13 +75,15 @@ if HAVE_TRITON:
             a = ((dh * u) * sig) * (g * (1.0 - sig) + 1.0)  # dL/dg
             b = dh * silu  # dL/du
             tl.store(partial_ptr + 2 * pid + 1, bf16_bits_rne(tl.max(tl.max(tl.abs(b), axis=1), axis=0)))
-            code_b = fp8_code(b * tl.load(sb_ptr), FP8_MAX, E5M2).to(qb_ptr.dtype.element_ty, bitcast=True)
+            code_b = fp8_code_fast(b * tl.load(sb_ptr), FP8_MAX, E5M2, LIBDEVICE)
+            code_b = code_b.to(qb_ptr.dtype.element_ty, bitcast=True)
             _store_both(code_b, qb_ptr, qbt_ptr, rows, cols, mask, M, N)
             tl.store(partial_ptr + 2 * pid, bf16_bits_rne(tl.max(tl.max(tl.abs(a), axis=1), axis=0)))
         else:
             a = silu * u  # h
             tl.store(partial_ptr + pid, bf16_bits_rne(tl.max(tl.max(tl.abs(a), axis=1), axis=0)))
-        code_a = fp8_code(a * tl.load(sa_ptr), FP8_MAX, E5M2).to(qa_ptr.dtype.element_ty, bitcast=True)
+        code_a = fp8_code_fast(a * tl.load(sa_ptr), FP8_MAX, E5M2, LIBDEVICE)
+        code_a = code_a.to(qa_ptr.dtype.element_ty, bitcast=True)
         _store_both(code_a, qa_ptr, qat_ptr, rows, cols, mask, M, N)
 
 

@@ -9,14 +9,17 @@ operand's amax. With torch ops that is an amax pass, a cast pass and a transposi
 4 bytes per element, as Transformer Engine's cast-transpose. The scale comes in as a device tensor (from the
 amax history), so nothing waits for the host.
 
-The codes are `clamp(x * scale, -max, max).to(fp8)` exactly (formats.fp8_cast): an FP32 product, then the
-rounding and encoding done on the bits (triton_math.fp8_code), so the outputs are bit-identical with the
-torch cast on the GPU and under Triton's interpreter (the tests).
+The codes are `clamp(x * scale, -max, max).to(fp8)` exactly (formats.fp8_cast): an FP32 product, then on a GPU
+the hardware conversion the compiled torch cast uses (triton_math.fp8_code_fast), under Triton's interpreter the
+rounding and encoding done on the bits (triton_math.fp8_code), so the outputs are bit-identical with the torch cast
+on the GPU and under the interpreter (the tests).
 
 `fp8_cast_transpose` is a `torch.library.triton_op`, so torch.compile calls the kernel from the compiled graph.
 It takes a 2D BF16 or FP32 tensor (any row stride, unit column stride).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -26,7 +29,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from training.triton_math import bf16_to_f32, fp8_code
+    from training.triton_math import bf16_to_f32, fp8_code_fast
 
 BM = BN = 64
 NUM_WARPS = 4
@@ -36,7 +39,7 @@ if HAVE_TRITON:
     @triton.jit
     def _fp8_cast_transpose_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, partial_ptr, M, N, stride_m,
                                    FP8_MAX: tl.constexpr, E5M2: tl.constexpr, X_BF16: tl.constexpr,
-                                   BM: tl.constexpr, BN: tl.constexpr):
+                                   NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -44,7 +47,8 @@ if HAVE_TRITON:
         x = bf16_to_f32(raw) if X_BF16 else raw.to(tl.float32)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), amax)
-        code = fp8_code(x * tl.load(scale_ptr), FP8_MAX, E5M2).to(q_ptr.dtype.element_ty, bitcast=True)
+        code = fp8_code_fast(x * tl.load(scale_ptr), FP8_MAX, E5M2, NATIVE)
+        code = code.to(q_ptr.dtype.element_ty, bitcast=True)
         tl.store(q_ptr + rows[:, None] * N + cols[None, :], code, mask=mask)
         tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
 
@@ -59,7 +63,9 @@ def cast_transpose_launch(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch
     partial = torch.empty(grid[0] * grid[1], device=x.device, dtype=torch.float32)
     wrap(_fp8_cast_transpose_kernel)[grid](x, scale, q, qt, partial, m, n, x.stride(0),
                                            FP8_MAX=FP8_MAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2,
-                                           X_BF16=x.dtype == torch.bfloat16, BM=bm, BN=bn, num_warps=num_warps)
+                                           X_BF16=x.dtype == torch.bfloat16,
+                                           NATIVE=os.environ.get("TRITON_INTERPRET") != "1", BM=bm, BN=bn,
+                                           num_warps=num_warps)
     return q, qt, partial.amax()
 
 
