@@ -8,9 +8,12 @@ dL/dh (down's Dgrad output), dL/dg = silu'(g) * u * dL/dh and dL/du = silu(g) * 
 its layer's gradient scale in both layouts (gate's and up's Dgrad and Wgrad), and their amaxes. Inductor's
 compiled step fuses the same math with the row-major cast and records the amax in that pass, but writes the
 transposed layout from a second kernel that re-reads the codes (fp8_triton.fp8_transpose): here one tile is
-read once and written twice. On the 1b shape (8192 tokens x 8192) on one H100, alone (bench/swiglu_cast_probe.py):
-backward 0.36 ms, forward 0.22 ms, where inductor's kernels took 0.276 and 0.158 ms in the step plus ~0.17 and ~0.09
-ms of transposing copies; in the whole step 90.4 against 92.1 ms (bench/NOTES_floor.md 51).
+read once and written twice. The codes come from the GPU's conversion instruction (triton_math.fp8_code_fast; the
+bit arithmetic of fp8_code under Triton's interpreter). On the 1b shape (8192 tokens x 8192) on one H100, alone
+(bench/swiglu_cast_probe.py, GPU time from CUDA graphs): backward 0.276 ms, forward 0.151 ms (1.23x and 1.13x their
+bytes), where inductor's kernels took 0.276 and 0.158 ms in the step plus ~0.17 and ~0.09 ms of transposing copies;
+in the whole step 90.4 against 92.1 ms with the bit arithmetic (bench/NOTES_floor.md 51), 87.8 against 89.1 ms with
+the conversion instruction and the one-pass weights (54).
 
 The math is inductor's, operation for operation (torch 2.11; the generated kernel is recorded by the probe):
 silu(g) = g / (exp(-g) + 1); silu's backward (aten.silu_backward's decomposition) ((dh * u) * s) * (g * (1 - s)
