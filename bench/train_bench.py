@@ -139,13 +139,19 @@ def parse_config(text: str) -> dict:
 # default keeps fused BF16 intermediates in FP32), to tell a graph change's last-bit effects from a real difference.
 # `bench.inductor=coordinate_descent`: inductor tunes each pointwise/reduction kernel's block sizes by timing them
 # at compile time (its coordinate_descent_tuning, part of max-autotune, here without the GEMM autotuning).
+# `bench.cublaslt_workspace_kib=0`: torch's cuBLASLt workspace (CUBLASLT_WORKSPACE_SIZE) set before the first GEMM;
+# with none, cuBLASLt picks the same FP8 kernels' variants that need no memset before each call
+# (bench/scaled_mm_memset_probe.py, NOTES_floor.md 55).
 INDUCTOR_SETTINGS = {"emulate_precision_casts": "emulate_precision_casts",
                      "coordinate_descent": "coordinate_descent_tuning"}  # value -> inductor config flag set on
-DIAGNOSTICS = {"bench.update": ("skip", "host_only"), "bench.inductor": tuple(INDUCTOR_SETTINGS)}
+DIAGNOSTICS = {"bench.update": ("skip", "host_only"), "bench.inductor": tuple(INDUCTOR_SETTINGS),
+               "bench.cublaslt_workspace_kib": ("0", "1024")}
 
 
 def apply_diagnostics(diagnostic: dict) -> None:
     """In the worker, before training: the monkeypatches of `DIAGNOSTICS` (the parameters then never change)."""
+    if "cublaslt_workspace_kib" in diagnostic:
+        os.environ["CUBLASLT_WORKSPACE_SIZE"] = diagnostic["cublaslt_workspace_kib"]
     if diagnostic.get("inductor") in INDUCTOR_SETTINGS:
         import torch._inductor.config as inductor_config
 
