@@ -120,6 +120,7 @@ def training_schema() -> dict:
         "fuse_gate_up": _bool(), "bf16_residual": _bool(), "ddp_bucket_mb": _int("training.perf", "ddp_bucket_mb", 1),
         "ddp_static_graph": _bool(), "gc_interval": _int("training.perf", "gc_interval", 0),
         "sync_free_mask": _bool(), "reuse_quantized_weights": _bool(),
+        "cublaslt_workspace": {"enum": list(p.CUBLASLT_WORKSPACES)},
     }
     assert set(perf) == {f.name for f in fields(p)}, "training.perf keys changed: update backend/spec_schema.py"
     s = "training"

@@ -482,7 +482,8 @@ def ours_worker(config_text: str, batch: int, seq: int) -> dict:
                   "grad_accum": spec["training"].get("grad_accum", 1), "model": spec["model"],
                   "vocab_size": spec["data"]["vocab_size"],
                   "overlap_optimizer": result.summary.get("overlap_optimizer"),
-                  "compile_mode": result.summary.get("compile_mode")}
+                  "compile_mode": result.summary.get("compile_mode"),
+                  "cublaslt_workspace": result.summary.get("cublaslt_workspace")}
     return out
 
 

@@ -36,8 +36,8 @@ activation_checkpointing_every, init_device cpu|device), e.g. the 8B shape on 2 
         --configs bf16:parallel=fsdp,activation_checkpointing=full,init_device=device \
                   fp8_tensorwise:parallel=fsdp,activation_checkpointing=full,init_device=device
 
-Perf switches added since: fuse_qkv, fuse_gate_up, overlap_optimizer (true|false; null = auto), compile_scope,
-ddp_bucket_mb, ddp_static_graph, gc_interval, fsdp_prefetch, fsdp_fused_cast, fsdp_one_rank_direct
+Perf switches added since: cublaslt_workspace (auto|default|none), fuse_qkv, fuse_gate_up, overlap_optimizer
+(true|false; null = auto), compile_scope, ddp_bucket_mb, ddp_static_graph, gc_interval, fsdp_prefetch, fsdp_fused_cast, fsdp_one_rank_direct
 (docs/INTERFACES.md); per config also gpus, grad_accum, batch; and the training key param_dtype (bf16|fp32|auto).
 
 Writes `$OUT/train_bench.json` (when $OUT is set) and, on a GPU, `bench/results/train_bench_<date>_<gpu>.json`,
@@ -139,19 +139,13 @@ def parse_config(text: str) -> dict:
 # default keeps fused BF16 intermediates in FP32), to tell a graph change's last-bit effects from a real difference.
 # `bench.inductor=coordinate_descent`: inductor tunes each pointwise/reduction kernel's block sizes by timing them
 # at compile time (its coordinate_descent_tuning, part of max-autotune, here without the GEMM autotuning).
-# `bench.cublaslt_workspace_kib=0`: torch's cuBLASLt workspace (CUBLASLT_WORKSPACE_SIZE) set before the first GEMM;
-# with none, cuBLASLt picks the same FP8 kernels' variants that need no memset before each call
-# (bench/scaled_mm_memset_probe.py, NOTES_floor.md 55).
 INDUCTOR_SETTINGS = {"emulate_precision_casts": "emulate_precision_casts",
                      "coordinate_descent": "coordinate_descent_tuning"}  # value -> inductor config flag set on
-DIAGNOSTICS = {"bench.update": ("skip", "host_only"), "bench.inductor": tuple(INDUCTOR_SETTINGS),
-               "bench.cublaslt_workspace_kib": ("0", "1024")}
+DIAGNOSTICS = {"bench.update": ("skip", "host_only"), "bench.inductor": tuple(INDUCTOR_SETTINGS)}
 
 
 def apply_diagnostics(diagnostic: dict) -> None:
     """In the worker, before training: the monkeypatches of `DIAGNOSTICS` (the parameters then never change)."""
-    if "cublaslt_workspace_kib" in diagnostic:
-        os.environ["CUBLASLT_WORKSPACE_SIZE"] = diagnostic["cublaslt_workspace_kib"]
     if diagnostic.get("inductor") in INDUCTOR_SETTINGS:
         import torch._inductor.config as inductor_config
 
@@ -481,6 +475,7 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         "tokens_per_s_per_gpu": tokens_per_step / step_s / gpus, "parallel": result.summary.get("parallel"),
         "activation_checkpointing": result.summary.get("activation_checkpointing"),
         "compile_mode": result.summary.get("compile_mode"),
+        "cublaslt_workspace": result.summary.get("cublaslt_workspace"),
         "step_time_min_s": min(m["perf/step_time_s"] for m in timed),
         "step_time_max_s": max(m["perf/step_time_s"] for m in timed),
         "data_wait_share": sum(m["perf/data_wait_s"] for m in timed) / total_step_s,

@@ -507,8 +507,15 @@ class PerfOptions:
     # once per micro-batch (training.precision.weight_reuse; same bits): MXFP8's fused GPU quantizer, and any
     # emulated recipe in an uncompiled run. Not under FSDP2. Holds a quantized copy of those weights.
     reuse_quantized_weights: bool = True
+    # cuBLASLt's workspace in this process (torch's CUBLASLT_WORKSPACE_SIZE, read once, at the process's first
+    # GEMM): "default" torch's; "none" no workspace, where cuBLASLt runs the same FP8 kernels in variants that need
+    # no memset before each call (with one, ~190 memsets a step sat before fp8_delayed's GEMMs, each followed by
+    # idle GPU, and the step was 1.3 ms longer on an H100: bench/NOTES_floor.md 55); "auto": "none" for the
+    # per-tensor FP8 recipes on a GPU, else "default". A CUBLASLT_WORKSPACE_SIZE in the environment wins.
+    cublaslt_workspace: str = "auto"
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+    CUBLASLT_WORKSPACES = ("auto", "default", "none")
     COMPILE_SCOPES = ("auto", "model", "layers")
     OPTIMIZER_UPDATES = ("auto", "triton", "compiled", "eager")
     SHARD_UPDATES = ("auto", "torch")
@@ -717,6 +724,8 @@ class RunSpec:
                                  perf_d.get("sync_free_mask", pbase.sync_free_mask)),
             reuse_quantized_weights=_bool("training.perf", "reuse_quantized_weights",
                                           perf_d.get("reuse_quantized_weights", pbase.reuse_quantized_weights)),
+            cublaslt_workspace=_choice("training.perf", "cublaslt_workspace", perf_d.get(
+                "cublaslt_workspace", pbase.cublaslt_workspace), PerfOptions.CUBLASLT_WORKSPACES),
         )
 
     @staticmethod

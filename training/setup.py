@@ -10,6 +10,7 @@ FP32 on CPU, torch's fused AdamW.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,7 @@ class Run:
     model_info: dict = field(default_factory=dict)  # training.model.describe_model: architecture, params, source
     compile_mode: str | None = None    # the torch.compile mode the step runs under (None: inductor's default)
     fsdp_keeps_gathered_weights: bool | None = None  # FSDP2 blocks keep their gathered weights to the backward
+    cublaslt_workspace: str = "default"  # configure_cublaslt_workspace's result: default | none | env
 
     @property
     def on_cuda(self) -> bool:
@@ -91,7 +93,7 @@ class Run:
                 "fsdp_keeps_gathered_weights": self.fsdp_keeps_gathered_weights,
                 "fsdp_one_rank_direct": self.fsdp_one_rank_direct,
                 "reuse_quantized_weights": any(isinstance(h, QuantizedWeightReuse) for h in self.hooks),
-                "compile_mode": self.compile_mode,
+                "compile_mode": self.compile_mode, "cublaslt_workspace": self.cublaslt_workspace,
                 "data": dict(self.dataset.info)}
 
 
@@ -123,6 +125,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     t = spec.training
     device = _resolve_device(t.device, ctx)
     _configure_backends(device, t.perf)
+    cublaslt_workspace = configure_cublaslt_workspace(device, t.perf, spec.recipe)
     on_cuda = device.type == "cuda"
     device_name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     param_dtype = t.param_dtype if t.param_dtype != "auto" else ("bf16" if on_cuda else "fp32")
@@ -176,7 +179,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                flops_per_token=flops_per_token(model.config, spec.data.seq_len),
                micro_batch=t.batch_size // (t.grad_accum * ctx.world),
                model_info=describe_model(model, spec.model), compile_mode=mode,
-               fsdp_keeps_gathered_weights=keep_gathered)
+               fsdp_keeps_gathered_weights=keep_gathered, cublaslt_workspace=cublaslt_workspace)
 
 
 def overlap_update(option: bool | None, parallel: str) -> bool:
@@ -245,6 +248,29 @@ def _resolve_device(requested: str, ctx: DistContext) -> torch.device:
         if requested == "cuda":
             return torch.device("cuda", ctx.local_rank if ctx.enabled else torch.cuda.current_device())
     return torch.device(requested)
+
+
+# Recipes whose GEMMs are torch._scaled_mm with per-tensor scales: for them `perf.cublaslt_workspace: auto` is "none".
+NO_WORKSPACE_RECIPES = ("fp8_tensorwise", "fp8_delayed")
+
+
+def configure_cublaslt_workspace(device: torch.device, perf, recipe: str) -> str:
+    """Apply `perf.cublaslt_workspace` (see PerfOptions) before the process's first GEMM; returns what holds:
+    "default", "none", or "env" (CUBLASLT_WORKSPACE_SIZE set by the caller's environment, left as it is). torch
+    reads the variable once per process, so a process that already ran a GEMM keeps its first setting."""
+    if os.environ.get("CUBLASLT_WORKSPACE_SIZE") is not None and os.environ.get("_PLAB_CUBLASLT_SET") is None:
+        return "env"
+    choice = perf.cublaslt_workspace
+    if choice == "auto":
+        choice = "none" if device.type == "cuda" and recipe in NO_WORKSPACE_RECIPES else "default"
+    if device.type != "cuda":
+        return "default"
+    if choice == "none":
+        os.environ["CUBLASLT_WORKSPACE_SIZE"] = "0"
+        os.environ["_PLAB_CUBLASLT_SET"] = "1"  # ours, so a later run in this process may choose again
+    elif os.environ.get("_PLAB_CUBLASLT_SET") is not None:
+        del os.environ["CUBLASLT_WORKSPACE_SIZE"], os.environ["_PLAB_CUBLASLT_SET"]
+    return choice
 
 
 def _configure_backends(device: torch.device, perf) -> None:
