@@ -510,12 +510,14 @@ class PerfOptions:
     # cuBLASLt's workspace in this process (torch's CUBLASLT_WORKSPACE_SIZE, read once, at the process's first
     # GEMM): "default" torch's; "none" no workspace, where cuBLASLt runs the same FP8 kernels in variants that need
     # no memset before each call (with one, ~190 memsets a step sat before fp8_delayed's GEMMs, each followed by
-    # idle GPU, and the step was 1.3 ms longer on an H100: bench/NOTES_floor.md 55); "auto": "none" for the
-    # per-tensor FP8 recipes on a GPU, else "default". A CUBLASLT_WORKSPACE_SIZE in the environment wins.
-    cublaslt_workspace: str = "auto"
+    # idle GPU): fp8_delayed 87.4 against 88.8 ms a step, fp8_tensorwise 96.7 against 97.3 on an H100. Not the
+    # default: the variants sum each output tile in another order (the default's splits some tiles' K across
+    # programs), so an FP8 run's losses differ from the second step on (bench/NOTES_floor.md 55). A
+    # CUBLASLT_WORKSPACE_SIZE in the environment wins.
+    cublaslt_workspace: str = "default"
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
-    CUBLASLT_WORKSPACES = ("auto", "default", "none")
+    CUBLASLT_WORKSPACES = ("default", "none")
     COMPILE_SCOPES = ("auto", "model", "layers")
     OPTIMIZER_UPDATES = ("auto", "triton", "compiled", "eager")
     SHARD_UPDATES = ("auto", "torch")

@@ -18,42 +18,36 @@ def _perf(value):
     return PerfOptions(cublaslt_workspace=value)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_tensorwise"])
-def test_auto_drops_the_workspace_for_the_per_tensor_fp8_recipes_on_a_gpu(recipe):
+def test_none_drops_the_workspace_on_a_gpu_and_default_leaves_torchs():
     import os
-    assert configure_cublaslt_workspace(CUDA, _perf("auto"), recipe) == "none"
-    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
-
-
-@pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "nvfp4", "fp8_rowwise", "fp8_blockwise"])
-def test_auto_keeps_torchs_default_for_the_others(recipe):
-    import os
-    assert configure_cublaslt_workspace(CUDA, _perf("auto"), recipe) == "default"
+    assert configure_cublaslt_workspace(CUDA, _perf("default")) == "default"
     assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+    assert configure_cublaslt_workspace(CUDA, _perf("none")) == "none"
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
 
 
 def test_a_later_run_in_the_process_may_choose_again_but_a_users_setting_is_left(monkeypatch):
     import os
-    assert configure_cublaslt_workspace(CUDA, _perf("none"), "bf16") == "none"
-    assert configure_cublaslt_workspace(CUDA, _perf("default"), "fp8_delayed") == "default"
+    assert configure_cublaslt_workspace(CUDA, _perf("none")) == "none"
+    assert configure_cublaslt_workspace(CUDA, _perf("default")) == "default"
     assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
     monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "2048")
-    assert configure_cublaslt_workspace(CUDA, _perf("none"), "fp8_delayed") == "env"
+    assert configure_cublaslt_workspace(CUDA, _perf("none")) == "env"
     assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "2048"
 
 
 def test_a_cpu_run_changes_nothing():
     import os
-    assert configure_cublaslt_workspace(CPU, _perf("none"), "fp8_delayed") == "default"
+    assert configure_cublaslt_workspace(CPU, _perf("none")) == "default"
     assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
 
 
-def test_the_spec_takes_the_three_values_and_says_what_else_is_wrong():
+def test_the_spec_takes_the_two_values_and_says_what_else_is_wrong():
     base = {"recipe": "fp8_delayed", "model": "tiny", "data": {"corpus": "random", "vocab_size": 512, "seq_len": 64},
             "training": {"steps": 1, "warmup_steps": 0, "batch_size": 2}}
-    for value in ("auto", "default", "none"):
+    for value in ("default", "none"):
         spec = RunSpec.from_dict({**base, "training": {**base["training"], "perf": {"cublaslt_workspace": value}}})
         assert spec.training.perf.cublaslt_workspace == value
-    assert RunSpec.from_dict(base).training.perf.cublaslt_workspace == "auto"
-    with pytest.raises(SpecError, match="cublaslt_workspace.*auto.*default.*none"):
+    assert RunSpec.from_dict(base).training.perf.cublaslt_workspace == "default"
+    with pytest.raises(SpecError, match="cublaslt_workspace.*default.*none"):
         RunSpec.from_dict({**base, "training": {**base["training"], "perf": {"cublaslt_workspace": "0"}}})
