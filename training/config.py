@@ -511,9 +511,9 @@ class PerfOptions:
     # GEMM): "default" torch's; "none" no workspace, where cuBLASLt runs the same FP8 kernels in variants that need
     # no memset before each call (with one, ~190 memsets a step sat before fp8_delayed's GEMMs, each followed by
     # idle GPU): fp8_delayed 87.4 against 88.8 ms a step, fp8_tensorwise 96.7 against 97.3 on an H100. Not the
-    # default: the variants sum each output tile in another order (the default's splits some tiles' K across
-    # programs), so an FP8 run's losses differ from the second step on (bench/NOTES_floor.md 55). A
-    # CUBLASLT_WORKSPACE_SIZE in the environment wins.
+    # default: the variants' products differ in the last bits (another summation order; presumably the default's
+    # kernels use the workspace to split some tiles' K), so an FP8 run's losses differ from the second step on
+    # (bench/NOTES_floor.md 55). A CUBLASLT_WORKSPACE_SIZE in the environment wins.
     cublaslt_workspace: str = "default"
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
