@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.benchmeta import git_commit  # noqa: E402
+from bench.kernel_bench import graph_timed as timed  # noqa: E402
 from bench.step_profile import device_ceilings  # noqa: E402
 from training.precision.formats import fp8_cast  # noqa: E402
 from training.precision.fp8_triton import cast_transpose_launch, fp8_transpose  # noqa: E402
@@ -32,33 +33,6 @@ TILES = [(64, 64, 4), (64, 64, 8), (64, 128, 4), (64, 128, 8), (128, 64, 4), (12
          (32, 64, 4), (32, 128, 4), (32, 128, 8), (32, 256, 4), (16, 256, 4)]
 COPIES = 6  # distinct operands cycled through, so each call reads HBM as in the step (one is under L2's 50 MB)
 E4M3 = torch.float8_e4m3fn
-
-
-def timed(fn, calls: int = 20, reps: int = 10) -> float:
-    """GPU ms per call: `calls` calls captured in one CUDA graph (as in the compiled step, no host launch cost),
-    the graph replayed `reps` times between CUDA events, the median replay divided by `calls`."""
-    import statistics
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def main() -> int:

@@ -59,6 +59,32 @@ def timed(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def graph_timed(fn, calls: int = 20, reps: int = 10) -> float:
+    """GPU ms per call: `calls` calls captured in one CUDA graph (as in the compiled step, no host launch cost),
+    the graph replayed `reps` times between CUDA events, the median replay divided by `calls`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def model_buckets(dev) -> list[list[torch.nn.Parameter]]:
     """The 1b model's parameters (BF16, fused QKV) in the overlapped step's buckets: embedding, each layer,
     final norm + LM head."""

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.benchmeta import git_commit  # noqa: E402
-from bench.cast_transpose_probe import timed  # noqa: E402
+from bench.kernel_bench import graph_timed as timed  # noqa: E402
 from bench.step_profile import device_ceilings  # noqa: E402
 from training.precision.formats import fp8_cast  # noqa: E402
 from training.precision.fp8_triton import fp8_transpose  # noqa: E402
