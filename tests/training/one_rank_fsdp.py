@@ -1,5 +1,5 @@
-"""What the one-rank FSDP2 tests share: a free local port for a gloo group of one process, and the small model they
-shard (three Linear-LayerNorm-Linear blocks, each its own FSDP2 unit, BF16 compute with FP32 reduction as training
+"""What the one-rank FSDP2 tests share: a free local port for a gloo group of one process, a dict the spawned
+processes report into, and the small model they shard (three Linear-LayerNorm-Linear blocks, each its own FSDP2 unit, BF16 compute with FP32 reduction as training
 runs)."""
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def results_dict():
+    """A dict the processes of `mp.spawn` write their results into. Its manager is started in a fresh interpreter
+    (spawn), not forked: forking the test process, which already runs torch's threads, has killed the manager at
+    start ("terminate called after throwing std::system_error: Invalid argument", an EOFError here) in CI.
+    The manager stays alive as long as the returned dict."""
+    import torch.multiprocessing as mp
+
+    return mp.get_context("spawn").Manager().dict()
 
 
 def sharded_blocks() -> tuple[list[torch.nn.Module], torch.nn.Module]:

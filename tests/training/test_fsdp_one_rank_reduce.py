@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.training.one_rank_fsdp import free_port, sharded_blocks
+from tests.training.one_rank_fsdp import free_port, results_dict, sharded_blocks
 
 
 def _grads(custom: bool):
@@ -64,7 +64,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 
 def test_one_rank_reduce_scatter_gives_fsdp2s_gradients_without_the_copy():
-    out = mp.Manager().dict()
+    out = results_dict()
     mp.spawn(_worker, args=(free_port(), out), nprocs=1, join=True)
     assert out["nonzero"], "every gradient must be non-zero (the comparison would pass vacuously otherwise)"
     assert out["equal"]

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.training.one_rank_fsdp import free_port, sharded_blocks
+from tests.training.one_rank_fsdp import free_port, results_dict, sharded_blocks
 
 
 class _Copies(TorchDispatchMode):
@@ -70,7 +70,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 
 def test_one_rank_unshard_casts_into_the_unsharded_parameter_with_fsdp2s_bits():
-    out = mp.Manager().dict()
+    out = results_dict()
     mp.spawn(_worker, args=(free_port(), out), nprocs=1, join=True)
     plain_losses, fused_losses = out["losses"]
     assert out["params_moved"], "the losses must change from step to step (the shards are updated)"

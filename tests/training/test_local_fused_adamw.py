@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.training.one_rank_fsdp import free_port
+from tests.training.one_rank_fsdp import free_port, results_dict
 
 
 def _build(seed: int):
@@ -86,8 +86,7 @@ def _initial(rank: int):
 def test_local_fused_adamw_gives_the_bits_of_the_optimizer_step_on_two_processes(scaled, kernel):
     """`kernel="auto"` is the Triton shard update where FSDP2 put the model on a GPU (the GPU host), torch's fused
     AdamW on CPU."""
-    manager = mp.Manager()
-    out = manager.dict()
+    out = results_dict()
     mp.spawn(_worker, args=(2, free_port(), out, scaled, kernel), nprocs=2, join=True)
     for rank in (0, 1):
         r = out[rank]
