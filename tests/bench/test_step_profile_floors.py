@@ -154,3 +154,23 @@ def test_idle_gaps_sum_the_gaps_between_device_events_by_size_and_by_the_kernels
     assert [r["between"] for r in gaps["largest"]] == ["adamw -> memcpy", "norm -> adamw", "cast -> norm"]  # the last to end
     assert gaps["largest"][0]["count"] == 0.5
     assert sp.idle_gaps([k("x", 0, 0)], active=1) == {}
+
+
+def test_the_unprofiled_timer_reports_each_step_beside_the_median(sp):
+    class Event:  # a CUDA event's two methods the summary uses, at a given time in ms
+        def __init__(self, t):
+            self.t = t
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    timer = sp._UnprofiledTimer(first=3, last=6)
+    timer.starts = [Event(t) for t in (0.0, 1800.0, 1900.0, 1988.0, 2076.0)]
+    timer.optimizer_events = [(Event(10.0), Event(22.5)), (Event(100.0), Event(112.0))]
+    out = timer.summary()
+    assert out["each_step_ms"] == [1800.0, 100.0, 88.0, 88.0]
+    assert out["step_ms"] == 94.0 and out["steps"] == 4  # the median of four: one slow step lifts it
+    assert out["each_optimizer_ms"] == [12.5, 12.0] and out["optimizer_ms"] == 12.25
