@@ -1,6 +1,6 @@
 """What the one-rank FSDP2 tests share: a free local port for a gloo group of one process, a dict the spawned
-processes report into, and the small model they shard (three Linear-LayerNorm-Linear blocks, each its own FSDP2 unit, BF16 compute with FP32 reduction as training
-runs)."""
+processes report into, and the small model they shard (three Linear-LayerNorm-Linear blocks, each its own FSDP2
+unit, BF16 compute with FP32 reduction as training runs)."""
 from __future__ import annotations
 
 import socket
@@ -16,9 +16,9 @@ def free_port() -> int:
 
 def results_dict():
     """A dict the processes of `mp.spawn` write their results into. Its manager is started in a fresh interpreter
-    (spawn), not forked: forking the test process, which already runs torch's threads, has killed the manager at
-    start ("terminate called after throwing std::system_error: Invalid argument", an EOFError here) in CI.
-    The manager stays alive as long as the returned dict."""
+    (spawn), not forked from the pytest worker: in one CI run a forked manager died at start ("terminate called
+    after throwing an instance of 'std::system_error'", an EOFError in the test), presumably from the state of the
+    threads it inherited; a spawned one inherits none. The manager lives as long as the returned dict."""
     import torch.multiprocessing as mp
 
     return mp.get_context("spawn").Manager().dict()
