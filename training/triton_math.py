@@ -3,12 +3,23 @@ roundings done on the bits, so that a kernel gives the same bits on the GPU and 
 (whose float casts truncate) as torch's conversions."""
 from __future__ import annotations
 
+import os
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
     import triton
     import triton.language as tl
     HAVE_TRITON = True
 except Exception:  # noqa: BLE001 - any import problem means: no fast path
     HAVE_TRITON = False
+
+
+
+def compiled_for_gpu() -> bool:
+    """Whether a kernel launched now is compiled for the GPU rather than run by Triton's CPU interpreter
+    (TRITON_INTERPRET=1, read at each launch as Triton does): the kernels' constexpr for the paths only a GPU has
+    (hardware FP8 conversion, libdevice)."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
 
 if HAVE_TRITON:
     @triton.jit

@@ -108,7 +108,7 @@ def _train_side_by_side(base, fused, steps, tokens=32):
         assert_trained_alike(step, outs, base, fused)
 
 
-def test_the_fused_mlp_trains_bit_for_bit_like_its_threelayers(monkeypatch):
+def test_the_fused_mlp_trains_bit_for_bit_like_its_three_layers(monkeypatch):
     base, fused = _pair()
     assert _fuse(fused) == 0  # once
     spy = _Spy(monkeypatch)

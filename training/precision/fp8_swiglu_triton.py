@@ -24,12 +24,10 @@ max over its BF16 operand, i.e. max |v| rounded to BF16 (rounding is monotonic, 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from training.precision.formats import fp8_cast
-from training.triton_math import HAVE_TRITON
+from training.triton_math import HAVE_TRITON, compiled_for_gpu
 
 if HAVE_TRITON:
     import triton
@@ -117,7 +115,7 @@ def swiglu_fp8_launch(g, u, dh, scale_a, scale_b, *, wrap=lambda kernel: kernel,
                                    qb, qbt, partial, m, n, g.stride(0), u.stride(0),
                                    dh.stride(0) if backward else 0, BACKWARD=backward,
                                    FP8_MAX=57344.0 if backward else 448.0, E5M2=backward,
-                                   LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1", BM=bm, BN=bn,
+                                   LIBDEVICE=compiled_for_gpu(), BM=bm, BN=bn,
                                    num_warps=num_warps)
     if not backward:
         return qa, qat, _bf16_amax(partial)

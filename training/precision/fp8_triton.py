@@ -19,11 +19,9 @@ It takes a 2D BF16 or FP32 tensor (any row stride, unit column stride).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from training.triton_math import HAVE_TRITON
+from training.triton_math import HAVE_TRITON, compiled_for_gpu
 
 if HAVE_TRITON:
     import triton
@@ -64,7 +62,7 @@ def cast_transpose_launch(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch
     wrap(_fp8_cast_transpose_kernel)[grid](x, scale, q, qt, partial, m, n, x.stride(0),
                                            FP8_MAX=FP8_MAX[fp8_dtype], E5M2=fp8_dtype == torch.float8_e5m2,
                                            X_BF16=x.dtype == torch.bfloat16,
-                                           NATIVE=os.environ.get("TRITON_INTERPRET") != "1", BM=bm, BN=bn,
+                                           NATIVE=compiled_for_gpu(), BM=bm, BN=bn,
                                            num_warps=num_warps)
     return q, qt, partial.amax()
 
