@@ -105,6 +105,71 @@ def test_fused_qkv_gives_the_same_logits_and_gradients_and_splits_back_to_hf_nam
     assert torch.equal(join_fused_qkv(plain.state_dict(), name), fused.state_dict()[name])
 
 
+def test_fused_qkv_rotates_in_the_gemms_layout_bit_for_bit_like_hfs_order_and_hands_sdpa_strided_views():
+    """The fused QKV forward applies RoPE on [batch, tokens, heads, head_dim] and only then takes the [batch,
+    heads, tokens, head_dim] views (so the GPU's RoPE backward runs along contiguous rows); HF rotates after
+    the transpose. Same values element for element: logits and every gradient equal to the bit, eager and
+    compiled, FP32 and BF16."""
+    import copy
+
+    import torch
+
+    import training.model as tm
+    from training.model import build_model, fuse_qkv, llama_config
+    ml = tm._llama
+    seen = []
+
+    def hf_order(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in self.qkv_proj(hidden_states).split(self.qkv_split, -1))
+        q, k = ml.apply_rotary_pos_emb(q, k, *position_embeddings)
+        out, w = ml.ALL_ATTENTION_FUNCTIONS["sdpa"](self, q, k, v, attention_mask, dropout=0.0,
+                                                     scaling=self.scaling)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), w
+
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.shape, q.stride(), k.stride()))
+        return real_sdpa(q, k, v, *args, **kwargs)
+
+    cfg = llama_config({"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2}, 97, 32)
+    cfg._attn_implementation = "sdpa"
+    for dtype in (torch.float32, torch.bfloat16):
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            ours = build_model(cfg, 3).to(dtype)
+            fuse_qkv(ours)
+            hf = copy.deepcopy(ours)
+            for layer in hf.model.layers:
+                layer.self_attn.forward = hf_order.__get__(layer.self_attn)
+            if compiled:
+                for m in (ours, hf):
+                    for layer in m.model.layers:
+                        layer.forward = torch.compile(layer.forward)
+            x = torch.randint(0, 97, (2, 32))
+            a, b = ours(input_ids=x).logits, hf(input_ids=x).logits
+            assert torch.equal(a, b), (dtype, compiled)
+            a.float().square().mean().backward()
+            b.float().square().mean().backward()
+            for (name, p), q in zip(ours.named_parameters(), hf.parameters()):
+                assert torch.equal(p.grad, q.grad), (dtype, compiled, name)
+    # eager: what SDPA receives is a [batch, heads, tokens, head_dim] view of a [batch, tokens, heads,
+    # head_dim] tensor (tokens stride heads x head_dim, heads stride head_dim)
+    torch._dynamo.reset()
+    ours = build_model(cfg, 3)
+    fuse_qkv(ours)
+    torch.nn.functional.scaled_dot_product_attention = spy
+    try:
+        ours(input_ids=torch.randint(0, 97, (2, 32)))
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = real_sdpa
+    (shape, q_stride, k_stride) = seen[0]
+    assert shape == (2, 4, 32, 32) and q_stride == (32 * 4 * 32, 32, 4 * 32, 1), q_stride
+    assert k_stride[1:] == (32, 2 * 32, 1), k_stride
+
+
 def test_a_fused_qkv_decoder_layer_compiles_into_one_graph():
     """Regional compilation compiles each decoder layer's forward: it must trace without a graph break (an
     import of transformers' lazy module inside the forward used to split every layer's graph in two)."""
