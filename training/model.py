@@ -426,15 +426,10 @@ def _fused_qkv_attention_forward(self, hidden_states, position_embeddings=None, 
     kwargs.pop("use_cache", None)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    q, k, v = (t.reshape(hidden_shape) for t in self.qkv_proj(hidden_states).split(self.qkv_split, dim=-1))
+    q, k, v = self.qkv_proj(hidden_states).split(self.qkv_split, dim=-1)
+    q, k, v = (t.reshape(hidden_shape).transpose(1, 2) for t in (q, k, v))
     cos, sin = position_embeddings
-    # RoPE on the [batch, tokens, heads, head_dim] layout the GEMM wrote, then the [batch, heads, tokens,
-    # head_dim] views SDPA takes (HF rotates after the transpose: same values, element for element). The
-    # attention kernels read and write strided views, and its backward allocates dQ/dK like Q/K, so the
-    # RoPE backward and the concatenation into dQKV run along contiguous rows instead of transposing
-    # (bench/NOTES_floor.md, section 57).
-    q, k = ml.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    q, k = ml.apply_rotary_pos_emb(q, k, cos, sin)
     impl = self.config._attn_implementation
     attention = ml.eager_attention_forward if impl == "eager" else ml.ALL_ATTENTION_FUNCTIONS[impl]
     out, weights = attention(self, q, k, v, attention_mask, dropout=0.0 if not self.training else
