@@ -426,10 +426,17 @@ def _fused_qkv_attention_forward(self, hidden_states, position_embeddings=None, 
     kwargs.pop("use_cache", None)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    q, k, v = self.qkv_proj(hidden_states).split(self.qkv_split, dim=-1)
-    q, k, v = (t.reshape(hidden_shape).transpose(1, 2) for t in (q, k, v))
     cos, sin = position_embeddings
-    q, k = ml.apply_rotary_pos_emb(q, k, cos, sin)
+    # A recipe may run the projection and RoPE itself (fp8_delayed's fused_qkv_rope): (q, k, v) [batch, tokens, heads,
+    # head_dim], or None where its own conditions do not hold.
+    qkv_rope = getattr(self, "qkv_rope", None)
+    fused = qkv_rope(hidden_states, cos, sin) if qkv_rope is not None else None
+    if fused is not None:
+        q, k, v = (t.transpose(1, 2) for t in fused)
+    else:
+        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_split, dim=-1)
+        q, k, v = (t.reshape(hidden_shape).transpose(1, 2) for t in (q, k, v))
+        q, k = ml.apply_rotary_pos_emb(q, k, cos, sin)
     impl = self.config._attn_implementation
     attention = ml.eager_attention_forward if impl == "eager" else ml.ALL_ATTENTION_FUNCTIONS[impl]
     out, weights = attention(self, q, k, v, attention_mask, dropout=0.0 if not self.training else

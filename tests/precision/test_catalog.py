@@ -49,7 +49,7 @@ def test_options_and_defaults_are_the_recipes_documented_ones():
     assert defaults == {
         "bf16": {}, "fp8_tensorwise": {}, "fp8_rowwise": {}, "fp8_blockwise": {"traced_gemm": True, "cuda_graphs": True},
         "fp8_delayed": {"amax_history_len": 1024, "fused_cast": False, "cuda_graphs": True, "one_pass_cast": True,
-                        "fused_swiglu": True},
+                        "fused_swiglu": True, "fused_qkv_rope": True},
         "mxfp8": {"scale_rounding": "rceil", "fused_quantize": True},
         "nvfp4": {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_seed": 0, "fused_quantize": True,
                   "share_mlp_input": True},

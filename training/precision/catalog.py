@@ -169,7 +169,13 @@ _BUILTIN = (
                                              "backward each run as one Triton pass that writes the FP8 codes in "
                                              "both layouts the next GEMMs read and records the amax (inductor's "
                                              "math, the same codes; off: inductor's kernel and a transposing "
-                                             "copy of its codes)")),
+                                             "copy of its codes)"),
+                 _bool("fused_qkv_rope", True, "real GEMMs with the one-pass casts, a fused QKV projection "
+                                               "(training.perf.fuse_qkv): once the amax history exists, the "
+                                               "projection's dY (RoPE's backward of dQ and dK, and dV) is cast to "
+                                               "E5M2 by one Triton pass that writes both layouts and the amax "
+                                               "(inductor's math, the same codes; off: inductor's kernel, which "
+                                               "stores the codes twice, and a transposing copy)")),
         quantizer_bytes=(4, 4),  # scale from the history: the amax is recorded during the one cast pass
     ),
     RecipeEntry(

@@ -336,6 +336,99 @@ def fuse_swiglu_mlp(block) -> int:
     return 1
 
 
+class DelayedQKVRoPEFn(torch.autograd.Function):
+    """A fused QKV projection (model.fuse_qkv) and RoPE, with a real FP8 GEMM and the history's scales
+    (`fused_qkv_rope`): DelayedFP8Fn's real one-pass path operand for operand (X cast once and copied into the Wgrad
+    layout, W in both layouts and its amax from one pass), then HF's `apply_rotary_pos_emb` on the GEMM's [batch,
+    tokens, heads, head_dim] layout. Backward receives dQ, dK and dV and runs RoPE's backward, their concatenation
+    and the E5M2 cast in one Triton pass that writes both layouts and the amax (fp8_rope_triton), where the layers'
+    path had inductor's kernel write the row-major codes twice and a second kernel copy them into the Wgrad layout.
+    Forward returns (q, k, v, max |W|), each of q, k, v [batch, tokens, heads, head_dim]; backward returns dY's amax
+    as the gradient of the layer's token."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x2, weight, scales, token, cos, sin, batch: int, n_q: int, n_kv: int, out_dtype):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        from training.precision.fp8_triton import fp8_transpose
+
+        x8, inv_x = _to_fp8(x2, scales[INPUT], E4M3), scales[INPUT].reciprocal()
+        w8, w8t, amax_w = _weight_both_layouts(weight, scales[WEIGHT])
+        inv_w = scales[WEIGHT].reciprocal()
+        y = _fp8_mm(True, x8, inv_x, w8.t(), inv_w, out_dtype, fast_accum=True)
+        head_dim = cos.shape[-1]
+        q, k, v = y.view(batch, -1, n_q + 2 * n_kv, head_dim).split([n_q, n_kv, n_kv], dim=2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        ctx.save_for_backward(fp8_transpose(x8), w8t, inv_x, inv_w, scales, cos, sin)
+        ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
+        ctx.mark_non_differentiable(amax_w)
+        return q, k, v, amax_w
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dq, dk, dv, _grad_amax_w):
+        from training.precision.fp8_rope_triton import rope_bwd_fp8
+
+        x8t, w8t, inv_x, inv_w, scales, cos, sin = ctx.saved_tensors
+        g8, g8t, amax = rope_bwd_fp8(dq, dk, dv, cos, sin, scales[GRAD])
+        inv_g = scales[GRAD].reciprocal()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _fp8_mm(True, g8, inv_g, w8t.t(), inv_w, ctx.x_dtype, fast_accum=False)
+        if ctx.needs_input_grad[1]:
+            dw = _fp8_mm(True, g8t, inv_g, x8t.t(), inv_x, ctx.w_dtype, fast_accum=False)
+        return dx, dw, None, amax if ctx.needs_input_grad[3] else None, None, None, None, None, None, None
+
+
+def _delayed_qkv_rope(attn, hidden_states, cos, sin):
+    """The fused-QKV attention's projection and RoPE on fp8_delayed's fused path (DelayedQKVRoPEFn): (q, k, v), each
+    [batch, tokens, heads, head_dim]; None where the layer's own path applies (the first step, before the history
+    exists; hooks on the layer; token counts not divisible by 16; RoPE tables of another shape or dtype)."""
+    layer = attn.qkv_proj
+    x2 = hidden_states.reshape(-1, hidden_states.shape[-1])
+    batch, tokens = hidden_states.shape[0], hidden_states.shape[1]
+    out_dtype = compute_dtype(hidden_states)
+    if not (layer.ready_host and hidden_states.dim() == 3 and x2.shape[0] % 16 == 0 and not has_hooks(layer)
+            and cos.shape == sin.shape and cos.dim() == 3 and cos.shape[0] in (1, batch) and cos.shape[1] == tokens
+            and cos.shape[2] == attn.head_dim and cos.dtype == sin.dtype == out_dtype):
+        return None
+    if x2.dtype != out_dtype:
+        x2 = x2.to(out_dtype)
+    record = layer.training and torch.is_grad_enabled()
+    n_q, n_kv = attn.qkv_split[0] // attn.head_dim, attn.qkv_split[1] // attn.head_dim
+    q, k, v, amax_w = DelayedQKVRoPEFn.apply(x2, layer.weight, layer.scales, layer.grad_amax_token if record else None,
+                                             cos, sin, batch, n_q, n_kv, out_dtype)
+    if record:
+        pending = layer.pending_amax
+        pending.copy_(torch.maximum(pending, torch.stack([_amax(x2, True), amax_w, pending[GRAD]])))
+    return q, k, v
+
+
+def fuse_qkv_rope(block) -> int:
+    """In a decoder block whose attention has a fused QKV projection (model.fuse_qkv) that is a real fp8_delayed layer
+    with the one-pass casts (no fused_cast), no bias, equal K and V widths and a power-of-two head_dim: the projection
+    and RoPE run as DelayedQKVRoPEFn once the amax history exists (the attention's forward asks `qkv_rope`). Returns 1
+    if set up so, else 0."""
+    from training.model import _fused_qkv_attention_forward
+
+    attn = getattr(block, "self_attn", None)
+    layer = getattr(attn, "qkv_proj", None)
+    if layer is None or getattr(attn, "qkv_rope", None) is not None:
+        return 0
+    if not (isinstance(layer, DelayedScalingLinear) and layer.real and layer.one_pass_cast and not layer.fused_cast
+            and layer.bias is None):
+        return 0
+    forward = getattr(attn.forward, "__func__", None)
+    head_dim = getattr(attn, "head_dim", 0)
+    split = getattr(attn, "qkv_split", None)
+    if (forward is not _fused_qkv_attention_forward or not split or len(split) != 3 or split[1] != split[2]
+            or head_dim < 16 or head_dim & (head_dim - 1) or any(w % head_dim for w in split)):
+        return 0
+    attn.qkv_rope = _delayed_qkv_rope.__get__(attn)
+    return 1
+
+
 def _new_token(device) -> torch.Tensor:
     return torch.zeros((), device=device, requires_grad=True)
 
@@ -573,13 +666,16 @@ class FP8DelayedRecipe(Recipe):
         how = "torch._scaled_mm with delayed scaling" if real else f"emulated: {new.quantizer.describe()}"
         return new, new.quantizer, how
 
-    shared_note = ("the MLP's SwiGLU and its backward run as one Triton pass each, writing both FP8 layouts and the "
-                   "amax, once the amax history exists (fused_swiglu)")
+    shared_note = ("once the amax history exists, the MLP's SwiGLU and its backward run as one Triton pass each, "
+                   "writing both FP8 layouts and the amax (fused_swiglu), and the QKV projection's dY comes from one "
+                   "pass over dQ, dK and dV through RoPE's backward (fused_qkv_rope)")
 
     def share_inputs(self, block, options: dict, real: bool) -> int:
-        if not (real and options["fused_swiglu"] and options["one_pass_cast"] and not options["fused_cast"]):
+        if not (real and options["one_pass_cast"] and not options["fused_cast"]):
             return 0
-        return fuse_swiglu_mlp(block)
+        mlp = fuse_swiglu_mlp(block) if options["fused_swiglu"] else 0
+        qkv = fuse_qkv_rope(block) if options["fused_qkv_rope"] else 0
+        return 1 if mlp or qkv else 0
 
     def compile_mode(self, options, real):
         # The step is host-bound at times: ~1,200 Triton launches per 1b step, and rounds of 100-111 ms steps
