@@ -344,7 +344,11 @@ class DelayedQKVRoPEFn(torch.autograd.Function):
     and the E5M2 cast in one Triton pass that writes both layouts and the amax (fp8_rope_triton), where the layers'
     path had inductor's kernel write the row-major codes twice and a second kernel copy them into the Wgrad layout.
     Forward returns (q, k, v, max |W|), each of q, k, v [batch, tokens, heads, head_dim]; backward returns dY's amax
-    as the gradient of the layer's token."""
+    as the gradient of the layer's token. With SDPA's fused attention kernels (cuDNN, the step's; flash) dQ, dK and dV
+    are the attention op's BF16 outputs and the codes, GEMMs and amaxes are the layer's path's to the bit
+    (tests/precision/test_fused_qkv_rope_gpu.py). Where the attention's backward ends in a pointwise op (eager
+    attention's softmax scale, SDPA's math backend) inductor fuses that op into the layer path's cast without rounding
+    its product to BF16, while this function receives the rounded gradient: the codes differ in the last bit there."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
