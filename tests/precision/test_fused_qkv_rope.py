@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from tests.precision.test_fused_swiglu import ApplySpy
 from training.model import build_model, fuse_qkv, llama_config
 from training.precision import fp8_delayed
 from training.precision.fp8_delayed import DelayedScalingLinear, fuse_qkv_rope
@@ -62,16 +63,8 @@ def assert_trained_alike(step, outs, base, fused) -> None:
     assert torch.equal(a.scales, b.scales), f"step {step}"
 
 
-class _Spy:
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        apply = fp8_delayed.DelayedQKVRoPEFn.apply
-
-        def counted(*args):
-            self.calls += 1
-            return apply(*args)
-
-        monkeypatch.setattr(fp8_delayed.DelayedQKVRoPEFn, "apply", counted)
+def _Spy(monkeypatch):
+    return ApplySpy(monkeypatch, fp8_delayed.DelayedQKVRoPEFn)
 
 
 def train_side_by_side(base, fused, rope, steps, batch=2, tokens=16):

@@ -88,16 +88,18 @@ def assert_trained_alike(step, outs, base, fused) -> None:
         assert torch.equal(a.scales, b.scales), f"step {step}"
 
 
-class _Spy:
-    def __init__(self, monkeypatch):
+class ApplySpy:
+    """Counts the calls of an autograd Function's `apply` (default: fp8_delayed's fused MLP)."""
+
+    def __init__(self, monkeypatch, fn=fp8_delayed.DelayedSwiGLUMLPFn):
         self.calls = 0
-        apply = fp8_delayed.DelayedSwiGLUMLPFn.apply
+        apply = fn.apply
 
         def counted(*args):
             self.calls += 1
             return apply(*args)
 
-        monkeypatch.setattr(fp8_delayed.DelayedSwiGLUMLPFn, "apply", counted)
+        monkeypatch.setattr(fn, "apply", counted)
 
 
 def _train_side_by_side(base, fused, steps, tokens=32):
@@ -111,7 +113,7 @@ def _train_side_by_side(base, fused, steps, tokens=32):
 def test_the_fused_mlp_trains_bit_for_bit_like_its_three_layers(monkeypatch):
     base, fused = _pair()
     assert _fuse(fused) == 0  # once
-    spy = _Spy(monkeypatch)
+    spy = ApplySpy(monkeypatch)
     _train_side_by_side(base, fused, steps=4)
     # The first step has no history (just-in-time scales, the layers' own path); the other three are fused.
     assert spy.calls == 3
@@ -124,7 +126,7 @@ def test_the_fused_mlp_trains_bit_for_bit_like_its_three_layers(monkeypatch):
 def test_without_gradients_it_records_nothing_and_gives_the_same_output(monkeypatch):
     base, fused = _pair()
     _train_side_by_side(base, fused, steps=1)  # builds the history
-    spy = _Spy(monkeypatch)
+    spy = ApplySpy(monkeypatch)
     x = torch.randn(16, 64)
     with torch.no_grad():
         assert torch.equal(base(x), fused(x))
@@ -135,7 +137,7 @@ def test_without_gradients_it_records_nothing_and_gives_the_same_output(monkeypa
 def test_hooks_or_an_odd_token_count_take_the_layers_own_path(monkeypatch):
     base, fused = _pair()
     _train_side_by_side(base, fused, steps=1)
-    spy = _Spy(monkeypatch)
+    spy = ApplySpy(monkeypatch)
     _train_side_by_side(base, fused, steps=1, tokens=24)  # torch._scaled_mm needs multiples of 16
     seen = []
     handle = fused.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
