@@ -139,8 +139,15 @@ def parse_config(text: str) -> dict:
 # default keeps fused BF16 intermediates in FP32), to tell a graph change's last-bit effects from a real difference.
 # `bench.inductor=coordinate_descent`: inductor tunes each pointwise/reduction kernel's block sizes by timing them
 # at compile time (its coordinate_descent_tuning, part of max-autotune, here without the GEMM autotuning).
-INDUCTOR_SETTINGS = {"emulate_precision_casts": "emulate_precision_casts",
-                     "coordinate_descent": "coordinate_descent_tuning"}  # value -> inductor config flag set on
+# value -> (inductor config name, the value set)
+INDUCTOR_SETTINGS = {"emulate_precision_casts": ("emulate_precision_casts", True),
+                     "coordinate_descent": ("coordinate_descent_tuning", True),
+                     # user Triton kernels (torch.library.triton_op) take their inputs in whatever layout inductor
+                     # gives them instead of a copy in the traced strides (bench/NOTES_floor.md 59)
+                     "flexible_user_kernels": ("triton_kernel_default_layout_constraint", "flexible_layout"),
+                     # a pointwise result with several users is stored once (not recomputed per user) from 4 reads
+                     # on instead of 5 (bench/NOTES_floor.md 59)
+                     "realize_reads_3": ("realize_reads_threshold", 3)}
 DIAGNOSTICS = {"bench.update": ("skip", "host_only"), "bench.inductor": tuple(INDUCTOR_SETTINGS)}
 
 
@@ -149,7 +156,7 @@ def apply_diagnostics(diagnostic: dict) -> None:
     if diagnostic.get("inductor") in INDUCTOR_SETTINGS:
         import torch._inductor.config as inductor_config
 
-        setattr(inductor_config, INDUCTOR_SETTINGS[diagnostic["inductor"]], True)
+        setattr(inductor_config, *INDUCTOR_SETTINGS[diagnostic["inductor"]])
     mode = diagnostic.get("update")
     if mode is None:
         return
