@@ -16,6 +16,7 @@ generated Triton code, and times each compiled function on the GPU:
 """
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -42,7 +43,9 @@ def fp8_stores(codes: list[str]) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     from bench.benchmeta import git_commit, write_result
     from training.precision.fp8_triton import byte_transpose_launch, fp8_transpose
 

@@ -11,9 +11,32 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("script", ["carveout_probe.py", "kernel_bench.py"])
+@pytest.mark.parametrize("script", ["carveout_probe.py", "kernel_bench.py", "transpose_store_probe.py"])
 def test_gpu_bench_script_imports_and_prints_its_usage(script):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage:" in proc.stdout and "--" in proc.stdout
+
+
+def test_the_transpose_probe_counts_stores_of_fp8_casts_per_kernel():
+    sys.path.insert(0, str(REPO))
+    from bench.transpose_store_probe import fp8_stores
+    kernel = """async_compile.triton('k', '''
+@triton.jit
+def triton_poi_fused_cast_0(in_ptr0, out_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):
+    tmp0 = tl.load(in_ptr0 + (x0), None).to(tl.float32)
+    tmp1 = tmp0 * tmp0
+    tmp2 = tmp1.to(tl.float8e4nv)
+    tl.store(out_ptr0 + (x0), tmp2, None)
+    tl.store(out_ptr1 + (x0), tmp2, None)
+    tl.store(out_ptr1 + (x0), tmp1, None)
+''', device_str='cuda')
+async_compile.triton('j', '''
+@triton.jit
+def triton_poi_fused_add_1(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    tmp0 = tl.load(in_ptr0 + (x0), None)
+    tl.store(out_ptr0 + (x0), tmp0, None)
+''', device_str='cuda')
+"""
+    assert fp8_stores([kernel]) == {"triton_poi_fused_cast_0": 2}

@@ -174,3 +174,40 @@ def test_the_unprofiled_timer_reports_each_step_beside_the_median(sp):
     assert out["each_step_ms"] == [1800.0, 100.0, 88.0, 88.0]
     assert out["step_ms"] == 94.0 and out["steps"] == 4  # the median of four: one slow step lifts it
     assert out["each_optimizer_ms"] == [12.5, 12.0] and out["optimizer_ms"] == 12.25
+
+
+def test_the_unprofiled_window_starts_after_the_compiling_steps_and_ends_inside_the_profilers_wait(sp, monkeypatch):
+    """fp8_delayed compiles in its steps 1-3 (no amax history, history, CUDA graphs' recording): a window that held
+    step 3 reported ~1 s steps. The timer records a start event for each step first..last+1 (each step timed to the
+    next start); the last must be a wait step of the profiler, whose warm-up starts at call PROFILER_WAIT + 1."""
+    import torch
+
+    first, last = sp.UNPROFILED_STEPS
+    assert first >= 4 and last - first + 1 >= 5
+    assert last + 1 <= sp.PROFILER_WAIT
+    clock = {"n": 0, "ms": 0.0}
+
+    class Event:  # a CUDA event recorded at the start of step n; steps take 88 ms but the last of the window 140
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t, self.step = clock["ms"], clock["n"]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = sp._UnprofiledTimer(*sp.UNPROFILED_STEPS)
+    for n in range(1, sp.PROFILER_WAIT + 5):  # the worker's should_stop, called at every step's start
+        clock["n"] = n
+        timer.step_starts(n)
+        clock["ms"] += 1200.0 if n <= 3 else (140.0 if n == last else 88.0)
+    assert [e.step for e in timer.starts] == list(range(first, last + 2))
+    out = timer.summary()
+    assert out["each_step_ms"] == [88.0] * (last - first) + [140.0]
+    assert out["step_ms"] == 88.0  # the median of five is not lifted by one slow step

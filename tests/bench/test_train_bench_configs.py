@@ -119,3 +119,18 @@ def test_inductor_diagnostic_turns_on_coordinate_descent_tuning_alone(bench):
         assert inductor_config.coordinate_descent_tuning is True
         assert inductor_config.emulate_precision_casts is False and inductor_config.max_autotune is False
     assert inductor_config.coordinate_descent_tuning is False
+
+
+def test_inductor_diagnostics_with_values_set_them(bench):
+    """bench.inductor settings that are not switches: the user kernels' layout constraint and the reads threshold
+    from which a reused pointwise result is stored once (bench/NOTES_floor.md 59)."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(triton_kernel_default_layout_constraint="needs_fixed_stride_order",
+                               realize_reads_threshold=4):
+        bench.apply_diagnostics(bench.parse_config("fp8_delayed:bench.inductor=flexible_user_kernels")["diagnostic"])
+        assert inductor_config.triton_kernel_default_layout_constraint == "flexible_layout"
+        assert inductor_config.realize_reads_threshold == 4
+        bench.apply_diagnostics(bench.parse_config("fp8_delayed:bench.inductor=realize_reads_3")["diagnostic"])
+        assert inductor_config.realize_reads_threshold == 3
+    assert inductor_config.triton_kernel_default_layout_constraint == "needs_fixed_stride_order"
