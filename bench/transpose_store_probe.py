@@ -7,10 +7,16 @@ torch did not log a failed mutation analysis (which would make it clone every in
 (BF16 [8192, 2048] * scale -> E4M3) with each consumer pattern below on its own, counts the FP8 stores in the
 generated Triton code, and times each compiled function on the GPU:
 
-- `mm_and_triton_op`: the step's pattern (the GEMM and the triton_op transpose);
+- `mm_and_triton_op` (and `triton_op_then_mm`, the calls the other way round): the step's pattern;
 - `mm_only`, `triton_op_only`: one consumer each (the codes also returned, as the step saves them);
-- `mm_and_custom_op`: the same transpose kernel behind an opaque `torch.library.custom_op`, which inductor calls as
-  an extern kernel instead of tracing the Triton kernel.
+- `two_mms_and_triton_op`: the MLP's gate and up GEMMs and the transpose; `..._on_clone`: the transpose of a clone;
+- `mm_and_custom_op`, `*_flexible_custom_op*`: the same transpose kernel behind an opaque `torch.library.custom_op`
+  (inductor calls it as an extern kernel), without and with the `flexible_layout` tag;
+- the step's pattern under inductor settings: ATEN-only GEMMs, no comprehensive padding, and user kernels with a
+  flexible layout constraint.
+
+At 5c5d41f on an H100 every pattern with two consumers stored twice (three with three) except under the flexible
+constraint, which did not carry over to the whole step (bench/NOTES_floor.md 59 has the mechanism).
 
     python bench/transpose_store_probe.py      # one GPU; JSON to $OUT (or bench/results) and a table
 """
