@@ -20,7 +20,6 @@ def test_gpu_bench_script_imports_and_prints_its_usage(script):
 
 
 def test_the_transpose_probe_counts_stores_of_fp8_casts_per_kernel():
-    sys.path.insert(0, str(REPO))
     from bench.transpose_store_probe import fp8_stores
     kernel = """async_compile.triton('k', '''
 @triton.jit
