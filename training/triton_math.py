@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
     import triton
     import triton.language as tl
@@ -12,6 +14,14 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
 except Exception:  # noqa: BLE001 - any import problem means: no fast path
     HAVE_TRITON = False
 
+
+
+def bf16_partials_amax(partial: torch.Tensor) -> torch.Tensor:
+    """max over a kernel's per-program partials (each its max |v| rounded to BF16 by the kernel, the bits in int16),
+    as the max of the BF16 operand (FP32 result, as fp8_delayed._amax). The rounding is the kernel's: a
+    `.to(bfloat16).to(float32)` here would be dropped by inductor, which traces this function into the compiled
+    graph. Used by the fused FP8 kernels that write an amax (fp8_swiglu_triton, fp8_rope_triton)."""
+    return partial.view(torch.bfloat16).amax().to(torch.float32)
 
 
 def compiled_for_gpu() -> bool:

@@ -236,18 +236,15 @@ class DelayedSwiGLUMLPFn(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x2, w_gate, w_up, w_down, sc_gate, sc_up, sc_down, tok_gate, tok_up, tok_down, out_dtype):
         from training.precision.fp8_swiglu_triton import swiglu_fp8_fwd
-        from training.precision.fp8_triton import fp8_transpose
 
-        x8, inv_x = _to_fp8(x2, sc_gate[INPUT], E4M3), sc_gate[INPUT].reciprocal()
-        (wg8, wg8t, amax_wg), (wu8, wu8t, amax_wu), (wd8, wd8t, amax_wd) = (
-            _weight_both_layouts(w, sc[WEIGHT]) for w, sc in ((w_gate, sc_gate), (w_up, sc_up), (w_down, sc_down)))
-        inv_wg, inv_wu, inv_wd = sc_gate[WEIGHT].reciprocal(), sc_up[WEIGHT].reciprocal(), sc_down[WEIGHT].reciprocal()
+        x8, x8t, inv_x, ((wg8, wg8t, amax_wg, inv_wg), (wu8, wu8t, amax_wu, inv_wu), (wd8, wd8t, amax_wd, inv_wd)) = (
+            _one_pass_operands(x2, sc_gate, ((w_gate, sc_gate), (w_up, sc_up), (w_down, sc_down))))
         g = _fp8_mm(True, x8, inv_x, wg8.t(), inv_wg, out_dtype, fast_accum=True)
         u = _fp8_mm(True, x8, inv_x, wu8.t(), inv_wu, out_dtype, fast_accum=True)
         h8, h8t, amax_h = swiglu_fp8_fwd(g, u, sc_down[INPUT])
         inv_h = sc_down[INPUT].reciprocal()
         y = _fp8_mm(True, h8, inv_h, wd8.t(), inv_wd, out_dtype, fast_accum=True)
-        ctx.save_for_backward(fp8_transpose(x8), wg8t, wu8t, g, u, h8t, wd8t, inv_x, inv_wg, inv_wu, inv_h, inv_wd,
+        ctx.save_for_backward(x8t, wg8t, wu8t, g, u, h8t, wd8t, inv_x, inv_wg, inv_wu, inv_h, inv_wd,
                               sc_gate, sc_up, sc_down)
         ctx.x_dtype, ctx.h_dtype = x2.dtype, g.dtype
         ctx.w_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
@@ -291,6 +288,17 @@ def _weight_both_layouts(w: torch.Tensor, scale: torch.Tensor):
     return w8, w8.t().contiguous(), _amax(w, True)
 
 
+def _one_pass_operands(x2: torch.Tensor, x_scales: torch.Tensor, weights):
+    """The operands of DelayedFP8Fn's real one-pass path with the history's scales, for the fused functions
+    (DelayedSwiGLUMLPFn, DelayedQKVRoPEFn): X's E4M3 codes with `x_scales`' input scale, their copy in the Wgrad
+    layout and 1 / s_x; for each (W, its layer's scales) in `weights`: (W's codes in both layouts, max |W|, 1 / s_w)."""
+    from training.precision.fp8_triton import fp8_transpose
+
+    x8 = _to_fp8(x2, x_scales[INPUT], E4M3)
+    per_weight = tuple((*_weight_both_layouts(w, sc[WEIGHT]), sc[WEIGHT].reciprocal()) for w, sc in weights)
+    return x8, fp8_transpose(x8), x_scales[INPUT].reciprocal(), per_weight
+
+
 def _fused_swiglu_mlp_forward(self, x):
     """LlamaMLP.forward on fp8_delayed's fused SwiGLU path (DelayedSwiGLUMLPFn) where it applies, else the
     three layers' own forwards (the first step, before the history exists; hooks; odd token counts)."""
@@ -309,8 +317,7 @@ def _fused_swiglu_mlp_forward(self, x):
     if record:
         amax_x = _amax(x2, True)
         for i, (layer, amax_in) in enumerate(((gate, amax_x), (up, amax_x), (down, amax_h))):
-            pending = layer.pending_amax
-            pending.copy_(torch.maximum(pending, torch.stack([amax_in, amax_w[i], pending[GRAD]])))
+            layer.record_amax(amax_in, amax_w[i])
     return y.reshape(*x.shape[:-1], down.out_features)
 
 
@@ -355,16 +362,12 @@ class DelayedQKVRoPEFn(torch.autograd.Function):
     def forward(ctx, x2, weight, scales, token, cos, sin, batch: int, n_q: int, n_kv: int, out_dtype):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        from training.precision.fp8_triton import fp8_transpose
-
-        x8, inv_x = _to_fp8(x2, scales[INPUT], E4M3), scales[INPUT].reciprocal()
-        w8, w8t, amax_w = _weight_both_layouts(weight, scales[WEIGHT])
-        inv_w = scales[WEIGHT].reciprocal()
+        x8, x8t, inv_x, ((w8, w8t, amax_w, inv_w),) = _one_pass_operands(x2, scales, ((weight, scales),))
         y = _fp8_mm(True, x8, inv_x, w8.t(), inv_w, out_dtype, fast_accum=True)
         head_dim = cos.shape[-1]
         q, k, v = y.view(batch, -1, n_q + 2 * n_kv, head_dim).split([n_q, n_kv, n_kv], dim=2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
-        ctx.save_for_backward(fp8_transpose(x8), w8t, inv_x, inv_w, scales, cos, sin)
+        ctx.save_for_backward(x8t, w8t, inv_x, inv_w, scales, cos, sin)
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         ctx.mark_non_differentiable(amax_w)
         return q, k, v, amax_w
@@ -404,8 +407,7 @@ def _delayed_qkv_rope(attn, hidden_states, cos, sin):
     q, k, v, amax_w = DelayedQKVRoPEFn.apply(x2, layer.weight, layer.scales, layer.grad_amax_token if record else None,
                                              cos, sin, batch, n_q, n_kv, out_dtype)
     if record:
-        pending = layer.pending_amax
-        pending.copy_(torch.maximum(pending, torch.stack([_amax(x2, True), amax_w, pending[GRAD]])))
+        layer.record_amax(_amax(x2, True), amax_w)
     return q, k, v
 
 
@@ -503,6 +505,12 @@ class DelayedScalingLinear(QuantizedLinear):
             row.copy_(torch.maximum(row, grad.reshape(1).to(device=row.device, dtype=row.dtype)))
             self.grad_amax_token.grad = None
 
+    def record_amax(self, amax_x: torch.Tensor, amax_w: torch.Tensor) -> None:
+        """pending_amax[INPUT, WEIGHT] = max(pending, this forward's max |X|, max |W|) (dY's comes through
+        fold_grad_amax)."""
+        pending = self.pending_amax
+        pending.copy_(torch.maximum(pending, torch.stack([amax_x, amax_w, pending[GRAD]])))
+
     def effective_scale(self, which: int, current_amax: torch.Tensor) -> torch.Tensor:
         """The scale used now: from the history once it exists, else just in time from `current_amax`."""
         just_in_time = fp8_scale_from_amax(current_amax, OPERAND_DTYPES[which])
@@ -528,8 +536,7 @@ class DelayedScalingLinear(QuantizedLinear):
         else:
             amax_w = _amax(self.weight, self.one_pass_cast)
         if record:
-            pending = self.pending_amax
-            pending.copy_(torch.maximum(pending, torch.stack([amax_x, amax_w, pending[GRAD]])))
+            self.record_amax(amax_x, amax_w)
         if self.ready_host:
             s_x, s_w = self.scales[INPUT], self.scales[WEIGHT]
         else:
@@ -546,8 +553,7 @@ class DelayedScalingLinear(QuantizedLinear):
         x8, x8t, amax_x = fp8_cast_transpose(x2.detach(), self.scales[INPUT], E4M3)
         w8, w8t, amax_w = fp8_cast_transpose(self.weight.detach(), self.scales[WEIGHT], E4M3)
         if record:
-            pending = self.pending_amax
-            pending.copy_(torch.maximum(pending, torch.stack([amax_x, amax_w, pending[GRAD]])))
+            self.record_amax(amax_x, amax_w)
         return DelayedFP8FusedFn.apply(x2, self.weight, self.bias, x8, x8t, w8, w8t, self.scales,
                                        self.grad_amax_token if record else None, out_dtype)
 

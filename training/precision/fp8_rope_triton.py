@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 
 from training.precision.formats import fp8_cast
-from training.precision.fp8_swiglu_triton import _bf16_amax
-from training.triton_math import HAVE_TRITON, compiled_for_gpu
+from training.triton_math import HAVE_TRITON, bf16_partials_amax, compiled_for_gpu
 
 if HAVE_TRITON:
     import triton
@@ -96,7 +95,7 @@ def rope_bwd_fp8_launch(dq, dk, dv, cos, sin, scale, *, wrap=lambda kernel: kern
     wrap(_rope_bwd_fp8_kernel)[grid](gq, gk, gv, cos2, sin2, scale, g8, g8t, partial, m, c, hq, hk, gq.stride(0),
                                      gk.stride(0), gv.stride(0), cos2.stride(0), cos2.shape[0],
                                      NATIVE=compiled_for_gpu(), D=d, BM=bm, num_warps=num_warps)
-    return g8, g8t, _bf16_amax(partial)
+    return g8, g8t, bf16_partials_amax(partial)
 
 
 if HAVE_TRITON:

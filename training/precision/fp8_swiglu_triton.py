@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from training.precision.formats import fp8_cast
-from training.triton_math import HAVE_TRITON, compiled_for_gpu
+from training.triton_math import HAVE_TRITON, bf16_partials_amax, compiled_for_gpu
 
 if HAVE_TRITON:
     import triton
@@ -90,13 +90,6 @@ if HAVE_TRITON:
         _store_both(code_a, qa_ptr, qat_ptr, rows, cols, mask, M, N)
 
 
-def _bf16_amax(partial: torch.Tensor) -> torch.Tensor:
-    """max over the programs' partials (each its max |v| rounded to BF16 by the kernel, bits in int16), as the max of
-    the BF16 operand (FP32 result, as fp8_delayed._amax). The rounding is the kernel's: a `.to(bfloat16).to(float32)`
-    here would be dropped by inductor, which traces this function into the compiled graph."""
-    return partial.view(torch.bfloat16).amax().to(torch.float32)
-
-
 def swiglu_fp8_launch(g, u, dh, scale_a, scale_b, *, wrap=lambda kernel: kernel, bm: int = BM, bn: int = BN,
                       num_warps: int = NUM_WARPS):
     """Launch the kernel (under the interpreter too). Forward (dh None): (h8, h8t, amax_h), E4M3 with scale_a.
@@ -118,9 +111,9 @@ def swiglu_fp8_launch(g, u, dh, scale_a, scale_b, *, wrap=lambda kernel: kernel,
                                    LIBDEVICE=compiled_for_gpu(), BM=bm, BN=bn,
                                    num_warps=num_warps)
     if not backward:
-        return qa, qat, _bf16_amax(partial)
+        return qa, qat, bf16_partials_amax(partial)
     pairs = partial.view(-1, 2)
-    return qa, qat, _bf16_amax(pairs[:, 0]), qb, qbt, _bf16_amax(pairs[:, 1])
+    return qa, qat, bf16_partials_amax(pairs[:, 0]), qb, qbt, bf16_partials_amax(pairs[:, 1])
 
 
 if HAVE_TRITON:
