@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_BENCH_H200 = REPO / "bench" / "results" / "train_bench_2026-11-22T0240_NVIDIA_H200_recipes.json"
@@ -21,10 +22,14 @@ def smoke(bench, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("OUT", str(out))
     mp.setenv("PLAB_GIT_COMMIT", "abc1234")
+    mkldnn_before = torch.backends.mkldnn.enabled
     try:
         rc = bench.main(["--smoke", "--rounds", "2", "--repeats", "1", "--step-times", "bf16=0.5,fp8_tensorwise=0.45"])
     finally:
         mp.undo()
+    # The smoke run turns oneDNN off while it measures on a CPU (its FP8 matmul is the slow reference); the
+    # process it runs in gets the flag back.
+    assert torch.backends.mkldnn.enabled == mkldnn_before
     files = list(out.glob("gemm_bench_smoke_*.json"))
     assert len(files) == 1
     return rc, json.loads(files[0].read_text())
