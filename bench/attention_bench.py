@@ -3,7 +3,9 @@ training step runs (batch 4 x 2048, 16 query heads, 8 KV heads, head dim 128, ca
 same run and checked against an FP32 math reference.
 
   * backends: flash, efficient, cudnn (each pinned alone, as `perf.sdpa_backend` pins it in training), and
-    what "auto" picks (`torch._fused_sdp_choice`);
+    what "auto" picks (`torch._fused_sdp_choice`); and FlexAttention (`torch.nn.attention.flex_attention`,
+    compiled, with a causal block mask built once outside the timing; native GQA only), the one attention
+    PyTorch has besides SDPA's kernels;
   * GQA: `enable_gqa=True` (what transformers passes when there is no mask) and K/V repeated to 16 heads first
     (what it does otherwise; the repeat's copies are timed with it);
   * error: max |difference| of the output and of dQ, dK, dV against the FP32 math kernel on the same inputs,
@@ -56,6 +58,32 @@ def _fwd_bwd(q, k, v, dout, gqa: str):
     return out, q.grad, k.grad, v.grad
 
 
+def flex_fwd_bwd(compiled: bool = True, backward: bool = True):
+    """FlexAttention's forward + backward in `_fwd_bwd`'s form (causal, native GQA): compiled as training would
+    run it (eager flex_attention is a reference implementation); the block mask built once per shape. `backward`
+    False: the forward only, gradients None (flex has no backward on a CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    attend = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    masks = {}
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def fwd_bwd(q, k, v, dout, gqa: str = "native"):
+        assert gqa == "native", "flex: native GQA only"
+        key = (q.shape[-2], k.shape[-2], q.device)
+        if key not in masks:
+            masks[key] = create_block_mask(causal, None, None, q.shape[-2], k.shape[-2], device=q.device)
+        q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
+        out = attend(q, k, v, block_mask=masks[key], enable_gqa=True)
+        if backward:
+            out.backward(dout)
+        return out, q.grad, k.grad, v.grad
+
+    return fwd_bwd
+
+
 def _timed(fn, reps: int) -> float:
     for _ in range(3):
         fn()
@@ -106,6 +134,17 @@ def run(a) -> dict:
             row.update(ms_per_layer=ms, ms_per_step=ms * a.layers, tflops=flop / ms / 1e9,
                        x_floor=ms / floor_ms)
             rows.append(row)
+    row = {"backend": "flex", "gqa": "native"}
+    try:
+        flex = flex_fwd_bwd()
+        got = flex(q, k, v, dout)  # compiles forward and backward
+        ms = _timed(lambda: flex(q, k, v, dout), a.reps)
+        row["errors_vs_fp32_math"] = {n: (g.float() - r).abs().max().item()
+                                     for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+        row.update(ms_per_layer=ms, ms_per_step=ms * a.layers, tflops=flop / ms / 1e9, x_floor=ms / floor_ms)
+    except Exception as e:  # noqa: BLE001 - a compile failure is a result of this row, not of the bench
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    rows.append(row)
     return {"bench": "attention_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name(), "git_commit": git_commit(), "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version(),
