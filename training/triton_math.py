@@ -15,7 +15,6 @@ except Exception:  # noqa: BLE001 - any import problem means: no fast path
     HAVE_TRITON = False
 
 
-
 def bf16_partials_amax(partial: torch.Tensor) -> torch.Tensor:
     """max over a kernel's per-program partials (each its max |v| rounded to BF16 by the kernel, the bits in int16),
     as the max of the BF16 operand (FP32 result, as fp8_delayed._amax). The rounding is the kernel's: a
