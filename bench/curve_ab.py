@@ -125,7 +125,12 @@ def main(argv=None) -> int:
         import torch
         if not torch.cuda.is_available():
             ap.error("no CUDA GPU: give --device cpu to run the comparison on this CPU")
+    from training.precision import RECIPES
+
     configs = {"a": parse_config(a.a), "b": parse_config(a.b)}
+    for which, config in configs.items():
+        if config["recipe"] not in RECIPES:
+            ap.error(f"--{which} {config['label']!r}: unknown recipe {config['recipe']!r}; one of {list(RECIPES)}")
     plan = [("a", i) for i in range(a.repeats)] + [("b", 0)]
     runs = []
     with tempfile.TemporaryDirectory(prefix="curve_ab_") as tmp:
@@ -147,6 +152,10 @@ def main(argv=None) -> int:
             res = json.loads(out_path.read_text())
             res.update(config=configs[which]["label"], run=f"{which}{i}", process_wall_s=time.time() - t0)
             runs.append(res)
+            if res["status"] != "succeeded" or len(res["losses"]) < a.window:
+                print(f"curve_ab: run {which}{i} ({configs[which]['label']}) ended {res['status']} after "
+                      f"{len(res['losses'])} logged steps: no curve to compare", file=sys.stderr)
+                return 1
             print(f"[curve_ab] {res['run']} {res['config']}: {res['status']}, final loss "
                   f"{res['losses'][-1][1]:.5f}, val {res['val_loss']}, {res['wall_s']:.0f} s", flush=True)
     a_losses = [[v for _, v in r["losses"]] for r in runs[:-1]]

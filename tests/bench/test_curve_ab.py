@@ -42,3 +42,19 @@ def test_a_whole_call_on_a_cpu(tmp_path, monkeypatch, capsys):
     assert c["verdict"] == "outside" and c["first_step_b_differs_from_a1"] == 1  # another recipe: its own curve
     assert all(r["val_loss"] is not None for r in out["runs"])
     assert "verdict: B is outside" in capsys.readouterr().out
+
+
+def test_an_unknown_recipe_is_refused_before_anything_runs(capsys):
+    with pytest.raises(SystemExit) as exc:
+        curve_ab.main(["--a", "fp9", "--b", "bf16", "--device", "cpu"])
+    assert exc.value.code == 2
+    assert "unknown recipe 'fp9'" in capsys.readouterr().err
+
+
+def test_a_run_that_fails_stops_the_call_with_its_output(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PLAB_HOME", str(tmp_path / "home"))
+    # a model whose heads do not divide its width: the spec is refused inside the first run
+    rc = curve_ab.main(["--a", "bf16", "--b", "bf16", "--device", "cpu", "--model", "tiny:num_attention_heads=3",
+                        "--steps", "2", "--window", "1", "--batch", "1", "--seq", "32", "--vocab", "512"])
+    assert rc == 1
+    assert "run a0 (bf16) failed" in capsys.readouterr().err
