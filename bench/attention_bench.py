@@ -118,6 +118,13 @@ def run(a) -> dict:
     flop = 6 * 2 * a.batch * a.heads * a.seq * a.seq * a.head_dim / 2
     floor_ms = flop / (ceilings["bf16_tflops"] * 1e12) * 1e3
     rows = []
+
+    def measured(row: dict, got, ms: float) -> dict:
+        row["errors_vs_fp32_math"] = {n: (g.float() - r).abs().max().item()
+                                     for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+        row.update(ms_per_layer=ms, ms_per_step=ms * a.layers, tflops=flop / ms / 1e9, x_floor=ms / floor_ms)
+        return row
+
     for name, backend in BACKENDS.items():
         for gqa in ("native", "repeat"):
             row = {"backend": name, "gqa": gqa}
@@ -129,19 +136,12 @@ def run(a) -> dict:
                 row["error"] = str(e).splitlines()[0][:200]
                 rows.append(row)
                 continue
-            row["errors_vs_fp32_math"] = {n: (g.float() - r).abs().max().item()
-                                         for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
-            row.update(ms_per_layer=ms, ms_per_step=ms * a.layers, tflops=flop / ms / 1e9,
-                       x_floor=ms / floor_ms)
-            rows.append(row)
+            rows.append(measured(row, got, ms))
     row = {"backend": "flex", "gqa": "native"}
     try:
         flex = flex_fwd_bwd()
         got = flex(q, k, v, dout)  # compiles forward and backward
-        ms = _timed(lambda: flex(q, k, v, dout), a.reps)
-        row["errors_vs_fp32_math"] = {n: (g.float() - r).abs().max().item()
-                                     for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
-        row.update(ms_per_layer=ms, ms_per_step=ms * a.layers, tflops=flop / ms / 1e9, x_floor=ms / floor_ms)
+        measured(row, got, _timed(lambda: flex(q, k, v, dout), a.reps))
     except Exception as e:  # noqa: BLE001 - a compile failure is a result of this row, not of the bench
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     rows.append(row)

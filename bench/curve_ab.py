@@ -121,24 +121,26 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.window > a.steps:
         ap.error(f"--window {a.window} is longer than --steps {a.steps}")
+    device = "cpu"
     if a.device == "cuda":
         import torch
         if not torch.cuda.is_available():
             ap.error("no CUDA GPU: give --device cpu to run the comparison on this CPU")
+        device = torch.cuda.get_device_name()
     from training.precision import RECIPES
 
     configs = {"a": parse_config(a.a), "b": parse_config(a.b)}
     for which, config in configs.items():
         if config["recipe"] not in RECIPES:
             ap.error(f"--{which} {config['label']!r}: unknown recipe {config['recipe']!r}; one of {list(RECIPES)}")
+    specs = {which: curve_spec(config, a) for which, config in configs.items()}
     plan = [("a", i) for i in range(a.repeats)] + [("b", 0)]
     runs = []
     with tempfile.TemporaryDirectory(prefix="curve_ab_") as tmp:
         tmp = Path(tmp)
         for which, i in plan:  # A's repeats first, B last: a warm cache (tokenizer, shards) helps every run alike
-            spec = curve_spec(configs[which], a)
             spec_path, out_path = tmp / f"{which}{i}.spec.json", tmp / f"{which}{i}.out.json"
-            spec_path.write_text(json.dumps(spec))
+            spec_path.write_text(json.dumps(specs[which]))
             t0 = time.time()
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--a", a.a, "--b", a.b,
                                    "--run-one", str(spec_path), str(out_path), str(tmp / "cache")],
@@ -160,13 +162,9 @@ def main(argv=None) -> int:
                   f"{res['losses'][-1][1]:.5f}, val {res['val_loss']}, {res['wall_s']:.0f} s", flush=True)
     a_losses = [[v for _, v in r["losses"]] for r in runs[:-1]]
     result = compare(a_losses, [v for _, v in runs[-1]["losses"]], a.window, a.floor)
-    device = "cpu"
-    if a.device == "cuda":
-        import torch
-        device = torch.cuda.get_device_name()
     out = {"bench": "curve_ab", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "device": device, "git_commit": git_commit(), "a": a.a, "b": a.b, "repeats": a.repeats,
-           "spec_a": curve_spec(configs["a"], a), "spec_b": curve_spec(configs["b"], a), "comparison": result,
+           "spec_a": specs["a"], "spec_b": specs["b"], "comparison": result,
            "runs": runs}
     write_result(out, "curve_ab", device)
     print(f"\n# curve_ab on {device}: {a.b} against {a.repeats} runs of {a.a}, {result['steps_compared']} steps, "

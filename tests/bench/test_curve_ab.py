@@ -31,8 +31,9 @@ def test_a_whole_call_on_a_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PLAB_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(curve_ab, "write_result", lambda out, bench, device: (
         (tmp_path / f"{bench}.json").write_text(json.dumps(out))))
-    rc = curve_ab.main(["--a", "bf16", "--b", "fp8_tensorwise", "--device", "cpu", "--model", "tiny", "--steps", "6", "--window",
-                        "3", "--batch", "2", "--seq", "32", "--vocab", "512", "--lr", "3e-3", "--val-batches", "1"])
+    rc = curve_ab.main(["--a", "bf16", "--b", "fp8_tensorwise", "--device", "cpu", "--model", "tiny", "--steps", "6",
+                        "--window", "3", "--batch", "2", "--seq", "32", "--vocab", "512", "--lr", "3e-3",
+                        "--val-batches", "1"])
     assert rc == 0, capsys.readouterr().err
     out = json.loads((tmp_path / "curve_ab.json").read_text())
     c = out["comparison"]
