@@ -69,6 +69,8 @@ BOOL_KEYS = {"fused_loss", "prefetch", "allow_tf32", "fused_clip", "bf16_residua
              "fsdp_fused_cast", "fsdp_one_rank_direct"}
 INT_KEYS = {"loss_chunk_tokens", "metrics_lag", "gpus", "grad_accum", "batch", "ddp_bucket_mb", "gc_interval",
             "activation_checkpointing_every"}
+# Options whose value "none" is one of their choices (elsewhere "none"/"null" mean unset: None).
+NONE_IS_A_CHOICE = {"cublaslt_workspace", "activation_checkpointing"}
 TRAINING_KEYS = {"compile", "activation_checkpointing", "activation_checkpointing_every", "param_dtype", "gpus",
                  "grad_accum", "parallel", "init_device"}
 
@@ -121,7 +123,7 @@ def parse_config(text: str) -> dict:
             if not value.isdigit() or int(value) < 1 and key not in ("metrics_lag", "gc_interval"):
                 raise SystemExit(f"config {text!r}: {key} takes a positive integer, got {value!r}")
             value = int(value)
-        elif value in ("none", "null"):
+        elif value in ("none", "null") and key not in NONE_IS_A_CHOICE:
             value = None
         if key == "batch":
             batch = value

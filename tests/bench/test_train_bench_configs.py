@@ -45,6 +45,17 @@ def test_bad_values_are_refused_with_the_config_named(bench, text):
         bench.parse_config(text)
 
 
+def test_none_stays_a_choice_where_the_option_has_one(bench):
+    """`cublaslt_workspace=none` and `activation_checkpointing=none` name a choice; elsewhere none means unset."""
+    config = bench.parse_config("fp8_delayed:cublaslt_workspace=none,activation_checkpointing=none,compile_mode=none")
+    assert config["perf"] == {"cublaslt_workspace": "none", "compile_mode": None}
+    assert config["training"] == {"activation_checkpointing": "none"}
+    spec = bench.run_spec(config, steps=3, batch=8, seq=64, model="tiny", device="cpu")
+    from training.config import RunSpec
+    parsed = RunSpec.from_dict(spec)
+    assert parsed.training.perf.cublaslt_workspace == "none" and parsed.training.activation_checkpointing == "none"
+
+
 def test_default_order_runs_the_recipes_with_a_bar_first_and_blockwise_last(bench):
     from training.precision import RECIPES
     order = bench.default_configs(list(RECIPES))
