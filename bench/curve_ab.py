@@ -1,15 +1,19 @@
 """Does a configuration change a recipe's loss curve by more than two runs of the same code differ? One call
-trains config A `--repeats` times and config B once, from the same spec (seed, data order, initialisation) on a
-real corpus, each in a fresh subprocess, and compares B's curve with A's.
+trains config A `--repeats` times and config B `--b-repeats` times (default once), from the same spec (seed, data
+order, initialisation) on a real corpus, each in a fresh subprocess, and compares B's curve with A's.
 
 Why: on a GPU two runs of the same code differ (cuDNN's attention backward is not deterministic), and FP8 training
 carries a last-bit difference on (bench/NOTES_floor.md 54, 55, 60). A change that alters last bits (another GEMM
 algorithm, such as `cublaslt_workspace: none`; another reduction order) cannot keep the curve bit for bit, so
 "the loss curve unchanged" is a statement about that spread: window by window, B's distance from the mean of A's
-repeats against the largest distance between two of A's repeats.
+repeats against the largest distance between two of A's repeats. With two A runs and one B run that check says
+"outside" in nearly half the windows when nothing changed (two window means of the same distribution); with several runs
+of each a permutation test is the sharper question: could B's runs be A's? (p over every labelling of the pooled
+runs; 4 + 2 runs give 15 labellings, so p >= 0.067.)
 
     python bench/curve_ab.py --a fp8_delayed --b fp8_delayed:cublaslt_workspace=none --steps 300
-        [--model 1b --batch 4 --seq 2048 --corpus tinyshakespeare --vocab 32000 --repeats 2 --window 25]
+        [--model 1b --batch 4 --seq 2048 --corpus tinyshakespeare --vocab 32000 --repeats 2 --b-repeats 1
+         --window 25]
 
 Configs are train_bench's (`recipe[:key=value,...]`). Prints a table last, writes `$OUT/curve_ab.json` and
 bench/results/curve_ab_<device>_<time>.json (device, date, commit, spec, every run's losses). `--device cpu` runs
@@ -66,15 +70,42 @@ def windows(losses: list[float], size: int) -> list[float]:
     return [sum(losses[i:i + size]) / size for i in range(0, len(losses) - size + 1, size)]
 
 
-def compare(a_runs: list[list[float]], b: list[float], window: int, floor: float = 0.0) -> dict:
-    """B's curve against A's repeats (each a list of per-step losses, equally long): per window the spread between
-    A's repeats (largest pairwise distance of their window means) and B's distance from A's mean; the verdict
-    "within" when B's largest distance is at most A's largest spread (or `floor`, for deterministic devices)."""
-    n = min(len(b), *(len(r) for r in a_runs))
+def _split_statistic(curves: list[list[float]], b_idx: tuple[int, ...]) -> float:
+    """Mean over windows of |mean of the runs in b_idx - mean of the others| (curves: window means per run)."""
+    b = [curves[i] for i in b_idx]
+    a = [c for i, c in enumerate(curves) if i not in b_idx]
+    return sum(abs(sum(col_b) / len(col_b) - sum(col_a) / len(col_a))
+               for col_a, col_b in zip(zip(*a), zip(*b))) / len(curves[0])
+
+
+def permutation_test(a_windows: list[list[float]], b_windows: list[list[float]]) -> dict:
+    """Are B's runs exchangeable with A's? Every way of labelling len(B) of the pooled runs "B" gives the statistic
+    (mean distance between the two groups' window means); p is the share of labellings at least as far apart as
+    the real one (ties counted, the real one included). With 2 A runs and 1 B run there are 3 labellings (p >= 1/3:
+    never conclusive); 4 and 2 give 15 (p >= 0.067)."""
+    pooled = a_windows + b_windows
+    real = tuple(range(len(a_windows), len(pooled)))
+    observed = _split_statistic(pooled, real)
+    splits = [_split_statistic(pooled, idx) for idx in combinations(range(len(pooled)), len(b_windows))]
+    at_least = sum(x >= observed * (1 - 1e-12) for x in splits)
+    return {"statistic": observed, "labellings": len(splits), "p_value": at_least / len(splits),
+            "smallest_possible_p": 1 / len(splits)}
+
+
+def compare(a_runs: list[list[float]], b_runs, window: int, floor: float = 0.0) -> dict:
+    """B's curve(s) against A's repeats (each a list of per-step losses; `b_runs` one such list or several): per
+    window the spread between A's repeats (largest pairwise distance of their window means) and the distance of
+    B's mean from A's mean; the verdict "within" when B's largest distance is at most A's largest spread (or
+    `floor`, for deterministic devices). With at least two runs in all, also a permutation test of whether B's
+    runs could be A's (`permutation_test`)."""
+    if b_runs and not isinstance(b_runs[0], (list, tuple)):
+        b_runs = [b_runs]
+    n = min(*(len(r) for r in b_runs), *(len(r) for r in a_runs))
     if n < window:
         raise ValueError(f"{n} steps: fewer than one window of {window}")
     aw = [windows(r[:n], window) for r in a_runs]
-    bw = windows(b[:n], window)
+    bws = [windows(r[:n], window) for r in b_runs]
+    bw = [sum(col) / len(col) for col in zip(*bws)]
     mean = [sum(col) / len(col) for col in zip(*aw)]
     spread = [max((abs(x[i] - y[i]) for x, y in combinations(aw, 2)), default=0.0) for i in range(len(mean))]
     dist = [abs(bw[i] - mean[i]) for i in range(len(mean))]
@@ -84,11 +115,13 @@ def compare(a_runs: list[list[float]], b: list[float], window: int, floor: float
 
     bound = max(max(spread), floor)
     return {"window": window, "steps_compared": n, "a_window_means": aw, "b_window_means": bw,
+            "b_runs_window_means": bws,
             "a_spread": spread, "b_distance": dist, "a_spread_max": max(spread), "b_distance_max": max(dist),
             "windows_b_outside": sum(d > bound for d in dist), "bound": bound,
             "first_step_a_repeats_differ": (min(filter(None, (first_difference(x, y)
                                                                for x, y in combinations(a_runs, 2))), default=None)),
-            "first_step_b_differs_from_a1": first_difference(a_runs[0], b),
+            "first_step_b_differs_from_a1": first_difference(a_runs[0], b_runs[0]),
+            "permutation": permutation_test(aw, bws) if len(aw) + len(bws) > 2 else None,
             "verdict": "within" if max(dist) <= bound else "outside"}
 
 
@@ -97,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--a", required=True, help="the baseline config, e.g. fp8_delayed")
     ap.add_argument("--b", required=True, help="the config under test, e.g. fp8_delayed:cublaslt_workspace=none")
     ap.add_argument("--repeats", type=int, default=2, help="runs of A (their spread is the yardstick; >= 2 on a GPU)")
+    ap.add_argument("--b-repeats", type=int, default=1,
+                    help="runs of B (with 4 of A and 2 of B the permutation test can reach p = 0.067)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--window", type=int, default=25, help="steps per compared window")
     ap.add_argument("--floor", type=float, default=0.0,
@@ -116,7 +151,7 @@ def main(argv=None) -> int:
     if a.run_one:
         run_one(*(Path(p) for p in a.run_one))
         return 0
-    for name in ("repeats", "steps", "window", "batch", "seq", "vocab", "val_batches"):
+    for name in ("repeats", "b_repeats", "steps", "window", "batch", "seq", "vocab", "val_batches"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.window > a.steps:
@@ -134,7 +169,7 @@ def main(argv=None) -> int:
         if config["recipe"] not in RECIPES:
             ap.error(f"--{which} {config['label']!r}: unknown recipe {config['recipe']!r}; one of {list(RECIPES)}")
     specs = {which: curve_spec(config, a) for which, config in configs.items()}
-    plan = [("a", i) for i in range(a.repeats)] + [("b", 0)]
+    plan = [("a", i) for i in range(a.repeats)] + [("b", i) for i in range(a.b_repeats)]
     runs = []
     with tempfile.TemporaryDirectory(prefix="curve_ab_") as tmp:
         tmp = Path(tmp)
@@ -160,15 +195,17 @@ def main(argv=None) -> int:
                 return 1
             print(f"[curve_ab] {res['run']} {res['config']}: {res['status']}, final loss "
                   f"{res['losses'][-1][1]:.5f}, val {res['val_loss']}, {res['wall_s']:.0f} s", flush=True)
-    a_losses = [[v for _, v in r["losses"]] for r in runs[:-1]]
-    result = compare(a_losses, [v for _, v in runs[-1]["losses"]], a.window, a.floor)
+    a_losses = [[v for _, v in r["losses"]] for r in runs[:a.repeats]]
+    b_losses = [[v for _, v in r["losses"]] for r in runs[a.repeats:]]
+    result = compare(a_losses, b_losses, a.window, a.floor)
     out = {"bench": "curve_ab", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "device": device, "git_commit": git_commit(), "a": a.a, "b": a.b, "repeats": a.repeats,
+           "b_repeats": a.b_repeats,
            "spec_a": specs["a"], "spec_b": specs["b"], "comparison": result,
            "runs": runs}
     write_result(out, "curve_ab", device)
-    print(f"\n# curve_ab on {device}: {a.b} against {a.repeats} runs of {a.a}, {result['steps_compared']} steps, "
-          f"windows of {a.window}")
+    print(f"\n# curve_ab on {device}: {a.b_repeats} run(s) of {a.b} against {a.repeats} of {a.a}, "
+          f"{result['steps_compared']} steps, windows of {a.window}")
     print(f"{'window':>7s} {'A mean':>9s} {'A spread':>9s} {'B':>9s} {'|B - A|':>9s}")
     aw = result["a_window_means"]
     for i, (spread, bw, dist) in enumerate(zip(result["a_spread"], result["b_window_means"], result["b_distance"])):
@@ -179,6 +216,10 @@ def main(argv=None) -> int:
     print(f"final validation loss: {vals}")
     print(f"first step where A's repeats differ: {result['first_step_a_repeats_differ']}; where B differs from "
           f"A's first run: {result['first_step_b_differs_from_a1']}")
+    perm = result["permutation"]
+    if perm:
+        print(f"permutation test (are B's runs exchangeable with A's?): p = {perm['p_value']:.3f} over "
+              f"{perm['labellings']} labellings (smallest possible {perm['smallest_possible_p']:.3f})")
     print(f"verdict: B is {result['verdict']} A's run-to-run spread (largest |B - A| {result['b_distance_max']:.2e}, "
           f"largest A spread {result['a_spread_max']:.2e}, floor {a.floor:g})")
     return 0

@@ -26,6 +26,22 @@ def test_compare_puts_b_against_the_spread_of_a_repeats():
         curve_ab.compare([a1], a1, window=7)
 
 
+def test_the_permutation_test_tells_a_shift_from_the_spread():
+    """4 A runs and 2 B runs: 15 labellings. B's two runs shifted above every A run are the most extreme labelling
+    (p = 1/15); B's runs inside A's spread are not."""
+    base = [3.0, 2.9, 2.8, 2.7, 2.6, 2.5]
+    a_runs = [[v + d for v in base] for d in (0.0, 0.01, -0.01, 0.005)]
+    shifted = [[v + d for v in base] for d in (0.05, 0.06)]
+    inside = [[v + d for v in base] for d in (0.002, -0.004)]
+    r = curve_ab.compare(a_runs, shifted, window=2)
+    assert r["permutation"]["labellings"] == 15 and r["permutation"]["p_value"] == pytest.approx(1 / 15)
+    assert r["verdict"] == "outside" and len(r["b_runs_window_means"]) == 2
+    r = curve_ab.compare(a_runs, inside, window=2)
+    assert r["permutation"]["p_value"] > 0.5 and r["verdict"] == "within"
+    # one A and one B run: nothing to permute
+    assert curve_ab.compare(a_runs[:1], base, window=2)["permutation"] is None
+
+
 def test_a_whole_call_on_a_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setenv("PLAB_HOME", str(tmp_path / "home"))
@@ -33,16 +49,20 @@ def test_a_whole_call_on_a_cpu(tmp_path, monkeypatch, capsys):
         (tmp_path / f"{bench}.json").write_text(json.dumps(out))))
     rc = curve_ab.main(["--a", "bf16", "--b", "fp8_tensorwise", "--device", "cpu", "--model", "tiny", "--steps", "6",
                         "--window", "3", "--batch", "2", "--seq", "32", "--vocab", "512", "--lr", "3e-3",
-                        "--val-batches", "1"])
+                        "--val-batches", "1", "--b-repeats", "2"])
     assert rc == 0, capsys.readouterr().err
     out = json.loads((tmp_path / "curve_ab.json").read_text())
     c = out["comparison"]
-    assert [r["run"] for r in out["runs"]] == ["a0", "a1", "b0"] and all(len(r["losses"]) == 6 for r in out["runs"])
+    assert [r["run"] for r in out["runs"]] == ["a0", "a1", "b0", "b1"]
+    assert all(len(r["losses"]) == 6 for r in out["runs"])
     assert out["runs"][0]["losses"] == out["runs"][1]["losses"]  # deterministic on a CPU
     assert c["a_spread_max"] == 0.0 and c["first_step_a_repeats_differ"] is None
     assert c["verdict"] == "outside" and c["first_step_b_differs_from_a1"] == 1  # another recipe: its own curve
     assert all(r["val_loss"] is not None for r in out["runs"])
-    assert "verdict: B is outside" in capsys.readouterr().out
+    # two groups of two identical runs: the real labelling and its mirror are the two most extreme of 6
+    assert c["permutation"]["labellings"] == 6 and c["permutation"]["p_value"] == pytest.approx(1 / 3)
+    printed = capsys.readouterr().out
+    assert "verdict: B is outside" in printed and "p = 0.333 over 6 labellings" in printed
 
 
 def test_an_unknown_recipe_is_refused_before_anything_runs(capsys):
