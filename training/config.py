@@ -510,14 +510,17 @@ class PerfOptions:
     # cuBLASLt's workspace in this process (torch's CUBLASLT_WORKSPACE_SIZE, read once, at the process's first
     # GEMM): "default" torch's; "none" no workspace, where cuBLASLt runs the same FP8 kernels in variants that need
     # no memset before each call (with one, ~190 memsets a step sat before fp8_delayed's GEMMs, each followed by
-    # idle GPU): fp8_delayed 87.4 against 88.8 ms a step, fp8_tensorwise 96.7 against 97.3 on an H100. Not the
-    # default: the variants' products differ in the last bits (another summation order; presumably the default's
-    # kernels use the workspace to split some tiles' K), so an FP8 run's losses differ from the second step on
-    # (bench/NOTES_floor.md 55). A CUBLASLT_WORKSPACE_SIZE in the environment wins.
-    cublaslt_workspace: str = "default"
+    # idle GPU): fp8_delayed 87.4 against 88.8 ms a step, fp8_tensorwise 96.7 against 97.3 on an H100. The
+    # variants' products differ in the last bits (another summation order), so an FP8 run's losses differ from
+    # the default's after a few steps, as two runs of the same code on a GPU do (cuDNN's attention backward).
+    # "auto" (the default): "none" for fp8_delayed, whose loss curve stays within the run-to-run spread of its own
+    # repeats (bench/curve_ab.py, 4 runs against 2 on an H100, permutation p = 0.87; bench/NOTES_floor.md 67),
+    # "default" for every other recipe. A CUBLASLT_WORKSPACE_SIZE in the environment wins.
+    cublaslt_workspace: str = "auto"
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
-    CUBLASLT_WORKSPACES = ("default", "none")
+    CUBLASLT_WORKSPACES = ("auto", "default", "none")
+    NO_WORKSPACE_RECIPES = ("fp8_delayed",)  # what "auto" gives no workspace
     COMPILE_SCOPES = ("auto", "model", "layers")
     OPTIMIZER_UPDATES = ("auto", "triton", "compiled", "eager")
     SHARD_UPDATES = ("auto", "torch")

@@ -125,7 +125,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     t = spec.training
     device = _resolve_device(t.device, ctx)
     _configure_backends(device, t.perf)
-    cublaslt_workspace = configure_cublaslt_workspace(device, t.perf)
+    cublaslt_workspace = configure_cublaslt_workspace(device, t.perf, spec.recipe)
     on_cuda = device.type == "cuda"
     device_name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     param_dtype = t.param_dtype if t.param_dtype != "auto" else ("bf16" if on_cuda else "fp32")
@@ -250,13 +250,16 @@ def _resolve_device(requested: str, ctx: DistContext) -> torch.device:
     return torch.device(requested)
 
 
-def configure_cublaslt_workspace(device: torch.device, perf) -> str:
-    """Apply `perf.cublaslt_workspace` (see PerfOptions) before the process's first GEMM; returns what holds:
-    "default", "none", or "env" (CUBLASLT_WORKSPACE_SIZE set by the caller's environment, left as it is). torch
-    reads the variable once per process, so a process that already ran a GEMM keeps its first setting."""
+def configure_cublaslt_workspace(device: torch.device, perf, recipe: str | None = None) -> str:
+    """Apply `perf.cublaslt_workspace` (see PerfOptions; "auto" resolved for `recipe`) before the process's first
+    GEMM; returns what holds: "default", "none", or "env" (CUBLASLT_WORKSPACE_SIZE set by the caller's
+    environment, left as it is). torch reads the variable once per process, so a process that already ran a GEMM
+    keeps its first setting."""
     if os.environ.get("CUBLASLT_WORKSPACE_SIZE") is not None and os.environ.get("_PLAB_CUBLASLT_SET") is None:
         return "env"
     choice = perf.cublaslt_workspace
+    if choice == "auto":
+        choice = "none" if recipe in perf.NO_WORKSPACE_RECIPES else "default"
     if device.type != "cuda":
         return "default"
     if choice == "none":

@@ -36,18 +36,32 @@ def test_a_later_run_in_the_process_may_choose_again_but_a_users_setting_is_left
     assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "2048"
 
 
+def test_auto_drops_the_workspace_for_fp8_delayed_only():
+    import os
+    assert PerfOptions().cublaslt_workspace == "auto"
+    for recipe in ("bf16", "fp8_tensorwise", "mxfp8", "nvfp4", None):
+        assert configure_cublaslt_workspace(CUDA, _perf("auto"), recipe) == "default"
+        assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+    assert configure_cublaslt_workspace(CUDA, _perf("auto"), "fp8_delayed") == "none"
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
+    # an explicit choice wins over auto's
+    assert configure_cublaslt_workspace(CUDA, _perf("default"), "fp8_delayed") == "default"
+    assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+    assert configure_cublaslt_workspace(CPU, _perf("auto"), "fp8_delayed") == "default"
+
+
 def test_a_cpu_run_changes_nothing():
     import os
     assert configure_cublaslt_workspace(CPU, _perf("none")) == "default"
     assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
 
 
-def test_the_spec_takes_the_two_values_and_says_what_else_is_wrong():
+def test_the_spec_takes_the_three_values_and_says_what_else_is_wrong():
     base = {"recipe": "fp8_delayed", "model": "tiny", "data": {"corpus": "random", "vocab_size": 512, "seq_len": 64},
             "training": {"steps": 1, "warmup_steps": 0, "batch_size": 2}}
-    for value in ("default", "none"):
+    for value in ("auto", "default", "none"):
         spec = RunSpec.from_dict({**base, "training": {**base["training"], "perf": {"cublaslt_workspace": value}}})
         assert spec.training.perf.cublaslt_workspace == value
-    assert RunSpec.from_dict(base).training.perf.cublaslt_workspace == "default"
-    with pytest.raises(SpecError, match="cublaslt_workspace.*default.*none"):
+    assert RunSpec.from_dict(base).training.perf.cublaslt_workspace == "auto"
+    with pytest.raises(SpecError, match="cublaslt_workspace.*auto.*default.*none"):
         RunSpec.from_dict({**base, "training": {**base["training"], "perf": {"cublaslt_workspace": "0"}}})
