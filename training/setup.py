@@ -26,6 +26,7 @@ from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, c
 from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
 from training.parallel import (OneRankDirectStep, OverlappedShardedStep, apply_activation_checkpointing,
                               keeps_gathered_weights, resolve_parallel, shard_model)
+from training.precision import catalog
 from training.precision.weight_reuse import QuantizedWeightReuse
 from training.sink import MetricSink
 
@@ -259,7 +260,7 @@ def configure_cublaslt_workspace(device: torch.device, perf, recipe: str | None 
         return "env"
     choice = perf.cublaslt_workspace
     if choice == "auto":
-        choice = "none" if recipe in perf.NO_WORKSPACE_RECIPES else "default"
+        choice = catalog.get(recipe).cublaslt_workspace if recipe in catalog.recipe_names() else "default"
     if device.type != "cuda":
         return "default"
     if choice == "none":

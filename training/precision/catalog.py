@@ -13,6 +13,9 @@ exact emulation elsewhere. `module` names the module that implements it (convers
 `quantizer_bytes` (activation or gradient operand, weight): bytes per element its quantizers must move – each
 BF16 input read once per pass it needs, each layout the GEMMs read written once – the floor that
 `bench/step_profile.py` divides the measured quantizer time by (None: no quantizers, or not worked out).
+`cublaslt_workspace` ("default" or "none"): what `training.perf.cublaslt_workspace: auto` gives the recipe's process.
+"none" only where the recipe's loss curve without the workspace was shown to stay within its own run-to-run
+spread on a GPU (bench/curve_ab.py; the result file is named beside the entry).
 
 The order is the documented recipe order (README's recipe list): error messages and every list in the UI follow it.
 Recipes outside this file join through `add_recipe(entry)`, called by a module named in the environment
@@ -30,6 +33,7 @@ from typing import Any, Optional
 BASELINE = "bf16"
 OPTION_TYPES = ("boolean", "integer", "string")
 SCALE_ROUNDINGS = ("floor", "rceil")
+CUBLASLT_WORKSPACES = ("default", "none")  # what training.perf.cublaslt_workspace "auto" may resolve to
 EXTENSIONS_ENV = "PLAB_RECIPE_MODULES"
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
@@ -97,6 +101,7 @@ class RecipeEntry:
     options: tuple[RecipeOption, ...] = ()
     module: str = field(default="", compare=False)
     quantizer_bytes: Optional[tuple[int, int]] = None
+    cublaslt_workspace: str = "default"
 
     @property
     def implementation(self) -> str:
@@ -177,6 +182,9 @@ _BUILTIN = (
                                                "(inductor's math, the same codes; off: inductor's kernel, which "
                                                "stores the codes twice, and a transposing copy)")),
         quantizer_bytes=(4, 4),  # scale from the history: the amax is recorded during the one cast pass
+        # 4 runs against 2 on an H100, permutation p = 0.87:
+        # bench/results/curve_ab_2026-11-28T0448_H100_fp8_delayed_workspace_none_4x2_at_8d46a2f.json
+        cublaslt_workspace="none",
     ),
     RecipeEntry(
         name="fp8_tensorwise",
@@ -186,6 +194,9 @@ _BUILTIN = (
         gemm_format="fp8_tensorwise", real_kernels="torchao Float8Linear (tensorwise, torch._scaled_mm)",
         real_min_capability=(8, 9), emulated_elsewhere=True,
         quantizer_bytes=(6, 6),  # amax read + cast read (2 x 2 B), two FP8 layouts (2 x 1 B)
+        # 4 runs against 2 on an H100, permutation p = 0.67:
+        # bench/results/curve_ab_2026-11-28T0600_H100_fp8_tensorwise_workspace_none_4x2_at_7848a8f.json
+        cublaslt_workspace="none",
     ),
     RecipeEntry(
         name="fp8_rowwise",
@@ -273,6 +284,9 @@ def _check_entry(entry: RecipeEntry) -> None:
         if option.type == "string" and not option.choices:
             raise ValueError(f"string option {option.name} of {entry.name} needs its choices")
         option.check(option.default, entry.name)
+    if entry.cublaslt_workspace not in CUBLASLT_WORKSPACES:
+        raise ValueError(f"cublaslt_workspace of {entry.name!r} must be one of {', '.join(CUBLASLT_WORKSPACES)}, "
+                         f"got {entry.cublaslt_workspace!r}")
 
 
 def _check_gemm_format(entry: RecipeEntry, entries: dict[str, RecipeEntry]) -> None:
