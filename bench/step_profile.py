@@ -283,7 +283,8 @@ def idle_gaps(trace_events: list, active: int, min_us: float = 2.0, top: int = 1
     """Where the GPU sits idle inside the profiled steps, from the Chrome trace's device events: the gaps between
     the union of kernel/copy intervals, per step, by size (under 10 us: launch latency; 10-100 us: a host-side
     op or a graph boundary; over 100 us: the host behind or a synchronisation), and the largest by the kernels on
-    either side of them (ms and count per step), which names the boundary that waits."""
+    either side of them (ms and count per step), which names the boundary that waits. The profiler slows the host,
+    so gaps the host leaves may be its own: `idle_without_profiler` says how much."""
     evs = sorted((e["ts"], e["ts"] + e.get("dur", 0.0), e.get("name", "")) for e in trace_events
                  if e.get("cat") in GPU_EVENT_CATS and e.get("dur", 0.0) > 0)
     if not evs:
@@ -304,6 +305,20 @@ def idle_gaps(trace_events: list, active: int, min_us: float = 2.0, top: int = 1
     largest = sorted(pairs.items(), key=lambda kv: -kv[1]["ms"])[:top]
     return {"idle_ms_per_step": sum(buckets.values()), "by_size_ms_per_step": buckets,
             "largest": [{"between": k, **v} for k, v in largest]}
+
+
+def idle_without_profiler(profile: dict) -> dict:
+    """How much of the profiled idle GPU time is the profiler's own: the profiled steps' GPU span against the
+    unprofiled step timed with CUDA events in the same run. `profiler_ms` = span - unprofiled step (the host's
+    cost under the profiler, which no change to the step removes); `left_ms` = unprofiled step - busy GPU (what
+    idles without it, the part a faster host or CUDA graphs could take off). {} when either number is missing.
+    (bench/NOTES_floor.md 71: fp8_tensorwise's 4.1 ms of idle gaps were 5.5 ms of profiler span; CUDA graphs gained
+    0.4 ms.)"""
+    span, busy = profile.get("gpu_span_ms_per_step"), profile.get("gpu_busy_ms_per_step")
+    step = (profile.get("unprofiled") or {}).get("step_ms")
+    if span is None or busy is None or step is None:
+        return {}
+    return {"profiler_ms": max(0.0, span - step), "left_ms": max(0.0, step - busy)}
 
 
 def gpu_busy(prof, active: int) -> dict:
@@ -488,6 +503,7 @@ def ours_worker(config_text: str, batch: int, seq: int) -> dict:
         out["quantizer_launch_grids"] = launch_grids(events, active)
         out["idle_gaps"] = idle_gaps(events, active)
     out["unprofiled"] = out_unprofiled
+    out["idle_without_profiler"] = idle_without_profiler(out)
     out["gpu_during_profiled_steps"] = (sampler.summary(window["from"], window["to"])
                                         if {"from", "to"} <= set(window) else None)
     out["run"] = {"recipe": config["recipe"], "params": result.summary.get("params"),
@@ -592,6 +608,9 @@ def _print_tables(profiles: dict) -> None:
         if gaps := r.get("idle_gaps"):
             sizes = ", ".join(f"{k} {v:.2f}" for k, v in gaps["by_size_ms_per_step"].items())
             print(f"{target}: GPU idle {gaps['idle_ms_per_step']:.2f} ms per step ({sizes})")
+            if split := idle_without_profiler(r):
+                print(f"  of the span, {split['profiler_ms']:.2f} ms per step are the profiler's (span against the "
+                      f"unprofiled step); without it the GPU idles {split['left_ms']:.2f} ms per step")
             for row in gaps["largest"][:8]:
                 print(f"  {row['ms']:6.3f} ms {row['count']:5.1f}x  {row['between']}")
     for target, r in profiles.items():

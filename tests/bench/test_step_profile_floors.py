@@ -211,3 +211,15 @@ def test_the_unprofiled_window_starts_after_the_compiling_steps_and_ends_inside_
     out = timer.summary()
     assert out["each_step_ms"] == [88.0] * (last - first) + [140.0]
     assert out["step_ms"] == 88.0  # the median of five is not lifted by one slow step
+
+
+def test_idle_without_profiler_splits_the_span_into_the_profilers_share_and_what_is_left(sp):
+    # fp8_tensorwise at 509e541 (NOTES_floor 71): span 101.69, busy 96.09, unprofiled step 96.18 ms
+    profile = {"gpu_span_ms_per_step": 101.69, "gpu_busy_ms_per_step": 96.09, "unprofiled": {"step_ms": 96.18}}
+    split = sp.idle_without_profiler(profile)
+    assert split["profiler_ms"] == pytest.approx(5.51) and split["left_ms"] == pytest.approx(0.09)
+    # an unprofiled step longer than the span: nothing is the profiler's, all of its idle is left
+    split = sp.idle_without_profiler({**profile, "unprofiled": {"step_ms": 103.0}})
+    assert split["profiler_ms"] == 0.0 and split["left_ms"] == pytest.approx(6.91)
+    assert sp.idle_without_profiler({"gpu_span_ms_per_step": 1.0, "gpu_busy_ms_per_step": 1.0}) == {}
+    assert sp.idle_without_profiler({**profile, "unprofiled": None}) == {}
