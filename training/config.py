@@ -513,10 +513,11 @@ class PerfOptions:
     # idle GPU): fp8_delayed 87.4 against 88.8 ms a step, fp8_tensorwise 96.7 against 97.3 on an H100. The
     # variants' products differ in the last bits (another summation order), so an FP8 run's losses differ from
     # the default's after a few steps, as two runs of the same code on a GPU do (cuDNN's attention backward).
-    # "auto" (the default): the recipe's catalog entry says (RecipeEntry.cublaslt_workspace): "none" for
-    # fp8_delayed and fp8_tensorwise, whose loss curves stay within the run-to-run spread of their own repeats
-    # (bench/curve_ab.py, 4 runs against 2 on an H100, permutation p = 0.87 and 0.67; bench/NOTES_floor.md 67, 69),
-    # "default" for every other recipe. A CUBLASLT_WORKSPACE_SIZE in the environment wins.
+    # "auto" (the default): the recipe's catalog entry says (RecipeEntry.cublaslt_workspace) where its real kernels
+    # run: "none" for fp8_delayed and fp8_tensorwise on an sm_89+ GPU, whose loss curves stay within the run-to-run
+    # spread of their own repeats (bench/curve_ab.py, 4 runs against 2 on an H100, permutation p = 0.87 and 0.67;
+    # bench/NOTES_floor.md 67, 69); "default" for every other recipe, and where a recipe runs emulated.
+    # A CUBLASLT_WORKSPACE_SIZE in the environment wins.
     cublaslt_workspace: str = "auto"
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")

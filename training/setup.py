@@ -27,6 +27,7 @@ from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
 from training.parallel import (OneRankDirectStep, OverlappedShardedStep, apply_activation_checkpointing,
                               keeps_gathered_weights, resolve_parallel, shard_model)
 from training.precision import catalog
+from training.precision.gemm_ops import has_capability
 from training.precision.weight_reuse import QuantizedWeightReuse
 from training.sink import MetricSink
 
@@ -260,7 +261,7 @@ def configure_cublaslt_workspace(device: torch.device, perf, recipe: str | None 
         return "env"
     choice = perf.cublaslt_workspace
     if choice == "auto":
-        choice = catalog.get(recipe).cublaslt_workspace if recipe in catalog.recipe_names() else "default"
+        choice = _auto_workspace(device, recipe)
     if device.type != "cuda":
         return "default"
     if choice == "none":
@@ -269,6 +270,16 @@ def configure_cublaslt_workspace(device: torch.device, perf, recipe: str | None 
     elif os.environ.get("_PLAB_CUBLASLT_SET") is not None:
         del os.environ["CUBLASLT_WORKSPACE_SIZE"], os.environ["_PLAB_CUBLASLT_SET"]
     return choice
+
+
+def _auto_workspace(device: torch.device, recipe: str | None) -> str:
+    """What "auto" means for `recipe` on `device`: its catalog entry's choice where its real kernels run (that is
+    where the choice was measured and curve-tested: FP8 GEMMs on an sm_89+ GPU); torch's default elsewhere, where
+    the recipe's GEMMs are BF16 on emulated operands and cuBLASLt's workspace may matter to them (split-K)."""
+    if recipe not in catalog.recipe_names():
+        return "default"
+    entry = catalog.get(recipe)
+    return entry.cublaslt_workspace if has_capability(device, entry.real_min_capability) else "default"
 
 
 def _configure_backends(device: torch.device, perf) -> None:

@@ -39,8 +39,9 @@ def test_a_later_run_in_the_process_may_choose_again_but_a_users_setting_is_left
     assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "2048"
 
 
-def test_auto_follows_the_recipe_catalog():
+def test_auto_follows_the_recipe_catalog(monkeypatch):
     import os
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert PerfOptions().cublaslt_workspace == "auto"
     for recipe in ("bf16", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4", "no_such_recipe", None):
         assert configure_cublaslt_workspace(CUDA, _perf("auto"), recipe) == "default"
@@ -53,6 +54,19 @@ def test_auto_follows_the_recipe_catalog():
         assert configure_cublaslt_workspace(CUDA, _perf("default"), recipe) == "default"
         assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
         assert configure_cublaslt_workspace(CPU, _perf("auto"), recipe) == "default"
+
+
+def test_auto_keeps_the_workspace_where_the_recipe_runs_emulated(monkeypatch):
+    """On an A100 (sm_80) fp8_delayed and fp8_tensorwise run BF16 GEMMs on emulated operands: their measured
+    choice does not apply there."""
+    import os
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    for recipe in ("fp8_delayed", "fp8_tensorwise"):
+        assert configure_cublaslt_workspace(CUDA, _perf("auto"), recipe) == "default"
+        assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+        assert configure_cublaslt_workspace(CUDA, _perf("none"), recipe) == "none"  # asked for, it holds
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert configure_cublaslt_workspace(CUDA, _perf("auto"), "fp8_tensorwise") == "none"
 
 
 def test_the_catalog_refuses_a_workspace_it_does_not_know():

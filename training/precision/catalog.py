@@ -13,9 +13,10 @@ exact emulation elsewhere. `module` names the module that implements it (convers
 `quantizer_bytes` (activation or gradient operand, weight): bytes per element its quantizers must move – each
 BF16 input read once per pass it needs, each layout the GEMMs read written once – the floor that
 `bench/step_profile.py` divides the measured quantizer time by (None: no quantizers, or not worked out).
-`cublaslt_workspace` ("default" or "none"): what `training.perf.cublaslt_workspace: auto` gives the recipe's process.
-"none" only where the recipe's loss curve without the workspace was shown to stay within its own run-to-run
-spread on a GPU (bench/curve_ab.py; the result file is named beside the entry).
+`cublaslt_workspace` ("default" or "none"): what `training.perf.cublaslt_workspace: auto` gives the recipe's process
+on a GPU where its real kernels run (elsewhere its GEMMs are BF16 on emulated operands, and auto keeps torch's
+default). "none" only where the recipe's loss curve without the workspace was shown to stay within its own
+run-to-run spread on a GPU (bench/curve_ab.py; the result file is named beside the entry).
 
 The order is the documented recipe order (README's recipe list): error messages and every list in the UI follow it.
 Recipes outside this file join through `add_recipe(entry)`, called by a module named in the environment
