@@ -114,7 +114,7 @@ def compare(a_runs: list[list[float]], b_runs, window: int, floor: float = 0.0) 
         return next((step + 1 for step, (p, q) in enumerate(zip(x[:n], y[:n])) if p != q), None)
 
     bound = max(max(spread), floor)
-    return {"window": window, "steps_compared": n, "a_window_means": aw, "b_window_means": bw,
+    return {"window": window, "steps_compared": n, "a_window_means": aw, "a_mean": mean, "b_window_means": bw,
             "b_runs_window_means": bws,
             "a_spread": spread, "b_distance": dist, "a_spread_max": max(spread), "b_distance_max": max(dist),
             "windows_b_outside": sum(d > bound for d in dist), "bound": bound,
@@ -207,9 +207,8 @@ def main(argv=None) -> int:
     print(f"\n# curve_ab on {device}: {a.b_repeats} run(s) of {a.b} against {a.repeats} of {a.a}, "
           f"{result['steps_compared']} steps, windows of {a.window}")
     print(f"{'window':>7s} {'A mean':>9s} {'A spread':>9s} {'B':>9s} {'|B - A|':>9s}")
-    aw = result["a_window_means"]
-    for i, (spread, bw, dist) in enumerate(zip(result["a_spread"], result["b_window_means"], result["b_distance"])):
-        a_mean = sum(w[i] for w in aw) / len(aw)
+    for i, (a_mean, spread, bw, dist) in enumerate(zip(result["a_mean"], result["a_spread"],
+                                                        result["b_window_means"], result["b_distance"])):
         print(f"{i + 1:7d} {a_mean:9.5f} {spread:9.2e} {bw:9.5f} {dist:9.2e}"
               f"{'  outside' if dist > result['bound'] else ''}")
     vals = ", ".join(f"{r['run']} {r['val_loss']}" for r in runs)

@@ -608,7 +608,7 @@ def _print_tables(profiles: dict) -> None:
         if gaps := r.get("idle_gaps"):
             sizes = ", ".join(f"{k} {v:.2f}" for k, v in gaps["by_size_ms_per_step"].items())
             print(f"{target}: GPU idle {gaps['idle_ms_per_step']:.2f} ms per step ({sizes})")
-            if split := idle_without_profiler(r):
+            if split := r.get("idle_without_profiler"):
                 print(f"  of the span, {split['profiler_ms']:.2f} ms per step are the profiler's (span against the "
                       f"unprofiled step); without it the GPU idles {split['left_ms']:.2f} ms per step")
             for row in gaps["largest"][:8]:

@@ -259,11 +259,11 @@ def configure_cublaslt_workspace(device: torch.device, perf, recipe: str | None 
     keeps its first setting."""
     if os.environ.get("CUBLASLT_WORKSPACE_SIZE") is not None and os.environ.get("_PLAB_CUBLASLT_SET") is None:
         return "env"
+    if device.type != "cuda":
+        return "default"
     choice = perf.cublaslt_workspace
     if choice == "auto":
         choice = _auto_workspace(device, recipe)
-    if device.type != "cuda":
-        return "default"
     if choice == "none":
         os.environ["CUBLASLT_WORKSPACE_SIZE"] = "0"
         os.environ["_PLAB_CUBLASLT_SET"] = "1"  # ours, so a later run in this process may choose again
