@@ -121,6 +121,7 @@ def training_schema() -> dict:
         "ddp_static_graph": _bool(), "gc_interval": _int("training.perf", "gc_interval", 0),
         "sync_free_mask": _bool(), "reuse_quantized_weights": _bool(),
         "cublaslt_workspace": {"enum": list(p.CUBLASLT_WORKSPACES)},
+        "loss_weight_grad": {"enum": list(p.LOSS_WEIGHT_GRADS)},
     }
     assert set(perf) == {f.name for f in fields(p)}, "training.perf keys changed: update backend/spec_schema.py"
     s = "training"

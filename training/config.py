@@ -417,6 +417,12 @@ class PerfOptions:
     # full (tokens x vocab) FP32 logits, which for 8192 tokens x 32000 is 1 GiB written and read back.
     fused_loss: bool = True
     loss_chunk_tokens: int = 2048
+    # How the fused loss forms the LM head's weight gradient (training.model._ChunkedLinearCrossEntropy):
+    # "one_gemm" one GEMM over every token after the last chunk (FP32 accumulation inside the GEMM, one rounding,
+    # as the unfused backward; a tokens x vocab buffer in BF16 while the loss runs: 0.5 GiB at 8192 x 32000);
+    # "per_chunk" a GEMM per chunk added to an FP32 accumulator (no such buffer; a pass over the accumulator per
+    # chunk, ~1 ms a step on an H100 at 32000 x 2048 and 4 chunks).
+    loss_weight_grad: str = "one_gemm"
     # SDPA backend: "auto" lets PyTorch choose; "cudnn" / "flash" / "efficient" / "math" pin one.
     sdpa_backend: str = "auto"
     # torch.compile mode (None = default). "max-autotune-no-cudagraphs" spends more compile time.
@@ -521,6 +527,7 @@ class PerfOptions:
     cublaslt_workspace: str = "auto"
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+    LOSS_WEIGHT_GRADS = ("one_gemm", "per_chunk")
     CUBLASLT_WORKSPACES = ("auto", "default", "none")
     COMPILE_SCOPES = ("auto", "model", "layers")
     OPTIMIZER_UPDATES = ("auto", "triton", "compiled", "eager")
@@ -732,6 +739,8 @@ class RunSpec:
                                           perf_d.get("reuse_quantized_weights", pbase.reuse_quantized_weights)),
             cublaslt_workspace=_choice("training.perf", "cublaslt_workspace", perf_d.get(
                 "cublaslt_workspace", pbase.cublaslt_workspace), PerfOptions.CUBLASLT_WORKSPACES),
+            loss_weight_grad=_choice("training.perf", "loss_weight_grad", perf_d.get(
+                "loss_weight_grad", pbase.loss_weight_grad), PerfOptions.LOSS_WEIGHT_GRADS),
         )
 
     @staticmethod

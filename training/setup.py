@@ -96,7 +96,13 @@ class Run:
                 "fsdp_one_rank_direct": self.fsdp_one_rank_direct,
                 "reuse_quantized_weights": any(isinstance(h, QuantizedWeightReuse) for h in self.hooks),
                 "compile_mode": self.compile_mode, "cublaslt_workspace": self.cublaslt_workspace,
-                "data": dict(self.dataset.info)}
+                "loss_weight_grad": self.loss_weight_grad, "data": dict(self.dataset.info)}
+
+    @property
+    def loss_weight_grad(self) -> str | None:
+        """How the fused loss forms the LM head's weight gradient (None: the run does not use the fused loss)."""
+        loss_module = getattr(self.eval_net, "_orig_mod", self.eval_net)
+        return loss_module.weight_grad if getattr(loss_module, "fused", False) else None
 
 
 def device_kind(spec: RunSpec) -> str:
@@ -423,7 +429,7 @@ def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device,
     on_cuda = device.type == "cuda"
     loss_module = CausalLMLoss(model, fused_loss=t.perf.fused_loss, chunk_tokens=t.perf.loss_chunk_tokens,
                                compute_dtype=torch.bfloat16 if on_cuda else None,
-                               sync_free_mask=t.perf.sync_free_mask)
+                               sync_free_mask=t.perf.sync_free_mask, weight_grad=t.perf.loss_weight_grad)
     net = eval_net = loss_module
     if parallel == "fsdp":
         if t.compile:

@@ -56,6 +56,14 @@ def test_none_stays_a_choice_where_the_option_has_one(bench):
     assert parsed.training.perf.cublaslt_workspace == "none" and parsed.training.activation_checkpointing == "none"
 
 
+def test_train_bench_passes_it_as_a_perf_switch(bench):
+    config = bench.parse_config("bf16:loss_weight_grad=per_chunk")
+    assert config["perf"] == {"loss_weight_grad": "per_chunk"}
+    from training.config import RunSpec
+    spec = RunSpec.from_dict(bench.run_spec(config, steps=3, batch=8, seq=64, model="tiny", device="cpu"))
+    assert spec.training.perf.loss_weight_grad == "per_chunk"
+
+
 def test_default_order_runs_the_recipes_with_a_bar_first_and_blockwise_last(bench):
     from training.precision import RECIPES
     order = bench.default_configs(list(RECIPES))

@@ -40,14 +40,16 @@ def test_building_a_model_does_not_consume_the_callers_random_stream():
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_fused_chunked_loss_equals_standard_cross_entropy_in_value_and_gradients():
+@pytest.mark.parametrize("weight_grad", ["one_gemm", "per_chunk"])
+def test_fused_chunked_loss_equals_standard_cross_entropy_in_value_and_gradients(weight_grad):
     cfg = llama_config("tiny", 512, 32)
     model = build_model(cfg, 0)
     batch = torch.randint(0, 512, (3, 33), generator=torch.Generator().manual_seed(0))
     grads = {}
     for fused in (False, True):
         model.zero_grad()
-        loss = CausalLMLoss(model, fused_loss=fused, chunk_tokens=40)(batch[:, :-1], batch[:, 1:])
+        loss = CausalLMLoss(model, fused_loss=fused, chunk_tokens=40, weight_grad=weight_grad)(batch[:, :-1],
+                                                                                              batch[:, 1:])
         loss.backward()
         grads[fused] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
     assert torch.allclose(grads[True][0], grads[False][0], atol=1e-6)
@@ -79,6 +81,64 @@ def test_the_loss_chunk_gives_the_scatter_add_formulation_bit_for_bit(dtype):
     for compile_ in (lambda f: f, lambda f: torch.compile(f, dynamic=False)):
         for a, b in zip(compile_(_ce_chunk)(hc, w, tc, acc), compile_(scattered)(hc, w, tc, acc)):
             assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_gemm_chunk_gives_the_per_chunk_loss_and_hidden_gradient_bit_for_bit(dtype):
+    # `_ce_chunk_into` (weight_grad one_gemm) writes dL/dlogits into its rows of the caller's buffer and returns the
+    # loss; the caller's g @ w is dL/dh. Against `_ce_chunk`: the same loss, dL/dh and dL/dlogits to the bit, eagerly
+    # and compiled (each against the same mode), and the rows outside the chunk untouched.
+    from training.model import _ce_chunk, _ce_chunk_into
+
+    def gradient_out(hc, w, tc, grad_w):   # _ce_chunk's dL/dlogits, recovered from its weight gradient's input
+        logits = (hc @ w.t()).float()
+        p = torch.exp(logits - torch.logsumexp(logits, dim=-1)[:, None])
+        return torch.where(torch.arange(w.shape[0])[None, :] == tc[:, None], p - 1.0, p).to(hc.dtype)
+
+    gen = torch.Generator().manual_seed(1)
+    hc, w = torch.randn(48, 64, generator=gen).to(dtype), (torch.randn(300, 64, generator=gen) * 0.3).to(dtype)
+    tc, acc = torch.randint(0, 300, (48,), generator=gen), torch.zeros(300, 64)
+    for compile_ in (lambda f: f, lambda f: torch.compile(f, dynamic=False)):
+        buf = torch.full((96, 300), 7.0, dtype=dtype)
+        loss = compile_(_ce_chunk_into)(hc, w, tc, buf[48:])
+        ref_loss, ref_gh, ref_gw = compile_(_ce_chunk)(hc, w, tc, acc)
+        assert torch.equal(loss, ref_loss) and torch.equal(buf[48:] @ w, ref_gh)
+        assert torch.equal(buf[:48], torch.full((48, 300), 7.0, dtype=dtype))
+        assert torch.equal(buf[48:], compile_(gradient_out)(hc, w, tc, acc))
+        assert torch.equal((buf[48:].t() @ hc).float(), ref_gw)   # one chunk: the same GEMM either way
+
+
+def test_the_one_gemm_weight_gradient_rounds_once_and_is_closer_to_exact_than_per_chunk():
+    # BF16 weights (the GPU runs' parameter dtype): per_chunk rounds each chunk's dL/dW to BF16, sums in FP32 and
+    # rounds again; one_gemm accumulates every token in one GEMM and rounds once, as the unfused backward does. Its
+    # error against an FP64 evaluation of the same BF16 dL/dlogits is smaller over all 300 x 64 entries.
+    from training.model import _ChunkedLinearCrossEntropy
+
+    gen = torch.Generator().manual_seed(2)
+    n, chunk = 1024, 64   # 16 chunks
+    h = torch.randn(n, 64, generator=gen).bfloat16()
+    w = (torch.randn(300, 64, generator=gen) * 0.3).bfloat16().requires_grad_()
+    t = torch.randint(0, 300, (n,), generator=gen)
+    grads = {}
+    for mode in ("one_gemm", "per_chunk"):
+        w.grad = None
+        _ChunkedLinearCrossEntropy.apply(h, w, t, chunk, torch.bfloat16, None, mode).backward()
+        grads[mode] = w.grad.double()
+    assert w.grad.dtype == torch.bfloat16
+    logits = (h @ w.detach().t()).float()
+    p = torch.exp(logits - torch.logsumexp(logits, dim=-1)[:, None])
+    g = torch.where(torch.arange(300)[None, :] == t[:, None], p - 1.0, p).bfloat16()
+    exact = g.double().t() @ h.double() / n
+    err = {m: (grads[m] - exact).abs().mean().item() for m in grads}
+    assert err["one_gemm"] < 0.85 * err["per_chunk"], err
+    # and each is within BF16's rounding of the exact value
+    assert torch.allclose(grads["one_gemm"], exact, rtol=2 ** -7, atol=1e-6)
+
+
+def test_the_loss_refuses_an_unknown_weight_gradient_mode():
+    model = build_model(llama_config("tiny", 512, 32), 0)
+    with pytest.raises(ValueError, match="one_gemm"):
+        CausalLMLoss(model, weight_grad="fp32")
 
 
 def test_fused_qkv_gives_the_same_logits_and_gradients_and_splits_back_to_hf_names():
