@@ -272,7 +272,30 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.n
-        return (grad_h * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None, None, None, None
+        if grad_w.dtype == torch.float32:   # per_chunk's FP32 accumulator (or an FP32 run)
+            grad_w = (grad_w * scale).to(ctx.dtypes[1])
+        else:
+            grad_w = _scaled_cast(grad_w, scale, ctx.dtypes[1])
+        return (grad_h * scale).to(ctx.dtypes[0]), grad_w, None, None, None, None, None
+
+
+def _scale_in_fp32(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x.float() * scale).to(dtype)
+
+
+_compiled_scale_in_fp32 = None
+
+
+def _scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale in FP32, rounded once to `dtype` (x in BF16, scale a 0-d FP32 tensor on x's device). On a GPU one
+    compiled pass: eager's `x * scale` with a BF16 x and an FP32 0-d tensor on the device runs torch's unvectorized
+    casting kernel (0.35 ms for the 1b LM head's 32000 x 2048 gradient on an H200, ~6x its bytes)."""
+    global _compiled_scale_in_fp32
+    if x.device.type != "cuda" or torch.compiler.is_compiling():   # (inside a compiled graph inductor fuses it)
+        return _scale_in_fp32(x, scale, dtype)
+    if _compiled_scale_in_fp32 is None:
+        _compiled_scale_in_fp32 = torch.compile(_scale_in_fp32, dynamic=False)
+    return _compiled_scale_in_fp32(x, scale, dtype)
 
 
 def _ce_chunk_into(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor, g_out: torch.Tensor):

@@ -135,6 +135,19 @@ def test_the_one_gemm_weight_gradient_rounds_once_and_is_closer_to_exact_than_pe
     assert torch.allclose(grads["one_gemm"], exact, rtol=2 ** -7, atol=1e-6)
 
 
+def test_the_weight_gradients_scaled_cast_is_one_fp32_multiply_compiled_or_not():
+    # _ChunkedLinearCrossEntropy's backward scales one_gemm's BF16 weight gradient by grad_out / n in FP32 and rounds
+    # once (compiled on a GPU): the same bits as the eager FP32 product, also where the scale is not a power of two.
+    # (The GPU's reason: eager's BF16 x FP32-0-d-tensor product runs torch's unvectorized casting kernel there.)
+    from training.model import _scale_in_fp32
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 64, generator=gen).bfloat16()
+    scale = torch.tensor(1.0 / 3000.0)
+    eager = (x.float() * scale).to(torch.bfloat16)
+    assert torch.equal(_scale_in_fp32(x, scale, torch.bfloat16), eager)
+    assert torch.equal(torch.compile(_scale_in_fp32, dynamic=False)(x, scale, torch.bfloat16), eager)
+
+
 def test_the_loss_refuses_an_unknown_weight_gradient_mode():
     model = build_model(llama_config("tiny", 512, 32), 0)
     with pytest.raises(ValueError, match="one_gemm"):
