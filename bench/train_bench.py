@@ -36,7 +36,7 @@ activation_checkpointing_every, init_device cpu|device), e.g. the 8B shape on 2 
         --configs bf16:parallel=fsdp,activation_checkpointing=full,init_device=device \
                   fp8_tensorwise:parallel=fsdp,activation_checkpointing=full,init_device=device
 
-Perf switches added since: cublaslt_workspace (default|none), loss_weight_grad (one_gemm|per_chunk), fuse_qkv, fuse_gate_up, overlap_optimizer
+Perf switches added since: cublaslt_workspace (default|none), loss_weight_grad (auto|one_gemm|per_chunk), fuse_qkv, fuse_gate_up, overlap_optimizer
 (true|false; null = auto), compile_scope, ddp_bucket_mb, ddp_static_graph, gc_interval, fsdp_prefetch, fsdp_fused_cast, fsdp_one_rank_direct
 (docs/INTERFACES.md); per config also gpus, grad_accum, batch; and the training key param_dtype (bf16|fp32|auto).
 

@@ -419,10 +419,12 @@ class PerfOptions:
     loss_chunk_tokens: int = 2048
     # How the fused loss forms the LM head's weight gradient (training.model._ChunkedLinearCrossEntropy):
     # "one_gemm" one GEMM over every token after the last chunk (FP32 accumulation inside the GEMM, one rounding,
-    # as the unfused backward; a tokens x vocab buffer in BF16 while the loss runs: 0.5 GiB at 8192 x 32000);
-    # "per_chunk" a GEMM per chunk added to an FP32 accumulator (no such buffer; a pass over the accumulator per
-    # chunk, ~1 ms a step on an H100 at 32000 x 2048 and 4 chunks).
-    loss_weight_grad: str = "one_gemm"
+    # as the unfused backward; a tokens x vocab buffer in BF16 while the loss runs: 0.5 GiB at 8192 x 32000, 4 GiB
+    # at 16384 x 128256); "per_chunk" a GEMM per chunk added to an FP32 accumulator (no such buffer; a pass over the
+    # accumulator per chunk, ~1 ms a step at 32000 x 2048 and 4 chunks: bench/NOTES_floor.md 72).
+    # "auto" (the default): per_chunk where the run checkpoints activations (it trades time for memory already),
+    # else one_gemm.
+    loss_weight_grad: str = "auto"
     # SDPA backend: "auto" lets PyTorch choose; "cudnn" / "flash" / "efficient" / "math" pin one.
     sdpa_backend: str = "auto"
     # torch.compile mode (None = default). "max-autotune-no-cudagraphs" spends more compile time.
@@ -527,7 +529,7 @@ class PerfOptions:
     cublaslt_workspace: str = "auto"
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
-    LOSS_WEIGHT_GRADS = ("one_gemm", "per_chunk")
+    LOSS_WEIGHT_GRADS = ("auto", "one_gemm", "per_chunk")
     CUBLASLT_WORKSPACES = ("auto", "default", "none")
     COMPILE_SCOPES = ("auto", "model", "layers")
     OPTIMIZER_UPDATES = ("auto", "triton", "compiled", "eager")

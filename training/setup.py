@@ -419,6 +419,14 @@ def _optimizer(model: torch.nn.Module, spec: RunSpec, param_dtype: str, *, shard
     return params, optimizer
 
 
+def loss_weight_grad(t) -> str:
+    """training.perf.loss_weight_grad resolved: `auto` is per_chunk where the run checkpoints activations (no tokens x
+    vocab buffer beside the loss, as before one_gemm), else one_gemm."""
+    if t.perf.loss_weight_grad != "auto":
+        return t.perf.loss_weight_grad
+    return "per_chunk" if t.activation_checkpointing != "none" else "one_gemm"
+
+
 def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device, *, compile_per_layer: bool,
                    parallel: str = "single", bf16_compute: bool = False, compile_mode: str | None = None,
                    keep_gathered: bool = False, one_rank_direct: bool = False):
@@ -429,7 +437,7 @@ def _step_function(model, spec: RunSpec, ctx: DistContext, device: torch.device,
     on_cuda = device.type == "cuda"
     loss_module = CausalLMLoss(model, fused_loss=t.perf.fused_loss, chunk_tokens=t.perf.loss_chunk_tokens,
                                compute_dtype=torch.bfloat16 if on_cuda else None,
-                               sync_free_mask=t.perf.sync_free_mask, weight_grad=t.perf.loss_weight_grad)
+                               sync_free_mask=t.perf.sync_free_mask, weight_grad=loss_weight_grad(t))
     net = eval_net = loss_module
     if parallel == "fsdp":
         if t.compile:
