@@ -21,6 +21,8 @@ Usage (on the GPU machine, repo root; the anchor is looked up at .devcarry/hf_ll
         --baseline bf16:grad_accum=2
     python bench/train_bench.py --configs bf16 --no-anchor --profile            # where the step's time goes
     python bench/train_bench.py --configs bf16 fp8_tensorwise --rounds 5 --steps 20   # A/B interleaved in rounds
+        (with 2+ rounds each config timed in the baseline's group is also compared with it round by round:
+        the mean difference, the rounds it was faster in, a sign-flip test; `vs_baseline_by_round` in the JSON)
 
 Perf switches (training.perf of the run spec): fused_loss, loss_chunk_tokens, fused_clip, bf16_residual,
 sdpa_backend (auto|cudnn|flash|efficient|math), compile_mode, metrics_lag, prefetch, allow_tf32; plus
@@ -410,6 +412,36 @@ class Gate:
             while not (self.dir / f"{self.name}.go{k}").exists():
                 time.sleep(0.05)
         return False
+
+
+def paired_by_round(base_steps: list[float], steps: list[float], rounds: int, *, exact_max: int = 16,
+                    samples: int = 1 << 16) -> dict | None:
+    """A config against the baseline timed in the same group, paired by round: each round's mean step of the config
+    minus the baseline's (ms; the two ran back to back in that round, A B then B A, so the power cap's and the
+    clock's drift between rounds cancels in the difference), how many rounds the config was faster in, and a
+    sign-flip permutation test of the mean difference (two-sided; exact over the 2^rounds sign patterns up to
+    `exact_max` rounds, else `samples` random ones with a fixed seed). None where the steps do not split into
+    `rounds` equal rounds (a config stopped early) or there is only one round."""
+    import itertools
+    import random
+
+    if rounds < 2 or not steps or len(steps) != len(base_steps) or len(steps) % rounds:
+        return None
+    per = len(steps) // rounds
+    diffs = [1e3 * (sum(steps[k * per:(k + 1) * per]) - sum(base_steps[k * per:(k + 1) * per])) / per
+             for k in range(rounds)]
+    observed = abs(sum(diffs)) - 1e-12
+    if rounds <= exact_max:
+        patterns = itertools.product((1, -1), repeat=rounds)
+        total = 2 ** rounds
+    else:
+        rng = random.Random(0)
+        patterns = ([rng.choice((1, -1)) for _ in range(rounds)] for _ in range(samples))
+        total = samples
+    extreme = sum(abs(sum(s * d for s, d in zip(signs, diffs))) >= observed for signs in patterns)
+    return {"rounds": rounds, "steps_per_round": per, "diff_ms": [round(d, 3) for d in diffs],
+            "mean_diff_ms": sum(diffs) / rounds, "faster_in": sum(d < 0 for d in diffs),
+            "sign_flip_p": extreme / total, "exact": rounds <= exact_max}
 
 
 def gate_steps(warmup: int, steps: int, rounds: int) -> tuple[list[int], int]:
@@ -823,6 +855,11 @@ def main(argv=None) -> int:
         if "tokens_per_s" in r:
             r["vs_anchor"] = r["tokens_per_s"] / anchor_tps if anchor_tps else None
             r["vs_our_bf16"] = r["tokens_per_s"] / ours_bf16["tokens_per_s"] if ours_bf16 else None
+            if (ours_bf16 is not None and r is not ours_bf16 and "group" in r and r.get("group") == ours_bf16.get("group")
+                    and not r.get("retimed_alone") and not ours_bf16.get("retimed_alone")):
+                paired = paired_by_round(ours_bf16.get("timed_steps_s", []), r.get("timed_steps_s", []), a.rounds)
+                if paired is not None:
+                    r["vs_baseline_by_round"] = {"baseline": a.baseline, **paired}
     report = {
         "bench": "train_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device, "git_commit": git_commit(), "model": _model_label(a.model, results),
@@ -876,6 +913,15 @@ def main(argv=None) -> int:
               + ("  MEMORY-BOUND TIMING: the allocator synchronized to free memory" if (m or {}).get("alloc_retries")
                  else "")
               + (f"  (timed again alone: {r['retimed_alone']})" if r.get("retimed_alone") else ""))
+    paired = [r for r in results if r.get("vs_baseline_by_round")]
+    if paired:
+        print(f"\npaired by round against {a.baseline} (config minus baseline, ms per step, each round's mean; "
+              "sign-flip test of the mean)")
+        for r in paired:
+            p = r["vs_baseline_by_round"]
+            print(f"{r['label'][:56]:56s} {p['mean_diff_ms']:+8.2f} ms, faster in {p['faster_in']} of {p['rounds']} "
+                  f"rounds, p = {p['sign_flip_p']:.3f}{'' if p['exact'] else ' (sampled)'}  "
+                  f"[{', '.join(f'{d:+.2f}' for d in p['diff_ms'])}]")
     return 0
 
 
