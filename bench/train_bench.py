@@ -855,11 +855,12 @@ def main(argv=None) -> int:
         if "tokens_per_s" in r:
             r["vs_anchor"] = r["tokens_per_s"] / anchor_tps if anchor_tps else None
             r["vs_our_bf16"] = r["tokens_per_s"] / ours_bf16["tokens_per_s"] if ours_bf16 else None
-            if (ours_bf16 is not None and r is not ours_bf16 and "group" in r and r.get("group") == ours_bf16.get("group")
-                    and not r.get("retimed_alone") and not ours_bf16.get("retimed_alone")):
-                paired = paired_by_round(ours_bf16.get("timed_steps_s", []), r.get("timed_steps_s", []), a.rounds)
-                if paired is not None:
-                    r["vs_baseline_by_round"] = {"baseline": a.baseline, **paired}
+            timed_with_baseline = (ours_bf16 is not None and r is not ours_bf16 and "group" in r
+                                   and r["group"] == ours_bf16.get("group")
+                                   and not r.get("retimed_alone") and not ours_bf16.get("retimed_alone"))
+            paired = timed_with_baseline and paired_by_round(ours_bf16["timed_steps_s"], r["timed_steps_s"], a.rounds)
+            if paired:
+                r["vs_baseline_by_round"] = {"baseline": a.baseline, **paired}
     report = {
         "bench": "train_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device, "git_commit": git_commit(), "model": _model_label(a.model, results),

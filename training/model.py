@@ -10,6 +10,7 @@ is for CPU tests.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -283,19 +284,19 @@ def _scale_in_fp32(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (x.float() * scale).to(dtype)
 
 
-_compiled_scale_in_fp32 = None
+@functools.cache
+def _compiled(fn):
+    """`fn` under torch.compile with static shapes, compiled once per function (dynamo's own cache per shape)."""
+    return torch.compile(fn, dynamic=False)
 
 
 def _scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x * scale in FP32, rounded once to `dtype` (x in BF16, scale a 0-d FP32 tensor on x's device). On a GPU one
     compiled pass: eager's `x * scale` with a BF16 x and an FP32 0-d tensor on the device runs torch's unvectorized
     casting kernel (0.35 ms for the 1b LM head's 32000 x 2048 gradient on an H200, ~6x its bytes)."""
-    global _compiled_scale_in_fp32
     if x.device.type != "cuda" or torch.compiler.is_compiling():   # (inside a compiled graph inductor fuses it)
         return _scale_in_fp32(x, scale, dtype)
-    if _compiled_scale_in_fp32 is None:
-        _compiled_scale_in_fp32 = torch.compile(_scale_in_fp32, dynamic=False)
-    return _compiled_scale_in_fp32(x, scale, dtype)
+    return _compiled(_scale_in_fp32)(x, scale, dtype)
 
 
 def _ce_chunk_into(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor, g_out: torch.Tensor):
@@ -335,7 +336,6 @@ def _ce_chunk(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor, grad_w: torch
     return loss, g @ w, grad_w + (g.t() @ hc).float()
 
 
-_compiled_ce_chunk: dict = {}
 LOSS_WEIGHT_GRADS = ("one_gemm", "per_chunk")
 
 
@@ -343,10 +343,7 @@ def compiled_ce_chunk(weight_grad: str = "one_gemm"):
     """The fused loss's chunk function for `weight_grad` (`_ce_chunk_into` or `_ce_chunk`) under torch.compile
     (the softmax, its upcast and the one-hot fused into few kernels), for models whose layers are compiled one by
     one rather than as one graph with the loss."""
-    if weight_grad not in _compiled_ce_chunk:
-        fn = {"one_gemm": _ce_chunk_into, "per_chunk": _ce_chunk}[weight_grad]
-        _compiled_ce_chunk[weight_grad] = torch.compile(fn, dynamic=False)
-    return _compiled_ce_chunk[weight_grad]
+    return _compiled({"one_gemm": _ce_chunk_into, "per_chunk": _ce_chunk}[weight_grad])
 
 
 # Config fields by which an architecture's forward changes the logits after the LM head (Gemma 2/3 soft-cap
