@@ -122,6 +122,7 @@ def training_schema() -> dict:
         "sync_free_mask": _bool(), "reuse_quantized_weights": _bool(),
         "cublaslt_workspace": {"enum": list(p.CUBLASLT_WORKSPACES)},
         "loss_weight_grad": {"enum": list(p.LOSS_WEIGHT_GRADS)},
+        "rope_backward": {"enum": list(p.ROPE_BACKWARDS)},
     }
     assert set(perf) == {f.name for f in fields(p)}, "training.perf keys changed: update backend/spec_schema.py"
     s = "training"

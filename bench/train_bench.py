@@ -38,7 +38,7 @@ activation_checkpointing_every, init_device cpu|device), e.g. the 8B shape on 2 
         --configs bf16:parallel=fsdp,activation_checkpointing=full,init_device=device \
                   fp8_tensorwise:parallel=fsdp,activation_checkpointing=full,init_device=device
 
-Perf switches added since: cublaslt_workspace (default|none), loss_weight_grad (auto|one_gemm|per_chunk), fuse_qkv, fuse_gate_up, overlap_optimizer
+Perf switches added since: cublaslt_workspace (default|none), loss_weight_grad (auto|one_gemm|per_chunk), rope_backward (auto|one_pass|compiled), fuse_qkv, fuse_gate_up, overlap_optimizer
 (true|false; null = auto), compile_scope, ddp_bucket_mb, ddp_static_graph, gc_interval, fsdp_prefetch, fsdp_fused_cast, fsdp_one_rank_direct
 (docs/INTERFACES.md); per config also gpus, grad_accum, batch; and the training key param_dtype (bf16|fp32|auto).
 
@@ -518,6 +518,7 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         "compile_mode": result.summary.get("compile_mode"),
         "cublaslt_workspace": result.summary.get("cublaslt_workspace"),
         "loss_weight_grad": result.summary.get("loss_weight_grad"),
+        "rope_backward": result.summary.get("rope_backward"),
         "step_time_min_s": min(m["perf/step_time_s"] for m in timed),
         "step_time_max_s": max(m["perf/step_time_s"] for m in timed),
         "data_wait_share": sum(m["perf/data_wait_s"] for m in timed) / total_step_s,

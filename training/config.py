@@ -425,6 +425,13 @@ class PerfOptions:
     # "auto" (the default): per_chunk where the run checkpoints activations (it trades time for memory already),
     # else one_gemm.
     loss_weight_grad: str = "auto"
+    # RoPE's backward on the fused QKV projection's output (fuse_qkv; training.rope_triton): "one_pass" one Triton
+    # pass forms the projection's dY = [RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV] (the torch reference on a CPU), bit for bit
+    # inductor's values; "compiled" leaves RoPE's backward and the concatenation to the compiler (one flat kernel,
+    # 1.8x its bytes on an H100: bench/NOTES_floor.md 61, 75). "auto" (the default): one_pass on a GPU where the
+    # projection reads dY as BF16 anyway, compiled where inductor fuses RoPE's backward into an FP8 cast of dY
+    # (torchao's Float8Linear: fp8_tensorwise, fp8_rowwise; fp8_delayed's layers, which have fused_qkv_rope).
+    rope_backward: str = "auto"
     # SDPA backend: "auto" lets PyTorch choose; "cudnn" / "flash" / "efficient" / "math" pin one.
     sdpa_backend: str = "auto"
     # torch.compile mode (None = default). "max-autotune-no-cudagraphs" spends more compile time.
@@ -530,6 +537,7 @@ class PerfOptions:
 
     SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
     LOSS_WEIGHT_GRADS = ("auto", "one_gemm", "per_chunk")
+    ROPE_BACKWARDS = ("auto", "one_pass", "compiled")
     CUBLASLT_WORKSPACES = ("auto", "default", "none")
     COMPILE_SCOPES = ("auto", "model", "layers")
     OPTIMIZER_UPDATES = ("auto", "triton", "compiled", "eager")
@@ -743,6 +751,8 @@ class RunSpec:
                 "cublaslt_workspace", pbase.cublaslt_workspace), PerfOptions.CUBLASLT_WORKSPACES),
             loss_weight_grad=_choice("training.perf", "loss_weight_grad", perf_d.get(
                 "loss_weight_grad", pbase.loss_weight_grad), PerfOptions.LOSS_WEIGHT_GRADS),
+            rope_backward=_choice("training.perf", "rope_backward", perf_d.get(
+                "rope_backward", pbase.rope_backward), PerfOptions.ROPE_BACKWARDS),
         )
 
     @staticmethod

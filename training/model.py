@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama as _llama
 
 from training.config import MODEL_PRESETS, ModelSpec, SpecError
+from training.rope_triton import QKVRoPEFn, qkv_rope_applies
 
 PRESETS = MODEL_PRESETS  # defined in training.config so spec validation stays import-light
 
@@ -498,9 +499,15 @@ def _fused_qkv_attention_forward(self, hidden_states, position_embeddings=None, 
     if fused is not None:
         q, k, v = (t.transpose(1, 2) for t in fused)
     else:
-        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_split, dim=-1)
-        q, k, v = (t.reshape(hidden_shape).transpose(1, 2) for t in (q, k, v))
-        q, k = ml.apply_rotary_pos_emb(q, k, cos, sin)
+        y = self.qkv_proj(hidden_states)
+        if getattr(self, "rope_one_pass", False) and qkv_rope_applies(y, cos, sin, self.head_dim):
+            # RoPE's backward, the slices' and the concatenation's as one pass (training.perf.rope_backward)
+            n_q, n_kv = self.qkv_split[0] // self.head_dim, self.qkv_split[1] // self.head_dim
+            q, k, v = (t.transpose(1, 2) for t in QKVRoPEFn.apply(y, cos, sin, n_q, n_kv))
+        else:
+            q, k, v = y.split(self.qkv_split, dim=-1)
+            q, k, v = (t.reshape(hidden_shape).transpose(1, 2) for t in (q, k, v))
+            q, k = ml.apply_rotary_pos_emb(q, k, cos, sin)
     impl = self.config._attn_implementation
     attention = ml.eager_attention_forward if impl == "eager" else ml.ALL_ATTENTION_FUNCTIONS[impl]
     out, weights = attention(self, q, k, v, attention_mask, dropout=0.0 if not self.training else
@@ -525,6 +532,25 @@ def fuse_qkv(model: LlamaForCausalLM) -> int:
         attn.forward = _fused_qkv_attention_forward.__get__(attn)
         n += 1
     return n
+
+
+def set_rope_backward(model: torch.nn.Module, mode: str, on_cuda: bool) -> str | None:
+    """training.perf.rope_backward on the blocks with a fused QKV projection (fuse_qkv), after the recipe converted
+    them: "one_pass" runs RoPE's backward and the concatenation of dQ, dK and dV as one pass (training.rope_triton),
+    "compiled" leaves them to the compiler; "auto" is one_pass on a GPU where the QKV projection reads its dY as
+    BF16 anyway (not where inductor fuses RoPE's backward into an FP8 cast of dY). Returns what holds: "one_pass",
+    "compiled", "one_pass on N of M blocks", or None where no block has a fused QKV projection."""
+    from training.rope_triton import HAVE_TRITON, takes_bf16_grad
+
+    attns = (getattr(layer, "self_attn", None) for layer in decoder_blocks(model))
+    fused = [a for a in attns if getattr(getattr(a, "forward", None), "__func__", None) is _fused_qkv_attention_forward]
+    if not fused:
+        return None
+    for attn in fused:
+        attn.rope_one_pass = mode == "one_pass" or (mode == "auto" and on_cuda and HAVE_TRITON
+                                                    and takes_bf16_grad(attn.qkv_proj))
+    n = sum(attn.rope_one_pass for attn in fused)
+    return "one_pass" if n == len(fused) else "compiled" if n == 0 else f"one_pass on {n} of {len(fused)} blocks"
 
 
 def _replace_by_concatenation(parent: torch.nn.Module, names, fused_name: str, caller: str) -> None:

@@ -22,7 +22,7 @@ from training.distributed import DistContext, init_distributed, init_single_proc
 from training.flops import flops_per_token
 from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, compile_layers, count_parameters,
                             decoder_blocks, decoder_body, describe_model, fuse_gate_up, fuse_qkv, load_pretrained,
-                            meta_model, model_config)
+                            meta_model, model_config, set_rope_backward)
 from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
 from training.parallel import (OneRankDirectStep, OverlappedShardedStep, apply_activation_checkpointing,
                               keeps_gathered_weights, resolve_parallel, shard_model)
@@ -60,6 +60,7 @@ class Run:
     compile_mode: str | None = None    # the torch.compile mode the step runs under (None: inductor's default)
     fsdp_keeps_gathered_weights: bool | None = None  # FSDP2 blocks keep their gathered weights to the backward
     cublaslt_workspace: str = "default"  # configure_cublaslt_workspace's result: default | none | env
+    rope_backward: str | None = None   # training.model.set_rope_backward's result (None: no fused QKV projection)
 
     @property
     def on_cuda(self) -> bool:
@@ -96,7 +97,8 @@ class Run:
                 "fsdp_one_rank_direct": self.fsdp_one_rank_direct,
                 "reuse_quantized_weights": any(isinstance(h, QuantizedWeightReuse) for h in self.hooks),
                 "compile_mode": self.compile_mode, "cublaslt_workspace": self.cublaslt_workspace,
-                "loss_weight_grad": self.loss_weight_grad, "data": dict(self.dataset.info)}
+                "loss_weight_grad": self.loss_weight_grad, "rope_backward": self.rope_backward,
+                "data": dict(self.dataset.info)}
 
     @property
     def loss_weight_grad(self) -> str | None:
@@ -143,8 +145,8 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     config = model_config(spec.model, spec.vocab_size, spec.data.seq_len)
     tokenizer, dataset = load_data(spec, ctx, cache_dir, sink, config)
     parallel = resolve_parallel(t.parallel, ctx.world, count_parameters(meta_model(config)), device)
-    model, report, fused_qkv, ac = _model_with_recipe(spec, config, device, param_dtype, sink,
-                                                      fsdp=parallel == "fsdp")
+    model, report, fused_qkv, ac, rope_backward = _model_with_recipe(spec, config, device, param_dtype, sink,
+                                                                     fsdp=parallel == "fsdp")
     keep_gathered, direct = None, False
     if parallel == "fsdp":
         # Sharded before the optimizer exists: its state is built on the FP32 shards.
@@ -187,7 +189,8 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                flops_per_token=flops_per_token(model.config, spec.data.seq_len),
                micro_batch=t.batch_size // (t.grad_accum * ctx.world),
                model_info=describe_model(model, spec.model), compile_mode=mode,
-               fsdp_keeps_gathered_weights=keep_gathered, cublaslt_workspace=cublaslt_workspace)
+               fsdp_keeps_gathered_weights=keep_gathered, cublaslt_workspace=cublaslt_workspace,
+               rope_backward=rope_backward)
 
 
 def overlap_update(option: bool | None, parallel: str) -> bool:
@@ -348,8 +351,8 @@ def open_token_dataset(spec: RunSpec, cache_dir: Path, sink: MetricSink | None =
 
 def _model_with_recipe(spec: RunSpec, config, device: torch.device, param_dtype: str, sink: MetricSink, *,
                        fsdp: bool = False):
-    """(model, recipe report, fused_qkv, activation checkpointing): the seeded (or loaded) model on `device`,
-    fused, converted and checkpointed as the spec asks; reports the conversion to the sink."""
+    """(model, recipe report, fused_qkv, activation checkpointing, rope_backward): the seeded (or loaded) model on
+    `device`, fused, converted and checkpointed as the spec asks; reports the conversion to the sink."""
     t = spec.training
     on_cuda = device.type == "cuda"
     if spec.model.source == "checkpoint":
@@ -372,11 +375,16 @@ def _model_with_recipe(spec: RunSpec, config, device: torch.device, param_dtype:
     except ValueError as exc:  # a layer count or keep_bf16 rule the model's blocks do not satisfy
         raise SpecError(str(exc)) from None
     sink.event("conversion_report", report=report.to_dict())
+    rope_backward = set_rope_backward(model, t.perf.rope_backward, on_cuda)
+    if rope_backward is None and t.perf.rope_backward == "one_pass":
+        raise SpecError("training.perf.rope_backward: one_pass runs RoPE's backward on the fused QKV projection's "
+                        "output, and this run has none; set training.perf.fuse_qkv to true (Llama models), or "
+                        "rope_backward to auto")
     if on_cuda and t.perf.bf16_residual and param_dtype != "bf16":
         carry_residual_in_bf16(model)
     ac = apply_activation_checkpointing(model, t.activation_checkpointing, t.activation_checkpointing_every)
     model.train()
-    return model, report, fused_qkv, ac
+    return model, report, fused_qkv, ac, rope_backward
 
 
 # Switches that rewrite Llama's own modules (the attention and MLP forwards of transformers' Llama).

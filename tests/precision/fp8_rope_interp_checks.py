@@ -1,5 +1,6 @@
-"""fp8_delayed's fused QKV projection's backward kernel (training/precision/fp8_rope_triton.py: RoPE's backward of dQ
-and dK, the concatenation with dV, the E5M2 cast in both layouts and the amax) against its torch reference, on CPU
+"""The RoPE-backward kernels against their torch references: fp8_delayed's fused QKV projection's (training/precision/
+fp8_rope_triton.py: RoPE's backward of dQ and dK, the concatenation with dV, the E5M2 cast in both layouts and the
+amax) and the BF16 one of training.perf.rope_backward (training/rope_triton.py: the same tile, dY in BF16), on CPU
 under Triton's interpreter (started by test_fp8_rope_interpreted.py with TRITON_INTERPRET=1; skipped without it):
 codes in both layouts and the amax to the bit. On a GPU the fused path is compared with inductor's compiled step
 (test_fused_qkv_rope_gpu.py)."""
@@ -14,6 +15,7 @@ pytest.importorskip("triton")
 require_interpreter("test_fp8_rope_interpreted.py")
 
 from training.precision import fp8_rope_triton as fr  # noqa: E402
+from training import rope_triton as rt  # noqa: E402
 from training.precision.formats import fp8_cast  # noqa: E402
 
 
@@ -65,3 +67,20 @@ def test_strided_gradients_as_the_attention_backward_may_hand_them():
     got = fr.rope_bwd_fp8_launch(dq_t, dk, dv, cos, sin, scale)
     want = fr.rope_bwd_fp8_reference(dq, dk, dv, cos, sin, scale)
     assert all(torch.equal(_codes(a), _codes(b)) for a, b in zip(got[:2], want[:2])) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("batch,tokens,hq,hk,d,cos_batch,bm", [
+    (2, 24, 4, 2, 16, 1, 32),  # a partial row tile; cos shared by the batch
+    (2, 16, 2, 1, 64, 2, 16),  # cos per sequence; a smaller tile
+])
+def test_the_bf16_kernel_is_its_reference_to_the_bit(batch, tokens, hq, hk, d, cos_batch, bm):
+    dq, dk, dv, cos, sin = _grads(batch, tokens, hq, hk, d, cos_batch, seed=1)
+    got = rt.rope_bwd_launch(dq, dk, dv, cos, sin, bm=bm)
+    want = rt.rope_bwd_reference(dq, dk, dv, cos, sin)
+    rows = batch * tokens
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, (hq + 2 * hk) * d)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(got[:, (hq + hk) * d:], dv.reshape(rows, -1))  # V copied
+    assert not torch.equal(got[:, :hq * d], dq.reshape(rows, -1))  # Q rotated
+    dq_t = dq.transpose(1, 2).contiguous().transpose(1, 2)  # strided, as an attention backward may hand it
+    assert torch.equal(rt.rope_bwd_launch(dq_t, dk, dv, cos, sin, bm=bm).view(torch.int16), got.view(torch.int16))

@@ -23,13 +23,15 @@ from __future__ import annotations
 import torch
 
 from training.precision.formats import fp8_cast
+from training.rope_triton import rope_bwd_values, tile_arguments, usable  # noqa: F401 (usable: this module's too)
 from training.triton_math import HAVE_TRITON, bf16_partials_amax, compiled_for_gpu
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from training.triton_math import bf16_bits_rne, bf16_to_f32, fp8_code_fast
+    from training.rope_triton import rope_bwd_tile
+    from training.triton_math import bf16_bits_rne, fp8_code_fast
 
 BM, NUM_WARPS = 32, 4  # a program: 32 tokens x one head (the SwiGLU kernel's 32 x 128 tile at head_dim 128)
 E5M2 = torch.float8_e5m2
@@ -40,29 +42,9 @@ if HAVE_TRITON:
                              M, C, HQ, HK, stride_dq, stride_dk, stride_dv, stride_cos, COS_ROWS,
                              NATIVE: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):
         pid_m, head = tl.program_id(0), tl.program_id(1)
-        rows = pid_m * BM + tl.arange(0, BM)
-        d = tl.arange(0, D)
-        mask = (rows[:, None] < M) & (d[None, :] < D)
+        v, rows, d, mask = rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK, stride_dq,
+                                         stride_dk, stride_dv, stride_cos, COS_ROWS, D, BM)
         r = rows[:, None].to(tl.int64)
-        if head < HQ:
-            src = dq_ptr + r * stride_dq + head * D
-        elif head < HQ + HK:
-            src = dk_ptr + r * stride_dk + (head - HQ) * D
-        else:
-            src = dv_ptr + r * stride_dv + (head - HQ - HK) * D
-        g = bf16_to_f32(tl.load(src + d[None, :], mask=mask, other=0.0))
-        if head < HQ + HK:  # RoPE's backward (Q and K heads)
-            partner = (d + D // 2) % D
-            t = (rows % COS_ROWS)[:, None].to(tl.int64) * stride_cos
-            gp = bf16_to_f32(tl.load(src + partner[None, :], mask=mask, other=0.0))
-            sp = bf16_to_f32(tl.load(sin_ptr + t + partner[None, :], mask=mask, other=0.0))
-            c = bf16_to_f32(tl.load(cos_ptr + t + d[None, :], mask=mask, other=0.0))
-            p = gp * sp
-            upper = d[None, :] >= D // 2
-            rot = tl.where(upper, -p, 0.0) + tl.where(upper, 0.0, p)
-            v = rot + g * c
-        else:
-            v = g
         tl.store(partial_ptr + pid_m * tl.num_programs(1) + head,
                  bf16_bits_rne(tl.max(tl.max(tl.abs(v), axis=1), axis=0)))
         code = fp8_code_fast(v * tl.load(scale_ptr), 57344.0, True, NATIVE).to(q_ptr.dtype.element_ty, bitcast=True)
@@ -71,23 +53,11 @@ if HAVE_TRITON:
         tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """[batch, tokens, heads, head_dim] -> [batch * tokens, heads * head_dim] (a view when the last two dims are
-    dense, as the attention kernels' gradients are; else a copy)."""
-    return t.reshape(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
-
-
 def rope_bwd_fp8_launch(dq, dk, dv, cos, sin, scale, *, wrap=lambda kernel: kernel, bm: int = BM,
                         num_warps: int = NUM_WARPS):
     """Launch the kernel (under the interpreter too): (g8 [N, C], g8t [C, N], amax) as in the module docstring.
     dq [B, T, Hq, D], dk and dv [B, T, Hk, D] BF16; cos, sin [1 or B, T, D] BF16; scale an FP32 device scalar."""
-    b, t, hq, d = dq.shape
-    hk = dk.shape[2]
-    assert dq.dtype == dk.dtype == dv.dtype == cos.dtype == sin.dtype == torch.bfloat16, "BF16 operands"
-    gq, gk, gv = _as_rows(dq), _as_rows(dk), _as_rows(dv)
-    cos2, sin2 = cos.reshape(-1, d), sin.reshape(-1, d)
-    assert cos2.stride() == sin2.stride() and cos2.stride(1) == 1 and gq.stride(1) == gk.stride(1) == gv.stride(1) == 1
-    m, c = b * t, (hq + 2 * hk) * d
+    (gq, gk, gv, cos2, sin2), m, c, hq, hk, d = tile_arguments(dq, dk, dv, cos, sin)
     g8 = torch.empty((m, c), device=dq.device, dtype=E5M2)
     g8t = torch.empty((c, m), device=dq.device, dtype=E5M2)
     grid = (triton.cdiv(m, bm), hq + 2 * hk)
@@ -107,30 +77,12 @@ if HAVE_TRITON:
         return rope_bwd_fp8_launch(dq, dk, dv, cos, sin, scale, wrap=wrap_triton)
 
 
-def rope_backward_reference(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE's backward in FP32 as the kernel computes it: g [B, T, H, D], cos and sin [1 or B, T, D]."""
-    half = g.shape[-1] // 2
-    gf, c, s = g.float(), cos.float().unsqueeze(2), sin.float().unsqueeze(2)
-    p = torch.cat([gf[..., half:] * s[..., half:], gf[..., :half] * s[..., :half]], dim=-1)
-    upper = torch.arange(g.shape[-1], device=g.device) >= half
-    return (torch.where(upper, -p, 0.0) + torch.where(upper, 0.0, p)) + gf * c
-
-
 def rope_bwd_fp8_reference(dq, dk, dv, cos, sin, scale):
     """The kernel's results in torch ops (any float dtype; the amax rounded to the gradients' dtype); what runs on a
     CPU or without Triton."""
-    rows = lambda t: t.reshape(t.shape[0] * t.shape[1], -1)  # noqa: E731
-    v = torch.cat([rows(rope_backward_reference(dq, cos, sin)), rows(rope_backward_reference(dk, cos, sin)),
-                   rows(dv.float())], dim=-1)
+    v = rope_bwd_values(dq, dk, dv, cos, sin)
     g8 = fp8_cast(v, scale, E5M2)[0]
     return g8, g8.t().contiguous(), v.abs().amax().to(dq.dtype).to(torch.float32)
-
-
-def usable(dq: torch.Tensor, cos: torch.Tensor) -> bool:
-    """The kernel runs: Triton on a GPU, BF16 gradients and tables, a power-of-two head_dim (one tile per head)."""
-    d = dq.shape[-1]
-    return (HAVE_TRITON and dq.is_cuda and dq.dtype == cos.dtype == torch.bfloat16 and d >= 16
-            and d & (d - 1) == 0)
 
 
 def rope_bwd_fp8(dq, dk, dv, cos, sin, scale):

@@ -1,0 +1,140 @@
+"""training.perf.rope_backward: RoPE's backward on the fused QKV projection's output as one pass (training.rope_triton,
+QKVRoPEFn) or left to the compiler. On a CPU the pass is its torch reference (the Triton kernel is checked against that
+reference under Triton's interpreter, tests/precision/fp8_rope_interp_checks.py, and against inductor's compiled
+step on a GPU, tests/training/test_rope_backward_gpu.py)."""
+import copy
+
+import pytest
+import torch
+
+from training.config import PerfOptions, RunSpec, SpecError
+from training.model import build_model, fuse_qkv, llama_config, set_rope_backward
+from training.rope_triton import QKVRoPEFn, rope_bwd_reference
+
+BASE = {"recipe": "bf16", "model": "tiny", "data": {"corpus": "random", "vocab_size": 512, "seq_len": 64},
+        "training": {"steps": 3, "warmup_steps": 0, "batch_size": 4, "val_every": 0}, "seed": 0}
+
+
+def _spec(perf: dict, recipe: str = "bf16") -> dict:
+    return {**BASE, "recipe": recipe, "training": {**BASE["training"], "perf": perf}}
+
+
+def _model(hidden=64, heads=4, kv_heads=2, dtype=torch.float32):
+    config = llama_config({"hidden_size": hidden, "intermediate_size": 96, "num_hidden_layers": 2,
+                           "num_attention_heads": heads, "num_key_value_heads": kv_heads}, 97, 32)
+    model = build_model(config, 3).to(dtype)
+    fuse_qkv(model)
+    return model
+
+
+class _Spy:
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        apply = QKVRoPEFn.apply
+
+        def counted(*args):
+            self.calls += 1
+            return apply(*args)
+        monkeypatch.setattr(QKVRoPEFn, "apply", counted)
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids).logits
+    logits.float().square().mean().backward()
+    return [logits.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_spec_takes_the_three_values_and_the_schema_lists_them():
+    from backend.spec_schema import training_schema
+    assert RunSpec.from_dict(BASE).training.perf.rope_backward == "auto"
+    for value in PerfOptions.ROPE_BACKWARDS:
+        assert RunSpec.from_dict(_spec({"rope_backward": value})).training.perf.rope_backward == value
+    with pytest.raises(SpecError, match=r"training.perf.rope_backward must be one of "
+                                        r"\['auto', 'one_pass', 'compiled'\], got 'triton'"):
+        RunSpec.from_dict(_spec({"rope_backward": "triton"}))
+    assert training_schema()["properties"]["perf"]["properties"]["rope_backward"] == {
+        "enum": ["auto", "one_pass", "compiled"]}
+
+
+def test_one_pass_gives_the_same_values_and_gradients_eagerly_in_fp32(monkeypatch):
+    base = _model()
+    one = copy.deepcopy(base)
+    assert set_rope_backward(base, "compiled", on_cuda=False) == "compiled"
+    assert set_rope_backward(one, "one_pass", on_cuda=False) == "one_pass"
+    spy = _Spy(monkeypatch)
+    for step in range(2):
+        ids = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(step))
+        want, got = _step(base, ids), _step(one, ids)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert b.abs().sum() > 0 and torch.equal(a, b), f"step {step}: tensor {i}"
+    assert spy.calls == 2 * 2   # two blocks, two steps: the one-pass path ran
+
+
+def test_compiled_in_bf16_the_one_pass_gradient_is_inductors_to_the_bit():
+    """The backward's dY = [RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV] in BF16: inductor's compiled autograd of HF's RoPE (FP32
+    inside, one rounding) against QKVRoPEFn's pass (the reference on a CPU), fed the same BF16 gradients."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch._dynamo.reset()
+    batch, tokens, n_q, n_kv, d = 2, 24, 4, 2, 32
+    gen = torch.Generator().manual_seed(0)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.arange(tokens).float()[:, None] * inv
+    emb = torch.cat([emb, emb], dim=-1)[None]
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+
+    def layers(y):
+        q, k, v = y.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+        q, k, v = (t.reshape(batch, tokens, -1, d).transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def one_pass(y):
+        return tuple(t.transpose(1, 2) for t in QKVRoPEFn.apply(y, cos, sin, n_q, n_kv))
+
+    grads = [(torch.randn(batch, h, tokens, d, generator=gen) * 3).bfloat16() for h in (n_q, n_kv, n_kv)]
+    y0 = torch.randn(batch, tokens, (n_q + 2 * n_kv) * d, generator=gen).bfloat16()
+    results = []
+    for fn in (layers, one_pass):
+        y = y0.clone().requires_grad_()
+        out = torch.compile(fn)(y)
+        torch.autograd.backward(out, grads)
+        results.append(([t.detach() for t in out], y.grad))
+    (out_a, dy_a), (out_b, dy_b) = results
+    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
+    assert dy_b.abs().sum() > 0 and torch.equal(dy_a, dy_b)
+    rows = lambda g: g.transpose(1, 2)  # noqa: E731
+    assert torch.equal(dy_b.reshape(batch * tokens, -1), rope_bwd_reference(*(rows(g) for g in grads), cos, sin))
+
+
+def test_auto_is_one_pass_on_a_gpu_where_the_projection_reads_a_bf16_gradient():
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = _model()
+    assert set_rope_backward(model, "auto", on_cuda=False) == "compiled"   # the CPU: inductor's kernel
+    assert set_rope_backward(model, "auto", on_cuda=True) == "one_pass"
+    layers = model.model.layers
+    layers[1].self_attn.qkv_proj = Float8Linear.from_float(layers[1].self_attn.qkv_proj,
+                                                           config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    assert set_rope_backward(model, "auto", on_cuda=True) == "one_pass on 1 of 2 blocks"
+    assert set_rope_backward(model, "one_pass", on_cuda=True) == "one_pass"   # asked for: every block
+    unfused = build_model(llama_config("tiny", 97, 32), 3)
+    assert set_rope_backward(unfused, "one_pass", on_cuda=True) is None
+
+
+def test_a_run_records_what_held_and_one_pass_without_a_fused_projection_is_refused():
+    from training.sink import ListSink
+    from training.train import train
+
+    losses = {}
+    for perf in ({"fuse_qkv": True}, {"fuse_qkv": True, "rope_backward": "one_pass"}, {}):
+        sink = ListSink()
+        result = train(_spec(perf), sink)
+        assert result.status == "succeeded", result
+        losses[result.summary["rope_backward"]] = [v for _, v in sink.series("train/loss")]
+    assert set(losses) == {"compiled", "one_pass", None}   # auto on a CPU: compiled; None: no fused projection
+    assert losses["one_pass"] == losses["compiled"]   # FP32 on a CPU: the same values
+    with pytest.raises(SpecError, match="rope_backward: one_pass .* set training.perf.fuse_qkv to true"):
+        train(_spec({"rope_backward": "one_pass"}), ListSink())

@@ -1,0 +1,88 @@
+"""GPU only (skipped elsewhere): training.perf.rope_backward one_pass (training.rope_triton's Triton pass) changes how
+the compiled step forms the fused QKV projection's dY, not what it is.
+
+- The attention forward up to SDPA's inputs of a BF16 Llama block with a fused QKV projection, compiled (inductor's
+  default mode, and CUDA graphs), one_pass against compiled, both fed the same dQ, dK and dV laid out as cuDNN's
+  attention backward writes them: q, k, v, dX and dW bit for bit over three steps.
+- Two BF16 Llama blocks compiled whole with SDPA's attention: the same logits, and every gradient within BF16
+  rounding (cuDNN's attention backward is not bitwise reproducible from call to call, so the paths' dQ, dK and dV
+  themselves may differ in the last bits)."""
+import copy
+
+import pytest
+import torch
+
+from training.model import build_model, fuse_qkv, llama_config, set_rope_backward
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton)")
+
+
+def _pair(attn_implementation="sdpa", layers=1):
+    config = llama_config({"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": layers,
+                           "num_attention_heads": 4, "num_key_value_heads": 2}, 97, 128)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    base = build_model(config, 3).to("cuda", torch.bfloat16)
+    fuse_qkv(base)
+    one = copy.deepcopy(base)
+    assert set_rope_backward(base, "compiled", on_cuda=True) == "compiled"
+    assert set_rope_backward(one, "one_pass", on_cuda=True) == "one_pass"
+    return base, one
+
+
+def _front(attn, x, cos, sin):
+    """The fused-QKV attention forward up to SDPA's inputs (training.model._fused_qkv_attention_forward)."""
+    from training.model import qkv_rope_applies
+    from training.rope_triton import QKVRoPEFn
+    from transformers.models.llama import modeling_llama as ml
+
+    y = attn.qkv_proj(x)
+    if attn.rope_one_pass and qkv_rope_applies(y, cos, sin, attn.head_dim):
+        n_q, n_kv = attn.qkv_split[0] // attn.head_dim, attn.qkv_split[1] // attn.head_dim
+        return tuple(t.transpose(1, 2) for t in QKVRoPEFn.apply(y, cos, sin, n_q, n_kv))
+    q, k, v = y.split(attn.qkv_split, dim=-1)
+    q, k, v = (t.reshape(*x.shape[:-1], -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
+    return ml.apply_rotary_pos_emb(q, k, cos, sin) + (v,)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["compiled", "cuda_graphs"])
+def test_cudnn_laid_out_gradients_give_the_same_dy_compiled(mode):
+    torch._dynamo.reset()
+    base, one = _pair()
+    rope = base.model.rotary_emb
+    batch, tokens, d = 2, 128, 64
+    attns = [m.model.layers[0].self_attn for m in (base, one)]
+    run = [torch.compile(lambda x, c, s, a=a: _front(a, x, c, s), mode=mode) for a in attns]
+    for step in range(3):
+        x = torch.randn(batch, tokens, 256, device="cuda", dtype=torch.bfloat16)
+        cos, sin = rope(x, torch.arange(tokens, device="cuda").unsqueeze(0))
+        # [batch, tokens, heads, head_dim] memory, seen as [batch, heads, tokens, head_dim] (cuDNN's dQ, dK, dV)
+        grads = [(torch.randn(batch, tokens, h, d, device="cuda") * 10 ** (step - 1)).bfloat16().transpose(1, 2)
+                 for h in (4, 2, 2)]
+        results = []
+        for fn, attn in zip(run, attns):
+            attn.qkv_proj.weight.grad = None
+            xi = x.clone().requires_grad_()
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            qkv = fn(xi, cos, sin)
+            values = [t.detach().clone() for t in qkv]
+            torch.autograd.backward(qkv, grads)
+            results.append((*values, xi.grad.clone(), attn.qkv_proj.weight.grad.clone()))
+        for name, want, got in zip(("q", "k", "v", "dx", "dw"), *results):
+            assert got.abs().sum() > 0 and torch.equal(got, want), f"step {step}: {name}"
+
+
+def test_two_blocks_compiled_whole_give_the_same_logits_and_gradients_within_rounding():
+    torch._dynamo.reset()
+    base, one = _pair(layers=2)
+    ids = torch.randint(0, 97, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    results = []
+    for model in (base, one):
+        logits = torch.compile(model)(input_ids=ids).logits
+        logits.float().square().mean().backward()
+        results.append([logits.detach()] + [p.grad.clone() for p in model.parameters()])
+    assert torch.equal(results[0][0], results[1][0])
+    for i, (a, b) in enumerate(zip(*results)):
+        err = ((b.float() - a.float()).norm() / a.float().norm()).item()
+        assert a.float().abs().sum() > 0 and err < 0.02, f"tensor {i}: rel. error {err:.3g}"

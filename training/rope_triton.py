@@ -1,0 +1,183 @@
+"""RoPE on the fused QKV projection's output, with its backward in one pass (`training.perf.rope_backward`).
+
+The fused QKV projection (model.fuse_qkv) hands the attention [Q | K | V] (tokens x (heads + 2 kv_heads) * head_dim),
+and RoPE rotates the Q and K heads. Its backward takes dQ, dK and dV from the attention's backward and forms the
+projection's dY = [RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV]. Inductor compiles that as one flat pointwise kernel with ~13 masked
+loads and modulo indexing per element (`triton_poi_fused__unsafe_view_add_cat_clone_mul_neg_slice_slice_backward_...`):
+1.29 ms a step on the 1b shape on an H100, 1.8x its bytes (bench/NOTES_floor.md 61). Here one program takes a
+BM x head_dim tile of one head, as fp8_delayed's FP8 version of this pass (precision/fp8_rope_triton.py), whose tile
+math this module owns (`rope_bwd_tile`): the head is known per program (Q and K heads rotate, V heads are copied) and
+the partner half of each row is a second load of the same cache lines.
+
+The math is inductor's, operation for operation (torch 2.11, HF's `apply_rotary_pos_emb` under autograd): with
+p = dY[d +- D/2] * sin[d +- D/2] (the partner half), rot = where(d >= D/2, -p, 0) + where(d < D/2, p, 0), and
+dX = rot + dY * cos, in FP32 from the BF16 inputs without intermediate roundings, rounded once to BF16 (nearest
+even) as inductor stores it. `rope_bwd_reference` is the same computation in torch ops: what runs on a CPU or
+without Triton, and the tests' reference.
+
+Where inductor would fuse RoPE's backward into the consumer of dY (an FP8 cast of torchao's Float8Linear or
+fp8_delayed's layers), a materialized BF16 dY is an extra round trip and another rounding before the cast; `auto`
+keeps inductor's kernel there (`takes_bf16_grad`).
+"""
+from __future__ import annotations
+
+import torch
+
+from training.triton_math import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from training.triton_math import bf16_bits_rne, bf16_to_f32
+
+BM, NUM_WARPS = 32, 4  # a program: 32 tokens x one head
+
+if HAVE_TRITON:
+    @triton.jit
+    def rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK, stride_dq, stride_dk,
+                      stride_dv, stride_cos, COS_ROWS, D: tl.constexpr, BM: tl.constexpr):
+        """One BM x D tile of [RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV] in FP32: (values, rows, d, mask)."""
+        rows = pid_m * BM + tl.arange(0, BM)
+        d = tl.arange(0, D)
+        mask = (rows[:, None] < M) & (d[None, :] < D)
+        r = rows[:, None].to(tl.int64)
+        if head < HQ:
+            src = dq_ptr + r * stride_dq + head * D
+        elif head < HQ + HK:
+            src = dk_ptr + r * stride_dk + (head - HQ) * D
+        else:
+            src = dv_ptr + r * stride_dv + (head - HQ - HK) * D
+        g = bf16_to_f32(tl.load(src + d[None, :], mask=mask, other=0.0))
+        if head < HQ + HK:  # RoPE's backward (Q and K heads)
+            partner = (d + D // 2) % D
+            t = (rows % COS_ROWS)[:, None].to(tl.int64) * stride_cos
+            gp = bf16_to_f32(tl.load(src + partner[None, :], mask=mask, other=0.0))
+            sp = bf16_to_f32(tl.load(sin_ptr + t + partner[None, :], mask=mask, other=0.0))
+            c = bf16_to_f32(tl.load(cos_ptr + t + d[None, :], mask=mask, other=0.0))
+            p = gp * sp
+            upper = d[None, :] >= D // 2
+            rot = tl.where(upper, -p, 0.0) + tl.where(upper, 0.0, p)
+            v = rot + g * c
+        else:
+            v = g
+        return v, rows, d, mask
+
+    @triton.jit
+    def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, M, C, HQ, HK, stride_dq, stride_dk,
+                         stride_dv, stride_cos, COS_ROWS, D: tl.constexpr, BM: tl.constexpr):
+        pid_m, head = tl.program_id(0), tl.program_id(1)
+        v, rows, d, mask = rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK, stride_dq,
+                                         stride_dk, stride_dv, stride_cos, COS_ROWS, D, BM)
+        cols = head * D + d
+        out = bf16_bits_rne(v).to(tl.bfloat16, bitcast=True)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], out, mask=mask)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[batch, tokens, heads, head_dim] -> [batch * tokens, heads * head_dim] (a view when the last two dims are
+    dense, as the attention kernels' gradients are; else a copy)."""
+    return t.reshape(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+
+
+def tile_arguments(dq, dk, dv, cos, sin):
+    """The tile function's tensor and size arguments: ((gq, gk, gv, cos2, sin2), m, c, hq, hk, strides...)."""
+    b, t, hq, d = dq.shape
+    hk = dk.shape[2]
+    assert dq.dtype == dk.dtype == dv.dtype == cos.dtype == sin.dtype == torch.bfloat16, "BF16 operands"
+    gq, gk, gv = as_rows(dq), as_rows(dk), as_rows(dv)
+    cos2, sin2 = cos.reshape(-1, d), sin.reshape(-1, d)
+    assert cos2.stride() == sin2.stride() and cos2.stride(1) == 1 and gq.stride(1) == gk.stride(1) == gv.stride(1) == 1
+    return (gq, gk, gv, cos2, sin2), b * t, (hq + 2 * hk) * d, hq, hk, d
+
+
+def rope_bwd_launch(dq, dk, dv, cos, sin, *, wrap=lambda kernel: kernel, bm: int = BM, num_warps: int = NUM_WARPS):
+    """Launch the kernel (under the interpreter too): dY [N, C] in BF16 as in the module docstring. dq [B, T, Hq, D],
+    dk and dv [B, T, Hk, D] BF16; cos, sin [1 or B, T, D] BF16."""
+    (gq, gk, gv, cos2, sin2), m, c, hq, hk, d = tile_arguments(dq, dk, dv, cos, sin)
+    out = torch.empty((m, c), device=dq.device, dtype=torch.bfloat16)
+    grid = (triton.cdiv(m, bm), hq + 2 * hk)
+    wrap(_rope_bwd_kernel)[grid](gq, gk, gv, cos2, sin2, out, m, c, hq, hk, gq.stride(0), gk.stride(0), gv.stride(0),
+                                 cos2.stride(0), cos2.shape[0], D=d, BM=bm, num_warps=num_warps)
+    return out
+
+
+if HAVE_TRITON:
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op("plab::rope_bwd", mutates_args=())
+    def _rope_bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+        return rope_bwd_launch(dq, dk, dv, cos, sin, wrap=wrap_triton)
+
+
+def rope_backward_reference(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE's backward in FP32 as the kernel computes it: g [B, T, H, D], cos and sin [1 or B, T, D]."""
+    half = g.shape[-1] // 2
+    gf, c, s = g.float(), cos.float().unsqueeze(2), sin.float().unsqueeze(2)
+    p = torch.cat([gf[..., half:] * s[..., half:], gf[..., :half] * s[..., :half]], dim=-1)
+    upper = torch.arange(g.shape[-1], device=g.device) >= half
+    return (torch.where(upper, -p, 0.0) + torch.where(upper, 0.0, p)) + gf * c
+
+
+def rope_bwd_values(dq, dk, dv, cos, sin) -> torch.Tensor:
+    """[RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV] (tokens x features) in FP32, in torch ops."""
+    rows = lambda t: t.reshape(t.shape[0] * t.shape[1], -1)  # noqa: E731
+    return torch.cat([rows(rope_backward_reference(dq, cos, sin)), rows(rope_backward_reference(dk, cos, sin)),
+                      rows(dv.float())], dim=-1)
+
+
+def rope_bwd_reference(dq, dk, dv, cos, sin) -> torch.Tensor:
+    """The kernel's dY in torch ops, rounded once to the gradients' dtype."""
+    return rope_bwd_values(dq, dk, dv, cos, sin).to(dq.dtype)
+
+
+def usable(dq: torch.Tensor, cos: torch.Tensor) -> bool:
+    """The kernel runs: Triton on a GPU, BF16 gradients and tables, a power-of-two head_dim (one tile per head)."""
+    d = dq.shape[-1]
+    return (HAVE_TRITON and dq.is_cuda and dq.dtype == cos.dtype == torch.bfloat16 and d >= 16
+            and d & (d - 1) == 0)
+
+
+def rope_bwd(dq, dk, dv, cos, sin) -> torch.Tensor:
+    """dY = [RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV] (tokens x features) in the gradients' dtype (see the module docstring)."""
+    if usable(dq, cos):
+        return torch.ops.plab.rope_bwd(dq, dk, dv, cos, sin)
+    return rope_bwd_reference(dq, dk, dv, cos, sin)
+
+
+class QKVRoPEFn(torch.autograd.Function):
+    """HF's `apply_rotary_pos_emb` on the fused QKV projection's output y [batch, tokens, (n_q + 2 n_kv) * head_dim]:
+    (q, k, v), each [batch, tokens, heads, head_dim] (v a view of y). Backward forms the projection's dY in one pass
+    (`rope_bwd`) instead of RoPE's backward, the slices' and the concatenation's."""
+
+    @staticmethod
+    def forward(ctx, y, cos, sin, n_q: int, n_kv: int):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        head_dim = cos.shape[-1]
+        q, k, v = y.view(y.shape[0], y.shape[1], n_q + 2 * n_kv, head_dim).split([n_q, n_kv, n_kv], dim=2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        ctx.save_for_backward(cos, sin)
+        ctx.y_shape = y.shape
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        return rope_bwd(dq, dk, dv, cos, sin).view(ctx.y_shape), None, None, None, None
+
+
+def qkv_rope_applies(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> bool:
+    """QKVRoPEFn's conditions: y [batch, tokens, features], HF's cos and sin tables [1 or batch, tokens, head_dim] in
+    y's dtype (a floating one)."""
+    return (y.dim() == 3 and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[0] in (1, y.shape[0])
+            and cos.shape[1] == y.shape[1] and cos.shape[2] == head_dim and cos.dtype == sin.dtype == y.dtype
+            and y.dtype.is_floating_point)
+
+
+def takes_bf16_grad(layer: torch.nn.Module) -> bool:
+    """Whether a QKV projection's backward reads dY as a BF16 tensor anyway (torch's linear; the emulated recipes'
+    layers, whose quantizers are Triton ops), rather than letting inductor fuse RoPE's backward into its FP8 cast
+    (torchao's Float8Linear; layers that say so with `fuses_grad_cast`, as fp8_delayed's)."""
+    return not (type(layer).__name__ == "Float8Linear" or getattr(layer, "fuses_grad_cast", False))
