@@ -31,7 +31,7 @@ if HAVE_TRITON:
 
     from training.triton_math import bf16_bits_rne, bf16_to_f32
 
-BM, NUM_WARPS = 32, 4  # a program: 32 tokens x one head
+BM, NUM_WARPS, HALVES = 32, 4, False  # a program: 32 tokens x one head
 
 if HAVE_TRITON:
     @triton.jit
@@ -64,14 +64,53 @@ if HAVE_TRITON:
         return v, rows, d, mask
 
     @triton.jit
+    def _rope_bwd_halves(src, cos_ptr, sin_ptr, out_ptr, rows, col0, M, C, stride_cos, COS_ROWS, ROTATE: tl.constexpr,
+                         D: tl.constexpr):
+        """One BM-row tile of one head, as two D/2 halves: each element loaded once (no partner reload). The same
+        operations as rope_bwd_tile: rot = where(upper, -p, 0) + where(upper, 0, p), then rot + g * c."""
+        h = tl.arange(0, D // 2)
+        mask = (rows[:, None] < M) & (h[None, :] < D // 2)
+        r = rows[:, None].to(tl.int64)
+        lo = bf16_to_f32(tl.load(src + h[None, :], mask=mask, other=0.0))
+        hi = bf16_to_f32(tl.load(src + D // 2 + h[None, :], mask=mask, other=0.0))
+        if ROTATE:
+            t = (rows % COS_ROWS)[:, None].to(tl.int64) * stride_cos
+            c_lo = bf16_to_f32(tl.load(cos_ptr + t + h[None, :], mask=mask, other=0.0))
+            c_hi = bf16_to_f32(tl.load(cos_ptr + t + D // 2 + h[None, :], mask=mask, other=0.0))
+            s_lo = bf16_to_f32(tl.load(sin_ptr + t + h[None, :], mask=mask, other=0.0))
+            s_hi = bf16_to_f32(tl.load(sin_ptr + t + D // 2 + h[None, :], mask=mask, other=0.0))
+            p_lo = hi * s_hi  # the lower half's partner: the upper half
+            p_hi = lo * s_lo
+            v_lo = (0.0 + p_lo) + lo * c_lo
+            v_hi = (-p_hi + 0.0) + hi * c_hi
+        else:
+            v_lo, v_hi = lo, hi
+        out = out_ptr + r * C + col0
+        tl.store(out + h[None, :], bf16_bits_rne(v_lo).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(out + D // 2 + h[None, :], bf16_bits_rne(v_hi).to(tl.bfloat16, bitcast=True), mask=mask)
+
+    @triton.jit
     def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, M, C, HQ, HK, stride_dq, stride_dk,
-                         stride_dv, stride_cos, COS_ROWS, D: tl.constexpr, BM: tl.constexpr):
+                         stride_dv, stride_cos, COS_ROWS, D: tl.constexpr, BM: tl.constexpr, HALVES: tl.constexpr):
         pid_m, head = tl.program_id(0), tl.program_id(1)
-        v, rows, d, mask = rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK, stride_dq,
-                                         stride_dk, stride_dv, stride_cos, COS_ROWS, D, BM)
-        cols = head * D + d
-        out = bf16_bits_rne(v).to(tl.bfloat16, bitcast=True)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], out, mask=mask)
+        if HALVES:
+            rows = pid_m * BM + tl.arange(0, BM)
+            r = rows.to(tl.int64)
+            if head < HQ:
+                _rope_bwd_halves(dq_ptr + head * D + (r * stride_dq)[:, None], cos_ptr, sin_ptr, out_ptr, rows,
+                                 head * D, M, C, stride_cos, COS_ROWS, True, D)
+            elif head < HQ + HK:
+                _rope_bwd_halves(dk_ptr + (head - HQ) * D + (r * stride_dk)[:, None], cos_ptr, sin_ptr, out_ptr,
+                                 rows, head * D, M, C, stride_cos, COS_ROWS, True, D)
+            else:
+                _rope_bwd_halves(dv_ptr + (head - HQ - HK) * D + (r * stride_dv)[:, None], cos_ptr, sin_ptr, out_ptr,
+                                 rows, head * D, M, C, stride_cos, COS_ROWS, False, D)
+        else:
+            v, rows, d, mask = rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK,
+                                             stride_dq, stride_dk, stride_dv, stride_cos, COS_ROWS, D, BM)
+            cols = head * D + d
+            out = bf16_bits_rne(v).to(tl.bfloat16, bitcast=True)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], out, mask=mask)
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -91,14 +130,15 @@ def tile_arguments(dq, dk, dv, cos, sin):
     return (gq, gk, gv, cos2, sin2), b * t, (hq + 2 * hk) * d, hq, hk, d
 
 
-def rope_bwd_launch(dq, dk, dv, cos, sin, *, wrap=lambda kernel: kernel, bm: int = BM, num_warps: int = NUM_WARPS):
+def rope_bwd_launch(dq, dk, dv, cos, sin, *, wrap=lambda kernel: kernel, bm: int = BM, num_warps: int = NUM_WARPS,
+                    halves: bool = HALVES):
     """Launch the kernel (under the interpreter too): dY [N, C] in BF16 as in the module docstring. dq [B, T, Hq, D],
     dk and dv [B, T, Hk, D] BF16; cos, sin [1 or B, T, D] BF16."""
     (gq, gk, gv, cos2, sin2), m, c, hq, hk, d = tile_arguments(dq, dk, dv, cos, sin)
     out = torch.empty((m, c), device=dq.device, dtype=torch.bfloat16)
     grid = (triton.cdiv(m, bm), hq + 2 * hk)
     wrap(_rope_bwd_kernel)[grid](gq, gk, gv, cos2, sin2, out, m, c, hq, hk, gq.stride(0), gk.stride(0), gv.stride(0),
-                                 cos2.stride(0), cos2.shape[0], D=d, BM=bm, num_warps=num_warps)
+                                 cos2.stride(0), cos2.shape[0], D=d, BM=bm, HALVES=halves, num_warps=num_warps)
     return out
 
 

@@ -69,13 +69,14 @@ def test_strided_gradients_as_the_attention_backward_may_hand_them():
     assert all(torch.equal(_codes(a), _codes(b)) for a, b in zip(got[:2], want[:2])) and torch.equal(got[2], want[2])
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["tile", "halves"])
 @pytest.mark.parametrize("batch,tokens,hq,hk,d,cos_batch,bm", [
     (2, 24, 4, 2, 16, 1, 32),  # a partial row tile; cos shared by the batch
     (2, 16, 2, 1, 64, 2, 16),  # cos per sequence; a smaller tile
 ])
-def test_the_bf16_kernel_is_its_reference_to_the_bit(batch, tokens, hq, hk, d, cos_batch, bm):
+def test_the_bf16_kernel_is_its_reference_to_the_bit(batch, tokens, hq, hk, d, cos_batch, bm, halves):
     dq, dk, dv, cos, sin = _grads(batch, tokens, hq, hk, d, cos_batch, seed=1)
-    got = rt.rope_bwd_launch(dq, dk, dv, cos, sin, bm=bm)
+    got = rt.rope_bwd_launch(dq, dk, dv, cos, sin, bm=bm, halves=halves)
     want = rt.rope_bwd_reference(dq, dk, dv, cos, sin)
     rows = batch * tokens
     assert got.dtype == torch.bfloat16 and got.shape == (rows, (hq + 2 * hk) * d)
@@ -83,4 +84,5 @@ def test_the_bf16_kernel_is_its_reference_to_the_bit(batch, tokens, hq, hk, d, c
     assert torch.equal(got[:, (hq + hk) * d:], dv.reshape(rows, -1))  # V copied
     assert not torch.equal(got[:, :hq * d], dq.reshape(rows, -1))  # Q rotated
     dq_t = dq.transpose(1, 2).contiguous().transpose(1, 2)  # strided, as an attention backward may hand it
-    assert torch.equal(rt.rope_bwd_launch(dq_t, dk, dv, cos, sin, bm=bm).view(torch.int16), got.view(torch.int16))
+    strided = rt.rope_bwd_launch(dq_t, dk, dv, cos, sin, bm=bm, halves=halves)
+    assert torch.equal(strided.view(torch.int16), got.view(torch.int16))
