@@ -28,8 +28,7 @@ from bench.benchmeta import git_commit, write_result  # noqa: E402
 from bench.step_profile import device_ceilings  # noqa: E402
 
 # (BM, num_warps, halves): the default first
-CONFIGS = [(32, 4, False), (32, 4, True), (64, 4, True), (64, 8, True), (128, 8, True), (64, 4, False),
-           (16, 2, True)]
+CONFIGS = [(16, 2, True), (32, 4, False), (32, 4, True), (16, 4, True), (8, 1, True), (64, 8, True)]
 
 
 def device_ms(fn, calls: int = 50) -> tuple[float, list[str]]:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import statistics
@@ -151,7 +152,14 @@ INDUCTOR_SETTINGS = {"emulate_precision_casts": ("emulate_precision_casts", True
                      "flexible_user_kernels": ("triton_kernel_default_layout_constraint", "flexible_layout"),
                      # a pointwise result with several users is stored once (not recomputed per user) from 4 reads
                      # on instead of 5 (bench/NOTES_floor.md 59)
-                     "realize_reads_3": ("realize_reads_threshold", 3)}
+                     "realize_reads_3": ("realize_reads_threshold", 3),
+                     # the RMSNorm backward's weight gradients: inductor's mix-order reduction kernel writes one FP32
+                     # partial row per `split` tokens (16 at the 1b shape on 132 SMs: 512 rows) and the wrapper sums
+                     # them with torch's column reduction, 2 a layer (bench/NOTES_floor.md 75)
+                     "mix_split_32": ("triton.mix_order_reduction_split_size", 32),
+                     "mix_split_64": ("triton.mix_order_reduction_split_size", 64),
+                     "mix_split_autotune": ("triton.mix_order_reduction_autotune_split_size", True),
+                     "no_mix_order": ("triton.mix_order_reduction", False)}
 DIAGNOSTICS = {"bench.update": ("skip", "host_only"), "bench.inductor": tuple(INDUCTOR_SETTINGS)}
 
 
@@ -160,7 +168,9 @@ def apply_diagnostics(diagnostic: dict) -> None:
     if diagnostic.get("inductor") in INDUCTOR_SETTINGS:
         import torch._inductor.config as inductor_config
 
-        setattr(inductor_config, *INDUCTOR_SETTINGS[diagnostic["inductor"]])
+        name, value = INDUCTOR_SETTINGS[diagnostic["inductor"]]
+        *path, leaf = name.split(".")
+        setattr(functools.reduce(getattr, path, inductor_config), leaf, value)
     mode = diagnostic.get("update")
     if mode is None:
         return

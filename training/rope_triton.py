@@ -4,10 +4,11 @@ The fused QKV projection (model.fuse_qkv) hands the attention [Q | K | V] (token
 and RoPE rotates the Q and K heads. Its backward takes dQ, dK and dV from the attention's backward and forms the
 projection's dY = [RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV]. Inductor compiles that as one flat pointwise kernel with ~13 masked
 loads and modulo indexing per element (`triton_poi_fused__unsafe_view_add_cat_clone_mul_neg_slice_slice_backward_...`):
-1.29 ms a step on the 1b shape on an H100, 1.8x its bytes (bench/NOTES_floor.md 61). Here one program takes a
-BM x head_dim tile of one head, as fp8_delayed's FP8 version of this pass (precision/fp8_rope_triton.py), whose tile
-math this module owns (`rope_bwd_tile`): the head is known per program (Q and K heads rotate, V heads are copied) and
-the partner half of each row is a second load of the same cache lines.
+1.29 ms a step on the 1b shape on an H100 (1.35 ms on an H200, 5.4x its bytes in bench/rope_bench.py). Here one
+program takes BM tokens of one head: the head is known per program (Q and K heads rotate, V heads are copied), and the
+two halves of each row are loaded once each and rotated against each other (`_rope_bwd_halves`). fp8_delayed's FP8
+version of this pass (precision/fp8_rope_triton.py) uses this module's whole-row tile (`rope_bwd_tile`), where the
+partner half is a second load of the same cache lines.
 
 The math is inductor's, operation for operation (torch 2.11, HF's `apply_rotary_pos_emb` under autograd): with
 p = dY[d +- D/2] * sin[d +- D/2] (the partner half), rot = where(d >= D/2, -p, 0) + where(d < D/2, p, 0), and
@@ -31,13 +32,19 @@ if HAVE_TRITON:
 
     from training.triton_math import bf16_bits_rne, bf16_to_f32
 
-BM, NUM_WARPS, HALVES = 32, 4, False  # a program: 32 tokens x one head
+# A program: 16 tokens x one head, loaded as two halves (each element once). At the 1b shape on an H200 this ran at
+# 1.14x its bytes' time, against 1.38x for fp8_rope_triton's 32-token tile with the partner half loaded a second time
+# and 5.4x for inductor's kernel (bench/results/rope_bench_*, bench/NOTES_floor.md 75).
+BM, NUM_WARPS, HALVES = 16, 2, True
 
 if HAVE_TRITON:
     @triton.jit
     def rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK, stride_dq, stride_dk,
                       stride_dv, stride_cos, COS_ROWS, D: tl.constexpr, BM: tl.constexpr):
-        """One BM x D tile of [RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV] in FP32: (values, rows, d, mask)."""
+        """One BM x D tile of [RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV] in FP32 (rows pid_m * BM + arange(BM), all D columns of
+        `head`). Only the values are returned: the caller computes its store addresses itself, since inductor's
+        analysis of which arguments a user kernel writes takes a pointer built from a call's result as derived from
+        every argument of that call (and would then copy the RoPE tables in and out of each compiled backward)."""
         rows = pid_m * BM + tl.arange(0, BM)
         d = tl.arange(0, D)
         mask = (rows[:, None] < M) & (d[None, :] < D)
@@ -61,7 +68,7 @@ if HAVE_TRITON:
             v = rot + g * c
         else:
             v = g
-        return v, rows, d, mask
+        return v
 
     @triton.jit
     def _rope_bwd_halves(src, cos_ptr, sin_ptr, out_ptr, rows, col0, M, C, stride_cos, COS_ROWS, ROTATE: tl.constexpr,
@@ -106,8 +113,11 @@ if HAVE_TRITON:
                 _rope_bwd_halves(dv_ptr + (head - HQ - HK) * D + (r * stride_dv)[:, None], cos_ptr, sin_ptr, out_ptr,
                                  rows, head * D, M, C, stride_cos, COS_ROWS, False, D)
         else:
-            v, rows, d, mask = rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK,
-                                             stride_dq, stride_dk, stride_dv, stride_cos, COS_ROWS, D, BM)
+            v = rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK, stride_dq, stride_dk,
+                              stride_dv, stride_cos, COS_ROWS, D, BM)
+            rows = pid_m * BM + tl.arange(0, BM)
+            d = tl.arange(0, D)
+            mask = (rows[:, None] < M) & (d[None, :] < D)
             cols = head * D + d
             out = bf16_bits_rne(v).to(tl.bfloat16, bitcast=True)
             tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], out, mask=mask)

@@ -153,3 +153,18 @@ def test_inductor_diagnostics_with_values_set_them(bench):
         bench.apply_diagnostics(bench.parse_config("fp8_delayed:bench.inductor=realize_reads_3")["diagnostic"])
         assert inductor_config.realize_reads_threshold == 3
     assert inductor_config.triton_kernel_default_layout_constraint == "needs_fixed_stride_order"
+
+
+def test_inductor_diagnostics_reach_the_triton_sub_config(bench):
+    """The mix-order reduction's split size (the RMSNorm backward's weight-gradient partial rows) lives in inductor's
+    `triton` sub-config: a dotted name sets it there and nowhere else (bench/NOTES_floor.md 75)."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"triton.mix_order_reduction_split_size": None, "triton.mix_order_reduction": True}):
+        bench.apply_diagnostics(bench.parse_config("bf16:bench.inductor=mix_split_64")["diagnostic"])
+        assert inductor_config.triton.mix_order_reduction_split_size == 64
+        assert not hasattr(inductor_config, "mix_order_reduction_split_size")
+        bench.apply_diagnostics(bench.parse_config("bf16:bench.inductor=no_mix_order")["diagnostic"])
+        assert inductor_config.triton.mix_order_reduction is False
+    assert inductor_config.triton.mix_order_reduction_split_size is None
+    assert inductor_config.triton.mix_order_reduction is True

@@ -86,3 +86,30 @@ def test_two_blocks_compiled_whole_give_the_same_logits_and_gradients_within_rou
     for i, (a, b) in enumerate(zip(*results)):
         err = ((b.float() - a.float()).norm() / a.float().norm()).item()
         assert a.float().abs().sum() > 0 and err < 0.02, f"tensor {i}: rel. error {err:.3g}"
+
+
+def _kernels(fn, *args) -> list[str]:
+    fn(*args)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_compiled_the_passes_launch_their_kernel_and_leave_the_rope_tables_alone():
+    """Inductor copies a graph input into a scratch buffer and back around a user kernel it thinks writes it. The
+    kernels take their store addresses from their own indices (rope_bwd_tile returns values only), so the analysis
+    finds that only their outputs are written: no copies of cos and sin in and out of each layer's backward."""
+    from training.precision.fp8_rope_triton import rope_bwd_fp8
+    from training.rope_triton import rope_bwd
+
+    torch._dynamo.reset()
+    b, t, d = 2, 128, 64
+    dq, dk, dv = (torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    cos, sin = (torch.randn(1, t, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    scale = torch.tensor(100.0, device="cuda")
+    bf16 = _kernels(torch.compile(rope_bwd), dq, dk, dv, cos, sin)
+    assert bf16 == ["_rope_bwd_kernel"], bf16
+    fp8 = _kernels(torch.compile(rope_bwd_fp8), dq, dk, dv, cos, sin, scale)
+    assert fp8[0] == "_rope_bwd_fp8_kernel" and not any("copy" in k or "view" in k for k in fp8), fp8

@@ -42,8 +42,11 @@ if HAVE_TRITON:
                              M, C, HQ, HK, stride_dq, stride_dk, stride_dv, stride_cos, COS_ROWS,
                              NATIVE: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):
         pid_m, head = tl.program_id(0), tl.program_id(1)
-        v, rows, d, mask = rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK, stride_dq,
-                                         stride_dk, stride_dv, stride_cos, COS_ROWS, D, BM)
+        v = rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK, stride_dq, stride_dk,
+                          stride_dv, stride_cos, COS_ROWS, D, BM)
+        rows = pid_m * BM + tl.arange(0, BM)  # the store addresses from this kernel's own indices (rope_bwd_tile)
+        d = tl.arange(0, D)
+        mask = (rows[:, None] < M) & (d[None, :] < D)
         r = rows[:, None].to(tl.int64)
         tl.store(partial_ptr + pid_m * tl.num_programs(1) + head,
                  bf16_bits_rne(tl.max(tl.max(tl.abs(v), axis=1), axis=0)))
