@@ -451,11 +451,12 @@ class _UnprofiledTimer:
 def ours_worker(config_text: str, batch: int, seq: int) -> dict:
     """Our train() with a sink that opens the profiler after the warm-up steps' metrics arrive."""
     import torch
-    from bench.train_bench import parse_config, run_spec
+    from bench.train_bench import apply_diagnostics, parse_config, run_spec
     from training.sink import MetricSink
     from training.train import train
 
     config = parse_config(config_text)
+    apply_diagnostics(config.get("diagnostic", {}))  # bench.inductor=..., as train_bench's workers do
     warmup, active = PROFILER_WAIT, 3
     spec = run_spec(config, steps=warmup + active + 4, batch=batch, seq=seq)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],

@@ -112,4 +112,5 @@ def test_compiled_the_passes_launch_their_kernel_and_leave_the_rope_tables_alone
     bf16 = _kernels(torch.compile(rope_bwd), dq, dk, dv, cos, sin)
     assert bf16 == ["_rope_bwd_kernel"], bf16
     fp8 = _kernels(torch.compile(rope_bwd_fp8), dq, dk, dv, cos, sin, scale)
-    assert fp8[0] == "_rope_bwd_fp8_kernel" and not any("copy" in k or "view" in k for k in fp8), fp8
+    # the kernel and inductor's reduction of its amax partials; with the tables copied in and out, four more
+    assert "_rope_bwd_fp8_kernel" in fp8 and len(fp8) == 2, fp8
