@@ -428,9 +428,10 @@ class PerfOptions:
     # RoPE's backward on the fused QKV projection's output (fuse_qkv; training.rope_triton): "one_pass" one Triton
     # pass forms the projection's dY = [RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV] (the torch reference on a CPU), bit for bit
     # inductor's values; "compiled" leaves RoPE's backward and the concatenation to the compiler (one flat kernel,
-    # 1.8x its bytes on an H100: bench/NOTES_floor.md 61, 75). "auto" (the default): one_pass on a GPU where the
-    # projection reads dY as BF16 anyway, compiled where inductor fuses RoPE's backward into an FP8 cast of dY
-    # (torchao's Float8Linear: fp8_tensorwise, fp8_rowwise; fp8_delayed's layers, which have fused_qkv_rope).
+    # 1.8x its bytes on an H100: bench/NOTES_floor.md 61, 75). "auto" (the default): one_pass on a GPU where that
+    # keeps the compiled path's values (bf16, mxfp8: training.rope_triton.auto_one_pass), compiled where inductor
+    # fuses RoPE's backward into an FP8 cast of dY (fp8_tensorwise, fp8_rowwise; fp8_delayed has fused_qkv_rope) or
+    # the projection's epilogue into RoPE's forward (nvfp4's emulated per-tensor scale).
     rope_backward: str = "auto"
     # SDPA backend: "auto" lets PyTorch choose; "cudnn" / "flash" / "efficient" / "math" pin one.
     sdpa_backend: str = "auto"

@@ -537,10 +537,10 @@ def fuse_qkv(model: LlamaForCausalLM) -> int:
 def set_rope_backward(model: torch.nn.Module, mode: str, on_cuda: bool) -> str | None:
     """training.perf.rope_backward on the blocks with a fused QKV projection (fuse_qkv), after the recipe converted
     them: "one_pass" runs RoPE's backward and the concatenation of dQ, dK and dV as one pass (training.rope_triton),
-    "compiled" leaves them to the compiler; "auto" is one_pass on a GPU where the QKV projection reads its dY as
-    BF16 anyway (not where inductor fuses RoPE's backward into an FP8 cast of dY). Returns what holds: "one_pass",
+    "compiled" leaves them to the compiler; "auto" is one_pass on a GPU where that keeps the compiled path's values
+    (training.rope_triton.auto_one_pass: a BF16 linear, MXFP8's emulated one). Returns what holds: "one_pass",
     "compiled", "one_pass on N of M blocks", or None where no block has a fused QKV projection."""
-    from training.rope_triton import HAVE_TRITON, takes_bf16_grad
+    from training.rope_triton import HAVE_TRITON, auto_one_pass
 
     attns = (getattr(layer, "self_attn", None) for layer in decoder_blocks(model))
     fused = [a for a in attns if getattr(getattr(a, "forward", None), "__func__", None) is _fused_qkv_attention_forward]
@@ -548,7 +548,7 @@ def set_rope_backward(model: torch.nn.Module, mode: str, on_cuda: bool) -> str |
         return None
     for attn in fused:
         attn.rope_one_pass = mode == "one_pass" or (mode == "auto" and on_cuda and HAVE_TRITON
-                                                    and takes_bf16_grad(attn.qkv_proj))
+                                                    and auto_one_pass(attn.qkv_proj))
     n = sum(attn.rope_one_pass for attn in fused)
     return "one_pass" if n == len(fused) else "compiled" if n == 0 else f"one_pass on {n} of {len(fused)} blocks"
 

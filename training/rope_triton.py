@@ -17,8 +17,9 @@ even) as inductor stores it. `rope_bwd_reference` is the same computation in tor
 without Triton, and the tests' reference.
 
 Where inductor would fuse RoPE's backward into the consumer of dY (an FP8 cast of torchao's Float8Linear or
-fp8_delayed's layers), a materialized BF16 dY is an extra round trip and another rounding before the cast; `auto`
-keeps inductor's kernel there (`takes_bf16_grad`).
+fp8_delayed's layers), a materialized BF16 dY is an extra round trip and another rounding before the cast; where it
+fuses the projection's own epilogue into RoPE's forward (NVFP4's emulated per-tensor scale), the one-pass forward
+rounds that product first. `auto` keeps inductor's kernels there (`auto_one_pass`).
 """
 from __future__ import annotations
 
@@ -226,8 +227,12 @@ def qkv_rope_applies(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
             and y.dtype.is_floating_point)
 
 
-def takes_bf16_grad(layer: torch.nn.Module) -> bool:
-    """Whether a QKV projection's backward reads dY as a BF16 tensor anyway (torch's linear; the emulated recipes'
-    layers, whose quantizers are Triton ops), rather than letting inductor fuse RoPE's backward into its FP8 cast
-    (torchao's Float8Linear; layers that say so with `fuses_grad_cast`, as fp8_delayed's)."""
-    return not (type(layer).__name__ == "Float8Linear" or getattr(layer, "fuses_grad_cast", False))
+def auto_one_pass(layer: torch.nn.Module) -> bool:
+    """Whether `auto` runs the one-pass backward behind this QKV projection: where the run's values are the compiled
+    path's to the bit. Torch's linear (bf16, and BF16 layers kept in a quantized run), and layers that say so with
+    `rope_one_pass_auto` (MXFP8's emulated linear: its Triton quantizer reads dY as BF16, and its output reaches RoPE
+    as the GEMM wrote it). Not where inductor fuses RoPE's backward into an FP8 cast of dY (torchao's Float8Linear,
+    fp8_delayed's layers), nor where it fuses a pointwise epilogue of the projection into RoPE's forward (NVFP4's
+    emulated per-tensor scale: the one-pass forward rounds the scaled output to BF16 first, and nvfp4's first loss
+    moved from 10.80476 to 10.8028 on an H200, bench/NOTES_floor.md 75)."""
+    return type(layer) is torch.nn.Linear or getattr(layer, "rope_one_pass_auto", False)

@@ -108,17 +108,31 @@ def test_compiled_in_bf16_the_one_pass_gradient_is_inductors_to_the_bit():
     assert torch.equal(dy_b.reshape(batch * tokens, -1), rope_bwd_reference(*(rows(g) for g in grads), cos, sin))
 
 
-def test_auto_is_one_pass_on_a_gpu_where_the_projection_reads_a_bf16_gradient():
+def test_auto_is_one_pass_on_a_gpu_where_it_keeps_the_compiled_paths_values():
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
-    model = _model()
+    from training.precision.fp8_delayed import DelayedScalingLinear
+    from training.precision.mxfp8 import MXFP8EmulatedLinear, MXFP8Quantizer
+    from training.precision.nvfp4 import NVFP4EmulatedLinear, NVFP4Quantizer
+
+    model = build_model(llama_config({"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 5,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2}, 97, 32), 3)
+    fuse_qkv(model)
     assert set_rope_backward(model, "auto", on_cuda=False) == "compiled"   # the CPU: inductor's kernel
-    assert set_rope_backward(model, "auto", on_cuda=True) == "one_pass"
-    layers = model.model.layers
-    layers[1].self_attn.qkv_proj = Float8Linear.from_float(layers[1].self_attn.qkv_proj,
-                                                           config=Float8LinearConfig.from_recipe_name("tensorwise"))
-    assert set_rope_backward(model, "auto", on_cuda=True) == "one_pass on 1 of 2 blocks"
+    assert set_rope_backward(model, "auto", on_cuda=True) == "one_pass"    # torch's linear (bf16)
+    attns = [layer.self_attn for layer in model.model.layers]
+    # dY cast to FP8 by a kernel inductor fuses RoPE's backward into: torchao's tensorwise linear, fp8_delayed's
+    attns[1].qkv_proj = Float8Linear.from_float(attns[1].qkv_proj,
+                                                config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    attns[2].qkv_proj = DelayedScalingLinear(attns[2].qkv_proj, history_len=4, real=False)
+    # the GEMM's per-tensor scale, an epilogue inductor fuses into RoPE's forward (nvfp4's first loss moved)
+    attns[3].qkv_proj = NVFP4EmulatedLinear(attns[3].qkv_proj, NVFP4Quantizer(
+        rht=True, stochastic_rounding=True, weight_2d=True, rht_seed=0), "nvfp4")
+    # MXFP8's emulated linear reads dY as BF16 in its own Triton quantizer, and hands its output to RoPE as written
+    attns[4].qkv_proj = MXFP8EmulatedLinear(attns[4].qkv_proj, MXFP8Quantizer("rceil"), "mxfp8")
+    assert set_rope_backward(model, "auto", on_cuda=True) == "one_pass on 2 of 5 blocks"
+    assert [a.rope_one_pass for a in attns] == [True, False, False, False, True]
     assert set_rope_backward(model, "one_pass", on_cuda=True) == "one_pass"   # asked for: every block
     unfused = build_model(llama_config("tiny", 97, 32), 3)
     assert set_rope_backward(unfused, "one_pass", on_cuda=True) is None

@@ -454,9 +454,6 @@ def _advance_history(history: torch.Tensor, pending: torch.Tensor, scales: torch
 
 
 class DelayedScalingLinear(QuantizedLinear):
-    # Inductor fuses what produces dY (RoPE's backward, SwiGLU's) into dY's cast: training.rope_triton.takes_bf16_grad
-    fuses_grad_cast = True
-
     def reuses_weight_when(self, compiled: bool) -> bool:
         return False  # W's scale comes from an amax history that every micro-batch updates
 

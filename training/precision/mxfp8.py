@@ -78,6 +78,8 @@ def torchao_mxfp8(scale_rounding: str, real: bool) -> TorchaoBlockScaled:
 class MXFP8EmulatedLinear(QuantizedLinear):
     """Emulated MXFP8 linear: the fused Triton quantizers on CUDA with BF16 activations and weights, the torch
     quantizers of EmulatedLinearFn elsewhere."""
+    # training.perf.rope_backward auto: the one-pass RoPE backward keeps this layer's values (training.rope_triton)
+    rope_one_pass_auto = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and compute_dtype(x) == torch.bfloat16 and self._fused_weight():
