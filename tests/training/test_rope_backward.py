@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from tests.precision.test_fused_swiglu import ApplySpy
 from training.config import PerfOptions, RunSpec, SpecError
 from training.model import build_model, fuse_qkv, llama_config, set_rope_backward
 from training.rope_triton import QKVRoPEFn, rope_bwd_reference
@@ -25,17 +26,6 @@ def _model(hidden=64, heads=4, kv_heads=2, dtype=torch.float32):
     model = build_model(config, 3).to(dtype)
     fuse_qkv(model)
     return model
-
-
-class _Spy:
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        apply = QKVRoPEFn.apply
-
-        def counted(*args):
-            self.calls += 1
-            return apply(*args)
-        monkeypatch.setattr(QKVRoPEFn, "apply", counted)
 
 
 def _step(model, ids):
@@ -62,7 +52,7 @@ def test_one_pass_gives_the_same_values_and_gradients_eagerly_in_fp32(monkeypatc
     one = copy.deepcopy(base)
     assert set_rope_backward(base, "compiled", on_cuda=False) == "compiled"
     assert set_rope_backward(one, "one_pass", on_cuda=False) == "one_pass"
-    spy = _Spy(monkeypatch)
+    spy = ApplySpy(monkeypatch, QKVRoPEFn)
     for step in range(2):
         ids = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(step))
         want, got = _step(base, ids), _step(one, ids)
