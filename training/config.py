@@ -708,6 +708,10 @@ class RunSpec:
         mode = perf_d.get("compile_mode", pbase.compile_mode)
         if mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
             raise SpecError(f"training.perf.compile_mode {mode!r} is not a torch.compile mode")
+        if perf_d.get("rope_backward") == "one_pass" and perf_d.get("fuse_qkv") is False:
+            raise SpecError("training.perf.rope_backward: one_pass runs RoPE's backward on the fused QKV projection's "
+                            "output, and training.perf.fuse_qkv is false; set fuse_qkv to true (or leave it out: on "
+                            "for GPU runs), or rope_backward to auto")
         return PerfOptions(
             fused_loss=_bool("training.perf", "fused_loss", perf_d.get("fused_loss", pbase.fused_loss)),
             loss_chunk_tokens=_int("training.perf", "loss_chunk_tokens",

@@ -43,6 +43,8 @@ def test_the_spec_takes_the_three_values_and_the_schema_lists_them():
     with pytest.raises(SpecError, match=r"training.perf.rope_backward must be one of "
                                         r"\['auto', 'one_pass', 'compiled'\], got 'triton'"):
         RunSpec.from_dict(_spec({"rope_backward": "triton"}))
+    with pytest.raises(SpecError, match="rope_backward: one_pass .*fuse_qkv is false; set fuse_qkv to true"):
+        RunSpec.from_dict(_spec({"rope_backward": "one_pass", "fuse_qkv": False}))
     assert training_schema()["properties"]["perf"]["properties"]["rope_backward"] == {
         "enum": ["auto", "one_pass", "compiled"]}
 
