@@ -34,7 +34,7 @@ if HAVE_TRITON:
     from training.triton_math import bf16_bits_rne, bf16_to_f32
 
 # A program: 16 tokens x one head, loaded as two halves (each element once). At the 1b shape on an H200 this ran at
-# 1.14x its bytes' time, against 1.38x for fp8_rope_triton's 32-token tile with the partner half loaded a second time
+# 1.14x its bytes' time, against 1.39x for fp8_rope_triton's 32-token tile with the partner half loaded a second time
 # and 5.4x for inductor's kernel (bench/results/rope_bench_*, bench/NOTES_floor.md 75).
 BM, NUM_WARPS, HALVES = 16, 2, True
 
@@ -131,7 +131,8 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def tile_arguments(dq, dk, dv, cos, sin):
-    """The tile function's tensor and size arguments: ((gq, gk, gv, cos2, sin2), m, c, hq, hk, strides...)."""
+    """The kernels' operands and sizes: ((dQ, dK, dV as token rows, cos and sin as [rows, head_dim]), tokens m,
+    features c, hq, hk, head_dim)."""
     b, t, hq, d = dq.shape
     hk = dk.shape[2]
     assert dq.dtype == dk.dtype == dv.dtype == cos.dtype == sin.dtype == torch.bfloat16, "BF16 operands"
