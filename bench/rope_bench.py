@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.benchmeta import git_commit, write_result  # noqa: E402
-from bench.step_profile import device_ceilings  # noqa: E402
+from bench.step_profile import _profile, device_ceilings  # noqa: E402
 
 # (BM, num_warps, halves): the default first
 CONFIGS = [(16, 2, True), (32, 4, False), (32, 4, True), (16, 4, True), (8, 1, True), (64, 8, True)]
@@ -34,28 +34,16 @@ CONFIGS = [(16, 2, True), (32, 4, False), (32, 4, True), (16, 4, True), (8, 1, T
 
 def device_ms(fn, calls: int = 50) -> tuple[float, dict[str, float]]:
     """(kernel device time per call in ms, ms per call of each kernel by name) of `fn` under torch.profiler, after a
-    warm-up."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    total, kernels = 0.0, {}
-    for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", 0.0)
-        if us > 0 and not str(getattr(evt, "device_type", "")).endswith("CPU"):
-            total += us
-            kernels[evt.key[:90]] = us / 1e3 / calls
-    return total / 1e3 / calls, kernels
+    warm-up (step_profile's window: its kernels and no others)."""
+    out = _profile(fn, warmup=5, active=calls)
+    return out["total_ms"], {name: ms for ms, name, _ in out["top"]}
 
 
 def main(argv=None) -> int:
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from training.model import llama_config
-    from training.rope_triton import QKVRoPEFn, rope_bwd_launch
+    from training.rope_triton import rope_bwd_launch, split_qkv_rope
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=4)
@@ -76,14 +64,9 @@ def main(argv=None) -> int:
     grads = [torch.randn(b, t, h, d, device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2)
              for h in (hq, hk, hk)]
 
-    def layers(yy):
-        q, k, v = yy.split([hq * d, hk * d, hk * d], dim=-1)
-        q, k, v = (u.reshape(b, t, -1, d).transpose(1, 2) for u in (q, k, v))
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
-
-    def one_pass(yy):
-        return tuple(u.transpose(1, 2) for u in QKVRoPEFn.apply(yy, cos, sin, hq, hk))
+    split = [hq * d, hk * d, hk * d]
+    layers = lambda yy: split_qkv_rope(yy, cos, sin, split, d, False)  # noqa: E731
+    one_pass = lambda yy: split_qkv_rope(yy, cos, sin, split, d, True)  # noqa: E731
 
     bytes_moved = 2 * 2 * b * t * (hq + 2 * hk) * d  # dQ, dK, dV read and dY written, BF16
     ceilings = device_ceilings()

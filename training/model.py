@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama as _llama
 
 from training.config import MODEL_PRESETS, ModelSpec, SpecError
-from training.rope_triton import QKVRoPEFn, qkv_rope_applies
+from training.rope_triton import HAVE_TRITON, auto_one_pass, split_qkv_rope
 
 PRESETS = MODEL_PRESETS  # defined in training.config so spec validation stays import-light
 
@@ -490,7 +490,6 @@ def _fused_qkv_attention_forward(self, hidden_states, position_embeddings=None, 
     kwargs.pop("cache_position", None)
     kwargs.pop("use_cache", None)
     input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
     cos, sin = position_embeddings
     # A recipe may run the projection and RoPE itself (fp8_delayed's fused_qkv_rope): (q, k, v) [batch, tokens, heads,
     # head_dim], or None where its own conditions do not hold.
@@ -499,15 +498,9 @@ def _fused_qkv_attention_forward(self, hidden_states, position_embeddings=None, 
     if fused is not None:
         q, k, v = (t.transpose(1, 2) for t in fused)
     else:
-        y = self.qkv_proj(hidden_states)
-        if getattr(self, "rope_one_pass", False) and qkv_rope_applies(y, cos, sin, self.head_dim):
-            # RoPE's backward, the slices' and the concatenation's as one pass (training.perf.rope_backward)
-            n_q, n_kv = self.qkv_split[0] // self.head_dim, self.qkv_split[1] // self.head_dim
-            q, k, v = (t.transpose(1, 2) for t in QKVRoPEFn.apply(y, cos, sin, n_q, n_kv))
-        else:
-            q, k, v = y.split(self.qkv_split, dim=-1)
-            q, k, v = (t.reshape(hidden_shape).transpose(1, 2) for t in (q, k, v))
-            q, k = ml.apply_rotary_pos_emb(q, k, cos, sin)
+        # RoPE's backward, the slices' and the concatenation's as one pass where training.perf.rope_backward says
+        q, k, v = split_qkv_rope(self.qkv_proj(hidden_states), cos, sin, self.qkv_split, self.head_dim,
+                                 getattr(self, "rope_one_pass", False))
     impl = self.config._attn_implementation
     attention = ml.eager_attention_forward if impl == "eager" else ml.ALL_ATTENTION_FUNCTIONS[impl]
     out, weights = attention(self, q, k, v, attention_mask, dropout=0.0 if not self.training else
@@ -540,8 +533,6 @@ def set_rope_backward(model: torch.nn.Module, mode: str, on_cuda: bool) -> str |
     "compiled" leaves them to the compiler; "auto" is one_pass on a GPU where that keeps the compiled path's values
     (training.rope_triton.auto_one_pass: a BF16 linear, MXFP8's emulated one). Returns what holds: "one_pass",
     "compiled", "one_pass on N of M blocks", or None where no block has a fused QKV projection."""
-    from training.rope_triton import HAVE_TRITON, auto_one_pass
-
     attns = (getattr(layer, "self_attn", None) for layer in decoder_blocks(model))
     fused = [a for a in attns if getattr(getattr(a, "forward", None), "__func__", None) is _fused_qkv_attention_forward]
     if not fused:

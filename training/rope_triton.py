@@ -24,6 +24,9 @@ rounds that product first. `auto` keeps inductor's kernels there (`auto_one_pass
 from __future__ import annotations
 
 import torch
+# The module object, imported here (outside compiled code), as training.model does: Dynamo cannot trace an import
+# through transformers' lazy package module.
+from transformers.models.llama import modeling_llama as _llama
 
 from training.triton_math import HAVE_TRITON
 
@@ -205,11 +208,9 @@ class QKVRoPEFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, cos, sin, n_q: int, n_kv: int):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         head_dim = cos.shape[-1]
         q, k, v = y.view(y.shape[0], y.shape[1], n_q + 2 * n_kv, head_dim).split([n_q, n_kv, n_kv], dim=2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        q, k = _llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
         ctx.save_for_backward(cos, sin)
         ctx.y_shape = y.shape
         return q, k, v
@@ -226,6 +227,20 @@ def qkv_rope_applies(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     return (y.dim() == 3 and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[0] in (1, y.shape[0])
             and cos.shape[1] == y.shape[1] and cos.shape[2] == head_dim and cos.dtype == sin.dtype == y.dtype
             and y.dtype.is_floating_point)
+
+
+def split_qkv_rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, split, head_dim: int, one_pass: bool):
+    """(q, k, v), each [batch, heads, tokens, head_dim], from the fused QKV projection's output y [batch, tokens,
+    features] with `split` = (Q, K, V widths): HF's RoPE on q and k. `one_pass`: through QKVRoPEFn (its backward one
+    pass) where its conditions hold (`qkv_rope_applies`); else the split, HF's RoPE and their autograd, left to the
+    compiler."""
+    if one_pass and qkv_rope_applies(y, cos, sin, head_dim):
+        n_q, n_kv = split[0] // head_dim, split[1] // head_dim
+        return tuple(t.transpose(1, 2) for t in QKVRoPEFn.apply(y, cos, sin, n_q, n_kv))
+    q, k, v = y.split(split, dim=-1)
+    q, k, v = (t.reshape(*y.shape[:-1], -1, head_dim).transpose(1, 2) for t in (q, k, v))
+    q, k = _llama.apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
 
 
 def auto_one_pass(layer: torch.nn.Module) -> bool:

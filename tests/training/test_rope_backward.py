@@ -10,7 +10,7 @@ import torch
 from tests.precision.test_fused_swiglu import ApplySpy
 from training.config import PerfOptions, RunSpec, SpecError
 from training.model import build_model, fuse_qkv, llama_config, set_rope_backward
-from training.rope_triton import QKVRoPEFn, rope_bwd_reference
+from training.rope_triton import QKVRoPEFn, qkv_rope_applies, rope_bwd_reference, split_qkv_rope
 
 BASE = {"recipe": "bf16", "model": "tiny", "data": {"corpus": "random", "vocab_size": 512, "seq_len": 64},
         "training": {"steps": 3, "warmup_steps": 0, "batch_size": 4, "val_every": 0}, "seed": 0}
@@ -66,8 +66,6 @@ def test_one_pass_gives_the_same_values_and_gradients_eagerly_in_fp32(monkeypatc
 def test_compiled_in_bf16_the_one_pass_gradient_is_inductors_to_the_bit():
     """The backward's dY = [RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV] in BF16: inductor's compiled autograd of HF's RoPE (FP32
     inside, one rounding) against QKVRoPEFn's pass (the reference on a CPU), fed the same BF16 gradients."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     torch._dynamo.reset()
     batch, tokens, n_q, n_kv, d = 2, 24, 4, 2, 32
     gen = torch.Generator().manual_seed(0)
@@ -76,21 +74,14 @@ def test_compiled_in_bf16_the_one_pass_gradient_is_inductors_to_the_bit():
     emb = torch.cat([emb, emb], dim=-1)[None]
     cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
 
-    def layers(y):
-        q, k, v = y.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
-        q, k, v = (t.reshape(batch, tokens, -1, d).transpose(1, 2) for t in (q, k, v))
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
-
-    def one_pass(y):
-        return tuple(t.transpose(1, 2) for t in QKVRoPEFn.apply(y, cos, sin, n_q, n_kv))
-
+    split = [n_q * d, n_kv * d, n_kv * d]
     grads = [(torch.randn(batch, h, tokens, d, generator=gen) * 3).bfloat16() for h in (n_q, n_kv, n_kv)]
     y0 = torch.randn(batch, tokens, (n_q + 2 * n_kv) * d, generator=gen).bfloat16()
+    assert qkv_rope_applies(y0, cos, sin, d)   # the one_pass branch takes QKVRoPEFn
     results = []
-    for fn in (layers, one_pass):
+    for one_pass in (False, True):
         y = y0.clone().requires_grad_()
-        out = torch.compile(fn)(y)
+        out = torch.compile(lambda t, o=one_pass: split_qkv_rope(t, cos, sin, split, d, o))(y)
         torch.autograd.backward(out, grads)
         results.append(([t.detach() for t in out], y.grad))
     (out_a, dy_a), (out_b, dy_b) = results

@@ -32,17 +32,9 @@ def _pair(attn_implementation="sdpa", layers=1):
 
 def _front(attn, x, cos, sin):
     """The fused-QKV attention forward up to SDPA's inputs (training.model._fused_qkv_attention_forward)."""
-    from training.model import qkv_rope_applies
-    from training.rope_triton import QKVRoPEFn
-    from transformers.models.llama import modeling_llama as ml
+    from training.rope_triton import split_qkv_rope
 
-    y = attn.qkv_proj(x)
-    if attn.rope_one_pass and qkv_rope_applies(y, cos, sin, attn.head_dim):
-        n_q, n_kv = attn.qkv_split[0] // attn.head_dim, attn.qkv_split[1] // attn.head_dim
-        return tuple(t.transpose(1, 2) for t in QKVRoPEFn.apply(y, cos, sin, n_q, n_kv))
-    q, k, v = y.split(attn.qkv_split, dim=-1)
-    q, k, v = (t.reshape(*x.shape[:-1], -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
-    return ml.apply_rotary_pos_emb(q, k, cos, sin) + (v,)
+    return split_qkv_rope(attn.qkv_proj(x), cos, sin, attn.qkv_split, attn.head_dim, attn.rope_one_pass)
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["compiled", "cuda_graphs"])

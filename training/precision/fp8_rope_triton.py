@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from training.precision.formats import fp8_cast
-from training.rope_triton import rope_bwd_values, tile_arguments, usable  # noqa: F401 (usable: this module's too)
+from training.rope_triton import rope_bwd_values, tile_arguments, usable
 from training.triton_math import HAVE_TRITON, bf16_partials_amax, compiled_for_gpu
 
 if HAVE_TRITON:
