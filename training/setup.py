@@ -262,10 +262,9 @@ def _resolve_device(requested: str, ctx: DistContext) -> torch.device:
 
 
 def configure_cublaslt_workspace(device: torch.device, perf, recipe: str | None = None) -> str:
-    """Apply `perf.cublaslt_workspace` (see PerfOptions; "auto" resolved for `recipe`) before the process's first
-    GEMM; returns what holds: "default", "none", or "env" (CUBLASLT_WORKSPACE_SIZE set by the caller's
-    environment, left as it is). torch reads the variable once per process, so a process that already ran a GEMM
-    keeps its first setting."""
+    """Apply `perf.cublaslt_workspace` (see PerfOptions; "auto" resolved for `recipe`) before the run's first GEMM;
+    returns what holds: "default", "none", or "env" (CUBLASLT_WORKSPACE_SIZE set by the caller's environment, left
+    as it is). A later run in the same process may choose again (see `_drop_cublaslt_workspaces`)."""
     if os.environ.get("CUBLASLT_WORKSPACE_SIZE") is not None and os.environ.get("_PLAB_CUBLASLT_SET") is None:
         return "env"
     if device.type != "cuda":
@@ -273,12 +272,34 @@ def configure_cublaslt_workspace(device: torch.device, perf, recipe: str | None 
     choice = perf.cublaslt_workspace
     if choice == "auto":
         choice = _auto_workspace(device, recipe)
+    before = os.environ.get("CUBLASLT_WORKSPACE_SIZE")
     if choice == "none":
         os.environ["CUBLASLT_WORKSPACE_SIZE"] = "0"
         os.environ["_PLAB_CUBLASLT_SET"] = "1"  # ours, so a later run in this process may choose again
     elif os.environ.get("_PLAB_CUBLASLT_SET") is not None:
         del os.environ["CUBLASLT_WORKSPACE_SIZE"], os.environ["_PLAB_CUBLASLT_SET"]
+    if os.environ.get("CUBLASLT_WORKSPACE_SIZE") != before:
+        _drop_cublaslt_workspaces()
     return choice
+
+
+def _drop_cublaslt_workspaces() -> None:
+    """Free torch's cuBLAS/cuBLASLt workspaces when this process's workspace size changes between runs.
+
+    torch's cuBLAS handle pool (aten/src/ATen/cuda/CublasHandlePool.cpp, as read for torch 2.11, the GPU host's)
+    reads CUBLASLT_WORKSPACE_SIZE at every cuBLASLt call, but allocates the workspace of each (handle, stream) pair
+    once, at the size in effect at that pair's first call, and hands it out again whatever size a later call asks
+    for. A pair first used by a "none" run holds no memory, and a later run at torch's default size hands cuBLASLt
+    a null workspace said to be 1 MiB. That explains the CUBLAS_STATUS_INVALID_VALUE in cublasLtMatmul of
+    fp8_rowwise's and fp8_blockwise's scaled GEMMs after fp8_tensorwise and fp8_delayed runs in one process
+    (tests/training/test_fsdp_recipes_gpu.py on an H200, bench/results/gpu_tests_2026-11-28T1420_*). Dropped, each
+    workspace is allocated again at the size now in effect. A process that trains one run (the CLI, a worker's job,
+    train_bench's per-config processes) sets the size once, before any workspace exists."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()  # no kernel of the last run may still use a workspace when it goes back to the allocator
+    clear()
 
 
 def _auto_workspace(device: torch.device, recipe: str | None) -> str:

@@ -39,6 +39,31 @@ def test_a_later_run_in_the_process_may_choose_again_but_a_users_setting_is_left
     assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "2048"
 
 
+def test_torchs_workspaces_are_dropped_when_the_size_changes_and_only_then(monkeypatch):
+    """torch allocates each (handle, stream)'s cuBLASLt workspace once, at the size of its first call, and hands it
+    out again at any later size: a later run in the process that changes the size drops them (after the GPU is idle),
+    so none allocated at 0 bytes is handed to a GEMM asking for torch's default 1 MiB."""
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear"), raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert configure_cublaslt_workspace(CUDA, _perf("default")) == "default"
+    assert calls == []  # unchanged: torch's default before and after
+    assert configure_cublaslt_workspace(CUDA, _perf("none")) == "none"
+    assert calls == ["sync", "clear"]
+    assert configure_cublaslt_workspace(CUDA, _perf("none")) == "none"
+    assert calls == ["sync", "clear"]  # unchanged
+    assert configure_cublaslt_workspace(CUDA, _perf("default")) == "default"
+    assert calls == ["sync", "clear"] * 2
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "2048")  # the user's: left alone, nothing dropped
+    assert configure_cublaslt_workspace(CUDA, _perf("none")) == "env"
+    assert calls == ["sync", "clear"] * 2
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a process before its first GPU call
+    assert configure_cublaslt_workspace(CUDA, _perf("none")) == "none"
+    assert calls == ["sync", "clear"] * 2
+
+
 def test_auto_follows_the_recipe_catalog(monkeypatch):
     import os
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
