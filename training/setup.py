@@ -317,14 +317,31 @@ def _configure_backends(device: torch.device, perf) -> None:
         return
     torch.backends.cuda.matmul.allow_tf32 = perf.allow_tf32
     torch.backends.cudnn.allow_tf32 = perf.allow_tf32
-    if perf.sdpa_backend != "auto":
-        # Pinning one backend (and turning the others off, math included) makes an A/B of e.g. cuDNN vs
-        # FlashAttention on Hopper unambiguous; it raises if the pinned kernel cannot run the shape.
-        b = perf.sdpa_backend
-        torch.backends.cuda.enable_flash_sdp(b == "flash")
-        torch.backends.cuda.enable_mem_efficient_sdp(b == "efficient")
-        torch.backends.cuda.enable_cudnn_sdp(b == "cudnn")
-        torch.backends.cuda.enable_math_sdp(b == "math")
+    set_sdpa_backends(perf.sdpa_backend)
+
+
+# torch's SDPA backend flags (process-wide) as they were before a run first pinned one; None while none is pinned.
+_sdpa_before_pin: dict[str, bool] | None = None
+_SDPA_FLAGS = {"flash": "flash", "efficient": "mem_efficient", "cudnn": "cudnn", "math": "math"}
+
+
+def set_sdpa_backends(choice: str) -> None:
+    """`perf.sdpa_backend`: a pinned backend turns the others off (math included), which makes an A/B of e.g. cuDNN
+    against FlashAttention on Hopper unambiguous; SDPA raises if the pinned kernel cannot run the shape. "auto"
+    gives back the flags the process had before a run first pinned one: they are process-wide, and a run pinned
+    to math used to leave every later run in the process (tests, a notebook) on math."""
+    global _sdpa_before_pin
+    cuda = torch.backends.cuda
+    if choice == "auto":
+        if _sdpa_before_pin is not None:
+            for flag, on in _sdpa_before_pin.items():
+                getattr(cuda, f"enable_{flag}_sdp")(on)
+            _sdpa_before_pin = None
+        return
+    if _sdpa_before_pin is None:
+        _sdpa_before_pin = {flag: getattr(cuda, f"{flag}_sdp_enabled")() for flag in _SDPA_FLAGS.values()}
+    for flag in _SDPA_FLAGS.values():
+        getattr(cuda, f"enable_{flag}_sdp")(flag == _SDPA_FLAGS[choice])
 
 
 def load_data(spec: RunSpec, ctx: DistContext, cache_dir: Path, sink: MetricSink | None = None, config=None):
