@@ -523,12 +523,13 @@ class PerfOptions:
     # once per micro-batch (training.precision.weight_reuse; same bits): MXFP8's fused GPU quantizer, and any
     # emulated recipe in an uncompiled run. Not under FSDP2. Holds a quantized copy of those weights.
     reuse_quantized_weights: bool = True
-    # cuBLASLt's workspace in this process (torch's CUBLASLT_WORKSPACE_SIZE, set before the run's first GEMM;
-    # training.setup.configure_cublaslt_workspace): "default" torch's; "none" no workspace, where cuBLASLt runs the same FP8 kernels in variants that need
-    # no memset before each call (with one, ~190 memsets a step sat before fp8_delayed's GEMMs, each followed by
-    # idle GPU): fp8_delayed 87.4 against 88.8 ms a step, fp8_tensorwise 96.7 against 97.3 on an H100. The
-    # variants' products differ in the last bits (another summation order), so an FP8 run's losses differ from
-    # the default's after a few steps, as two runs of the same code on a GPU do (cuDNN's attention backward).
+    # cuBLASLt's workspace in this process (torch's CUBLASLT_WORKSPACE_SIZE, set before the run's first GEMM by
+    # training.setup.configure_cublaslt_workspace): "default" torch's; "none" no workspace, where cuBLASLt runs the
+    # same FP8 kernels in variants that need no memset before each call (with one, ~190 memsets a step sat before
+    # fp8_delayed's GEMMs, each followed by idle GPU): fp8_delayed 87.4 against 88.8 ms a step, fp8_tensorwise 96.7
+    # against 97.3 on an H100. The variants' products differ in the last bits (another summation order), so an FP8
+    # run's losses differ from the default's after a few steps, as two runs of the same code on a GPU do (cuDNN's
+    # attention backward).
     # "auto" (the default): the recipe's catalog entry says (RecipeEntry.cublaslt_workspace) where its real kernels
     # run: "none" for fp8_delayed and fp8_tensorwise on an sm_89+ GPU, whose loss curves stay within the run-to-run
     # spread of their own repeats (bench/curve_ab.py, 4 runs against 2 on an H100, permutation p = 0.87 and 0.67;
