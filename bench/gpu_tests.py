@@ -1,0 +1,174 @@
+"""Every GPU test in one pytest process on a GPU machine, with a result file like the benchmarks'.
+
+The GPU-only tests (`tests/**/test_*_gpu.py` and `tests/precision/test_recipes.py`, which runs the real FP8 kernels
+where a GPU has them) skip on the CI machine, so a GPU call is the only place they run. Run one file at a time, they
+miss what one run leaves to the next in the same process: on 2026-11-28, all of them in one process on an H200 found
+a workspace and a process group that outlived their runs (bench/NOTES_floor.md 77). This runs them all in one
+process, records each test's outcome and time, the failures' first error lines, the device, torch's and torchao's
+versions and the commit, prints the failures last, and writes bench/results/gpu_tests_<device>_<time>.json (and
+$OUT/gpu_tests.json on the GPU machine). It exits with pytest's status.
+
+    python bench/gpu_tests.py [--budget-s 560] [--paths FILE ...] [-- PYTEST_ARGS ...]
+
+Within --budget-s the run is stopped and what finished is recorded (from pytest's per-test lines), so a call that
+runs out of time still says which tests passed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.benchmeta import REPO, git_commit, write_result  # noqa: E402
+
+DEFAULT_PATHS = ("tests/training/*_gpu.py", "tests/precision/*_gpu.py", "tests/precision/test_recipes.py")
+# pytest -v: "tests/x.py::test_name[param] PASSED                [ 12%]"
+_LINE = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def default_paths() -> list[str]:
+    out: list[str] = []
+    for pattern in DEFAULT_PATHS:
+        out.extend(sorted(str(Path(p).relative_to(REPO)) for p in glob.glob(str(REPO / pattern))))
+    return out
+
+
+def from_junit(path: Path) -> list[dict]:
+    """One row per test case of pytest's JUnit XML: test id, outcome, seconds, and a failure's first error line."""
+    rows = []
+    for case in ET.parse(path).iter("testcase"):
+        outcome, message = "passed", None
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                message = first_error_line(child.get("message") or child.text or "")
+        module = case.get("classname", "")
+        file = module.replace(".", "/") + ".py" if module else ""
+        rows.append({"test": f"{file}::{case.get('name')}", "outcome": outcome,
+                     "s": round(float(case.get("time") or 0.0), 1), **({"message": message} if message else {})})
+    return rows
+
+
+def from_log(text: str) -> list[dict]:
+    """The tests pytest -v reported before it stopped (no JUnit file when the budget ran out)."""
+    names = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped", "XFAIL": "xfailed",
+             "XPASS": "xpassed"}
+    rows = []
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if m:
+            rows.append({"test": m.group(1), "outcome": names[m.group(2)]})
+    return rows
+
+
+def first_error_line(text: str) -> str:
+    """The line that says what went wrong: the first `E   ...` line of a traceback, else the text's first line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("E "):
+            return ln[1:].strip()[:400]
+    return (lines[0] if lines else "")[:400]
+
+
+def device_and_versions() -> dict:
+    info = {"device": "cpu", "torch": None, "torchao": None}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["device"] = torch.cuda.get_device_name(0)
+            info["gpus"] = torch.cuda.device_count()
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal: pytest will say more
+        info["torch"] = f"not importable: {e}"
+    try:
+        import torchao
+        info["torchao"] = torchao.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def run(paths: list[str], budget_s: float, extra: list[str], results_dir: Path | None = None) -> tuple[dict, int]:
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}",
+               *paths, *extra]
+        start = time.monotonic()
+        timed_out = False
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=budget_s,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})  # the log up to a stop is kept
+            log, rc = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            timed_out, rc = True, 124
+            log = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        wall = time.monotonic() - start
+        rows = from_junit(junit) if junit.exists() else from_log(log)
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
+    info = device_and_versions()
+    summary = {
+        "bench": "gpu_tests",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **info,
+        "git_commit": git_commit(),
+        "command": " ".join(["python bench/gpu_tests.py", *paths]),
+        "pytest_exit": rc,
+        "timed_out": timed_out,
+        "wall_s": round(wall, 1),
+        "counts": counts,
+        "failures": [r for r in rows if r["outcome"] in ("failed", "error")],
+        "tests": rows,
+        "log_tail": log[-4000:],
+    }
+    if results_dir is None:
+        write_result(summary, "gpu_tests", info["device"])
+    else:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+        path = results_dir / f"gpu_tests_{stamp}.json"
+        import json
+        path.write_text(json.dumps(summary, indent=1))
+        print(f"wrote {path}")
+    return summary, rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    ap = argparse.ArgumentParser(description="Every GPU test in one pytest process, with a result file.")
+    ap.add_argument("--paths", nargs="+", default=None,
+                    help=f"test files (default: {' '.join(DEFAULT_PATHS)})")
+    ap.add_argument("--budget-s", type=float, default=560.0,
+                    help="stop pytest after this many seconds and record what finished (default 560)")
+    ap.add_argument("--results-dir", type=Path, default=None,
+                    help="write the result file here instead of bench/results (and $OUT)")
+    a = ap.parse_args(argv)
+    if a.budget_s <= 0:
+        ap.error(f"--budget-s must be positive, got {a.budget_s}")
+    paths = a.paths or default_paths()
+    summary, rc = run(paths, a.budget_s, extra, a.results_dir)
+    print(f"\n# GPU tests on {summary['device']} at {summary['git_commit']}: "
+          + ", ".join(f"{n} {k}" for k, n in sorted(summary["counts"].items()))
+          + f" in {summary['wall_s']} s" + (" (stopped at the budget)" if summary["timed_out"] else ""))
+    for f in summary["failures"]:
+        print(f"{f['outcome'].upper():6} {f['test']}\n       {f.get('message', '')}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

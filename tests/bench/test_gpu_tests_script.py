@@ -1,0 +1,75 @@
+"""bench/gpu_tests.py (every GPU test in one process, with a result file) on a CPU: its record of outcomes, failures'
+first error lines and the run's facts, from a complete pytest run and from the lines of one stopped at its budget."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import gpu_tests
+
+REPO = Path(__file__).resolve().parents[2]
+
+SAMPLE = '''
+import pytest
+
+def test_ok():
+    pass
+
+@pytest.mark.skip(reason="needs a GPU")
+def test_skipped():
+    pass
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_broken(n):
+    product = 1
+    assert product == n, "the product differs"
+'''
+
+
+def test_a_whole_run_records_every_outcome_and_each_failures_error_line(tmp_path):
+    sample = tmp_path / "test_sample.py"
+    sample.write_text(SAMPLE)
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_tests.py"), "--paths", str(sample),
+                           "--results-dir", str(out), "--budget-s", "300"], cwd=REPO, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # pytest's status: a test failed
+    [path] = list(out.glob("gpu_tests_*.json"))
+    result = json.loads(path.read_text())
+    assert result["bench"] == "gpu_tests" and result["device"] == "cpu" and result["git_commit"]
+    assert result["torch"] and result["pytest_exit"] == 1 and result["timed_out"] is False
+    assert result["counts"] == {"passed": 2, "skipped": 1, "failed": 1}
+    [failure] = result["failures"]
+    assert failure["test"].endswith("test_sample.py::test_broken[2]")
+    assert "the product differs" in failure["message"]
+    # the table printed last names the failure and its error line
+    tail = proc.stdout[proc.stdout.index("# GPU tests on cpu"):]
+    assert "1 failed, 2 passed, 1 skipped" in tail and "test_broken[2]" in tail and "the product differs" in tail
+
+
+def test_a_run_stopped_at_its_budget_keeps_the_tests_that_finished():
+    log = """============================= test session starts ==============================
+tests/training/test_a_gpu.py::test_one PASSED                              [ 10%]
+tests/training/test_a_gpu.py::test_two[fp8_rowwise] FAILED                 [ 20%]
+tests/precision/test_recipes.py::test_three SKIPPED (checks the CPU answer) [ 30%]
+tests/precision/test_recipes.py::test_four """
+    assert gpu_tests.from_log(log) == [
+        {"test": "tests/training/test_a_gpu.py::test_one", "outcome": "passed"},
+        {"test": "tests/training/test_a_gpu.py::test_two[fp8_rowwise]", "outcome": "failed"},
+        {"test": "tests/precision/test_recipes.py::test_three", "outcome": "skipped"},
+    ]
+
+
+def test_the_error_line_is_the_tracebacks_first_e_line():
+    text = "self = <x>\n\n>   return self._op(*args)\nE   RuntimeError: CUDA error: CUBLAS_STATUS_INVALID_VALUE\nE   more"
+    assert gpu_tests.first_error_line(text) == "RuntimeError: CUDA error: CUBLAS_STATUS_INVALID_VALUE"
+    assert gpu_tests.first_error_line("AssertionError: assert not True\nmore") == "AssertionError: assert not True"
+
+
+def test_the_default_selection_is_every_gpu_test_file_and_test_recipes():
+    paths = gpu_tests.default_paths()
+    assert "tests/precision/test_recipes.py" in paths and "tests/training/test_cublaslt_workspace_gpu.py" in paths
+    assert all(p.endswith("_gpu.py") or p == "tests/precision/test_recipes.py" for p in paths)
+    assert len(paths) == len(set(paths)) >= 15
