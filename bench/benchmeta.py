@@ -19,16 +19,16 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write_result(summary: dict, bench: str, device_name: str) -> list[Path]:
-    """`summary` as JSON in bench/results/<bench>_<device>_<UTC time>.json and, when $OUT is set (the GPU
-    machine), as $OUT/<bench>.json; prints and returns the paths."""
+def write_result(summary: dict, bench: str, device_name: str, results_dir: Path | None = None) -> list[Path]:
+    """`summary` as JSON in bench/results/<bench>_<device>_<UTC time>.json (or in `results_dir`) and, when $OUT is
+    set (the GPU machine), as $OUT/<bench>.json; prints and returns the paths."""
     import datetime as dt
     import json
 
     text = json.dumps(summary, indent=1)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
     slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
-    paths = [REPO / "bench" / "results" / f"{bench}_{slug}_{stamp}.json"]
+    paths = [(results_dir or REPO / "bench" / "results") / f"{bench}_{slug}_{stamp}.json"]
     if os.environ.get("OUT"):
         paths.append(Path(os.environ["OUT"]) / f"{bench}.json")
     for path in paths:

@@ -132,15 +132,7 @@ def run(paths: list[str], budget_s: float, extra: list[str], results_dir: Path |
         "tests": rows,
         "log_tail": log[-4000:],
     }
-    if results_dir is None:
-        write_result(summary, "gpu_tests", info["device"])
-    else:
-        results_dir.mkdir(parents=True, exist_ok=True)
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-        path = results_dir / f"gpu_tests_{stamp}.json"
-        import json
-        path.write_text(json.dumps(summary, indent=1))
-        print(f"wrote {path}")
+    write_result(summary, "gpu_tests", info["device"], results_dir)
     return summary, rc
 
 
