@@ -10,8 +10,10 @@ $OUT/gpu_tests.json on the GPU machine). It exits with pytest's status.
 
     python bench/gpu_tests.py [--budget-s 560] [--paths FILE ...] [-- PYTEST_ARGS ...]
 
-Within --budget-s the run is stopped and what finished is recorded (from pytest's per-test lines), so a call that
-runs out of time still says which tests passed.
+Within --budget-s the run is stopped and what finished is recorded, so a call that runs out of time still says
+which tests passed, how long each took, and which test was running when it stopped (and for how long). A test that
+runs longer than --hang-dump-s has every thread's stack written to the log (pytest's faulthandler_timeout), kept in
+the result as `hang_dumps`: what a hung test was waiting for.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -34,6 +37,61 @@ from bench.benchmeta import REPO, git_commit, write_result  # noqa: E402
 DEFAULT_PATHS = ("tests/training/*_gpu.py", "tests/precision/*_gpu.py", "tests/precision/test_recipes.py")
 # pytest -v: "tests/x.py::test_name[param] PASSED                [ 12%]"
 _LINE = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+PROGRESS_ENV = "PLAB_GPU_TESTS_PROGRESS"  # where the pytest process writes one JSON line per test event
+_running: dict[str, dict] = {}
+
+
+def pytest_runtest_logstart(nodeid, location):  # noqa: ARG001 - pytest hook (this module is loaded with -p)
+    _running[nodeid] = {"s": 0.0, "outcome": "passed"}
+    _progress({"event": "start", "test": nodeid, "t": time.time()})
+
+
+def pytest_runtest_logreport(report):  # pytest hook: setup, call and teardown each report here
+    row = _running.setdefault(report.nodeid, {"s": 0.0, "outcome": "passed"})
+    row["s"] += report.duration
+    if report.failed:
+        row["outcome"] = "failed" if report.when == "call" else "error"
+        row.setdefault("message", first_error_line(str(report.longrepr)))
+    elif report.skipped and row["outcome"] == "passed":
+        row["outcome"] = "xfailed" if hasattr(report, "wasxfail") else "skipped"
+
+
+def pytest_runtest_logfinish(nodeid, location):  # noqa: ARG001 - pytest hook
+    row = _running.pop(nodeid, {"s": 0.0, "outcome": "passed"})
+    _progress({"event": "done", "test": nodeid, **row, "s": round(row["s"], 1), "t": time.time()})
+
+
+def _progress(event: dict) -> None:
+    path = os.environ.get(PROGRESS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+
+def from_progress(path: Path, now: float | None = None) -> tuple[list[dict], dict | None]:
+    """The tests that finished (test id, outcome, seconds, a failure's first error line), and the one that had
+    started and not finished, with how long it had run, from the lines the pytest process wrote."""
+    rows, started = [], {}
+    for line in path.read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "start":
+            started[event["test"]] = event["t"]
+        else:
+            started.pop(event["test"], None)
+            rows.append({k: v for k, v in event.items() if k not in ("event", "t")})
+    running = None
+    if started:
+        test, t0 = max(started.items(), key=lambda kv: kv[1])
+        running = {"test": test, "s": round((now if now is not None else time.time()) - t0, 1)}
+    return rows, running
+
+
+def hang_dumps(log: str, limit: int = 12000) -> str | None:
+    """faulthandler's stacks of a test that ran past faulthandler_timeout ("Timeout (0:02:30)!" and the threads)."""
+    i = log.find("Timeout (")
+    return log[i:i + limit] if i >= 0 else None
 
 
 def default_paths() -> list[str]:
@@ -98,22 +156,28 @@ def device_and_versions() -> dict:
     return info
 
 
-def run(paths: list[str], budget_s: float, extra: list[str], results_dir: Path | None = None) -> tuple[dict, int]:
+def run(paths: list[str], budget_s: float, extra: list[str], results_dir: Path | None = None,
+        hang_dump_s: float = 240.0) -> tuple[dict, int]:
     with tempfile.TemporaryDirectory() as tmp:
-        junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}",
-               *paths, *extra]
+        junit, progress = Path(tmp) / "junit.xml", Path(tmp) / "progress.jsonl"
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "bench.gpu_tests", "-rfEs",
+               f"--junitxml={junit}", "-o", f"faulthandler_timeout={hang_dump_s:g}", *paths, *extra]
         start = time.monotonic()
         timed_out = False
         try:
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=budget_s,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})  # the log up to a stop is kept
-            log, rc = proc.stdout + proc.stderr, proc.returncode
+            proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=budget_s, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                         PROGRESS_ENV: str(progress)})  # the log up to a stop is kept
+            log, rc = proc.stdout, proc.returncode
         except subprocess.TimeoutExpired as e:
             timed_out, rc = True, 124
             log = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         wall = time.monotonic() - start
-        rows = from_junit(junit) if junit.exists() else from_log(log)
+        running = None
+        if progress.exists():
+            rows, running = from_progress(progress)
+        else:
+            rows = from_junit(junit) if junit.exists() else from_log(log)
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
@@ -129,6 +193,8 @@ def run(paths: list[str], budget_s: float, extra: list[str], results_dir: Path |
         "wall_s": round(wall, 1),
         "counts": counts,
         "failures": [r for r in rows if r["outcome"] in ("failed", "error")],
+        "running_when_stopped": running if timed_out else None,
+        "hang_dumps": hang_dumps(log),
         "tests": rows,
         "log_tail": log[-4000:],
     }
@@ -149,14 +215,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop pytest after this many seconds and record what finished (default 560)")
     ap.add_argument("--results-dir", type=Path, default=None,
                     help="write the result file here instead of bench/results (and $OUT)")
+    ap.add_argument("--hang-dump-s", type=float, default=240.0,
+                    help="write every thread's stack to the log when one test runs longer than this (default 240)")
     a = ap.parse_args(argv)
     if a.budget_s <= 0:
         ap.error(f"--budget-s must be positive, got {a.budget_s}")
+    if a.hang_dump_s <= 0:
+        ap.error(f"--hang-dump-s must be positive, got {a.hang_dump_s}")
     paths = a.paths or default_paths()
-    summary, rc = run(paths, a.budget_s, extra, a.results_dir)
+    summary, rc = run(paths, a.budget_s, extra, a.results_dir, a.hang_dump_s)
     print(f"\n# GPU tests on {summary['device']} at {summary['git_commit']}: "
           + ", ".join(f"{n} {k}" for k, n in sorted(summary["counts"].items()))
           + f" in {summary['wall_s']} s" + (" (stopped at the budget)" if summary["timed_out"] else ""))
+    if summary["running_when_stopped"]:
+        r = summary["running_when_stopped"]
+        print(f"RUNNING {r['test']} for {r['s']} s when stopped" + (" (stacks in hang_dumps)" if summary["hang_dumps"]
+                                                                   else ""))
     for f in summary["failures"]:
         print(f"{f['outcome'].upper():6} {f['test']}\n       {f.get('message', '')}")
     return rc

@@ -47,6 +47,45 @@ def test_a_whole_run_records_every_outcome_and_each_failures_error_line(tmp_path
     # the table printed last names the failure and its error line
     tail = proc.stdout[proc.stdout.index("# GPU tests on cpu"):]
     assert "1 failed, 2 passed, 1 skipped" in tail and "test_broken[2]" in tail and "the product differs" in tail
+    # each test's time, from the progress lines the pytest process wrote
+    assert {r["test"].split("::")[1]: r["outcome"] for r in result["tests"]} == {
+        "test_ok": "passed", "test_skipped": "skipped", "test_broken[1]": "passed", "test_broken[2]": "failed"}
+    assert all(isinstance(r["s"], float) for r in result["tests"]) and result["running_when_stopped"] is None
+
+
+HANGS = '''
+import time
+
+def test_quick():
+    pass
+
+def test_hangs():
+    time.sleep(600)
+
+def test_never_reached():
+    pass
+'''
+
+
+def test_a_stopped_run_keeps_each_finished_tests_time_and_names_the_one_running_with_its_stacks(tmp_path):
+    sample = tmp_path / "test_hangs.py"
+    sample.write_text(HANGS)
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_tests.py"), "--paths", str(sample),
+                           "--results-dir", str(out), "--budget-s", "25", "--hang-dump-s", "4"], cwd=REPO,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [path] = list(out.glob("gpu_tests_*.json"))
+    result = json.loads(path.read_text())
+    assert result["timed_out"] is True and result["counts"] == {"passed": 1}
+    [quick] = result["tests"]
+    assert quick["test"].endswith("test_hangs.py::test_quick") and quick["outcome"] == "passed" and quick["s"] < 5
+    running = result["running_when_stopped"]
+    assert running["test"].endswith("test_hangs.py::test_hangs") and 4 < running["s"] <= 30, running
+    # faulthandler's dump names the line the hung test waits on
+    assert "Timeout (0:00:04)!" in result["hang_dumps"] and "test_hangs.py\", line 8 in test_hangs" in \
+        result["hang_dumps"], result["hang_dumps"][:2000]
+    assert "RUNNING" in proc.stdout and "test_hangs" in proc.stdout
 
 
 def test_a_run_stopped_at_its_budget_keeps_the_tests_that_finished():

@@ -42,3 +42,35 @@ def test_a_default_run_after_a_run_without_the_workspace_gets_one(monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(tensorwise.float(), torch.full((64, 64), 64.0, device="cuda"))
     torch.testing.assert_close(again.float(), reference.float(), rtol=1e-2, atol=1e-2)  # the same operands
+
+
+def _spec(recipe: str, workspace: str) -> dict:
+    # every dim a multiple of 128 (fp8_blockwise's tiles); math SDPA (deterministic)
+    return {"model": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 2,
+                      "num_attention_heads": 8, "num_key_value_heads": 4},
+            "data": {"corpus": "random", "vocab_size": 4096, "seq_len": 256},
+            "training": {"steps": 4, "batch_size": 8, "lr": 1e-3, "warmup_steps": 1, "val_every": 0,
+                         "device": "cuda", "compile": False, "param_dtype": "bf16",
+                         "perf": {"sdpa_backend": "math", "cublaslt_workspace": workspace}},
+            "seed": 0, "recipe": recipe}
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise"])
+def test_rowwise_and_blockwise_scaled_gemms_train_without_the_workspace(recipe, monkeypatch):
+    """`auto` never picks "none" for these two (their catalog entries say "default"), but a user may: it must run,
+    and train as with the workspace up to the GEMMs' accumulation order."""
+    from training.sink import ListSink
+    from training.train import train
+
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
+    monkeypatch.delenv("_PLAB_CUBLASLT_SET", raising=False)
+    losses = {}
+    for workspace in ("default", "none"):
+        sink = ListSink()
+        result = train(_spec(recipe, workspace), sink)
+        assert result.status == "succeeded", (workspace, result)
+        assert result.gemm_backend == "real" and result.summary["cublaslt_workspace"] == workspace, result.summary
+        losses[workspace] = [v for _, v in sink.series("train/loss")]
+    print(f"{recipe}: default {losses['default']}, none {losses['none']}")
+    assert losses["none"][0] == pytest.approx(losses["default"][0], rel=1e-3)
+    assert losses["none"] == pytest.approx(losses["default"], rel=2e-2)
