@@ -67,7 +67,10 @@ def test_rowwise_and_blockwise_scaled_gemms_train_without_the_workspace(recipe, 
     losses = {}
     for workspace in ("default", "none"):
         sink = ListSink()
-        result = train(_spec(recipe, workspace), sink)
+        try:
+            result = train(_spec(recipe, workspace), sink)
+        except RuntimeError as e:
+            raise AssertionError(f"{recipe} with cublaslt_workspace={workspace} (after {sorted(losses)}): {e}") from e
         assert result.status == "succeeded", (workspace, result)
         assert result.gemm_backend == "real" and result.summary["cublaslt_workspace"] == workspace, result.summary
         losses[workspace] = [v for _, v in sink.series("train/loss")]
