@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 import time
@@ -52,11 +53,12 @@ def error_line(log: str) -> str | None:
     return lines[-1][:500] if lines else None
 
 
-def probe(recipe: str, workspace: str, timeout_s: float, device: str = "cuda") -> dict:
+def probe(recipe: str, workspace: str, timeout_s: float, device: str = "cuda", autotune: str = "quick") -> dict:
     start = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec(recipe, workspace, device))], cwd=REPO,
-                              capture_output=True, text=True, timeout=timeout_s)
+                              capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, "PLAB_BLOCKWISE_AUTOTUNE": autotune})
         log, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired:
         return {"recipe": recipe, "workspace": workspace, "status": "timeout", "s": round(timeout_s, 1)}
@@ -73,18 +75,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipes", nargs="+", default=["fp8_blockwise", "fp8_rowwise"])
     ap.add_argument("--workspaces", nargs="+", default=["default", "none"], choices=["default", "none"])
-    ap.add_argument("--timeout-s", type=float, default=150.0, help="per run (default 150)")
+    ap.add_argument("--timeout-s", type=float, default=240.0,
+                    help="per run (default 240: an fp8_blockwise run took over 85 s on an H200 with full autotuning)")
+    ap.add_argument("--blockwise-autotune", choices=["quick", "full"], default="quick",
+                    help="fp8_blockwise: torchao's quantizers autotune over 8 of their 45 configs (quick) or all")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the probe's own check")
+    ap.add_argument("--results-dir", type=Path, default=None, help="write the result here instead of bench/results")
     a = ap.parse_args(argv)
     import torch
 
     device = torch.cuda.get_device_name(0) if a.device == "cuda" and torch.cuda.is_available() else "cpu"
-    rows = [probe(r, w, a.timeout_s, a.device) for r in a.recipes for w in a.workspaces]
+    rows = [probe(r, w, a.timeout_s, a.device, a.blockwise_autotune) for r in a.recipes for w in a.workspaces]
     summary = {"bench": "cublaslt_workspace_probe", "date": dt.datetime.now(dt.timezone.utc).isoformat(
         timespec="seconds"), "device": device, "torch": torch.__version__, "git_commit": git_commit(),
         "command": " ".join(["python bench/cublaslt_workspace_probe.py", *(argv if argv is not None else sys.argv[1:])]),
-        "runs": rows}
-    write_result(summary, "cublaslt_workspace_probe", device)
+        "blockwise_autotune": a.blockwise_autotune, "runs": rows}
+    write_result(summary, "cublaslt_workspace_probe", device, a.results_dir)
     print(f"\n# cuBLASLt workspace probe on {device} at {summary['git_commit']}")
     for r in rows:
         print(f"{r['recipe']:14} {r['workspace']:8} {r.get('status'):10} {r['s']:7.1f} s  "

@@ -157,7 +157,7 @@ def device_and_versions() -> dict:
 
 
 def run(paths: list[str], budget_s: float, extra: list[str], results_dir: Path | None = None,
-        hang_dump_s: float = 240.0) -> tuple[dict, int]:
+        hang_dump_s: float = 240.0, blockwise_autotune: str = "quick") -> tuple[dict, int]:
     with tempfile.TemporaryDirectory() as tmp:
         junit, progress = Path(tmp) / "junit.xml", Path(tmp) / "progress.jsonl"
         cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "bench.gpu_tests", "-rfEs",
@@ -166,8 +166,9 @@ def run(paths: list[str], budget_s: float, extra: list[str], results_dir: Path |
         timed_out = False
         try:
             proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  timeout=budget_s, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                                         PROGRESS_ENV: str(progress)})  # the log up to a stop is kept
+                                  timeout=budget_s, env={**os.environ, "PYTHONUNBUFFERED": "1",  # the log up to a
+                                                         PROGRESS_ENV: str(progress),  # stop is kept
+                                                         "PLAB_BLOCKWISE_AUTOTUNE": blockwise_autotune})
             log, rc = proc.stdout, proc.returncode
         except subprocess.TimeoutExpired as e:
             timed_out, rc = True, 124
@@ -188,6 +189,7 @@ def run(paths: list[str], budget_s: float, extra: list[str], results_dir: Path |
         **info,
         "git_commit": git_commit(),
         "command": " ".join(["python bench/gpu_tests.py", *paths]),
+        "blockwise_autotune": blockwise_autotune,
         "pytest_exit": rc,
         "timed_out": timed_out,
         "wall_s": round(wall, 1),
@@ -215,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop pytest after this many seconds and record what finished (default 560)")
     ap.add_argument("--results-dir", type=Path, default=None,
                     help="write the result file here instead of bench/results (and $OUT)")
+    ap.add_argument("--blockwise-autotune", choices=["quick", "full"], default="quick",
+                    help="fp8_blockwise: torchao's quantizers autotune over 8 of their 45 configs (quick) or all "
+                         "(full: minutes more in every fp8_blockwise test's first step; 2026-11-28 an H200 spent "
+                         "over 60 s in one); PLAB_BLOCKWISE_AUTOTUNE, recorded in the result")
     ap.add_argument("--hang-dump-s", type=float, default=240.0,
                     help="write every thread's stack to the log when one test runs longer than this (default 240)")
     a = ap.parse_args(argv)
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.hang_dump_s <= 0:
         ap.error(f"--hang-dump-s must be positive, got {a.hang_dump_s}")
     paths = a.paths or default_paths()
-    summary, rc = run(paths, a.budget_s, extra, a.results_dir, a.hang_dump_s)
+    summary, rc = run(paths, a.budget_s, extra, a.results_dir, a.hang_dump_s, a.blockwise_autotune)
     print(f"\n# GPU tests on {summary['device']} at {summary['git_commit']}: "
           + ", ".join(f"{n} {k}" for k, n in sorted(summary["counts"].items()))
           + f" in {summary['wall_s']} s" + (" (stopped at the budget)" if summary["timed_out"] else ""))

@@ -11,7 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("script", ["carveout_probe.py", "kernel_bench.py", "transpose_store_probe.py"])
+@pytest.mark.parametrize("script", ["carveout_probe.py", "kernel_bench.py", "transpose_store_probe.py",
+                                    "cublaslt_workspace_probe.py"])
 def test_gpu_bench_script_imports_and_prints_its_usage(script):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
@@ -39,3 +40,23 @@ def triton_poi_fused_add_1(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
 ''', device_str='cuda')
 """
     assert fp8_stores([kernel]) == {"triton_poi_fused_cast_0": 2}
+
+
+def test_the_workspace_probe_trains_each_run_in_a_fresh_process_and_records_it(tmp_path):
+    """On a CPU the workspace choice resolves to torch's default whatever is asked, so both runs give one curve; the
+    record (status, seconds, losses, the autotune policy) is what a GPU call's result will hold."""
+    import json
+
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "cublaslt_workspace_probe.py"), "--device", "cpu",
+                           "--recipes", "fp8_rowwise", "--timeout-s", "200", "--results-dir", str(tmp_path / "results")],
+                          cwd=tmp_path, capture_output=True,
+                          text=True, timeout=500, env={**__import__("os").environ, "OUT": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "cublaslt_workspace_probe.json").read_text())
+    assert [p.name.startswith("cublaslt_workspace_probe_cpu_") for p in (tmp_path / "results").iterdir()] == [True]
+    assert result["device"] == "cpu" and result["blockwise_autotune"] == "quick" and result["git_commit"]
+    default, none = result["runs"]
+    assert (default["workspace"], none["workspace"]) == ("default", "none")
+    assert default["status"] == none["status"] == "succeeded" and len(default["losses"]) == 4
+    assert default["cublaslt_workspace"] == none["cublaslt_workspace"] == "default"  # no cuBLASLt on a CPU
+    assert default["losses"] == none["losses"]

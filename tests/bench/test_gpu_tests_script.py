@@ -40,6 +40,7 @@ def test_a_whole_run_records_every_outcome_and_each_failures_error_line(tmp_path
     result = json.loads(path.read_text())
     assert result["bench"] == "gpu_tests" and result["device"] == "cpu" and result["git_commit"]
     assert result["torch"] and result["pytest_exit"] == 1 and result["timed_out"] is False
+    assert result["blockwise_autotune"] == "quick"
     assert result["counts"] == {"passed": 2, "skipped": 1, "failed": 1}
     [failure] = result["failures"]
     assert failure["test"].endswith("test_sample.py::test_broken[2]")
