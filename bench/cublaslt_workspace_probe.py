@@ -1,9 +1,9 @@
 """Does a recipe train with and without cuBLASLt's workspace, each in a process of its own?
 
 `perf.cublaslt_workspace: none` (CUBLASLT_WORKSPACE_SIZE=0) is what `auto` picks for fp8_tensorwise and fp8_delayed
-on Hopper; a user may pick it for any recipe. Run in one pytest process, fp8_blockwise's scaled GEMMs failed with
-CUBLAS_STATUS_INVALID_VALUE in a run with "none" or in the "default" run after it (bench/NOTES_floor.md 78). This
-trains a small Llama (every dim a multiple of 128, 4 steps, random tokens) once per (recipe, workspace), each in a
+on Hopper; a user may pick it for any recipe. In one pytest process on an H200, fp8_blockwise failed with
+CUBLAS_STATUS_INVALID_VALUE at its first GEMM in a "default" run right after an fp8_rowwise "none" run
+(bench/NOTES_floor.md 78), so whether it runs under "none" at all is still open. This trains a small Llama (every dim a multiple of 128, 4 steps, random tokens) once per (recipe, workspace), each in a
 fresh process as the CLI, a worker's job and train_bench run, so nothing one run leaves behind can explain the
 other's outcome, and records each run's status, seconds, first error line and losses.
 

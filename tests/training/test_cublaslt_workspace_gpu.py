@@ -44,36 +44,38 @@ def test_a_default_run_after_a_run_without_the_workspace_gets_one(monkeypatch):
     torch.testing.assert_close(again.float(), reference.float(), rtol=1e-2, atol=1e-2)  # the same operands
 
 
-def _spec(recipe: str, workspace: str) -> dict:
-    # every dim a multiple of 128 (fp8_blockwise's tiles); math SDPA (deterministic)
-    return {"model": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 2,
-                      "num_attention_heads": 8, "num_key_value_heads": 4},
-            "data": {"corpus": "random", "vocab_size": 4096, "seq_len": 256},
-            "training": {"steps": 4, "batch_size": 8, "lr": 1e-3, "warmup_steps": 1, "val_every": 0,
-                         "device": "cuda", "compile": False, "param_dtype": "bf16",
-                         "perf": {"sdpa_backend": "math", "cublaslt_workspace": workspace}},
-            "seed": 0, "recipe": recipe}
-
 
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise"])
-def test_rowwise_and_blockwise_scaled_gemms_train_without_the_workspace(recipe, monkeypatch):
+def test_rowwise_and_blockwise_scaled_gemms_train_without_the_workspace_in_a_process_of_their_own(recipe):
     """`auto` never picks "none" for these two (their catalog entries say "default"), but a user may: it must run,
-    and train as with the workspace up to the GEMMs' accumulation order."""
+    and train as with the workspace up to the GEMMs' accumulation order. Each run in a fresh process, as the CLI,
+    a worker's job and train_bench run one (bench/cublaslt_workspace_probe.py)."""
+    from bench.cublaslt_workspace_probe import probe
+
+    runs = {w: probe(recipe, w, timeout_s=300, device="cuda", autotune="quick") for w in ("default", "none")}
+    for w, run in runs.items():
+        assert run.get("status") == "succeeded", (w, run.get("error"), run.get("log_tail", "")[-1500:])
+        assert run["gemm_backend"] == "real" and run["cublaslt_workspace"] == w, run
+    print(f"{recipe}: default {runs['default']['losses']}, none {runs['none']['losses']}")
+    assert runs["none"]["losses"][0] == pytest.approx(runs["default"]["losses"][0], rel=1e-3)
+    assert runs["none"]["losses"] == pytest.approx(runs["default"]["losses"], rel=2e-2)
+
+
+@pytest.mark.xfail(strict=False, reason="on an H200 (torch 2.11), fp8_blockwise failed with "
+                   "CUBLAS_STATUS_INVALID_VALUE at its first GEMM in a default run right after an fp8_rowwise run "
+                   "without the workspace, the workspaces dropped in between (bench/results/"
+                   "gpu_tests_2026-11-28T1559_*; NOTES_floor 78); cause not yet known")
+def test_a_blockwise_run_right_after_a_run_without_the_workspace_in_the_same_process(monkeypatch):
+    from bench.cublaslt_workspace_probe import spec
     from training.sink import ListSink
     from training.train import train
 
     monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
     monkeypatch.delenv("_PLAB_CUBLASLT_SET", raising=False)
-    losses = {}
-    for workspace in ("default", "none"):
-        sink = ListSink()
+    monkeypatch.setenv("PLAB_BLOCKWISE_AUTOTUNE", "quick")
+    for recipe, workspace in (("fp8_rowwise", "none"), ("fp8_blockwise", "default")):
         try:
-            result = train(_spec(recipe, workspace), sink)
+            result = train(spec(recipe, workspace), ListSink())
         except RuntimeError as e:
-            raise AssertionError(f"{recipe} with cublaslt_workspace={workspace} (after {sorted(losses)}): {e}") from e
-        assert result.status == "succeeded", (workspace, result)
-        assert result.gemm_backend == "real" and result.summary["cublaslt_workspace"] == workspace, result.summary
-        losses[workspace] = [v for _, v in sink.series("train/loss")]
-    print(f"{recipe}: default {losses['default']}, none {losses['none']}")
-    assert losses["none"][0] == pytest.approx(losses["default"][0], rel=1e-3)
-    assert losses["none"] == pytest.approx(losses["default"], rel=2e-2)
+            raise AssertionError(f"{recipe} with cublaslt_workspace={workspace}: {e}") from e
+        assert result.status == "succeeded" and result.summary["cublaslt_workspace"] == workspace, result
