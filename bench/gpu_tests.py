@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import glob
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
-import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -56,6 +56,8 @@ def pytest_runtest_logreport(report):  # pytest hook: setup, call and teardown e
         row.setdefault("message", first_error_line(str(report.longrepr)))
     elif report.skipped and row["outcome"] == "passed":
         row["outcome"] = "xfailed" if hasattr(report, "wasxfail") else "skipped"
+    elif report.when == "call" and hasattr(report, "wasxfail"):  # an xfail test that passed
+        row["outcome"] = "xpassed"
 
 
 def pytest_runtest_logfinish(nodeid, location):  # noqa: ARG001 - pytest hook

@@ -21,6 +21,14 @@ def test_ok():
 def test_skipped():
     pass
 
+@pytest.mark.xfail(strict=False, reason="known")
+def test_known_broken():
+    assert False
+
+@pytest.mark.xfail(strict=False, reason="known, since fixed")
+def test_known_fixed():
+    pass
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_broken(n):
     product = 1
@@ -41,16 +49,17 @@ def test_a_whole_run_records_every_outcome_and_each_failures_error_line(tmp_path
     assert result["bench"] == "gpu_tests" and result["device"] == "cpu" and result["git_commit"]
     assert result["torch"] and result["pytest_exit"] == 1 and result["timed_out"] is False
     assert result["blockwise_autotune"] == "quick"
-    assert result["counts"] == {"passed": 2, "skipped": 1, "failed": 1}
+    assert result["counts"] == {"passed": 2, "skipped": 1, "failed": 1, "xfailed": 1, "xpassed": 1}
     [failure] = result["failures"]
     assert failure["test"].endswith("test_sample.py::test_broken[2]")
     assert "the product differs" in failure["message"]
     # the table printed last names the failure and its error line
     tail = proc.stdout[proc.stdout.index("# GPU tests on cpu"):]
-    assert "1 failed, 2 passed, 1 skipped" in tail and "test_broken[2]" in tail and "the product differs" in tail
+    assert "1 failed, 2 passed, 1 skipped, 1 xfailed, 1 xpassed" in tail and "test_broken[2]" in tail and "the product differs" in tail
     # each test's time, from the progress lines the pytest process wrote
     assert {r["test"].split("::")[1]: r["outcome"] for r in result["tests"]} == {
-        "test_ok": "passed", "test_skipped": "skipped", "test_broken[1]": "passed", "test_broken[2]": "failed"}
+        "test_ok": "passed", "test_skipped": "skipped", "test_known_broken": "xfailed", "test_known_fixed": "xpassed",
+        "test_broken[1]": "passed", "test_broken[2]": "failed"}
     assert all(isinstance(r["s"], float) for r in result["tests"]) and result["running_when_stopped"] is None
 
 
