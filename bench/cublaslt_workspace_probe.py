@@ -3,9 +3,10 @@
 `perf.cublaslt_workspace: none` (CUBLASLT_WORKSPACE_SIZE=0) is what `auto` picks for fp8_tensorwise and fp8_delayed
 on Hopper; a user may pick it for any recipe. In one pytest process on an H200, fp8_blockwise failed with
 CUBLAS_STATUS_INVALID_VALUE at its first GEMM in a "default" run right after an fp8_rowwise "none" run
-(bench/NOTES_floor.md 78), so whether it runs under "none" at all is still open. This trains a small Llama (every dim a multiple of 128, 4 steps, random tokens) once per (recipe, workspace), each in a
-fresh process as the CLI, a worker's job and train_bench run, so nothing one run leaves behind can explain the
-other's outcome, and records each run's status, seconds, first error line and losses.
+(bench/NOTES_floor.md 78), so whether it runs under "none" at all is still open. This trains a small Llama (every
+dim a multiple of 128, 4 steps, random tokens) once per (recipe, workspace), each in a fresh process as the CLI, a
+worker's job and train_bench run, so nothing one run leaves behind can explain the other's outcome, and records
+each run's status, seconds, first error line and losses.
 
     python bench/cublaslt_workspace_probe.py [--recipes fp8_blockwise fp8_rowwise] [--workspaces default none]
 """
@@ -53,12 +54,19 @@ def error_line(log: str) -> str | None:
     return lines[-1][:500] if lines else None
 
 
+def child_env(autotune: str) -> dict:
+    """This process's environment without a workspace size an earlier run in it set (the caller may be a pytest
+    process whose tests trained), so each child starts as a fresh CLI process would."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUBLASLT_WORKSPACE_SIZE", "_PLAB_CUBLASLT_SET")}
+    return {**env, "PLAB_BLOCKWISE_AUTOTUNE": autotune}
+
+
 def probe(recipe: str, workspace: str, timeout_s: float, device: str = "cuda", autotune: str = "quick") -> dict:
     start = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec(recipe, workspace, device))], cwd=REPO,
                               capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ, "PLAB_BLOCKWISE_AUTOTUNE": autotune})
+                              env=child_env(autotune))
         log, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired:
         return {"recipe": recipe, "workspace": workspace, "status": "timeout", "s": round(timeout_s, 1)}
