@@ -44,7 +44,6 @@ def test_a_default_run_after_a_run_without_the_workspace_gets_one(monkeypatch):
     torch.testing.assert_close(again.float(), reference.float(), rtol=1e-2, atol=1e-2)  # the same operands
 
 
-
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_blockwise"])
 def test_rowwise_and_blockwise_scaled_gemms_train_without_the_workspace_in_a_process_of_their_own(recipe):
     """`auto` never picks "none" for these two (their catalog entries say "default"), but a user may: it must run,
