@@ -194,6 +194,12 @@ _BUILTIN = (
         scaling="one FP32 scale per tensor from its current amax (\"FP8-CS\")",
         gemm_format="fp8_tensorwise", real_kernels="torchao Float8Linear (tensorwise, torch._scaled_mm)",
         real_min_capability=(8, 9), emulated_elsewhere=True,
+        options=(RecipeOption("implementation", "string", "torchao",
+                              "torchao: torchao's Float8Linear (tensorwise); plab: our linear on the same "
+                              "torch._scaled_mm GEMMs and the same casts (training.precision.fp8_tensorwise."
+                              "CurrentScalingLinear), whose backward reuses the forward's FP8 codes of X and W "
+                              "and copies transposed layouts from the 1-byte codes; without FSDP2's FP8 "
+                              "all-gather", choices=("torchao", "plab")),),
         quantizer_bytes=(6, 6),  # amax read + cast read (2 x 2 B), two FP8 layouts (2 x 1 B)
         # 4 runs against 2 on an H100, permutation p = 0.67:
         # bench/results/curve_ab_2026-11-28T0600_H100_fp8_tensorwise_workspace_none_4x2_at_7848a8f.json

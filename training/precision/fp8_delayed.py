@@ -129,7 +129,8 @@ class DelayedFP8Fn(torch.autograd.Function):
     """The three FP8 GEMMs of a linear with delayed scales. Forward gets the X and W scales (from the
     history, or just in time on the first step); backward computes dY's amax once, returns it as the
     gradient of `token` (the layer's grad_amax_token; None when not recording) and takes dY's scale from
-    the same `scales`/`ready` buffers."""
+    the same `scales`/`ready` buffers. With `scales` and `ready` None it is current scaling throughout
+    (fp8_tensorwise's CurrentScalingLinear): the caller's X and W scales, dY's from its own amax."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
@@ -160,8 +161,14 @@ class DelayedFP8Fn(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         amax = _amax(dy2, ctx.by_rows)
         # Once the history exists (known on the host), dY's scale does not depend on dY: the cast need not
-        # wait for the amax reduction, and the compiler may fuse both into one pass over dY.
-        s_g = scales[GRAD] if ctx.ready_host else torch.where(ready, scales[GRAD], fp8_scale_from_amax(amax, E5M2))
+        # wait for the amax reduction, and the compiler may fuse both into one pass over dY. No history at all
+        # (`ready` None: fp8_tensorwise's CurrentScalingLinear): the current amax's scale.
+        if ready is None:
+            s_g = fp8_scale_from_amax(amax, E5M2)
+        elif ctx.ready_host:
+            s_g = scales[GRAD]
+        else:
+            s_g = torch.where(ready, scales[GRAD], fp8_scale_from_amax(amax, E5M2))
         g8 = _to_fp8(dy2, s_g, E5M2)
         inv_g = s_g.reciprocal()
         grad_x = grad_w = grad_b = None

@@ -14,8 +14,9 @@ scale, cast and the transposed write fuse.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from training.precision.emulation import GemmQuantizer, QuantizedLinear
+from training.precision.emulation import GemmQuantizer, QuantizedLinear, compute_dtype
 from training.precision.formats import fp8_cast, fp8_scale_from_amax, quantize_fp8_tensorwise
 from training.precision.gemm_ops import (GemmOps, UnsupportedShape, check_divisible, check_pass, check_role,
                                          compile_static, has_capability, sm_version)
@@ -46,6 +47,44 @@ class TensorwiseQuantizer(GemmQuantizer):
 
     def describe(self):
         return "E4M3 X/W, E5M2 dY, per-tensor current scaling"
+
+
+class CurrentScalingLinear(QuantizedLinear):
+    """fp8_tensorwise on our kernels (option `implementation: plab`): the same recipe as torchao's tensorwise
+    Float8Linear - each of X, W and dY cast to FP8 with the scale from its current amax (torchao's
+    `amax_to_scale`), E4M3 X/W, E5M2 dY, fast accumulation on Fprop only, the bias added in the output dtype -
+    through fp8_delayed's `DelayedFP8Fn` with no history. What differs is the data movement:
+    - backward reuses the FP8 codes of X and W saved in forward (per-tensor scaling is transpose-invariant,
+      so they are the codes torchao's backward casts again from the BF16 X and W it saved);
+    - the amaxes reduce along rows, then over them, the loop shape of the row-major cast, and the transposed
+      layouts Wgrad and Dgrad read are copied from the 1-byte codes by a Triton kernel
+      (fp8_triton.fp8_transpose) instead of re-reading the BF16 operand.
+    Elsewhere (CPU, pre-Ada GPUs, token counts not divisible by 16) the same casts feed the exact emulation."""
+
+    def __init__(self, linear: nn.Linear, real: bool):
+        super().__init__(linear, TensorwiseQuantizer(), "fp8_tensorwise")
+        self.real = real
+
+    def reuses_weight_when(self, compiled: bool) -> bool:
+        return False  # W is cast in the layer's graph with the codes its backward keeps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from training.precision.fp8_delayed import DelayedFP8Fn, _amax
+
+        out_dtype = compute_dtype(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != out_dtype:
+            x2 = x2.to(out_dtype)  # under autocast the kernels see the autocast (BF16) copy, as torchao's
+        real = self.real and x2.shape[0] % 16 == 0  # torch._scaled_mm: every dim divisible by 16
+        s_x = fp8_scale_from_amax(_amax(x2, True), E4M3)
+        s_w = fp8_scale_from_amax(_amax(self.weight, True), E4M3)
+        y = DelayedFP8Fn.apply(x2, self.weight, self.bias, s_x, s_w, None, None, None, real, out_dtype,
+                               False, True)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, recipe=fp8_tensorwise, "
+                f"implementation=plab, real={self.real}")
 
 
 def torchao_float8_linear(linear, recipe_name: str, fsdp: bool = False):
@@ -152,6 +191,11 @@ class TorchaoFloat8Recipe(Recipe):
         return scaled_mm_shape_reason(linear, self.name) if real else None
 
     def convert(self, linear, name, options, real):
+        if options.get("implementation") == "plab":
+            new = CurrentScalingLinear(linear, real)
+            how = ("torch._scaled_mm, current scaling (ours)" if real
+                   else f"emulated: {new.quantizer.describe()}")
+            return new, new.quantizer, how
         quantizer = self.quantizer_cls()
         if real:
             gather8 = options.get("fsdp") and self.torchao_recipe == "tensorwise"
