@@ -83,7 +83,8 @@ def test_bf16_first_layers_and_baseline_convert_nothing_they_should_not():
 @pytest.mark.parametrize("call,match", [
     (dict(name="fp6"), "unknown recipe 'fp6'; choose one of bf16, fp8_delayed"),
     (dict(name="nvfp4", hadamard=True), r"unknown option\(s\) hadamard for recipe 'nvfp4'; valid options: fused_quantize, rht, rht_seed"),
-    (dict(name="fp8_tensorwise", amax_history_len=16), "valid options: none"),
+    (dict(name="fp8_tensorwise", amax_history_len=16), "valid options: implementation"),
+    (dict(name="fp8_rowwise", amax_history_len=16), "valid options: none"),
     (dict(name="nvfp4", rht="yes"), "must be true or false"),
     (dict(name="mxfp8", scale_rounding="even"), "scale_rounding of mxfp8 must be one of floor, rceil"),
     (dict(name="fp8_delayed", amax_history_len=0), "positive integer"),
@@ -639,3 +640,20 @@ def test_tensorwise_plab_linear_gives_torchaos_float8_linear_every_bit(dtype, bi
         for what, a, b in zip(("Y", "dX", "dW", "db"), want, got):
             assert a.abs().sum() > 0 and a.dtype == b.dtype, (step, what)
             assert torch.equal(a, b), (step, what, (a.float() - b.float()).abs().max().item())
+
+
+@pytest.mark.parametrize("implementation, fsdp, real, want", [
+    ("auto", False, True, "CurrentScalingLinear"), ("auto", True, True, "Float8Linear"),
+    ("plab", True, True, "CurrentScalingLinear"), ("torchao", False, True, "Float8Linear"),
+    ("auto", False, False, "QuantizedLinear"), ("plab", False, False, "QuantizedLinear"),
+])
+def test_tensorwise_implementation_auto_is_plab_except_under_fsdp2_and_emulation_keeps_the_oracle(
+        implementation, fsdp, real, want):
+    # auto: our linear where the real kernels run, torchao's under FSDP2 (its FP8 all-gather); emulated GEMMs keep
+    # the emulation (QuantizedLinear with the tensorwise quantizer) whatever the option says.
+    from training.precision.registry import get_recipe
+
+    module, _, how = get_recipe("fp8_tensorwise").convert(nn.Linear(64, 32), "proj",
+                                                          {"implementation": implementation, "fsdp": fsdp}, real)
+    assert type(module).__name__ == want, how
+    assert ("FP8 all-gather" in how) == (want == "Float8Linear" and fsdp)

@@ -192,14 +192,18 @@ _BUILTIN = (
         summary="E4M3 X/W, E5M2 dY; one scale per tensor from its current amax",
         elements="E4M3 X and W, E5M2 dY",
         scaling="one FP32 scale per tensor from its current amax (\"FP8-CS\")",
-        gemm_format="fp8_tensorwise", real_kernels="torchao Float8Linear (tensorwise, torch._scaled_mm)",
+        gemm_format="fp8_tensorwise",
+        real_kernels="torch._scaled_mm: our current-scaling linear (torchao's tensorwise Float8Linear under FSDP2 or "
+                     "with implementation torchao)",
         real_min_capability=(8, 9), emulated_elsewhere=True,
-        options=(RecipeOption("implementation", "string", "torchao",
-                              "torchao: torchao's Float8Linear (tensorwise); plab: our linear on the same "
-                              "torch._scaled_mm GEMMs and the same casts (training.precision.fp8_tensorwise."
-                              "CurrentScalingLinear), whose backward reuses the forward's FP8 codes of X and W "
-                              "and copies transposed layouts from the 1-byte codes; without FSDP2's FP8 "
-                              "all-gather", choices=("torchao", "plab")),),
+        options=(RecipeOption("implementation", "string", "auto",
+                              "real kernels: torchao = torchao's Float8Linear (tensorwise); plab = our linear "
+                              "(training.precision.fp8_tensorwise.CurrentScalingLinear) on the same torch._scaled_mm "
+                              "GEMMs with the same casts and scales, whose backward reuses the forward's FP8 codes of "
+                              "X and W and copies transposed layouts from the 1-byte codes (bit-identical layer, "
+                              "~1.6 ms less per 1b step on an H200); auto = plab, except under FSDP2, where torchao's "
+                              "Float8Linear all-gathers the weights in FP8. Emulated GEMMs take the emulation either "
+                              "way", choices=("auto", "torchao", "plab")),),
         quantizer_bytes=(6, 6),  # amax read + cast read (2 x 2 B), two FP8 layouts (2 x 1 B)
         # 4 runs against 2 on an H100, permutation p = 0.67:
         # bench/results/curve_ab_2026-11-28T0600_H100_fp8_tensorwise_workspace_none_4x2_at_7848a8f.json
