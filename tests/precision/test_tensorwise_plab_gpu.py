@@ -60,23 +60,32 @@ def _model_step(implementation: str, compiled: bool, ids):
     run = torch.compile(model) if compiled else model
     loss = run(input_ids=ids, labels=ids).loss
     loss.backward()
-    grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_a_small_llama_gets_torchaos_loss_and_gradients(compiled):
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def test_a_small_llama_gets_torchaos_loss_and_gradients_eagerly_and_as_close_to_them_compiled():
     torch._dynamo.reset()
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1)).to("cuda")
-    (loss_a, grads_a), (loss_b, grads_b) = (_model_step(impl, compiled, ids) for impl in ("torchao", "plab"))
-    print(f"first loss, {'compiled' if compiled else 'eager'}: torchao {loss_a.item():.7f}, plab {loss_b.item():.7f}")
-    assert len(grads_a) == len(grads_b) > 0
-    if not compiled:
-        assert torch.equal(loss_a, loss_b)
-        for i, (a, b) in enumerate(zip(grads_a, grads_b)):
-            assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
-        return
-    assert abs(loss_a.item() - loss_b.item()) < 2e-3 * loss_a.item()
-    for i, (a, b) in enumerate(zip(grads_a, grads_b)):
-        rel = ((a.float() - b.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
-        assert rel < 0.05, (i, rel)  # FP8's own error (E5M2 dY ~ 0.07 per element), not a different recipe
+    loss_e, grads_e = _model_step("torchao", False, ids)
+    loss_p, grads_p = _model_step("plab", False, ids)
+    assert torch.equal(loss_e, loss_p) and grads_e.keys() == grads_p.keys() and grads_e
+    for name, a in grads_e.items():
+        assert torch.equal(a, grads_p[name]), (name, _rel(grads_p[name], a))
+    # Compiled, each implementation against the eager step (the recipe's values): inductor's fusions (FP32
+    # intermediates where eager rounds to BF16) move both by the same kind of amount.
+    (loss_tc, grads_tc), (loss_pc, grads_pc) = (_model_step(impl, True, ids) for impl in ("torchao", "plab"))
+    print(f"first loss: eager {loss_e.item():.7f}, compiled torchao {loss_tc.item():.7f}, "
+          f"compiled plab {loss_pc.item():.7f}")
+    worst = []
+    for name, a in grads_e.items():
+        t, p = _rel(grads_tc[name], a), _rel(grads_pc[name], a)
+        print(f"{name}: compiled torchao {t:.3g}, compiled plab {p:.3g} (relative to eager)")
+        worst.append((p, t, name))
+    assert abs(loss_pc.item() - loss_e.item()) <= max(3 * abs(loss_tc.item() - loss_e.item()), 1e-3)
+    p_max, t_max = max(w[0] for w in worst), max(w[1] for w in worst)
+    assert p_max <= max(3 * t_max, 1e-2), sorted(worst)[-3:]
