@@ -54,7 +54,7 @@ from training.precision import emulation
 from training.precision.emulation import GemmQuantizer, QuantizedLinear, compute_dtype, emulated_mm, has_hooks
 from training.precision.formats import (FP8_AMAX_EPS, Quantized, fp8_cast, fp8_scale_from_amax,
                                         quantize_fp8_tensorwise)
-from training.precision.fp8_tensorwise import scaled_mm_shape_reason
+from training.precision.gemm_ops import scaled_mm_shape_reason
 from training.precision.registry import Recipe, capability_reason, register
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

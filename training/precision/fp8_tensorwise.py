@@ -21,8 +21,9 @@ from torch import nn
 
 from training.precision.emulation import GemmQuantizer, QuantizedLinear, compute_dtype
 from training.precision.formats import fp8_cast, fp8_scale_from_amax, quantize_fp8_tensorwise
+from training.precision.fp8_delayed import DelayedFP8Fn, _amax
 from training.precision.gemm_ops import (GemmOps, UnsupportedShape, check_divisible, check_pass, check_role,
-                                         compile_static, has_capability, sm_version)
+                                         compile_static, has_capability, scaled_mm_shape_reason, sm_version)
 from training.precision.registry import Recipe, capability_reason, register
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -72,8 +73,6 @@ class CurrentScalingLinear(QuantizedLinear):
         return False  # W is cast in the layer's graph with the codes its backward keeps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from training.precision.fp8_delayed import DelayedFP8Fn, _amax
-
         out_dtype = compute_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != out_dtype:
@@ -112,14 +111,6 @@ class Float8AllGatherScales:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-def scaled_mm_shape_reason(linear, recipe: str):
-    # torch._scaled_mm needs every GEMM dimension divisible by 16.
-    for what, dim in (("in_features", linear.in_features), ("out_features", linear.out_features)):
-        if dim % 16:
-            return f"{what} {dim} not a multiple of 16 required by FP8 tensor cores ({recipe})"
-    return None
 
 
 def fp8_quantize_layouts(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, layouts: tuple) -> tuple:

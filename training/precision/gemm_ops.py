@@ -241,3 +241,12 @@ class EmulatedTorchaoOps(EmulatedGemmOps):
 
     def timing_group(self, role: str) -> str:
         return "any" if self.role_independent else role
+
+
+def scaled_mm_shape_reason(linear, recipe: str):
+    """Why `linear` cannot run on torch._scaled_mm (every GEMM dimension divisible by 16), or None; the per-tensor
+    FP8 recipes (fp8_tensorwise, fp8_rowwise, fp8_delayed) skip such layers with this reason."""
+    for what, dim in (("in_features", linear.in_features), ("out_features", linear.out_features)):
+        if dim % 16:
+            return f"{what} {dim} not a multiple of 16 required by FP8 tensor cores ({recipe})"
+    return None
