@@ -248,7 +248,7 @@ def auto_one_pass(layer: torch.nn.Module) -> bool:
     path's to the bit. Torch's linear (bf16, and BF16 layers kept in a quantized run), and layers that say so with
     `rope_one_pass_auto` (MXFP8's emulated linear: its Triton quantizer reads dY as BF16, and its output reaches RoPE
     as the GEMM wrote it). Not where inductor fuses RoPE's backward into an FP8 cast of dY (torchao's Float8Linear,
-    fp8_delayed's layers), nor where it fuses a pointwise epilogue of the projection into RoPE's forward (NVFP4's
-    emulated per-tensor scale: the one-pass forward rounds the scaled output to BF16 first, and nvfp4's first loss
-    moved from 10.80476 to 10.8028 on an H200, bench/NOTES_floor.md 75)."""
+    fp8_tensorwise's CurrentScalingLinear, fp8_delayed's layers), nor where it fuses a pointwise epilogue of the
+    projection into RoPE's forward (NVFP4's emulated per-tensor scale: the one-pass forward rounds the scaled output
+    to BF16 first, and nvfp4's first loss moved from 10.80476 to 10.8028 on an H200, bench/NOTES_floor.md 75)."""
     return type(layer) is torch.nn.Linear or getattr(layer, "rope_one_pass_auto", False)
