@@ -2,7 +2,6 @@
 scaling's state, numerics telemetry, and the first training steps against BF16."""
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -609,33 +608,12 @@ def test_tensorwise_plab_linear_gives_torchaos_float8_linear_every_bit(dtype, bi
     # fp8_tensorwise's `implementation: plab` is the same recipe as torchao's tensorwise Float8Linear, with other
     # data movement (backward reuses the forward's FP8 codes): torch._scaled_mm runs on CPU too, so Y, dX, dW and
     # db of the real paths must be equal to the bit, eagerly and compiled, over steps with different amaxes.
-    from training.precision.fp8_tensorwise import CurrentScalingLinear
-    from training.precision.registry import get_recipe
+    from tests.precision.tensorwise_checks import train_both_implementations
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    lin = nn.Linear(128, 96, bias=bias).to(dtype)
-    results = []
-    for implementation in ("torchao", "plab"):
-        layer = copy.deepcopy(lin)
-        module, _, how = get_recipe("fp8_tensorwise").convert(layer, "proj", {"implementation": implementation},
-                                                              True)
-        assert isinstance(module, CurrentScalingLinear) == (implementation == "plab"), how
-        run = torch.compile(module, backend="inductor", fullgraph=True) if compiled else module
-        steps = []
-        for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            x = (torch.randn(4, 32, 128, generator=g) * (1 + 3 * step)).to(dtype).requires_grad_()
-            dy = torch.randn(4, 32, 96, generator=g).to(dtype) * 10 ** -step
-            layer.weight.grad = None
-            if bias:
-                layer.bias.grad = None
-            y = run(x)
-            y.backward(dy)
-            steps.append((y.detach(), x.grad, layer.weight.grad) + ((layer.bias.grad,) if bias else ()))
-            with torch.no_grad():
-                layer.weight.mul_(1.5)  # the next step's W amax differs too
-        results.append(steps)
+    compile_fn = (lambda m: torch.compile(m, backend="inductor", fullgraph=True)) if compiled else None
+    results = train_both_implementations(nn.Linear(128, 96, bias=bias).to(dtype), (4, 32, 128), compile_fn)
     for step, (want, got) in enumerate(zip(*results)):
         for what, a, b in zip(("Y", "dX", "dW", "db"), want, got):
             assert a.abs().sum() > 0 and a.dtype == b.dtype, (step, what)
