@@ -57,6 +57,9 @@ def test_codes_in_both_layouts_and_the_amax_are_the_references(batch, tokens, hq
     plain = lambda t: _codes(fp8_cast(t.float().reshape(rows, -1), scale, torch.float8_e5m2)[0])  # noqa: E731
     assert torch.equal(_codes(got[0][:, (hq + hk) * d:]), plain(dv))
     assert not torch.equal(_codes(got[0][:, :hq * d]), plain(dq))
+    # current scaling's first pass: the same amax with the stores compiled out
+    amax_only = fr.rope_bwd_fp8_launch(dq, dk, dv, cos, sin, None, bm=bm, store=False)
+    assert torch.equal(amax_only, want[2]) and torch.equal(fr.rope_bwd_amax(dq, dk, dv, cos, sin), want[2])
 
 
 def test_strided_gradients_as_the_attention_backward_may_hand_them():

@@ -47,7 +47,8 @@ def test_gemm_formats_are_the_recipes_that_own_their_gemm_operands():
 def test_options_and_defaults_are_the_recipes_documented_ones():
     defaults = {entry.name: entry.defaults() for entry in catalog.recipes()}
     assert defaults == {
-        "bf16": {}, "fp8_tensorwise": {"implementation": "auto"}, "fp8_rowwise": {},
+        "bf16": {}, "fp8_tensorwise": {"implementation": "auto", "fused_swiglu": True, "fused_qkv_rope": True},
+        "fp8_rowwise": {},
         "fp8_blockwise": {"traced_gemm": True, "cuda_graphs": True},
         "fp8_delayed": {"amax_history_len": 1024, "fused_cast": False, "cuda_graphs": True, "one_pass_cast": True,
                         "fused_swiglu": True, "fused_qkv_rope": True},
@@ -76,7 +77,7 @@ def test_capability_says_where_real_kernels_run():
     ("nvfp4", {"hadamard": True}, "unknown option(s) hadamard for recipe 'nvfp4'; valid options: fused_quantize, "
                                   "rht, rht_seed, share_mlp_input, stochastic_rounding, weight_2d"),
     ("fp8_tensorwise", {"amax_history_len": 16}, "unknown option(s) amax_history_len for recipe 'fp8_tensorwise'; "
-                                                 "valid options: implementation"),
+                                                 "valid options: fused_qkv_rope, fused_swiglu, implementation"),
     ("fp8_tensorwise", {"implementation": "te"}, "option implementation of fp8_tensorwise must be one of auto, "
                                                  "torchao, plab, got 'te'"),
     ("fp8_rowwise", {"implementation": "plab"}, "valid options: none"),

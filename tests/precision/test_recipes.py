@@ -82,7 +82,8 @@ def test_bf16_first_layers_and_baseline_convert_nothing_they_should_not():
 @pytest.mark.parametrize("call,match", [
     (dict(name="fp6"), "unknown recipe 'fp6'; choose one of bf16, fp8_delayed"),
     (dict(name="nvfp4", hadamard=True), r"unknown option\(s\) hadamard for recipe 'nvfp4'; valid options: fused_quantize, rht, rht_seed"),
-    (dict(name="fp8_tensorwise", amax_history_len=16), "valid options: implementation"),
+    (dict(name="fp8_tensorwise", amax_history_len=16),
+     "valid options: fused_qkv_rope, fused_swiglu, implementation"),
     (dict(name="fp8_rowwise", amax_history_len=16), "valid options: none"),
     (dict(name="nvfp4", rht="yes"), "must be true or false"),
     (dict(name="mxfp8", scale_rounding="even"), "scale_rounding of mxfp8 must be one of floor, rceil"),

@@ -204,7 +204,20 @@ _BUILTIN = (
                               "H200 1.6-1.7 ms less per 1b step and 4.9 ms per 3b step, for 2.7 / 6.3 GiB more "
                               "peak memory: the codes it keeps); auto = plab, except under FSDP2, where torchao's "
                               "Float8Linear all-gathers the weights in FP8. Emulated GEMMs take the emulation either "
-                              "way", choices=("auto", "torchao", "plab")),),
+                              "way", choices=("auto", "torchao", "plab")),
+                 _bool("fused_swiglu", True, "our linear (implementation plab) on real GEMMs, Llama MLPs with "
+                                             "separate gate and up projections: the SwiGLU and its backward each "
+                                             "run as two Triton passes, one that computes the amax and one that "
+                                             "writes the FP8 codes in both layouts the next GEMMs read (fp8_delayed's "
+                                             "fused_swiglu kernel with current scales; inductor's math, the same "
+                                             "codes; off: inductor's amax and cast kernels and a transposing copy "
+                                             "of the codes)"),
+                 _bool("fused_qkv_rope", True, "our linear (implementation plab) on real GEMMs, a fused QKV projection "
+                                               "(training.perf.fuse_qkv): the projection's dY (RoPE's backward of dQ "
+                                               "and dK, and dV) is cast to E5M2 by an amax pass and one Triton pass "
+                                               "that writes both layouts (fp8_delayed's fused_qkv_rope kernel with "
+                                               "a current scale; the same codes; off: inductor's kernels and a "
+                                               "transposing copy)")),
         quantizer_bytes=(6, 6),  # amax read + cast read (2 x 2 B), two FP8 layouts (2 x 1 B)
         # 4 runs against 2 on an H100, permutation p = 0.67:
         # bench/results/curve_ab_2026-11-28T0600_H100_fp8_tensorwise_workspace_none_4x2_at_7848a8f.json

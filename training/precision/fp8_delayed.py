@@ -226,6 +226,11 @@ class DelayedFP8FusedFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, grad_token, None
 
 
+def _current_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Current scaling's scale for `t`: FP8 max / max |t| (the amax reduced along rows, then over them)."""
+    return fp8_scale_from_amax(_amax(t, True), dtype)
+
+
 class DelayedSwiGLUMLPFn(torch.autograd.Function):
     """A Llama MLP, down(silu(gate(x)) * up(x)), with real FP8 GEMMs and the history's scales (`fused_swiglu`):
     the six GEMMs and the X, W and dY casts of DelayedFP8Fn's real one-pass path, operand for operand, except that
@@ -237,22 +242,35 @@ class DelayedSwiGLUMLPFn(torch.autograd.Function):
     - X is cast (and copied into the Wgrad layout) once, with gate's input scale, for gate and up: the two layers
       record the same amax of the same X every step from the same empty history, so their input scales are equal.
     Forward returns (y, max |h|, the three weights' max |W|) (h: down's input); backward returns each layer's dY
-    amax as the gradient of its token."""
+    amax as the gradient of its token.
+
+    With the scales None it is current scaling (fp8_tensorwise's CurrentScalingLinear layers, `fused_swiglu`): X's,
+    each W's and dY's scale from its own amax, as the layers' path takes them; h's, dL/dgate's and dL/dup's from a
+    first pass of the SwiGLU kernel that computes only their amaxes (fp8_swiglu_triton.swiglu_amax), then the codes
+    pass with those scales. The tokens are None then (nothing is recorded)."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x2, w_gate, w_up, w_down, sc_gate, sc_up, sc_down, tok_gate, tok_up, tok_down, out_dtype):
-        from training.precision.fp8_swiglu_triton import swiglu_fp8_fwd
+        from training.precision.fp8_swiglu_triton import swiglu_amax, swiglu_fp8_fwd
 
+        weights = (w_gate, w_up, w_down)
+        current = sc_gate is None
+        if current:
+            s_x, s_ws = _current_scale(x2, E4M3), tuple(_current_scale(w, E4M3) for w in weights)
+        else:
+            s_x, s_ws = sc_gate[INPUT], tuple(sc[WEIGHT] for sc in (sc_gate, sc_up, sc_down))
         x8, x8t, inv_x, ((wg8, wg8t, amax_wg, inv_wg), (wu8, wu8t, amax_wu, inv_wu), (wd8, wd8t, amax_wd, inv_wd)) = (
-            _one_pass_operands(x2, sc_gate, ((w_gate, sc_gate), (w_up, sc_up), (w_down, sc_down))))
+            _one_pass_operands(x2, s_x, tuple(zip(weights, s_ws))))
         g = _fp8_mm(True, x8, inv_x, wg8.t(), inv_wg, out_dtype, fast_accum=True)
         u = _fp8_mm(True, x8, inv_x, wu8.t(), inv_wu, out_dtype, fast_accum=True)
-        h8, h8t, amax_h = swiglu_fp8_fwd(g, u, sc_down[INPUT])
-        inv_h = sc_down[INPUT].reciprocal()
+        s_h = fp8_scale_from_amax(swiglu_amax(g, u), E4M3) if current else sc_down[INPUT]
+        h8, h8t, amax_h = swiglu_fp8_fwd(g, u, s_h)
+        inv_h = s_h.reciprocal()
         y = _fp8_mm(True, h8, inv_h, wd8.t(), inv_wd, out_dtype, fast_accum=True)
         ctx.save_for_backward(x8t, wg8t, wu8t, g, u, h8t, wd8t, inv_x, inv_wg, inv_wu, inv_h, inv_wd,
                               sc_gate, sc_up, sc_down)
+        ctx.current = current
         ctx.x_dtype, ctx.h_dtype = x2.dtype, g.dtype
         ctx.w_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
         amax_w = torch.stack([amax_wg, amax_wu, amax_wd])
@@ -262,18 +280,23 @@ class DelayedSwiGLUMLPFn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy, _grad_amax_h, _grad_amax_w):
-        from training.precision.fp8_swiglu_triton import swiglu_fp8_bwd
+        from training.precision.fp8_swiglu_triton import swiglu_amax, swiglu_fp8_bwd
         from training.precision.fp8_triton import fp8_transpose
 
         (x8t, wg8t, wu8t, g, u, h8t, wd8t, inv_x, inv_wg, inv_wu, inv_h, inv_wd, sc_gate, sc_up,
          sc_down) = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         amax_dy = _amax(dy2, True)
-        gd8, inv_gd = _to_fp8(dy2, sc_down[GRAD], E5M2), sc_down[GRAD].reciprocal()
+        s_dy = fp8_scale_from_amax(amax_dy, E5M2) if ctx.current else sc_down[GRAD]
+        gd8, inv_gd = _to_fp8(dy2, s_dy, E5M2), s_dy.reciprocal()
         dh = _fp8_mm(True, gd8, inv_gd, wd8t.t(), inv_wd, ctx.h_dtype, fast_accum=False)
         dw_down = _fp8_mm(True, fp8_transpose(gd8), inv_gd, h8t.t(), inv_h, ctx.w_dtypes[2], fast_accum=False)
-        dg8, dg8t, amax_dg, du8, du8t, amax_du = swiglu_fp8_bwd(g, u, dh, sc_gate[GRAD], sc_up[GRAD])
-        inv_dg, inv_du = sc_gate[GRAD].reciprocal(), sc_up[GRAD].reciprocal()
+        if ctx.current:
+            s_dg, s_du = (fp8_scale_from_amax(a, E5M2) for a in swiglu_amax(g, u, dh))
+        else:
+            s_dg, s_du = sc_gate[GRAD], sc_up[GRAD]
+        dg8, dg8t, amax_dg, du8, du8t, amax_du = swiglu_fp8_bwd(g, u, dh, s_dg, s_du)
+        inv_dg, inv_du = s_dg.reciprocal(), s_du.reciprocal()
         dx = None
         if ctx.needs_input_grad[0]:
             dx = (_fp8_mm(True, dg8, inv_dg, wg8t.t(), inv_wg, ctx.x_dtype, fast_accum=False)
@@ -295,32 +318,36 @@ def _weight_both_layouts(w: torch.Tensor, scale: torch.Tensor):
     return w8, w8.t().contiguous(), _amax(w, True)
 
 
-def _one_pass_operands(x2: torch.Tensor, x_scales: torch.Tensor, weights):
-    """The operands of DelayedFP8Fn's real one-pass path with the history's scales, for the fused functions
-    (DelayedSwiGLUMLPFn, DelayedQKVRoPEFn): X's E4M3 codes with `x_scales`' input scale, their copy in the Wgrad
-    layout and 1 / s_x; for each (W, its layer's scales) in `weights`: (W's codes in both layouts, max |W|, 1 / s_w)."""
+def _one_pass_operands(x2: torch.Tensor, s_x: torch.Tensor, weights):
+    """The operands of DelayedFP8Fn's real one-pass path, for the fused functions (DelayedSwiGLUMLPFn,
+    DelayedQKVRoPEFn): X's E4M3 codes with scale `s_x`, their copy in the Wgrad layout and 1 / s_x; for each (W, its
+    scale s_w) in `weights`: (W's codes in both layouts, max |W|, 1 / s_w)."""
     from training.precision.fp8_triton import fp8_transpose
 
-    x8 = _to_fp8(x2, x_scales[INPUT], E4M3)
-    per_weight = tuple((*_weight_both_layouts(w, sc[WEIGHT]), sc[WEIGHT].reciprocal()) for w, sc in weights)
-    return x8, fp8_transpose(x8), x_scales[INPUT].reciprocal(), per_weight
+    x8 = _to_fp8(x2, s_x, E4M3)
+    per_weight = tuple((*_weight_both_layouts(w, s_w), s_w.reciprocal()) for w, s_w in weights)
+    return x8, fp8_transpose(x8), s_x.reciprocal(), per_weight
 
 
 def _fused_swiglu_mlp_forward(self, x):
-    """LlamaMLP.forward on fp8_delayed's fused SwiGLU path (DelayedSwiGLUMLPFn) where it applies, else the
-    three layers' own forwards (the first step, before the history exists; hooks; odd token counts)."""
+    """LlamaMLP.forward on the fused SwiGLU path (DelayedSwiGLUMLPFn) where it applies, else the three layers' own
+    forwards (hooks; odd token counts; fp8_delayed's first step, before the history exists). fp8_delayed's layers
+    pass their history's scales and record their amaxes; fp8_tensorwise's CurrentScalingLinear layers run it with
+    current scaling (scales None, nothing recorded)."""
     gate, up, down = self.gate_proj, self.up_proj, self.down_proj
     out_dtype = compute_dtype(x)
     x2 = x.reshape(-1, x.shape[-1])
-    if not (gate.ready_host and up.ready_host and down.ready_host and x2.shape[0] % 16 == 0
+    if not (gate.fused_ready and up.fused_ready and down.fused_ready and x2.shape[0] % 16 == 0
             and not any(has_hooks(m) for m in (gate, up, down))):
         return down(self.act_fn(gate(x)) * up(x))
     if x2.dtype != out_dtype:
         x2 = x2.to(out_dtype)
-    record = self.training and torch.is_grad_enabled()
+    delayed = isinstance(gate, DelayedScalingLinear)
+    record = delayed and self.training and torch.is_grad_enabled()
     tokens = (gate.grad_amax_token, up.grad_amax_token, down.grad_amax_token) if record else (None,) * 3
-    y, amax_h, amax_w = DelayedSwiGLUMLPFn.apply(x2, gate.weight, up.weight, down.weight, gate.scales, up.scales,
-                                                 down.scales, *tokens, out_dtype)
+    scales = (gate.scales, up.scales, down.scales) if delayed else (None,) * 3
+    y, amax_h, amax_w = DelayedSwiGLUMLPFn.apply(x2, gate.weight, up.weight, down.weight, *scales, *tokens,
+                                                 out_dtype)
     if record:
         amax_x = _amax(x2, True)
         for i, (layer, amax_in) in enumerate(((gate, amax_x), (up, amax_x), (down, amax_h))):
@@ -328,11 +355,19 @@ def _fused_swiglu_mlp_forward(self, x):
     return y.reshape(*x.shape[:-1], down.out_features)
 
 
-def fuse_swiglu_mlp(block) -> int:
-    """In a Llama decoder block whose MLP's gate, up and down projections are all real fp8_delayed layers with the
-    one-pass casts (no fused_cast), no biases and a SiLU activation: the MLP runs as DelayedSwiGLUMLPFn once the
-    amax history exists. Returns 1 if set up so, else 0 (gate and up fused into one linear, a layer kept in BF16,
-    another MLP class or activation, emulated GEMMs)."""
+def fusable_delayed(layer) -> bool:
+    """A layer the fused functions take with the history's scales: a real fp8_delayed layer with the one-pass casts
+    (no fused_cast) and no bias."""
+    return (isinstance(layer, DelayedScalingLinear) and layer.real and layer.one_pass_cast and not layer.fused_cast
+            and layer.bias is None)
+
+
+def fuse_swiglu_mlp(block, fusable=fusable_delayed) -> int:
+    """In a Llama decoder block whose MLP's gate, up and down projections are all `fusable` layers (by default real
+    fp8_delayed layers with the one-pass casts, no fused_cast, no biases; fp8_tensorwise passes its own test) and a
+    SiLU activation: the MLP runs as DelayedSwiGLUMLPFn where the layers' `fused_ready` says so (fp8_delayed: once
+    the amax history exists). Returns 1 if set up so, else 0 (gate and up fused into one linear, a layer kept in
+    BF16, another MLP class or activation, emulated GEMMs)."""
     from transformers.activations import SiLUActivation
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -340,8 +375,7 @@ def fuse_swiglu_mlp(block) -> int:
     if type(mlp) is not LlamaMLP or getattr(mlp, "_plab_fused_swiglu", False):
         return 0
     layers = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(m, DelayedScalingLinear) and m.real and m.one_pass_cast and not m.fused_cast
-               and m.bias is None for m in layers):
+    if not all(fusable(m) for m in layers) or len({type(m) for m in layers}) != 1:
         return 0
     if not isinstance(mlp.act_fn, (nn.SiLU, SiLUActivation)):
         return 0
@@ -362,14 +396,22 @@ class DelayedQKVRoPEFn(torch.autograd.Function):
     are the attention op's BF16 outputs and the codes, GEMMs and amaxes are the layer's path's to the bit
     (tests/precision/test_fused_qkv_rope_gpu.py). Where the attention's backward ends in a pointwise op (eager
     attention's softmax scale, SDPA's math backend) inductor fuses that op into the layer path's cast without rounding
-    its product to BF16, while this function receives the rounded gradient: the codes differ in the last bit there."""
+    its product to BF16, while this function receives the rounded gradient: the codes differ in the last bit there.
+
+    With `scales` None it is current scaling (fp8_tensorwise's CurrentScalingLinear, `fused_qkv_rope`): X's and W's
+    scales from their amaxes, as the layer's path takes them, and dY's from a first pass of the RoPE kernel that
+    computes only the amax (fp8_rope_triton.rope_bwd_amax); `token` is None then."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x2, weight, scales, token, cos, sin, batch: int, n_q: int, n_kv: int, out_dtype):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        x8, x8t, inv_x, ((w8, w8t, amax_w, inv_w),) = _one_pass_operands(x2, scales, ((weight, scales),))
+        if scales is None:
+            s_x, s_w = _current_scale(x2, E4M3), _current_scale(weight, E4M3)
+        else:
+            s_x, s_w = scales[INPUT], scales[WEIGHT]
+        x8, x8t, inv_x, ((w8, w8t, amax_w, inv_w),) = _one_pass_operands(x2, s_x, ((weight, s_w),))
         y = _fp8_mm(True, x8, inv_x, w8.t(), inv_w, out_dtype, fast_accum=True)
         head_dim = cos.shape[-1]
         q, k, v = y.view(batch, -1, n_q + 2 * n_kv, head_dim).split([n_q, n_kv, n_kv], dim=2)
@@ -382,11 +424,12 @@ class DelayedQKVRoPEFn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dq, dk, dv, _grad_amax_w):
-        from training.precision.fp8_rope_triton import rope_bwd_fp8
+        from training.precision.fp8_rope_triton import rope_bwd_amax, rope_bwd_fp8
 
         x8t, w8t, inv_x, inv_w, scales, cos, sin = ctx.saved_tensors
-        g8, g8t, amax = rope_bwd_fp8(dq, dk, dv, cos, sin, scales[GRAD])
-        inv_g = scales[GRAD].reciprocal()
+        s_g = fp8_scale_from_amax(rope_bwd_amax(dq, dk, dv, cos, sin), E5M2) if scales is None else scales[GRAD]
+        g8, g8t, amax = rope_bwd_fp8(dq, dk, dv, cos, sin, s_g)
+        inv_g = s_g.reciprocal()
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = _fp8_mm(True, g8, inv_g, w8t.t(), inv_w, ctx.x_dtype, fast_accum=False)
@@ -396,41 +439,45 @@ class DelayedQKVRoPEFn(torch.autograd.Function):
 
 
 def _delayed_qkv_rope(attn, hidden_states, cos, sin):
-    """The fused-QKV attention's projection and RoPE on fp8_delayed's fused path (DelayedQKVRoPEFn): (q, k, v), each
-    [batch, tokens, heads, head_dim]; None where the layer's own path applies (the first step, before the history
-    exists; hooks on the layer; token counts not divisible by 16; RoPE tables of another shape or dtype)."""
+    """The fused-QKV attention's projection and RoPE on the fused path (DelayedQKVRoPEFn): (q, k, v), each [batch,
+    tokens, heads, head_dim]; None where the layer's own path applies (hooks on the layer; token counts not divisible
+    by 16; RoPE tables of another shape or dtype; fp8_delayed's first step, before the history exists). An
+    fp8_delayed layer passes its history's scales and records its amaxes; fp8_tensorwise's CurrentScalingLinear runs
+    it with current scaling."""
     layer = attn.qkv_proj
     x2 = hidden_states.reshape(-1, hidden_states.shape[-1])
     batch, tokens = hidden_states.shape[0], hidden_states.shape[1]
     out_dtype = compute_dtype(hidden_states)
-    if not (layer.ready_host and hidden_states.dim() == 3 and x2.shape[0] % 16 == 0 and not has_hooks(layer)
+    if not (layer.fused_ready and hidden_states.dim() == 3 and x2.shape[0] % 16 == 0 and not has_hooks(layer)
             and cos.shape == sin.shape and cos.dim() == 3 and cos.shape[0] in (1, batch) and cos.shape[1] == tokens
             and cos.shape[2] == attn.head_dim and cos.dtype == sin.dtype == out_dtype):
         return None
     if x2.dtype != out_dtype:
         x2 = x2.to(out_dtype)
-    record = layer.training and torch.is_grad_enabled()
+    delayed = isinstance(layer, DelayedScalingLinear)
+    record = delayed and layer.training and torch.is_grad_enabled()
     n_q, n_kv = attn.qkv_split[0] // attn.head_dim, attn.qkv_split[1] // attn.head_dim
-    q, k, v, amax_w = DelayedQKVRoPEFn.apply(x2, layer.weight, layer.scales, layer.grad_amax_token if record else None,
-                                             cos, sin, batch, n_q, n_kv, out_dtype)
+    q, k, v, amax_w = DelayedQKVRoPEFn.apply(x2, layer.weight, layer.scales if delayed else None,
+                                             layer.grad_amax_token if record else None, cos, sin, batch, n_q, n_kv,
+                                             out_dtype)
     if record:
         layer.record_amax(_amax(x2, True), amax_w)
     return q, k, v
 
 
-def fuse_qkv_rope(block) -> int:
-    """In a decoder block whose attention has a fused QKV projection (model.fuse_qkv) that is a real fp8_delayed layer
-    with the one-pass casts (no fused_cast), no bias, equal K and V widths and a power-of-two head_dim: the projection
-    and RoPE run as DelayedQKVRoPEFn once the amax history exists (the attention's forward asks `qkv_rope`). Returns 1
-    if set up so, else 0."""
+def fuse_qkv_rope(block, fusable=fusable_delayed) -> int:
+    """In a decoder block whose attention has a fused QKV projection (model.fuse_qkv) that is a `fusable` layer (by
+    default a real fp8_delayed layer with the one-pass casts, no fused_cast, no bias; fp8_tensorwise passes its own
+    test), with equal K and V widths and a power-of-two head_dim: the projection and RoPE run as DelayedQKVRoPEFn
+    where the layer's `fused_ready` says so (fp8_delayed: once the amax history exists; the attention's forward asks
+    `qkv_rope`). Returns 1 if set up so, else 0."""
     from training.model import _fused_qkv_attention_forward
 
     attn = getattr(block, "self_attn", None)
     layer = getattr(attn, "qkv_proj", None)
     if layer is None or getattr(attn, "qkv_rope", None) is not None:
         return 0
-    if not (isinstance(layer, DelayedScalingLinear) and layer.real and layer.one_pass_cast and not layer.fused_cast
-            and layer.bias is None):
+    if not fusable(layer):
         return 0
     forward = getattr(attn.forward, "__func__", None)
     head_dim = getattr(attn, "head_dim", 0)
@@ -517,6 +564,11 @@ class DelayedScalingLinear(QuantizedLinear):
         fold_grad_amax)."""
         pending = self.pending_amax
         pending.copy_(torch.maximum(pending, torch.stack([amax_x, amax_w, pending[GRAD]])))
+
+    @property
+    def fused_ready(self) -> bool:
+        """Whether the fused functions (fuse_swiglu_mlp, fuse_qkv_rope) run this layer now: once the history exists."""
+        return self.ready_host
 
     def effective_scale(self, which: int, current_amax: torch.Tensor) -> torch.Tensor:
         """The scale used now: from the history once it exists, else just in time from `current_amax`."""

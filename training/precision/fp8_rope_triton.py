@@ -40,35 +40,41 @@ if HAVE_TRITON:
     @triton.jit
     def _rope_bwd_fp8_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, scale_ptr, q_ptr, qt_ptr, partial_ptr,
                              M, C, HQ, HK, stride_dq, stride_dk, stride_dv, stride_cos, COS_ROWS,
-                             NATIVE: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):
+                             NATIVE: tl.constexpr, STORE: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):
         pid_m, head = tl.program_id(0), tl.program_id(1)
         v = rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK, stride_dq, stride_dk,
                           stride_dv, stride_cos, COS_ROWS, D, BM)
-        rows = pid_m * BM + tl.arange(0, BM)  # the store addresses from this kernel's own indices (rope_bwd_tile)
-        d = tl.arange(0, D)
-        mask = (rows[:, None] < M) & (d[None, :] < D)
-        r = rows[:, None].to(tl.int64)
         tl.store(partial_ptr + pid_m * tl.num_programs(1) + head,
                  bf16_bits_rne(tl.max(tl.max(tl.abs(v), axis=1), axis=0)))
-        code = fp8_code_fast(v * tl.load(scale_ptr), 57344.0, True, NATIVE).to(q_ptr.dtype.element_ty, bitcast=True)
-        cols = head * D + d
-        tl.store(q_ptr + r * C + cols[None, :], code, mask=mask)
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
+        if STORE:
+            rows = pid_m * BM + tl.arange(0, BM)  # the store addresses from this kernel's own indices (rope_bwd_tile)
+            d = tl.arange(0, D)
+            mask = (rows[:, None] < M) & (d[None, :] < D)
+            r = rows[:, None].to(tl.int64)
+            code = fp8_code_fast(v * tl.load(scale_ptr), 57344.0, True, NATIVE).to(q_ptr.dtype.element_ty,
+                                                                                   bitcast=True)
+            cols = head * D + d
+            tl.store(q_ptr + r * C + cols[None, :], code, mask=mask)
+            tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(code), mask=tl.trans(mask))
 
 
 def rope_bwd_fp8_launch(dq, dk, dv, cos, sin, scale, *, wrap=lambda kernel: kernel, bm: int = BM,
-                        num_warps: int = NUM_WARPS):
+                        num_warps: int = NUM_WARPS, store: bool = True):
     """Launch the kernel (under the interpreter too): (g8 [N, C], g8t [C, N], amax) as in the module docstring.
-    dq [B, T, Hq, D], dk and dv [B, T, Hk, D] BF16; cos, sin [1 or B, T, D] BF16; scale an FP32 device scalar."""
+    dq [B, T, Hq, D], dk and dv [B, T, Hk, D] BF16; cos, sin [1 or B, T, D] BF16; scale an FP32 device scalar.
+    With store False (current scaling's first pass; scale not needed) only the amax."""
     (gq, gk, gv, cos2, sin2), m, c, hq, hk, d = tile_arguments(dq, dk, dv, cos, sin)
-    g8 = torch.empty((m, c), device=dq.device, dtype=E5M2)
-    g8t = torch.empty((c, m), device=dq.device, dtype=E5M2)
     grid = (triton.cdiv(m, bm), hq + 2 * hk)
     partial = torch.empty(grid[0] * grid[1], device=dq.device, dtype=torch.int16)
+    if store:
+        g8 = torch.empty((m, c), device=dq.device, dtype=E5M2)
+        g8t = torch.empty((c, m), device=dq.device, dtype=E5M2)
+    else:
+        g8 = g8t = scale = partial  # not written (the STORE branch is compiled out)
     wrap(_rope_bwd_fp8_kernel)[grid](gq, gk, gv, cos2, sin2, scale, g8, g8t, partial, m, c, hq, hk, gq.stride(0),
                                      gk.stride(0), gv.stride(0), cos2.stride(0), cos2.shape[0],
-                                     NATIVE=compiled_for_gpu(), D=d, BM=bm, num_warps=num_warps)
-    return g8, g8t, bf16_partials_amax(partial)
+                                     NATIVE=compiled_for_gpu(), STORE=store, D=d, BM=bm, num_warps=num_warps)
+    return (g8, g8t, bf16_partials_amax(partial)) if store else bf16_partials_amax(partial)
 
 
 if HAVE_TRITON:
@@ -78,6 +84,11 @@ if HAVE_TRITON:
     def _rope_bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return rope_bwd_fp8_launch(dq, dk, dv, cos, sin, scale, wrap=wrap_triton)
+
+    @triton_op("plab::rope_bwd_amax", mutates_args=())
+    def _rope_bwd_amax_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor) -> torch.Tensor:
+        return rope_bwd_fp8_launch(dq, dk, dv, cos, sin, None, wrap=wrap_triton, store=False)
 
 
 def rope_bwd_fp8_reference(dq, dk, dv, cos, sin, scale):
@@ -94,3 +105,11 @@ def rope_bwd_fp8(dq, dk, dv, cos, sin, scale):
     if usable(dq, cos):
         return torch.ops.plab.rope_bwd_fp8(dq, dk, dv, cos, sin, scale)
     return rope_bwd_fp8_reference(dq, dk, dv, cos, sin, scale)
+
+
+def rope_bwd_amax(dq, dk, dv, cos, sin):
+    """Current scaling's first pass: the amax rope_bwd_fp8 records, from the same kernel with its stores compiled out
+    (the torch reference's on a CPU), so the scale taken from it is the one the second pass's own amax would give."""
+    if usable(dq, cos):
+        return torch.ops.plab.rope_bwd_amax(dq, dk, dv, cos, sin)
+    return rope_bwd_values(dq, dk, dv, cos, sin).abs().amax().to(dq.dtype).to(torch.float32)

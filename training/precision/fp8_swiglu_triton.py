@@ -64,7 +64,8 @@ if HAVE_TRITON:
     @triton.jit
     def _swiglu_fp8_kernel(g_ptr, u_ptr, dh_ptr, sa_ptr, sb_ptr, qa_ptr, qat_ptr, qb_ptr, qbt_ptr, partial_ptr,
                            M, N, stride_g, stride_u, stride_dh, BACKWARD: tl.constexpr, FP8_MAX: tl.constexpr,
-                           E5M2: tl.constexpr, LIBDEVICE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                           E5M2: tl.constexpr, LIBDEVICE: tl.constexpr, STORE: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -78,42 +79,52 @@ if HAVE_TRITON:
             a = ((dh * u) * sig) * (g * (1.0 - sig) + 1.0)  # dL/dg
             b = dh * silu  # dL/du
             tl.store(partial_ptr + 2 * pid + 1, bf16_bits_rne(tl.max(tl.max(tl.abs(b), axis=1), axis=0)))
-            code_b = fp8_code_fast(b * tl.load(sb_ptr), FP8_MAX, E5M2, LIBDEVICE)
-            code_b = code_b.to(qb_ptr.dtype.element_ty, bitcast=True)
-            _store_both(code_b, qb_ptr, qbt_ptr, rows, cols, mask, M, N)
+            if STORE:
+                code_b = fp8_code_fast(b * tl.load(sb_ptr), FP8_MAX, E5M2, LIBDEVICE)
+                code_b = code_b.to(qb_ptr.dtype.element_ty, bitcast=True)
+                _store_both(code_b, qb_ptr, qbt_ptr, rows, cols, mask, M, N)
             tl.store(partial_ptr + 2 * pid, bf16_bits_rne(tl.max(tl.max(tl.abs(a), axis=1), axis=0)))
         else:
             a = silu * u  # h
             tl.store(partial_ptr + pid, bf16_bits_rne(tl.max(tl.max(tl.abs(a), axis=1), axis=0)))
-        code_a = fp8_code_fast(a * tl.load(sa_ptr), FP8_MAX, E5M2, LIBDEVICE)
-        code_a = code_a.to(qa_ptr.dtype.element_ty, bitcast=True)
-        _store_both(code_a, qa_ptr, qat_ptr, rows, cols, mask, M, N)
+        if STORE:
+            code_a = fp8_code_fast(a * tl.load(sa_ptr), FP8_MAX, E5M2, LIBDEVICE)
+            code_a = code_a.to(qa_ptr.dtype.element_ty, bitcast=True)
+            _store_both(code_a, qa_ptr, qat_ptr, rows, cols, mask, M, N)
 
 
 def swiglu_fp8_launch(g, u, dh, scale_a, scale_b, *, wrap=lambda kernel: kernel, bm: int = BM, bn: int = BN,
-                      num_warps: int = NUM_WARPS):
+                      num_warps: int = NUM_WARPS, store: bool = True):
     """Launch the kernel (under the interpreter too). Forward (dh None): (h8, h8t, amax_h), E4M3 with scale_a.
-    Backward: (dg8, dg8t, amax_dg, du8, du8t, amax_du), E5M2 with scale_a (gate) and scale_b (up)."""
+    Backward: (dg8, dg8t, amax_dg, du8, du8t, amax_du), E5M2 with scale_a (gate) and scale_b (up). With store False
+    (current scaling's first pass, scales not needed) only the amaxes: amax_h, or (amax_dg, amax_du)."""
     m, n = g.shape
     backward = dh is not None
     assert g.dtype == u.dtype == torch.bfloat16 and (dh is None or dh.dtype == torch.bfloat16), "BF16 operands"
     assert g.stride(1) == u.stride(1) == 1 and (dh is None or dh.stride(1) == 1), "unit column stride"
     dtype = E5M2 if backward else E4M3
-    qa, qat = torch.empty((m, n), device=g.device, dtype=dtype), torch.empty((n, m), device=g.device, dtype=dtype)
-    qb, qbt = ((torch.empty((m, n), device=g.device, dtype=dtype), torch.empty((n, m), device=g.device, dtype=dtype))
-               if backward else (qa, qat))
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     partial = torch.empty(grid[0] * grid[1] * (2 if backward else 1), device=g.device, dtype=torch.int16)
+    if store:
+        qa, qat = (torch.empty((m, n), device=g.device, dtype=dtype),
+                   torch.empty((n, m), device=g.device, dtype=dtype))
+        qb, qbt = ((torch.empty((m, n), device=g.device, dtype=dtype),
+                    torch.empty((n, m), device=g.device, dtype=dtype)) if backward else (qa, qat))
+    else:
+        qa = qat = qb = qbt = partial  # not written (the STORE branches are compiled out)
+        scale_a = scale_b = partial
     wrap(_swiglu_fp8_kernel)[grid](g, u, dh if backward else g, scale_a, scale_b if backward else scale_a, qa, qat,
                                    qb, qbt, partial, m, n, g.stride(0), u.stride(0),
                                    dh.stride(0) if backward else 0, BACKWARD=backward,
                                    FP8_MAX=57344.0 if backward else 448.0, E5M2=backward,
-                                   LIBDEVICE=compiled_for_gpu(), BM=bm, BN=bn,
+                                   LIBDEVICE=compiled_for_gpu(), STORE=store, BM=bm, BN=bn,
                                    num_warps=num_warps)
     if not backward:
-        return qa, qat, bf16_partials_amax(partial)
+        amax = bf16_partials_amax(partial)
+        return (qa, qat, amax) if store else amax
     pairs = partial.view(-1, 2)
-    return qa, qat, bf16_partials_amax(pairs[:, 0]), qb, qbt, bf16_partials_amax(pairs[:, 1])
+    amax_a, amax_b = bf16_partials_amax(pairs[:, 0]), bf16_partials_amax(pairs[:, 1])
+    return (qa, qat, amax_a, qb, qbt, amax_b) if store else (amax_a, amax_b)
 
 
 if HAVE_TRITON:
@@ -130,23 +141,49 @@ if HAVE_TRITON:
                                                 torch.Tensor, torch.Tensor]:
         return swiglu_fp8_launch(g, u, dh, scale_g, scale_u, wrap=wrap_triton)
 
+    @triton_op("plab::swiglu_amax_fwd", mutates_args=())
+    def _amax_fwd_op(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return swiglu_fp8_launch(g, u, None, None, None, wrap=wrap_triton, store=False)
+
+    @triton_op("plab::swiglu_amax_bwd", mutates_args=())
+    def _amax_bwd_op(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return swiglu_fp8_launch(g, u, dh, None, None, wrap=wrap_triton, store=False)
+
+
+def _swiglu_values(g, u, dh=None):
+    """The FP32 values the kernel casts: h = silu(g) * u, or (dL/dg, dL/du) with dh (the module docstring's math)."""
+    gf, uf = g.float(), u.float()
+    e = torch.exp(-gf) + 1.0
+    silu, sig = gf / e, 1.0 / e
+    if dh is None:
+        return silu * uf
+    dhf = dh.float()
+    return ((dhf * uf) * sig) * (gf * (1.0 - sig) + 1.0), dhf * silu
+
+
+def _amax_of(v, dtype):
+    return v.abs().amax().to(dtype).to(torch.float32)
+
 
 def swiglu_fp8_reference(g, u, dh=None, scale_a=None, scale_b=None):
     """The kernel's results in torch ops (FP32 math from the inputs, as the kernel; the amax the max of an operand in
     the inputs' dtype); same return values. Also what runs on a CPU or without Triton (BF16 or FP32 inputs)."""
-    gf, uf = g.float(), u.float()
-    e = torch.exp(-gf) + 1.0
-    silu, sig = gf / e, 1.0 / e
 
     def cast(v, scale, dtype):
         q = fp8_cast(v, scale, dtype)[0]
-        return q, q.t().contiguous(), v.abs().amax().to(g.dtype).to(torch.float32)
+        return q, q.t().contiguous(), _amax_of(v, g.dtype)
 
     if dh is None:
-        return cast(silu * uf, scale_a, E4M3)
-    dhf = dh.float()
-    return (*cast(((dhf * uf) * sig) * (gf * (1.0 - sig) + 1.0), scale_a, E5M2),
-            *cast(dhf * silu, scale_b, E5M2))
+        return cast(_swiglu_values(g, u), scale_a, E4M3)
+    a, b = _swiglu_values(g, u, dh)
+    return (*cast(a, scale_a, E5M2), *cast(b, scale_b, E5M2))
+
+
+def swiglu_amax_reference(g, u, dh=None):
+    """The amax-only pass in torch ops: max |h|, or (max |dL/dg|, max |dL/du|), each rounded to the inputs' dtype."""
+    if dh is None:
+        return _amax_of(_swiglu_values(g, u), g.dtype)
+    return tuple(_amax_of(v, g.dtype) for v in _swiglu_values(g, u, dh))
 
 
 def usable(t: torch.Tensor) -> bool:
@@ -165,3 +202,12 @@ def swiglu_fp8_bwd(g, u, dh, scale_g, scale_u):
     if usable(g):
         return torch.ops.plab.swiglu_fp8_bwd(g, u, dh, scale_g, scale_u)
     return swiglu_fp8_reference(g, u, dh, scale_g, scale_u)
+
+
+def swiglu_amax(g, u, dh=None):
+    """Current scaling's first pass: the amaxes swiglu_fp8_fwd / swiglu_fp8_bwd record (max |h|, or (max |dL/dg|,
+    max |dL/du|)), from the same kernel with its stores compiled out, so the scales taken from them are the ones the
+    second pass's own amaxes would give."""
+    if usable(g):
+        return torch.ops.plab.swiglu_amax_fwd(g, u) if dh is None else torch.ops.plab.swiglu_amax_bwd(g, u, dh)
+    return swiglu_amax_reference(g, u, dh)

@@ -21,7 +21,8 @@ from torch import nn
 
 from training.precision.emulation import GemmQuantizer, QuantizedLinear, compute_dtype
 from training.precision.formats import fp8_cast, fp8_scale_from_amax, quantize_fp8_tensorwise
-from training.precision.fp8_delayed import DelayedFP8Fn, _amax
+from training.precision.fp8_delayed import (DelayedFP8Fn, _amax, _weight_both_layouts, fuse_qkv_rope,
+                                            fuse_swiglu_mlp)
 from training.precision.gemm_ops import (GemmOps, UnsupportedShape, check_divisible, check_pass, check_role,
                                          compile_static, has_capability, scaled_mm_shape_reason, sm_version)
 from training.precision.registry import Recipe, capability_reason, register
@@ -63,7 +64,9 @@ class CurrentScalingLinear(QuantizedLinear):
     - the amaxes reduce along rows, then over them, the loop shape of the row-major cast, and the transposed
       layouts Wgrad and Dgrad read are copied from the 1-byte codes by a Triton kernel
       (fp8_triton.fp8_transpose) instead of re-reading the BF16 operand.
-    Elsewhere (CPU, pre-Ada GPUs, token counts not divisible by 16) the same casts feed the exact emulation."""
+    Elsewhere (CPU, pre-Ada GPUs, token counts not divisible by 16) the same casts feed the exact emulation.
+    The recipe's options `fused_swiglu` and `fused_qkv_rope` run a Llama MLP's three layers, and a fused QKV
+    projection with RoPE, through fp8_delayed's fused functions with current scaling (`fusable_current`)."""
 
     def __init__(self, linear: nn.Linear, real: bool):
         super().__init__(linear, TensorwiseQuantizer(), "fp8_tensorwise")
@@ -71,6 +74,12 @@ class CurrentScalingLinear(QuantizedLinear):
 
     def reuses_weight_when(self, compiled: bool) -> bool:
         return False  # W is cast in the layer's graph with the codes its backward keeps
+
+    @property
+    def fused_ready(self) -> bool:
+        """Whether fp8_delayed's fused functions (options fused_swiglu, fused_qkv_rope) run this layer, with current
+        scaling: always on the real kernels (they need no history)."""
+        return self.real
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = compute_dtype(x)
@@ -80,13 +89,21 @@ class CurrentScalingLinear(QuantizedLinear):
         real = self.real and x2.shape[0] % 16 == 0  # torch._scaled_mm: every dim divisible by 16
         s_x = fp8_scale_from_amax(_amax(x2, True), E4M3)
         s_w = fp8_scale_from_amax(_amax(self.weight, True), E4M3)
+        # W's codes in both layouts from one pass over W (a Triton kernel on a GPU; the same codes as the cast)
+        w8, w8t, _ = _weight_both_layouts(self.weight.detach(), s_w) if real else (None, None, None)
         y = DelayedFP8Fn.apply(x2, self.weight, self.bias, s_x, s_w, None, None, None, real, out_dtype,
-                               False, True)
+                               False, True, w8, w8t)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, recipe=fp8_tensorwise, "
                 f"implementation=plab, real={self.real}")
+
+
+def fusable_current(layer) -> bool:
+    """A layer fp8_delayed's fused functions (DelayedSwiGLUMLPFn, DelayedQKVRoPEFn) take with current scaling: our
+    real CurrentScalingLinear without a bias."""
+    return isinstance(layer, CurrentScalingLinear) and layer.real and layer.bias is None
 
 
 def torchao_float8_linear(linear, recipe_name: str, fsdp: bool = False):
@@ -216,4 +233,16 @@ class FP8TensorwiseRecipe(TorchaoFloat8Recipe):
     name = "fp8_tensorwise"
     torchao_recipe = "tensorwise"
     quantizer_cls = TensorwiseQuantizer
+
+    shared_note = ("our current-scaling linears (implementation plab): the MLP's SwiGLU and its backward each run as "
+                   "an amax pass and one Triton pass that writes both FP8 layouts (fused_swiglu), and the QKV "
+                   "projection's dY comes from the same two passes over dQ, dK and dV through RoPE's backward "
+                   "(fused_qkv_rope)")
+
+    def share_inputs(self, block, options: dict, real: bool) -> int:
+        if not real:
+            return 0
+        mlp = fuse_swiglu_mlp(block, fusable_current) if options.get("fused_swiglu") else 0
+        qkv = fuse_qkv_rope(block, fusable_current) if options.get("fused_qkv_rope") else 0
+        return 1 if mlp or qkv else 0
     gemm_error_bound = 0.12  # E4M3 X/W ≈ 0.04, E5M2 dY ≈ 0.07
