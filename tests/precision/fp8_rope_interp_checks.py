@@ -60,6 +60,14 @@ def test_codes_in_both_layouts_and_the_amax_are_the_references(batch, tokens, hq
     # current scaling's first pass: the same amax with the stores compiled out
     amax_only = fr.rope_bwd_fp8_launch(dq, dk, dv, cos, sin, None, bm=bm, store=False)
     assert torch.equal(amax_only, want[2]) and torch.equal(fr.rope_bwd_amax(dq, dk, dv, cos, sin), want[2])
+    # `rounded` (current scaling): the codes of the BF16-rounded values, the same amax
+    got_r = fr.rope_bwd_fp8_launch(dq, dk, dv, cos, sin, scale, bm=bm, rounded=True)
+    want_r = fr.rope_bwd_fp8_reference(dq, dk, dv, cos, sin, scale, rounded=True)
+    assert torch.equal(_codes(got_r[0]), _codes(want_r[0])) and torch.equal(_codes(got_r[1]), _codes(want_r[1]))
+    assert torch.equal(got_r[2], want[2])
+    rounded_first = fp8_cast(fr.rope_bwd_values(dq, dk, dv, cos, sin).bfloat16().float(), scale, torch.float8_e5m2)
+    assert torch.equal(_codes(want_r[0]), _codes(rounded_first[0]))
+    assert (_codes(got_r[0]) != _codes(got[0])).any()  # double rounding shows in some codes (26 of 6144 here)
 
 
 def test_strided_gradients_as_the_attention_backward_may_hand_them():

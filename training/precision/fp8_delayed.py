@@ -400,7 +400,8 @@ class DelayedQKVRoPEFn(torch.autograd.Function):
 
     With `scales` None it is current scaling (fp8_tensorwise's CurrentScalingLinear, `fused_qkv_rope`): X's and W's
     scales from their amaxes, as the layer's path takes them, and dY's from a first pass of the RoPE kernel that
-    computes only the amax (fp8_rope_triton.rope_bwd_amax); `token` is None then."""
+    computes only the amax (fp8_rope_triton.rope_bwd_amax); `token` is None then. The codes are cast from dY rounded
+    to BF16, as the layer's compiled path casts them under current scaling (`rope_bwd_fp8`'s `rounded`)."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
@@ -427,8 +428,9 @@ class DelayedQKVRoPEFn(torch.autograd.Function):
         from training.precision.fp8_rope_triton import rope_bwd_amax, rope_bwd_fp8
 
         x8t, w8t, inv_x, inv_w, scales, cos, sin = ctx.saved_tensors
-        s_g = fp8_scale_from_amax(rope_bwd_amax(dq, dk, dv, cos, sin), E5M2) if scales is None else scales[GRAD]
-        g8, g8t, amax = rope_bwd_fp8(dq, dk, dv, cos, sin, s_g)
+        current = scales is None
+        s_g = fp8_scale_from_amax(rope_bwd_amax(dq, dk, dv, cos, sin), E5M2) if current else scales[GRAD]
+        g8, g8t, amax = rope_bwd_fp8(dq, dk, dv, cos, sin, s_g, rounded=current)
         inv_g = s_g.reciprocal()
         dx = dw = None
         if ctx.needs_input_grad[0]:

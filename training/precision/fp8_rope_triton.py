@@ -31,7 +31,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from training.rope_triton import rope_bwd_tile
-    from training.triton_math import bf16_bits_rne, fp8_code_fast
+    from training.triton_math import bf16_bits_rne, bf16_to_f32, fp8_code_fast
 
 BM, NUM_WARPS = 32, 4  # a program: 32 tokens x one head (the SwiGLU kernel's 32 x 128 tile at head_dim 128)
 E5M2 = torch.float8_e5m2
@@ -40,13 +40,16 @@ if HAVE_TRITON:
     @triton.jit
     def _rope_bwd_fp8_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, scale_ptr, q_ptr, qt_ptr, partial_ptr,
                              M, C, HQ, HK, stride_dq, stride_dk, stride_dv, stride_cos, COS_ROWS,
-                             NATIVE: tl.constexpr, STORE: tl.constexpr, D: tl.constexpr, BM: tl.constexpr):
+                             NATIVE: tl.constexpr, STORE: tl.constexpr, ROUNDED: tl.constexpr, D: tl.constexpr,
+                             BM: tl.constexpr):
         pid_m, head = tl.program_id(0), tl.program_id(1)
         v = rope_bwd_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, pid_m, head, M, HQ, HK, stride_dq, stride_dk,
                           stride_dv, stride_cos, COS_ROWS, D, BM)
         tl.store(partial_ptr + pid_m * tl.num_programs(1) + head,
                  bf16_bits_rne(tl.max(tl.max(tl.abs(v), axis=1), axis=0)))
         if STORE:
+            if ROUNDED:  # the codes of the BF16-rounded values (the amax is the same either way)
+                v = bf16_to_f32(bf16_bits_rne(v))
             rows = pid_m * BM + tl.arange(0, BM)  # the store addresses from this kernel's own indices (rope_bwd_tile)
             d = tl.arange(0, D)
             mask = (rows[:, None] < M) & (d[None, :] < D)
@@ -59,10 +62,11 @@ if HAVE_TRITON:
 
 
 def rope_bwd_fp8_launch(dq, dk, dv, cos, sin, scale, *, wrap=lambda kernel: kernel, bm: int = BM,
-                        num_warps: int = NUM_WARPS, store: bool = True):
+                        num_warps: int = NUM_WARPS, store: bool = True, rounded: bool = False):
     """Launch the kernel (under the interpreter too): (g8 [N, C], g8t [C, N], amax) as in the module docstring.
     dq [B, T, Hq, D], dk and dv [B, T, Hk, D] BF16; cos, sin [1 or B, T, D] BF16; scale an FP32 device scalar.
-    With store False (current scaling's first pass; scale not needed) only the amax."""
+    With store False (current scaling's first pass; scale not needed) only the amax. `rounded`: the codes cast from
+    the values rounded to BF16 (`rope_bwd_fp8`)."""
     (gq, gk, gv, cos2, sin2), m, c, hq, hk, d = tile_arguments(dq, dk, dv, cos, sin)
     grid = (triton.cdiv(m, bm), hq + 2 * hk)
     partial = torch.empty(grid[0] * grid[1], device=dq.device, dtype=torch.int16)
@@ -73,7 +77,8 @@ def rope_bwd_fp8_launch(dq, dk, dv, cos, sin, scale, *, wrap=lambda kernel: kern
         g8 = g8t = scale = partial  # not written (the STORE branch is compiled out)
     wrap(_rope_bwd_fp8_kernel)[grid](gq, gk, gv, cos2, sin2, scale, g8, g8t, partial, m, c, hq, hk, gq.stride(0),
                                      gk.stride(0), gv.stride(0), cos2.stride(0), cos2.shape[0],
-                                     NATIVE=compiled_for_gpu(), STORE=store, D=d, BM=bm, num_warps=num_warps)
+                                     NATIVE=compiled_for_gpu(), STORE=store, ROUNDED=rounded, D=d, BM=bm,
+                                     num_warps=num_warps)
     return (g8, g8t, bf16_partials_amax(partial)) if store else bf16_partials_amax(partial)
 
 
@@ -82,8 +87,8 @@ if HAVE_TRITON:
 
     @triton_op("plab::rope_bwd_fp8", mutates_args=())
     def _rope_bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return rope_bwd_fp8_launch(dq, dk, dv, cos, sin, scale, wrap=wrap_triton)
+                     scale: torch.Tensor, rounded: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return rope_bwd_fp8_launch(dq, dk, dv, cos, sin, scale, wrap=wrap_triton, rounded=rounded)
 
     @triton_op("plab::rope_bwd_amax", mutates_args=())
     def _rope_bwd_amax_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
@@ -91,20 +96,23 @@ if HAVE_TRITON:
         return rope_bwd_fp8_launch(dq, dk, dv, cos, sin, None, wrap=wrap_triton, store=False)
 
 
-def rope_bwd_fp8_reference(dq, dk, dv, cos, sin, scale):
-    """The kernel's results in torch ops (any float dtype; the amax rounded to the gradients' dtype); what runs on a
-    CPU or without Triton."""
+def rope_bwd_fp8_reference(dq, dk, dv, cos, sin, scale, rounded: bool = False):
+    """The kernel's results in torch ops (any float dtype; the amax rounded to the gradients' dtype; `rounded`: the
+    codes cast from the values rounded to it); what runs on a CPU or without Triton."""
     v = rope_bwd_values(dq, dk, dv, cos, sin)
-    g8 = fp8_cast(v, scale, E5M2)[0]
+    g8 = fp8_cast(v.to(dq.dtype).to(v.dtype) if rounded else v, scale, E5M2)[0]
     return g8, g8.t().contiguous(), v.abs().amax().to(dq.dtype).to(torch.float32)
 
 
-def rope_bwd_fp8(dq, dk, dv, cos, sin, scale):
+def rope_bwd_fp8(dq, dk, dv, cos, sin, scale, rounded: bool = False):
     """(g8, g8t, amax): E5M2 codes of [RoPE⁻¹(dQ) | RoPE⁻¹(dK) | dV] (tokens x features) in both layouts, and the
-    amax (see the module docstring)."""
+    amax (see the module docstring). `rounded`: the codes of the values rounded to the gradients' dtype (BF16) first,
+    as current scaling's layer path casts them: inductor's amax pass writes dY in BF16 there and the cast, which must
+    wait for the amax, reads it back (fp8_delayed's path with the history's scale fuses the cast into the pass that
+    forms dY, from the FP32 values: `rounded` False)."""
     if usable(dq, cos):
-        return torch.ops.plab.rope_bwd_fp8(dq, dk, dv, cos, sin, scale)
-    return rope_bwd_fp8_reference(dq, dk, dv, cos, sin, scale)
+        return torch.ops.plab.rope_bwd_fp8(dq, dk, dv, cos, sin, scale, rounded)
+    return rope_bwd_fp8_reference(dq, dk, dv, cos, sin, scale, rounded)
 
 
 def rope_bwd_amax(dq, dk, dv, cos, sin):
