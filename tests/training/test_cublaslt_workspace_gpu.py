@@ -60,12 +60,12 @@ def test_rowwise_and_blockwise_scaled_gemms_train_without_the_workspace_in_a_pro
     assert runs["none"]["losses"] == pytest.approx(runs["default"]["losses"], rel=2e-2)
 
 
-@pytest.mark.xfail(strict=True, reason="on an H200 (torch 2.11), fp8_blockwise failed with "
-                   "CUBLAS_STATUS_INVALID_VALUE at its first GEMM in a default run right after an fp8_rowwise run "
-                   "without the workspace, the workspaces dropped in between (bench/results/"
-                   "gpu_tests_2026-11-28T1559_*; NOTES_floor 78); cause not yet known. Strict: a pass fails the suite, "
-                   "so the day it passes (a fix, another torch, or the failure was the none run) this mark goes")
 def test_a_blockwise_run_right_after_a_run_without_the_workspace_in_the_same_process(monkeypatch):
+    """fp8_rowwise without the workspace, then fp8_blockwise with it, in one process. On an H200 (torch 2.11) the
+    blockwise run failed with CUBLAS_STATUS_INVALID_VALUE at its first GEMM in the 1559 run (bench/results/
+    gpu_tests_2026-11-28T1559_*; NOTES_floor 78) and passed in the 2005 run at 59d1e21 (bench/results/
+    gpu_tests_2026-11-28T2005_*): intermittent, cause not yet known. That one error is an expected failure (xfail,
+    reported as such); any other error, a failed run or a wrong workspace fails the test."""
     from bench.cublaslt_workspace_probe import spec
     from training.sink import ListSink
     from training.train import train
@@ -77,5 +77,7 @@ def test_a_blockwise_run_right_after_a_run_without_the_workspace_in_the_same_pro
         try:
             result = train(spec(recipe, workspace), ListSink())
         except RuntimeError as e:
+            if recipe == "fp8_blockwise" and "CUBLAS_STATUS_INVALID_VALUE" in str(e):
+                pytest.xfail(f"the known intermittent failure (NOTES_floor 78): {str(e)[:200]}")
             raise AssertionError(f"{recipe} with cublaslt_workspace={workspace}: {e}") from e
         assert result.status == "succeeded" and result.summary["cublaslt_workspace"] == workspace, result
