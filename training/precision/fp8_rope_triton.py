@@ -17,6 +17,10 @@ dX = rot + dY * cos, in FP32 from the BF16 inputs without intermediate roundings
 inductor's is); the codes cast from those FP32 values as formats.fp8_cast. The amax is max |dX| rounded to the
 gradient's dtype (the layers' path takes the max of its BF16 operand; rounding is monotonic, so they agree).
 `rope_bwd_fp8_reference` is the same computation in torch ops (CPU, no Triton, and the tests' reference).
+
+fp8_tensorwise's fused QKV projection (current scaling, option fused_qkv_rope) runs the kernel twice: first with the
+stores compiled out (`rope_bwd_amax`), then with the scale from that amax and `rounded` (the codes of the values
+rounded to BF16, as the layer's compiled path casts them under current scaling: bench/NOTES_floor.md 80).
 """
 from __future__ import annotations
 
