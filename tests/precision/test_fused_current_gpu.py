@@ -18,6 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from tests.precision.test_fused_current import MLP_LAYERS, _qkv_block
 from tests.precision.test_fused_qkv_rope_gpu import _front
+from tests.qkv_front import cudnn_laid_out_grads, front_step
 from training.precision.fp8_delayed import fuse_qkv_rope, fuse_swiglu_mlp
 from training.precision.fp8_tensorwise import CurrentScalingLinear, fusable_current
 
@@ -71,16 +72,6 @@ def test_the_fused_qkv_projection_gives_the_layers_own_values_and_codes_compiled
     for step in range(4):
         x = torch.randn(batch, tokens, 256, device="cuda", dtype=torch.bfloat16) * (1 + step)
         cos, sin = rope(x, torch.arange(tokens, device="cuda").unsqueeze(0))
-        # [batch, tokens, heads, head_dim] memory, seen as [batch, heads, tokens, head_dim] (cuDNN's dQ, dK, dV)
-        grads = [(torch.randn(batch, tokens, h, d, device="cuda") * 10 ** (step - 3)).bfloat16().transpose(1, 2)
-                 for h in (4, 2, 2)]
-        results = []
-        for fn, block in zip(run, (base, fused)):
-            layer = block.self_attn.qkv_proj
-            layer.weight.grad = None
-            xi = x.clone().requires_grad_()
-            qkv = fn(xi, cos, sin)
-            values = [t.detach().clone() for t in qkv]
-            torch.autograd.backward(qkv, grads)
-            results.append((*values, xi.grad.clone(), layer.weight.grad.clone()))
+        grads = cudnn_laid_out_grads(batch, tokens, d, (4, 2, 2), 10 ** (step - 3))
+        results = [front_step(fn, b.self_attn, x, cos, sin, grads) for fn, b in zip(run, (base, fused))]
         _equal(step, ("q", "k", "v", "dx", "dw"), *results)

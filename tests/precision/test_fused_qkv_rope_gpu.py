@@ -19,6 +19,7 @@ import torch
 from transformers.models.llama import modeling_llama as ml
 
 from tests.precision.test_fused_qkv_rope import make_block, one_step
+from tests.qkv_front import cudnn_laid_out_grads, front_step
 from training.precision.fp8_delayed import fuse_qkv_rope
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -55,20 +56,12 @@ def test_cudnn_laid_out_gradients_give_the_layers_own_values_and_codes_compiled(
     for step in range(4):
         x = torch.randn(batch, tokens, 256, device="cuda", dtype=torch.bfloat16)
         cos, sin = rope(x, torch.arange(tokens, device="cuda").unsqueeze(0))
-        # [batch, tokens, heads, head_dim] memory, seen as [batch, heads, tokens, head_dim] (cuDNN's dQ, dK, dV)
-        grads = [(torch.randn(batch, tokens, h, d, device="cuda") * 10 ** (step - 3)).bfloat16().transpose(1, 2)
-                 for h in (4, 2, 2)]
+        grads = cudnn_laid_out_grads(batch, tokens, d, (4, 2, 2), 10 ** (step - 3))
         results = []
         for fn, block in zip(run, (base, fused)):
             layer = block.self_attn.qkv_proj
-            layer.weight.grad = None
-            xi = x.clone().requires_grad_()
-            if mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            qkv = fn(xi, cos, sin)
-            values = [t.detach().clone() for t in qkv]
-            torch.autograd.backward(qkv, grads)
-            results.append((*values, xi.grad.clone(), layer.weight.grad.clone(), layer.grad_amax_token.grad.clone()))
+            outs = front_step(fn, block.self_attn, x, cos, sin, grads, mode == "reduce-overhead")
+            results.append((*outs, layer.grad_amax_token.grad.clone()))
             layer.update_scales()
         for name, want, got in zip(("q", "k", "v", "dx", "dw", "dy_amax"), *results):
             assert got.abs().sum() > 0 and torch.equal(got, want), f"step {step}: {name}"

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from tests.qkv_front import cudnn_laid_out_grads, front_step
 from training.model import build_model, fuse_qkv, llama_config, set_rope_backward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton)")
@@ -48,19 +49,8 @@ def test_cudnn_laid_out_gradients_give_the_same_dy_compiled(mode):
     for step in range(3):
         x = torch.randn(batch, tokens, 256, device="cuda", dtype=torch.bfloat16)
         cos, sin = rope(x, torch.arange(tokens, device="cuda").unsqueeze(0))
-        # [batch, tokens, heads, head_dim] memory, seen as [batch, heads, tokens, head_dim] (cuDNN's dQ, dK, dV)
-        grads = [(torch.randn(batch, tokens, h, d, device="cuda") * 10 ** (step - 1)).bfloat16().transpose(1, 2)
-                 for h in (4, 2, 2)]
-        results = []
-        for fn, attn in zip(run, attns):
-            attn.qkv_proj.weight.grad = None
-            xi = x.clone().requires_grad_()
-            if mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            qkv = fn(xi, cos, sin)
-            values = [t.detach().clone() for t in qkv]
-            torch.autograd.backward(qkv, grads)
-            results.append((*values, xi.grad.clone(), attn.qkv_proj.weight.grad.clone()))
+        grads = cudnn_laid_out_grads(batch, tokens, d, (4, 2, 2), 10 ** (step - 1))
+        results = [front_step(fn, attn, x, cos, sin, grads, mode == "reduce-overhead") for fn, attn in zip(run, attns)]
         for name, want, got in zip(("q", "k", "v", "dx", "dw"), *results):
             assert got.abs().sum() > 0 and torch.equal(got, want), f"step {step}: {name}"
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from training.precision.emulation import GemmQuantizer, QuantizedLinear, compute_dtype
 from training.precision.formats import fp8_cast, fp8_scale_from_amax, quantize_fp8_tensorwise
-from training.precision.fp8_delayed import (DelayedFP8Fn, _amax, _weight_both_layouts, fuse_qkv_rope,
+from training.precision.fp8_delayed import (DelayedFP8Fn, _current_scale, _weight_both_layouts, fuse_qkv_rope,
                                             fuse_swiglu_mlp)
 from training.precision.gemm_ops import (GemmOps, UnsupportedShape, check_divisible, check_pass, check_role,
                                          compile_static, has_capability, scaled_mm_shape_reason, sm_version)
@@ -87,8 +87,7 @@ class CurrentScalingLinear(QuantizedLinear):
         if x2.dtype != out_dtype:
             x2 = x2.to(out_dtype)  # under autocast the kernels see the autocast (BF16) copy, as torchao's
         real = self.real and x2.shape[0] % 16 == 0  # torch._scaled_mm: every dim divisible by 16
-        s_x = fp8_scale_from_amax(_amax(x2, True), E4M3)
-        s_w = fp8_scale_from_amax(_amax(self.weight, True), E4M3)
+        s_x, s_w = _current_scale(x2, E4M3), _current_scale(self.weight, E4M3)
         # W's codes in both layouts from one pass over W (a Triton kernel on a GPU; the same codes as the cast)
         w8, w8t, _ = _weight_both_layouts(self.weight.detach(), s_w) if real else (None, None, None)
         y = DelayedFP8Fn.apply(x2, self.weight, self.bias, s_x, s_w, None, None, None, real, out_dtype,
