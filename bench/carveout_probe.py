@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     events = [torch.cuda.Event() for _ in buckets]
     rows = []
 
-    shape = "8x2048"
+    default_tile = optim_kernels.NUM_WARPS, optim_kernels.BLOCK
+    shape = "x".join(str(v) for v in default_tile)
 
     def measure(mode, carve, programs):
         torch._C._set_sm_carveout_experimental(carve)
@@ -125,8 +126,8 @@ def main(argv=None) -> int:
         for c in a.carveouts:
             measure("update", None, c)
             measure("both", c, c)
-    optim_kernels.NUM_WARPS, optim_kernels.BLOCK = 8, 2048
-    shape = "8x2048"
+    optim_kernels.NUM_WARPS, optim_kernels.BLOCK = default_tile
+    shape = "x".join(str(v) for v in default_tile)
     measure("both", None, None)
     out = {"bench": "carveout_probe", "device": torch.cuda.get_device_name(dev), "sms": sms, "blas": a.blas,
            "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -34,8 +34,16 @@ if HAVE_TRITON:
 
     from training.triton_math import bf16_bits_rne, bf16_to_f32
 
-BLOCK = 2048  # elements per program: 8 per thread at 8 warps, 16-byte loads of the FP32 state
-NUM_WARPS = 8
+# MasterAdamW's tile: elements per program and warps, 4 elements per thread (one 16-byte load of each FP32 state
+# array). On an H200 (bench/adamw_tile_probe.py, 2026-11-28) one update of the 1b model took 8.29 ms with it against
+# 9.19 ms with the 2048 x 8 warps chosen on an H100 in the first kernel: 1.11x against 1.23x its 28 B/param floor at
+# the copy bandwidth; 8 or more elements per thread were slower on the H200 at every size tried (up to 7x at 16
+# per thread, which spills).
+BLOCK = 512
+NUM_WARPS = 4
+# The FSDP2 shard update's tile (`adamw_shard_update`), as measured on the H100 (not re-tuned).
+SHARD_BLOCK = 2048
+SHARD_NUM_WARPS = 8
 
 if HAVE_TRITON:
     @triton.jit
@@ -142,11 +150,13 @@ class AdamWTables:
         return table
 
 
-def block_starts(ps) -> tuple[int, ...]:
-    """Each tensor's first block of BLOCK elements in a 1D grid over the list, and the total (`_program_block`)."""
+def block_starts(ps, block: int | None = None) -> tuple[int, ...]:
+    """Each tensor's first block of `block` (default BLOCK) elements in a 1D grid over the list, and the total
+    (`_program_block`)."""
+    block = block or BLOCK
     firsts = [0]
     for p in ps:
-        firsts.append(firsts[-1] + -(-p.numel() // BLOCK))
+        firsts.append(firsts[-1] + -(-p.numel() // block))
     return tuple(firsts)
 
 
@@ -164,24 +174,28 @@ def lerp_form(weight: float) -> tuple[float, bool]:
 
 
 def adamw_master_update(ps, gs, ws, ms, vs, lr, steps, grad_scale, beta1: float, beta2: float, eps: float,
-                        wd, *, tables: AdamWTables, programs: int | None = None):
+                        wd, *, tables: AdamWTables, programs: int | None = None, block: int | None = None,
+                        num_warps: int | None = None):
     """`training.optim._adamw_master_update_many` in one kernel launch (same arguments; `lr` and `wd` are
     0-d FP32 tensors on the parameters' device). Parameters and gradients BF16 (see `supported`). `programs`:
     at most that many programs, each looping over blocks (the update then occupies only that many SMs' worth
-    of the GPU, beside kernels on another stream); None: one program per block."""
+    of the GPU, beside kernels on another stream); None: one program per block. `block`, `num_warps`: the tile
+    (elements per block, warps per program); None: the module's BLOCK and NUM_WARPS (bench/adamw_tile_probe.py
+    times others)."""
+    block, num_warps = block or BLOCK, num_warps or NUM_WARPS
     torch._foreach_add_(steps, 1.0)
     bias1, bias2_sqrt = bias_corrections(steps, beta1, beta2)
     step_size = lr / bias1
     decay = 1.0 - lr * wd
-    firsts = block_starts(ps)
+    firsts = block_starts(ps, block)
     table = tables.table(ps, gs, ws, ms, vs, extra=firsts)
     coeff, small = lerp_form(1.0 - beta1)
     grid = firsts[-1] if programs is None else max(1, min(programs, firsts[-1]))
     _adamw_master_kernel[(grid,)](
         table, len(ps), firsts[-1], step_size, bias2_sqrt, decay, grad_scale if grad_scale is not None else decay,
         coeff, f32(beta2), f32(1.0 - beta2), f32(eps),
-        LERP_SMALL=small, HAS_SCALE=grad_scale is not None, CUDA_ADDCMUL=ps[0].is_cuda, BLOCK=BLOCK,
-        P=triton.next_power_of_2(len(ps) + 1), num_warps=NUM_WARPS, enable_fp_fusion=False)
+        LERP_SMALL=small, HAS_SCALE=grad_scale is not None, CUDA_ADDCMUL=ps[0].is_cuda, BLOCK=block,
+        P=triton.next_power_of_2(len(ps) + 1), num_warps=num_warps, enable_fp_fusion=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -290,7 +304,7 @@ def adamw_shard_update(ps, gs, ms, vs, steps, *, lr: float, beta1: float, beta2:
     values: the same update as with their FP32 copies). `outs`: BF16 tensors that receive each updated parameter
     rounded to nearest even (what `.to(torch.bfloat16)` gives), written by the same pass (see `shard_supported`)."""
     step_size, bc2s = shard_scalars(steps, lr, beta1, beta2)
-    firsts = block_starts(ps)
+    firsts = block_starts(ps, SHARD_BLOCK)
     table = tables.table(ps, gs, ms, vs, [], extra=(*firsts, *(o.data_ptr() for o in outs or ())))
     b1, b2 = np.float32(beta1), np.float32(beta2)
     _adamw_shard_kernel[(firsts[-1],)](
@@ -298,5 +312,5 @@ def adamw_shard_update(ps, gs, ms, vs, steps, *, lr: float, beta1: float, beta2:
         float(np.float32(lr) * np.float32(weight_decay)), float(b1), float(np.float32(1.0) - b1), float(b2),
         float(np.float32(1.0) - b2), f32(eps),
         HAS_SCALE=grad_scale is not None, HAS_DECAY=weight_decay != 0, G_BF16=gs[0].dtype == torch.bfloat16,
-        HAS_OUT=bool(outs), BLOCK=BLOCK, P=triton.next_power_of_2(len(ps) + 1), num_warps=NUM_WARPS,
+        HAS_OUT=bool(outs), BLOCK=SHARD_BLOCK, P=triton.next_power_of_2(len(ps) + 1), num_warps=SHARD_NUM_WARPS,
         enable_fp_fusion=False)

@@ -21,10 +21,11 @@ require_interpreter("test_optim_kernel_interpreted.py")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from training import optim_kernels  # noqa: E402
 from training.optim import MasterAdamW  # noqa: E402
 from training.triton_math import bf16_bits_rne  # noqa: E402
 
-# Sizes around BLOCK (2048): masked tails, several programs per parameter, a tiny gain.
+# Sizes around and past BLOCK (512) and the earlier 2048: masked tails, several programs per parameter, a tiny gain.
 SHAPES = [(48, 32), (37,), (3, 2049), (5000,), (2048,)]
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "step")
 
@@ -82,7 +83,10 @@ def test_triton_update_is_bit_exact_with_the_eager_update(ieee_sqrt, betas):
 
 
 @pytest.mark.parametrize("programs", [None, 2])  # 2: each program loops over several tensors' blocks
-def test_bucketed_steps_and_reused_addresses_give_the_same_update(ieee_sqrt, programs):
+@pytest.mark.parametrize("block", [None, 2048])  # None: the module's tile; 2048: the H100's earlier one
+def test_bucketed_steps_and_reused_addresses_give_the_same_update(ieee_sqrt, monkeypatch, programs, block):
+    if block is not None:
+        monkeypatch.setattr(optim_kernels, "BLOCK", block)
     a, b, eager, fast = _run((0.9, 0.95), steps=3, bucketed=True, reuse_grads=True, programs=programs)
     for x, y in zip(a, b):
         assert torch.equal(eager.state[x]["master"], fast.state[y]["master"])

@@ -21,7 +21,7 @@ SM90 = GPUTarget("cuda", 90, 32)
 def _compile(fn, signature: dict, constexprs: dict):
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=SM90,
-                         options={"num_warps": ok.NUM_WARPS, "enable_fp_fusion": False})
+                         options={"num_warps": ok.SHARD_NUM_WARPS, "enable_fp_fusion": False})
     assert out.asm.get("cubin"), "no cubin"
     return out
 
@@ -32,7 +32,7 @@ def test_shard_adamw_kernel_compiles_for_sm90(scale, decay, bf16_grads_and_outs)
     sig = {"table_ptr": "*i64", "n_params": "i32", "step_size_ptr": "*fp32", "bc2s_ptr": "*fp32",
            "grad_scale_ptr": "*fp32", "lr_wd": "fp32", "beta1": "fp32", "one_minus_beta1": "fp32", "beta2": "fp32",
            "one_minus_beta2": "fp32", "eps": "fp32"}
-    out = _compile(ok._adamw_shard_kernel, sig, {"HAS_SCALE": scale, "HAS_DECAY": decay, "BLOCK": ok.BLOCK,
+    out = _compile(ok._adamw_shard_kernel, sig, {"HAS_SCALE": scale, "HAS_DECAY": decay, "BLOCK": ok.SHARD_BLOCK,
                                                  "G_BF16": bf16_grads_and_outs, "HAS_OUT": bf16_grads_and_outs,
                                                  "P": 8})
     # the FP32 arithmetic torch's kernel makes: explicit FMAs, IEEE division and square root, nothing fused else

@@ -1,0 +1,132 @@
+"""MasterAdamW's Triton update over the 1b model's parameters, alone on a GPU: the tile that moves its bytes fastest.
+
+The update (training/optim_kernels.py) moves 28 bytes per parameter: BF16 gradient and parameter, FP32 master, m
+and v. In the 1b step on an H200 its kernel took 9.7 ms for 1.14 B parameters, ~3.3 TB/s against the 4.2 TB/s the
+same GPU copies at (bench/results/step_profile_2026-11-28T1957_*: the optimizer row of the floor table, 1.32x). Its
+tile, 2048 elements per program with 8 warps, one program per block, was chosen on an H100. This times one whole
+update of the model (its two launches: the weights with decay, the norms without) for several tiles (elements per
+program, warps) and for persistent grids (a few programs per SM, each looping over blocks), each against the copy
+ceiling measured in the same run. Every variant starts from the same state and must give the default tile's
+parameter, master, m and v to the bit (the update is elementwise: the tile only changes which program computes an
+element).
+
+GPU time per update between CUDA events (median of 10 after 3 warm-up updates). Prints a table; writes
+bench/results/adamw_tile_probe_<device>_<time>.json (and $OUT/adamw_tile_probe.json).
+
+    python bench/adamw_tile_probe.py [--tiles 2048:8 1024:4 2048:8:8 ...]   (block:warps[:programs per SM])
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# (elements per program, warps, programs per SM or None for one program per block); the step's tile first
+TILES = ((2048, 8, None), (1024, 4, None), (2048, 4, None), (4096, 8, None), (4096, 16, None), (8192, 16, None),
+         (8192, 8, None), (2048, 8, 8), (4096, 8, 4), (4096, 16, 2), (8192, 16, 2))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiles", nargs="+", default=None, metavar="BLOCK:WARPS[:PER_SM]",
+                    help="tiles to time (the first is the reference for the bit comparison); default: TILES")
+    a = ap.parse_args(argv)
+    tiles = TILES if a.tiles is None else [
+        tuple(int(v) for v in t.split(":")) + ((None,) if t.count(":") == 1 else ()) for t in a.tiles]
+
+    import torch
+
+    from bench.benchmeta import git_commit, write_result
+    from bench.kernel_bench import model_buckets, timed
+    from bench.step_profile import ADAMW_BYTES_PER_PARAM, device_ceilings
+    from training import optim_kernels as ok
+
+    if not torch.cuda.is_available():
+        print("needs a GPU (the Triton update timed between CUDA events)")
+        return 2
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    params = [q for b in model_buckets(dev) for q in b]
+    groups = [[q for q in params if q.dim() >= 2], [q for q in params if q.dim() < 2]]
+    n = sum(q.numel() for q in params)
+    # One flat buffer per state kind, each parameter a view of it: a variant's start state is one copy per kind.
+    flat = {k: torch.empty(n, device=dev, dtype=dt_) for k, dt_ in
+            (("p", torch.bfloat16), ("g", torch.bfloat16), ("w", torch.float32), ("m", torch.float32),
+             ("v", torch.float32))}
+    views, off = {k: [] for k in flat}, 0
+    order = [q for grp in groups for q in grp]
+    for q in order:
+        for k in flat:
+            views[k].append(flat[k][off:off + q.numel()].view(q.shape))
+        off += q.numel()
+    flat["p"].copy_(torch.cat([q.detach().reshape(-1) for q in order]))
+    del params, groups, order
+    flat["g"].copy_((torch.randn(n, device=dev) * 1e-3).bfloat16())
+    flat["w"].copy_(flat["p"].float())
+    flat["m"].copy_(torch.randn(n, device=dev) * 1e-4)
+    flat["v"].copy_(torch.rand(n, device=dev) * 1e-7)
+    start = {k: flat[k].clone() for k in ("p", "w", "m", "v")}
+    sizes = [len(ps) for ps in ([v for v in views["p"] if v.dim() >= 2], [v for v in views["p"] if v.dim() < 2])]
+    lists = []
+    lo = 0
+    for size, wd in zip(sizes, (0.1, 0.0)):
+        lists.append(({k: views[k][lo:lo + size] for k in views}, wd))
+        lo += size
+    lr = torch.tensor(1e-4, device=dev)
+    grad_scale = torch.tensor(1.3, device=dev)
+    wds = {wd: torch.tensor(wd, device=dev) for wd in (0.1, 0.0)}
+    steps = [[torch.zeros((), device=dev) for _ in lst["p"]] for lst, _ in lists]
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    tables = ok.AdamWTables()
+
+    def update(block, warps, per_sm):
+        for (lst, wd), st in zip(lists, steps):
+            ok.adamw_master_update(lst["p"], lst["g"], lst["w"], lst["m"], lst["v"], lr, st, grad_scale, 0.9, 0.95,
+                                   1e-8, wds[wd], tables=tables, programs=None if per_sm is None else per_sm * sms,
+                                   block=block, num_warps=warps)
+
+    def restart():
+        for k, t in start.items():
+            flat[k].copy_(t)
+        for st in steps:
+            for s in st:
+                s.zero_()
+
+    ceilings = device_ceilings()
+    gbps = ceilings["copy_gbps"]
+    floor_ms = ADAMW_BYTES_PER_PARAM * n / (gbps * 1e6)
+    rows, want = [], None
+    for block, warps, per_sm in tiles:
+        restart()
+        update(block, warps, per_sm)
+        torch.cuda.synchronize()
+        got = {k: flat[k].clone() for k in ("p", "w", "m", "v")}
+        if want is None:
+            want = got
+        mism = {k: int((got[k].view(torch.int16 if k == "p" else torch.int32)
+                        != want[k].view(torch.int16 if k == "p" else torch.int32)).sum()) for k in got}
+        del got
+        ms = timed(lambda: update(block, warps, per_sm), reps=10)
+        rows.append({"block": block, "warps": warps, "programs_per_sm": per_sm, "ms": ms, "floor_ms": floor_ms,
+                     "vs_floor": ms / floor_ms, "tb_per_s": ADAMW_BYTES_PER_PARAM * n / ms / 1e9,
+                     "mismatches_vs_default": mism, "same": not any(mism.values())})
+        print(f"[adamw] {rows[-1]}", flush=True)
+    summary = {"bench": "adamw_tile_probe", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "git_commit": git_commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "params": n, "sms": sms, "bytes_per_param": ADAMW_BYTES_PER_PARAM, "ceilings": ceilings,
+               "rows": rows}
+    print(f"copy ceiling {gbps:.0f} GB/s; {n / 1e9:.3f} B parameters; floor {floor_ms:.2f} ms per update")
+    print(f"{'block':>6s} {'warps':>5s} {'per SM':>6s} {'ms':>7s} {'ratio':>6s} {'TB/s':>5s}  same")
+    for r in rows:
+        per_sm = "-" if r["programs_per_sm"] is None else str(r["programs_per_sm"])
+        print(f"{r['block']:6d} {r['warps']:5d} {per_sm:>6s} {r['ms']:7.3f} {r['vs_floor']:6.2f} "
+              f"{r['tb_per_s']:5.2f}  {'yes' if r['same'] else 'NO ' + str(r['mismatches_vs_default'])}")
+    write_result(summary, "adamw_tile_probe", torch.cuda.get_device_name())
+    return 0 if all(r["same"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
