@@ -29,13 +29,27 @@ TILES = ((2048, 8, None), (1024, 4, None), (2048, 4, None), (4096, 8, None), (40
          (8192, 8, None), (2048, 8, 8), (4096, 8, 4), (4096, 16, 2), (8192, 16, 2))
 
 
+def tile_arg(text: str) -> tuple:
+    """BLOCK:WARPS or BLOCK:WARPS:PER_SM -> (block, warps, programs per SM or None); powers of two (Triton's
+    tl.arange and num_warps need them), PER_SM a positive integer."""
+    parts = text.split(":")
+    try:
+        values = [int(v) for v in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3) or min(values) < 1 or any(v & (v - 1) for v in values[:2]):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give BLOCK:WARPS or BLOCK:WARPS:PER_SM, BLOCK and WARPS powers of two, PER_SM a positive "
+            "integer, e.g. 512:4 or 2048:8:8")
+    return (*values[:2], values[2] if len(values) == 3 else None)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tiles", nargs="+", default=None, metavar="BLOCK:WARPS[:PER_SM]",
+    ap.add_argument("--tiles", nargs="+", type=tile_arg, default=None, metavar="BLOCK:WARPS[:PER_SM]",
                     help="tiles to time (the first is the reference for the bit comparison); default: TILES")
     a = ap.parse_args(argv)
-    tiles = TILES if a.tiles is None else [
-        tuple(int(v) for v in t.split(":")) + ((None,) if t.count(":") == 1 else ()) for t in a.tiles]
+    tiles = TILES if a.tiles is None else a.tiles
 
     import torch
 

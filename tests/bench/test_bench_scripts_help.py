@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("script", ["carveout_probe.py", "kernel_bench.py", "transpose_store_probe.py",
-                                    "cublaslt_workspace_probe.py", "amax_pass_probe.py"])
+                                    "cublaslt_workspace_probe.py", "amax_pass_probe.py",
+                                    "adamw_tile_probe.py"])
 def test_gpu_bench_script_imports_and_prints_its_usage(script):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
@@ -60,3 +61,15 @@ def test_the_workspace_probe_trains_each_run_in_a_fresh_process_and_records_it(t
     assert default["status"] == none["status"] == "succeeded" and len(default["losses"]) == 4
     assert default["cublaslt_workspace"] == none["cublaslt_workspace"] == "default"  # no cuBLASLt on a CPU
     assert default["losses"] == none["losses"]
+
+
+def test_the_adamw_tile_probe_parses_tiles_and_names_a_malformed_one(capsys):
+    from bench.adamw_tile_probe import main, tile_arg
+
+    assert tile_arg("512:4") == (512, 4, None) and tile_arg("2048:8:8") == (2048, 8, 8)
+    for bad in ("512", "512:3", "500:4", "512:4:0", "a:b", "512:4:8:1"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--tiles", "512:4", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert repr(bad) in err and "BLOCK:WARPS" in err, err
