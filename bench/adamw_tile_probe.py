@@ -3,7 +3,8 @@
 The update (training/optim_kernels.py) moves 28 bytes per parameter: BF16 gradient and parameter, FP32 master, m
 and v. In the 1b step on an H200 its kernel took 9.7 ms for 1.14 B parameters, ~3.3 TB/s against the 4.2 TB/s the
 same GPU copies at (bench/results/step_profile_2026-11-28T1957_*: the optimizer row of the floor table, 1.32x). Its
-tile, 2048 elements per program with 8 warps, one program per block, was chosen on an H100. This times one whole
+tile then, 2048 elements per program with 8 warps, one program per block, had been chosen on an H100; this probe's
+runs on an H200 chose 512 x 4 (436fb00, bench/NOTES_floor.md 81). This times one whole
 update of the model (its two launches: the weights with decay, the norms without) for several tiles (elements per
 program, warps) and for persistent grids (a few programs per SM, each looping over blocks), each against the copy
 ceiling measured in the same run. Every variant starts from the same state and must give the default tile's
@@ -24,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# (elements per program, warps, programs per SM or None for one program per block); the step's tile first
+# (elements per program, warps, programs per SM or None for one program per block); the H100's 2048 x 8 first (the
+# step's until 436fb00), then the sizes the first H200 run tried
 TILES = ((2048, 8, None), (1024, 4, None), (2048, 4, None), (4096, 8, None), (4096, 16, None), (8192, 16, None),
          (8192, 8, None), (2048, 8, 8), (4096, 8, 4), (4096, 16, 2), (8192, 16, 2))
 
@@ -83,10 +85,10 @@ def main(argv=None) -> int:
     flat["m"].copy_(torch.randn(n, device=dev) * 1e-4)
     flat["v"].copy_(torch.rand(n, device=dev) * 1e-7)
     start = {k: flat[k].clone() for k in ("p", "w", "m", "v")}
-    sizes = [len(ps) for ps in ([v for v in views["p"] if v.dim() >= 2], [v for v in views["p"] if v.dim() < 2])]
+    n_2d = sum(v.dim() >= 2 for v in views["p"])  # the views hold the 2D parameters first, then the 1D ones
     lists = []
     lo = 0
-    for size, wd in zip(sizes, (0.1, 0.0)):
+    for size, wd in zip((n_2d, len(views["p"]) - n_2d), (0.1, 0.0)):
         lists.append(({k: views[k][lo:lo + size] for k in views}, wd))
         lo += size
     lr = torch.tensor(1e-4, device=dev)
