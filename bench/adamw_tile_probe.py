@@ -46,6 +46,28 @@ def tile_arg(text: str) -> tuple:
     return (*values[:2], values[2] if len(values) == 3 else None)
 
 
+def flat_state(params, dev):
+    """The update's state as one flat buffer per kind (p, g BF16; w, m, v FP32), each parameter a view of it, so that
+    a variant's start state is one copy per kind; p holds the parameters' values. Returns (flat, lists): lists is
+    [(views of the 2D parameters, weight decay 0.1), (views of the 1D ones, 0.0)], the step's two launches, each
+    views a dict kind -> list of tensors."""
+    import torch
+
+    kinds = {"p": torch.bfloat16, "g": torch.bfloat16, "w": torch.float32, "m": torch.float32, "v": torch.float32}
+    n = sum(q.numel() for q in params)
+    flat = {k: torch.empty(n, device=dev, dtype=dtype) for k, dtype in kinds.items()}
+    lists, off = [], 0
+    for grp, wd in (([q for q in params if q.dim() >= 2], 0.1), ([q for q in params if q.dim() < 2], 0.0)):
+        views = {k: [] for k in kinds}
+        for q in grp:
+            for k in kinds:
+                views[k].append(flat[k][off:off + q.numel()].view(q.shape))
+            views["p"][-1].copy_(q.detach())
+            off += q.numel()
+        lists.append((views, wd))
+    return flat, lists
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiles", nargs="+", type=tile_arg, default=None, metavar="BLOCK:WARPS[:PER_SM]",
@@ -66,31 +88,14 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     params = [q for b in model_buckets(dev) for q in b]
-    groups = [[q for q in params if q.dim() >= 2], [q for q in params if q.dim() < 2]]
-    n = sum(q.numel() for q in params)
-    # One flat buffer per state kind, each parameter a view of it: a variant's start state is one copy per kind.
-    flat = {k: torch.empty(n, device=dev, dtype=dt_) for k, dt_ in
-            (("p", torch.bfloat16), ("g", torch.bfloat16), ("w", torch.float32), ("m", torch.float32),
-             ("v", torch.float32))}
-    views, off = {k: [] for k in flat}, 0
-    order = [q for grp in groups for q in grp]
-    for q in order:
-        for k in flat:
-            views[k].append(flat[k][off:off + q.numel()].view(q.shape))
-        off += q.numel()
-    flat["p"].copy_(torch.cat([q.detach().reshape(-1) for q in order]))
-    del params, groups, order
+    flat, lists = flat_state(params, dev)
+    n = flat["p"].numel()
+    del params
     flat["g"].copy_((torch.randn(n, device=dev) * 1e-3).bfloat16())
     flat["w"].copy_(flat["p"].float())
     flat["m"].copy_(torch.randn(n, device=dev) * 1e-4)
     flat["v"].copy_(torch.rand(n, device=dev) * 1e-7)
     start = {k: flat[k].clone() for k in ("p", "w", "m", "v")}
-    n_2d = sum(v.dim() >= 2 for v in views["p"])  # the views hold the 2D parameters first, then the 1D ones
-    lists = []
-    lo = 0
-    for size, wd in zip((n_2d, len(views["p"]) - n_2d), (0.1, 0.0)):
-        lists.append(({k: views[k][lo:lo + size] for k in views}, wd))
-        lo += size
     lr = torch.tensor(1e-4, device=dev)
     grad_scale = torch.tensor(1.3, device=dev)
     wds = {wd: torch.tensor(wd, device=dev) for wd in (0.1, 0.0)}
@@ -122,8 +127,8 @@ def main(argv=None) -> int:
         got = {k: flat[k].clone() for k in ("p", "w", "m", "v")}
         if want is None:
             want = got
-        mism = {k: int((got[k].view(torch.int16 if k == "p" else torch.int32)
-                        != want[k].view(torch.int16 if k == "p" else torch.int32)).sum()) for k in got}
+        bits = {k: torch.int16 if k == "p" else torch.int32 for k in got}
+        mism = {k: int((got[k].view(bits[k]) != want[k].view(bits[k])).sum()) for k in got}
         del got
         ms = timed(lambda: update(block, warps, per_sm), reps=10)
         rows.append({"block": block, "warps": warps, "programs_per_sm": per_sm, "ms": ms, "floor_ms": floor_ms,

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     rows = []
 
     default_tile = optim_kernels.NUM_WARPS, optim_kernels.BLOCK
-    shape = "x".join(str(v) for v in default_tile)
+    default_shape = shape = "x".join(str(v) for v in default_tile)
 
     def measure(mode, carve, programs):
         torch._C._set_sm_carveout_experimental(carve)
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
             measure("update", None, c)
             measure("both", c, c)
     optim_kernels.NUM_WARPS, optim_kernels.BLOCK = default_tile
-    shape = "x".join(str(v) for v in default_tile)
+    shape = default_shape
     measure("both", None, None)
     out = {"bench": "carveout_probe", "device": torch.cuda.get_device_name(dev), "sms": sms, "blas": a.blas,
            "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

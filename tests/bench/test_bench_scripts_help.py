@@ -73,3 +73,22 @@ def test_the_adamw_tile_probe_parses_tiles_and_names_a_malformed_one(capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert repr(bad) in err and "BLOCK:WARPS" in err, err
+
+
+def test_the_adamw_tile_probe_lays_every_parameter_into_its_flat_state_once():
+    import torch
+
+    from bench.adamw_tile_probe import flat_state
+
+    params = [torch.randn(s).bfloat16() for s in ((3, 4), (5,), (2, 2), (7,))]
+    flat, lists = flat_state(params, "cpu")
+    (views_2d, wd_2d), (views_1d, wd_1d) = lists
+    assert (wd_2d, wd_1d) == (0.1, 0.0) and flat["p"].numel() == 12 + 5 + 4 + 7
+    assert [tuple(v.shape) for v in views_2d["p"]] == [(3, 4), (2, 2)]
+    assert [tuple(v.shape) for v in views_1d["p"]] == [(5,), (7,)]
+    for view, q in zip(views_2d["p"] + views_1d["p"], (params[0], params[2], params[1], params[3])):
+        assert torch.equal(view, q)
+    for k, t in flat.items():  # each kind's views tile its buffer in order, without overlap
+        offsets = [v.data_ptr() - t.data_ptr() for v in views_2d[k] + views_1d[k]]
+        sizes = [v.numel() * t.element_size() for v in views_2d[k] + views_1d[k]]
+        assert offsets == [sum(sizes[:i]) for i in range(len(sizes))], k
