@@ -82,6 +82,31 @@ def test_an_all_zero_operand_gives_zeros_not_nan(nt):
     assert not a.any() and not b.any() and not pts.any()
 
 
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_block_scales_where_the_uncorrected_quotient_rounds_to_another_e4m3_scale(nt, tiny):
+    """The kernel's block scale divides by the per-tensor scale with a product and two FMA corrections
+    (_nvfp4_values). At amax 896 these 29 block maxima (c 2^k, c in two values) are the BF16 ones whose E4M3 scale
+    the bare product block_scale * RN(1 / pts) rounds to another value than torch's division does, with the
+    interpreter's (CPU) semantics, block_scale = max / 6 (found over every BF16 maximum; on the GPU, block_scale =
+    max * RN(1 / 6), they are others: test_nvfp4_block_scale_math.py checks the arithmetic of both over every pair of
+    BF16 maxima). `tiny`: the same operand times 2^-80, whose per-tensor scale is below 2^-64 (the kernel's
+    rescaled path)."""
+    hard = [c * 2.0 ** k for c in (0.044921875, 0.060546875) for k in range(15) if c * 2.0 ** k <= 896]
+    assert len(hard) == 29
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(32, 32, generator=g) * 0.5 + 0.25  # each block: its maximum and smaller values
+    blocks = x.view(64, 16)
+    for i, w in enumerate(hard):
+        blocks[i] *= w
+        blocks[i, i % 16] = w
+    blocks[63, 5] = 896.0  # the tensor's amax
+    x = (x * (2.0 ** -80 if tiny else 1.0)).bfloat16()
+    a, _, pts = nt.dual_quantize_launch(x, nt.rht_operand(rht_matrix(random_sign_vector(0)), "cpu"),
+                                        torch.zeros(1, dtype=torch.int64), True, False)
+    ref = quantize_nvfp4(x, dtype=torch.bfloat16)
+    assert _same_bits(a, ref.values) and torch.equal(pts[0], ref.outer)
+
 def _e2m1_fraction(a):
     """(lower neighbour on E2M1's grid, grid step, f) for a >= 0: a = lower + f * step, f in [0, 1), exactly."""
     a = a.double()
