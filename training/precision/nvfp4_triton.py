@@ -273,12 +273,16 @@ if HAVE_TRITON:
         return tl.reshape(r, (16, CH * 8)).to(tl.int32, bitcast=True)
 
     @triton.jit
-    def _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, sc_ptr,
+    def _load_tile(x_ptr, rows, cols, M, N, stride_m):
+        """One (16 tokens, W features) tile of x (masked elements 0) and its mask."""
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        return tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0), mask
+
+    @triton.jit
+    def _quant_tile(x_raw, mask, h_ptr, a_ptr, b_ptr, rows, cols, N, sc_ptr,
                     r_a, r_b, W: tl.constexpr, HAS_RHT: tl.constexpr, STOCH: tl.constexpr,
                     DOT_BF16: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
-        """Both outputs of one (16 tokens, W features) tile; W a multiple of 16."""
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        x_raw = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
+        """Both outputs of one (16 tokens, W features) tile `x_raw` (_load_tile); W a multiple of 16."""
         x = x_raw.to(tl.float32)
         # a: 1x16 blocks along the features (masked columns are zeros).
         blocks = tl.reshape(x, (16, W // 16, 16))
@@ -308,9 +312,16 @@ if HAVE_TRITON:
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         seed = tl.load(seed_ptr)
         CH: tl.constexpr = BLOCK // 8  # chunk columns of 8 features per tile (stochastic rounding)
+        cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+        # Each tile's load is issued before the previous tile's outputs are stored (the compiler may not move a load
+        # past a store to memory it cannot tell apart from x's), so with GROUPS > 1 it is in flight while that tile
+        # is quantized: the pass is bound by the bytes each SM has in flight more than by its instructions.
+        x_next, mask_next = _load_tile(x_ptr, pid_m * GROUPS * 16 + tl.arange(0, 16), cols, M, N, stride_m)
         for g in tl.static_range(GROUPS):
             rows = (pid_m * GROUPS + g) * 16 + tl.arange(0, 16)
-            cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+            x_raw, mask = x_next, mask_next
+            if g + 1 < GROUPS:
+                x_next, mask_next = _load_tile(x_ptr, rows + 16, cols, M, N, stride_m)
             if STOCH:
                 # One Philox call per (token, chunk column j of 8 features): its four 32-bit outputs give 16
                 # bytes, one per element and output of those 8 features (words 0-1 for `a`, 2-3 for `b`): 16
@@ -326,9 +337,8 @@ if HAVE_TRITON:
             else:  # not read without STOCH
                 r_a = tl.zeros((16, BLOCK), dtype=tl.int32)
                 r_b = r_a
-            _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, sc_ptr,
+            _quant_tile(x_raw, mask, h_ptr, a_ptr, b_ptr, rows, cols, N, sc_ptr,
                         r_a, r_b, BLOCK, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
-
 
 def rht_operand(rht: torch.Tensor, device) -> torch.Tensor:
     """The kernels' form of the transform: rht^T in BF16 (entries +-1/4, exact)."""
