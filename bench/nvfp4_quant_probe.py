@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     for name, _ in mods:
         for c in a.configs:
             key = f"{name} {c[0]}:{c[1]}:{c[2]}"
-            per_step[key] = sum(r["ms"] * LAUNCHES[(tuple(r["shape"]), r["stochastic"])] for r in rows
+            per_step[key] = sum(r["ms"] * LAUNCHES.get((tuple(r["shape"]), r["stochastic"]), 0) for r in rows
                                 if r["module"] == name and (r["block_n"], r["groups"], r["num_warps"]) == c)
     payload = {"bench": "nvfp4_quant_probe", "device": torch.cuda.get_device_name(dev),
                "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
