@@ -9,8 +9,11 @@ first module's default configuration on the same operand and seed: (a, b, pts) t
 of tile or of arithmetic that keeps the bits keeps the stochastic rounding's draws too).
 
     python bench/nvfp4_quant_probe.py --modules old=/tmp/old_nvfp4_triton.py [--configs 128:1:4 128:2:4 ...]
+                                      [--amax-tiles 256:4 512:8 ...]
 
-(`this` is always the working tree's module; configs are block_n:groups:num_warps.) Prints a table last; writes
+(`this` is always the working tree's module; configs are block_n:groups:num_warps of the quantize pass;
+`--amax-tiles` adds rows of `this` module at its own quantize configuration with the amax pass's tile
+features:token groups changed: the amax is the same whatever the tile, so the bits are too.) Prints a table last; writes
 bench/results/nvfp4_quant_probe_<device>_<time>.json (and $OUT/nvfp4_quant_probe.json).
 """
 from __future__ import annotations
@@ -38,6 +41,17 @@ def config_arg(text: str) -> tuple:
     if len(values) != 3 or any(v <= 0 or v & (v - 1) for v in values) or values[0] < 16:
         raise argparse.ArgumentTypeError(f"{text!r}: want BLOCK_N:GROUPS:WARPS, powers of two, BLOCK_N >= 16 "
                                          "(e.g. 128:2:4)")
+    return values
+
+
+def amax_tile_arg(text: str) -> tuple:
+    """BLOCK_N:GROUPS -> (amax_block_n, amax_groups): powers of two, BLOCK_N >= 16."""
+    try:
+        values = tuple(int(v) for v in text.split(":"))
+    except ValueError:
+        values = ()
+    if len(values) != 2 or any(v <= 0 or v & (v - 1) for v in values) or values[0] < 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: want BLOCK_N:GROUPS, powers of two, BLOCK_N >= 16 (e.g. 256:4)")
     return values
 
 
@@ -91,6 +105,8 @@ def main(argv=None) -> int:
                     help="NAME=PATH: other versions of nvfp4_triton.py, timed beside the working tree's (`this`)")
     ap.add_argument("--configs", nargs="+", type=config_arg, default=list(CONFIGS),
                     help="launch configurations BLOCK_N:GROUPS:WARPS (default: %(default)s)")
+    ap.add_argument("--amax-tiles", nargs="*", type=amax_tile_arg, default=[],
+                    help="amax-pass tiles BLOCK_N:GROUPS, each timed with this module's quantize configuration")
     a = ap.parse_args(argv)
 
     import json
@@ -114,26 +130,25 @@ def main(argv=None) -> int:
             seed = torch.randint(0, 2 ** 31 - 1, (1,), device=dev)
             base_mod = mods[0][1]
             ref = base_mod.dual_quantize_launch(x, h, seed, True, sr, **base_mod.launch_config(shape[1], sr))
-            for name, mod in mods:
-                for bn, groups, warps in a.configs:
-                    cfg = dict(block_n=bn, groups=groups, num_warps=warps)
-                    out = mod.dual_quantize_launch(x, h, seed, True, sr, **cfg)
-                    same = all(torch.equal(p.view(torch.int32) if p.dtype == torch.float32 else p.view(torch.int16),
-                                           q.view(torch.int32) if q.dtype == torch.float32 else q.view(torch.int16))
-                               for p, q in zip(out, ref))
-                    ms = graph_ms(lambda: mod.dual_quantize_launch(x, h, seed, True, sr, **cfg))
-                    row = {"shape": list(shape), "stochastic": sr, "module": name, "block_n": bn, "groups": groups,
-                           "num_warps": warps, "ms": ms, "same_bits": same,
-                           "gbps": x.numel() * 2 * 4 / ms / 1e6}  # x read twice, a and b written
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+            variants = [(name, mod, dict(block_n=bn, groups=groups, num_warps=warps), f"{bn}:{groups}:{warps}")
+                        for name, mod in mods for bn, groups, warps in a.configs]
+            variants += [("this", this, dict(this.launch_config(shape[1], sr), amax_block_n=abn, amax_groups=ag),
+                          f"amax{abn}:{ag}") for abn, ag in a.amax_tiles]
+            for name, mod, cfg, label in variants:
+                out = mod.dual_quantize_launch(x, h, seed, True, sr, **cfg)
+                same = all(torch.equal(p.view(torch.int32) if p.dtype == torch.float32 else p.view(torch.int16),
+                                       q.view(torch.int32) if q.dtype == torch.float32 else q.view(torch.int16))
+                           for p, q in zip(out, ref))
+                ms = graph_ms(lambda: mod.dual_quantize_launch(x, h, seed, True, sr, **cfg))
+                row = {"shape": list(shape), "stochastic": sr, "module": name, "variant": label, **cfg, "ms": ms,
+                       "same_bits": same, "gbps": x.numel() * 2 * 4 / ms / 1e6}  # x read twice, a and b written
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     # per module and config: GPU ms per 1b step over the step's launches of each shape and rounding
     per_step = {}
-    for name, _ in mods:
-        for c in a.configs:
-            key = f"{name} {c[0]}:{c[1]}:{c[2]}"
-            per_step[key] = sum(r["ms"] * LAUNCHES.get((tuple(r["shape"]), r["stochastic"]), 0) for r in rows
-                                if r["module"] == name and (r["block_n"], r["groups"], r["num_warps"]) == c)
+    for row in rows:
+        key = f"{row['module']} {row['variant']}"
+        per_step[key] = per_step.get(key, 0.0) + row["ms"] * LAUNCHES.get((tuple(row["shape"]), row["stochastic"]), 0)
     payload = {"bench": "nvfp4_quant_probe", "device": torch.cuda.get_device_name(dev),
                "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
                "modules": dict(a.modules), "rows": rows, "ms_per_1b_step": per_step,
@@ -151,12 +166,10 @@ def main(argv=None) -> int:
     print(f"{'module config':>22} " + " ".join(f"{f'{s[0]}x{s[1]} ' + ('sr' if sr else 'rne'):>15}" for s, sr in cols)
           + f" {'ms per 1b step':>15}")
     for key, step_ms in per_step.items():
-        name, cfg = key.split(" ")
-        c = tuple(int(v) for v in cfg.split(":"))
         cells = []
         for shape, sr in cols:
-            r = next(r for r in rows if r["module"] == name and tuple(r["shape"]) == shape and r["stochastic"] == sr
-                     and (r["block_n"], r["groups"], r["num_warps"]) == c)
+            r = next(r for r in rows if f"{r['module']} {r['variant']}" == key and tuple(r["shape"]) == shape
+                     and r["stochastic"] == sr)
             cells.append(f"{r['ms']:10.4f}{'' if r['same_bits'] else ' DIFF':>5}")
         print(f"{key:>22} " + " ".join(cells) + f" {step_ms:15.3f}")
     return 0

@@ -84,14 +84,13 @@ def test_an_all_zero_operand_gives_zeros_not_nan(nt):
 
 
 @pytest.mark.parametrize("tiny", [False, True])
-def test_block_scales_where_the_uncorrected_quotient_rounds_to_another_e4m3_scale(nt, tiny):
-    """The kernel's block scale divides by the per-tensor scale with a product and two FMA corrections
-    (_nvfp4_values). At amax 896 these 29 block maxima (c 2^k, c in two values) are the BF16 ones whose E4M3 scale
-    the bare product block_scale * RN(1 / pts) rounds to another value than torch's division does, with the
-    interpreter's (CPU) semantics, block_scale = max / 6 (found over every BF16 maximum; on the GPU, block_scale =
-    max * RN(1 / 6), they are others: test_nvfp4_block_scale_math.py checks the arithmetic of both over every pair of
-    BF16 maxima). `tiny`: the same operand times 2^-80, whose per-tensor scale is below 2^-64 (the kernel's
-    rescaled path)."""
+def test_block_scales_where_a_product_with_the_reciprocal_rounds_to_another_e4m3_scale(nt, tiny):
+    """The block scale divides by the per-tensor scale (an IEEE division, as torch does). At amax 896 these 29 block
+    maxima (c 2^k, c in two values) are the BF16 ones whose E4M3 scale a product with the per-tensor reciprocal,
+    block_scale * RN(1 / pts), would round to another value, with the interpreter's (CPU) semantics, block_scale =
+    max / 6 (found over every BF16 maximum; on the GPU, max * RN(1 / 6), they are others, e.g. 0.0024566650390625
+    2^k at amax 49). A kernel that trades the division for that product fails here (bench/NOTES_floor.md 82).
+    `tiny`: the same operand times 2^-80 (a per-tensor scale below 2^-64)."""
     hard = [c * 2.0 ** k for c in (0.044921875, 0.060546875) for k in range(15) if c * 2.0 ** k <= 896]
     assert len(hard) == 29
     g = torch.Generator().manual_seed(3)

@@ -13,8 +13,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from training.precision import nvfp4_triton as nt  # noqa: E402
 
-SIGNATURE = {"x_ptr": "*bf16", "h_ptr": "*bf16", "sc_ptr": "*fp32", "seed_ptr": "*i64", "a_ptr": "*bf16",
-             "b_ptr": "*bf16", "M": "i32", "N": "i32", "stride_m": "i32"}
+SIGNATURE = {"x_ptr": "*bf16", "h_ptr": "*bf16", "amax_ptr": "*fp32", "seed_ptr": "*i64", "a_ptr": "*bf16",
+             "b_ptr": "*bf16", "pts_ptr": "*fp32", "M": "i32", "N": "i32", "stride_m": "i32"}
 ALIGNED = ("x_ptr", "h_ptr", "a_ptr", "b_ptr", "M", "N", "stride_m")
 
 
@@ -35,21 +35,9 @@ def test_quantize_kernel_compiles_to_the_instructions_its_speed_rests_on(stochas
     ptx = _ptx(stochastic)
     # The Wgrad operand's transform as one Hopper warpgroup product per tile ((BLOCK_N, 16) = x^T @ rht).
     assert "wgmma.mma_async" in ptx
-    # The block scales without a division instruction (each ~10 instructions and a branch): FMA corrections of a
-    # product with the per-tensor reciprocal, and a table of the 8 E4M3 significands (bench/NOTES_floor.md 82).
-    assert "div." not in ptx and "rcp." not in ptx
+    # The block scales' IEEE divisions (bit-exact with torch), never the approximate one.
+    assert "div.rn.f32" in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx
     # Stochastic rounding with one FMA rounded toward zero per element and output; none in round-to-nearest.
     assert ("fma.rz.f32" in ptx) == stochastic
     # The tile is read and both outputs written with 16-byte vectors along the features.
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
-
-
-def test_the_per_tensor_constants_use_ieee_divisions():
-    """The divisions the quantize pass no longer does are done once per tensor, as IEEE divisions (div.rn, the
-    correctly rounded quotient the exactness argument of _nvfp4_values starts from), never approximate ones."""
-    constexprs = dict(RB=nt.SCALES_RB, CUDA_SEMANTICS=True)
-    signature = {"partial_ptr": "*fp32", "P": "i32", "sc_ptr": "*fp32", "pts_ptr": "*fp32"}
-    src = ASTSource(fn=nt._nvfp4_scales_kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                    constexprs=constexprs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nt.NUM_WARPS}).asm["ptx"]
-    assert "div.rn.f32" in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx

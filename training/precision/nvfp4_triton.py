@@ -7,9 +7,7 @@ intermediate, two global-amax passes and two quantization passes (about 16 bytes
 element). Here it is two passes over the operand in Triton (8 bytes per element):
 
   1. amax: each 16-token x BLOCK_N tile is read once; the max |x| and the max |RHT(x)| (the transform
-     done in registers: a 16x16 @ 16xBLOCK_N dot with FP32 accumulation) go to per-program partial maxima,
-     which one small program reduces to the two global maxima and turns into each output's per-tensor scale
-     and the constants its block scales take (`_nvfp4_scales_kernel`).
+     done in registers: a 16x16 @ 16xBLOCK_N dot with FP32 accumulation) go to two global maxima.
   2. quantize: each tile is read once more and written twice, as BF16 values (E2M1 element x E4M3 block
      scale, exact in BF16): output `a` with 1x16 blocks along the features, output `b` = RHT(x) with 1x16
      blocks along the tokens (each column of the tile is one block), both in x's [tokens, features]
@@ -18,23 +16,22 @@ element). Here it is two passes over the operand in Triton (8 bytes per element)
      x's layout.
 
 Both passes are bound by their instructions more than by their bytes (the quantize pass, sm_90 SASS per 16 x 128
-tile and thread, the kernel's main body: 642 instructions rounding to nearest, 932 stochastically, for 16 elements
-and two outputs; bench/NOTES_floor.md 42, 44, 82), so the per-element and per-block arithmetic is kept to adds,
-multiplies, FMAs, min/max and bit operations: no division.
+tile and thread: 848 instructions rounding to nearest, 1136 stochastically, for 16 elements and two outputs;
+bench/NOTES_floor.md 42, 44), so the per-element arithmetic is kept to adds, multiplies, min/max and bit operations.
 
-The per-block arithmetic is that of formats.py `_nvfp4_blocked` (torchao `nvfp4_quantize`) operation for operation,
-its IEEE divisions done without a division instruction but to the same bits (`_nvfp4_values`; Triton's `/` would be
-an approximate division) and the E4M3 rounding of block scales done on the bits (round to nearest even, the scales
-being clamped to E4M3's normal range), so output `a` is bit-identical to `quantize_nvfp4(x, dtype=torch.bfloat16)`.
-Output `b` differs from the torch path only in the transform's arithmetic: its FP32 sums are quantized directly (as
-a fused hardware kernel does), where the torch path on GPU rounds them to BF16 first. Stochastic rounding
-(gradients) draws with Triton's Philox (4x32, 10 rounds) from a seed tensor drawn from torch's CUDA generator, so
-runs are reproducible under torch.manual_seed. It uses 8 random bits per element and output, the resolution of
-Blackwell's cvt.rs.satfinite.e2m1x4.f32 (one 32-bit word per 4 FP4 values): it rounds up with probability
-floor(256 f) / 256 for a fraction f of the grid step, as formats.round_to_e2m1 does (on the GPU with one FMA
-rounded toward zero, PTX fma.rz.f32); one Philox call serves 16 roundings.
+The per-block arithmetic is that of formats.py `_nvfp4_blocked` (torchao `nvfp4_quantize`) operation for
+operation, with IEEE divisions (`div_rn`; Triton's `/` is an approximate division) and the E4M3 rounding
+of block scales done on the bits (round to nearest even, the scales being clamped to E4M3's normal
+range), so output `a` is bit-identical to `quantize_nvfp4(x, dtype=torch.bfloat16)`. Output `b` differs
+from the torch path only in the transform's arithmetic: its FP32 sums are quantized directly (as a fused
+hardware kernel does), where the torch path on GPU rounds them to BF16 first. Stochastic rounding
+(gradients) draws with Triton's Philox (4x32, 10 rounds) from a seed tensor drawn from torch's CUDA
+generator, so runs are reproducible under torch.manual_seed. It uses 8 random bits per element and output,
+the resolution of Blackwell's cvt.rs.satfinite.e2m1x4.f32 (one 32-bit word per 4 FP4 values): it rounds up
+with probability floor(256 f) / 256 for a fraction f of the grid step, as formats.round_to_e2m1 does (on the
+GPU with one FMA rounded toward zero, PTX fma.rz.f32); one Philox call serves 16 roundings.
 
-`nvfp4_dual_quantize` is a `torch.library.triton_op`: torch.compile calls the three kernels from the
+`nvfp4_dual_quantize` is a `torch.library.triton_op`: torch.compile calls the two kernels from the
 compiled graph (no graph break). It needs a CUDA tensor in BF16, 2D, with both dims multiples of 16;
 nvfp4.NVFP4EmulatedLinear routes other inputs to the torch path. On CPU the kernels run under Triton's
 interpreter (TRITON_INTERPRET=1), which is how the unit tests check them without a GPU.
@@ -60,8 +57,6 @@ NUM_WARPS = 4
 # 16 x 128 / 16 x 256 tiles left the amax pass at ~1.4x its floor with 16-32 K programs per 8192 x 8192 operand).
 AMAX_BLOCK_N = 256
 AMAX_GROUPS = 4
-SCALES_RB = 1024  # partials per step of _nvfp4_scales_kernel's loop
-SC_WORDS = 16  # per-tensor constants of one output in _nvfp4_scales_kernel's buffer (a's at 0, b's at SC_WORDS)
 
 
 def launch_config(n: int, stochastic: bool) -> dict:
@@ -75,8 +70,6 @@ def launch_config(n: int, stochastic: bool) -> dict:
 
 
 if HAVE_TRITON:
-    SC_STRIDE = tl.constexpr(SC_WORDS)
-
     @triton.jit
     def _rht_tile(h_ptr, x, DOT_BF16: tl.constexpr):
         """RHT(x) of a (16, BLOCK_N) tile: rht^T @ x with FP32 accumulation (h holds rht^T, BF16). On the
@@ -131,40 +124,6 @@ if HAVE_TRITON:
         tl.store(partial_ptr + 2 * pid + 1, amax_b)
 
     @triton.jit
-    def _operand_constants(amax, sc_ptr, pts_ptr, CUDA_SEMANTICS: tl.constexpr):
-        """One output's per-tensor constants from its amax (see _nvfp4_scales_kernel)."""
-        pts = _scalar_div(amax, 2688.0, CUDA_SEMANTICS)  # per_tensor_amax_to_scale: amax / (448 * 6)
-        tl.store(pts_ptr, pts)
-        # An all-zero operand (amax 0, scale 0) quantizes to zeros, as in torch; computed with a scale of 1 instead,
-        # it does (every element is 0, and so is what it rounds to) without the NaN of 0 / 0 in the block scales,
-        # so no per-element select is needed. The stored scale stays 0.
-        pts = tl.where(amax > 0, pts, 1.0)
-        s = tl.where(pts < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)  # 2^64 below 2^-64
-        pts_s = pts * s
-        tl.store(sc_ptr, s)
-        tl.store(sc_ptr + 1, pts_s)
-        tl.store(sc_ptr + 2, tl.math.div_rn(1.0, pts_s))
-        i = tl.arange(0, 8)
-        tl.store(sc_ptr + 8 + i, tl.math.div_rn(tl.math.div_rn(1.0, pts), 1.0 + i.to(tl.float32) * 0.125))
-
-    @triton.jit
-    def _nvfp4_scales_kernel(partial_ptr, P, sc_ptr, pts_ptr, RB: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
-        """One program: the amax pass's P partials (max |x|, max |RHT(x)|) reduced to the two global maxima, and
-        from each the per-tensor scale pts = amax / 2688 (torchao's per_tensor_amax_to_scale), stored at pts_ptr
-        (`a`'s, then `b`'s), and the constants the quantize pass's block scales take (_nvfp4_values), at
-        sc_ptr + SC_STRIDE k for output k: s (2^64 where pts < 2^-64, else 1), pts s, RN(1 / (pts s)), and at
-        8 + i, RN(RN(1 / pts) / (1 + i / 8)) for i < 8 (the 8 significands of an E4M3 scale)."""
-        r = tl.arange(0, RB)
-        acc_a = tl.zeros((RB,), dtype=tl.float32)
-        acc_b = tl.zeros((RB,), dtype=tl.float32)
-        for start in range(0, P, RB):
-            idx = start + r
-            acc_a = tl.maximum(acc_a, tl.load(partial_ptr + 2 * idx, mask=idx < P, other=0.0))
-            acc_b = tl.maximum(acc_b, tl.load(partial_ptr + 2 * idx + 1, mask=idx < P, other=0.0))
-        _operand_constants(tl.max(acc_a, axis=0), sc_ptr, pts_ptr, CUDA_SEMANTICS)
-        _operand_constants(tl.max(acc_b, axis=0), sc_ptr + SC_STRIDE, pts_ptr + 1, CUDA_SEMANTICS)
-
-    @triton.jit
     def _round_e4m3(v):
         """Round positive FP32 values in E4M3's normal range to E4M3 (nearest, ties to even), on the bits."""
         bits = v.to(tl.int32, bitcast=True)
@@ -191,45 +150,14 @@ if HAVE_TRITON:
         return (s.to(tl.int32, bitcast=True) - ((s - b) > a).to(tl.int32)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _table8(t_ptr, i):
-        """t[i & 7] for the 8 values at t_ptr, selected per element by the 3 low bits of i (each value loaded once per
-        thread; a gather would move the block-shaped index through shared memory)."""
-        t0, t1, t2, t3 = tl.load(t_ptr), tl.load(t_ptr + 1), tl.load(t_ptr + 2), tl.load(t_ptr + 3)
-        t4, t5, t6, t7 = tl.load(t_ptr + 4), tl.load(t_ptr + 5), tl.load(t_ptr + 6), tl.load(t_ptr + 7)
-        b0, b1, b2 = (i & 1) != 0, (i & 2) != 0, (i & 4) != 0
-        lo = tl.where(b1, tl.where(b0, t3, t2), tl.where(b0, t1, t0))
-        hi = tl.where(b1, tl.where(b0, t7, t6), tl.where(b0, t5, t4))
-        return tl.where(b2, hi, lo)
-
-    @triton.jit
-    def _nvfp4_values(data, max_abs, sc_ptr, rbits, STOCH: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
-        """E2M1 element x E4M3 block scale for FP32 `data` with block maxima `max_abs` (broadcastable): formats.
-        _nvfp4_blocked, op for op, with the operand's per-tensor constants at `sc_ptr` (`_nvfp4_scales_kernel`).
-        `rbits`: int32 with 8 random bits at bits 0..7 and zeros elsewhere, for stochastic rounding (ignored without
-        STOCH).
-
-        The block scale's two IEEE divisions, without a division instruction (each is ~10 instructions and a
-        branch to a slow path, and every thread holding part of a block repeats them):
-        - block_scale / pts: the product q = block_scale * R (R = RN(1 / pts)), then two corrections
-          q += RN(block_scale - pts q) * R, each two FMAs: the first brings q within an ulp of the quotient, and
-          then the residual is exact and the second gives the correctly rounded quotient (Markstein's theorem).
-          Both operands are first multiplied by s (2^64 where pts < 2^-64, else 1: exact) so that no residual is
-          subnormal.
-        - RN(1 / pts) / e4m3 with e4m3 = m 2^k (m one of 8 values 1 + i / 8): RN(RN(1 / pts) / m) from the table,
-          times 2^-k (exact: the quotient stays normal for every finite pts, and overflows exactly when it does).
-        tests/precision/test_nvfp4_block_scale_math.py checks both against the divisions: every pair of BF16 block
-        and tensor maxima, and random and near-tie FP32 ones."""
-        s = tl.load(sc_ptr)
-        pts_s = tl.load(sc_ptr + 1)
-        rs = tl.load(sc_ptr + 2)
-        block_scale = _scalar_div(max_abs, 6.0, CUDA_SEMANTICS) * s
-        q = block_scale * rs
-        q = tl.fma(tl.fma(-pts_s, q, block_scale), rs, q)
-        scaled_block = tl.fma(tl.fma(-pts_s, q, block_scale), rs, q)
+    def _nvfp4_values(data, max_abs, pts, rbits, STOCH: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
+        """E2M1 element x E4M3 block scale for FP32 `data` with block maxima `max_abs` (broadcastable)
+        and the FP32 per-tensor scale `pts` > 0: formats._nvfp4_blocked, op for op. `rbits`: int32 with
+        8 random bits at bits 0..7 and zeros elsewhere, for stochastic rounding (ignored without STOCH)."""
+        block_scale = _scalar_div(max_abs, 6.0, CUDA_SEMANTICS)
+        scaled_block = tl.math.div_rn(block_scale, pts)
         e4m3 = _round_e4m3(tl.minimum(tl.maximum(scaled_block, 0.015625), 448.0))
-        eb = e4m3.to(tl.int32, bitcast=True)
-        # 2^-k: the exponent field 254 - (k + 127), i.e. 0x7F000000 minus e4m3's own exponent field
-        reciprocal = _table8(sc_ptr + 8, eb >> 20) * (0x7F000000 - (eb & 0x7F800000)).to(tl.float32, bitcast=True)
+        reciprocal = tl.math.div_rn(tl.math.div_rn(1.0, pts), e4m3)
         # torch's where(data == 0, 0.0, data * reciprocal) keeps zeros zero where the reciprocal overflows to inf
         # (tensor amax below ~8e-36) and turns -0.0 into +0.0. Without the select, one FFMA per element: the
         # reciprocal capped at FLT_MAX (0 * FLT_MAX = 0), and + 0.0, under which -0.0 becomes +0.0 and every other
@@ -273,21 +201,17 @@ if HAVE_TRITON:
         return tl.reshape(r, (16, CH * 8)).to(tl.int32, bitcast=True)
 
     @triton.jit
-    def _load_tile(x_ptr, rows, cols, M, N, stride_m):
-        """One (16 tokens, W features) tile of x (masked elements 0) and its mask."""
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        return tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0), mask
-
-    @triton.jit
-    def _quant_tile(x_raw, mask, h_ptr, a_ptr, b_ptr, rows, cols, N, sc_ptr,
+    def _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, pts_a, pts_b,
                     r_a, r_b, W: tl.constexpr, HAS_RHT: tl.constexpr, STOCH: tl.constexpr,
                     DOT_BF16: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
-        """Both outputs of one (16 tokens, W features) tile `x_raw` (_load_tile); W a multiple of 16."""
+        """Both outputs of one (16 tokens, W features) tile; W a multiple of 16."""
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x_raw = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=mask, other=0.0)
         x = x_raw.to(tl.float32)
         # a: 1x16 blocks along the features (masked columns are zeros).
         blocks = tl.reshape(x, (16, W // 16, 16))
         bmax = tl.max(tl.abs(blocks), axis=2)
-        va = _nvfp4_values(blocks, bmax[:, :, None], sc_ptr, tl.reshape(r_a, (16, W // 16, 16)),
+        va = _nvfp4_values(blocks, bmax[:, :, None], pts_a, tl.reshape(r_a, (16, W // 16, 16)),
                            STOCH, CUDA_SEMANTICS)
         va = tl.reshape(va, (16, W))
         tl.store(a_ptr + rows[:, None] * N + cols[None, :], va.to(tl.bfloat16), mask=mask)
@@ -300,28 +224,31 @@ if HAVE_TRITON:
         else:
             yt = tl.trans(x)
         cmax = tl.max(tl.abs(yt), axis=1)
-        vb = _nvfp4_values(yt, cmax[:, None], sc_ptr + SC_STRIDE, tl.trans(r_b), STOCH, CUDA_SEMANTICS)
+        vb = _nvfp4_values(yt, cmax[:, None], pts_b, tl.trans(r_b), STOCH, CUDA_SEMANTICS)
         tl.store(b_ptr + rows[None, :] * N + cols[:, None], vb.to(tl.bfloat16), mask=tl.trans(mask))
 
     @triton.jit
-    def _nvfp4_dual_quant_kernel(x_ptr, h_ptr, sc_ptr, seed_ptr, a_ptr, b_ptr, M, N, stride_m,
+    def _nvfp4_dual_quant_kernel(x_ptr, h_ptr, amax_ptr, seed_ptr, a_ptr, b_ptr, pts_ptr, M, N, stride_m,
                                  BLOCK: tl.constexpr, GROUPS: tl.constexpr, HAS_RHT: tl.constexpr,
                                  STOCH: tl.constexpr, DOT_BF16: tl.constexpr, CUDA_SEMANTICS: tl.constexpr):
-        """Both outputs of GROUPS x 16 tokens x BLOCK features; `sc_ptr`: the per-tensor constants of `a` and of `b`
-        (_nvfp4_scales_kernel)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        amax_a = tl.load(amax_ptr)
+        amax_b = tl.load(amax_ptr + 1)
+        pts_a = _scalar_div(amax_a, 2688.0, CUDA_SEMANTICS)  # per_tensor_amax_to_scale: amax / (448 * 6)
+        pts_b = _scalar_div(amax_b, 2688.0, CUDA_SEMANTICS)
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(pts_ptr, pts_a)
+            tl.store(pts_ptr + 1, pts_b)
+        # An all-zero operand (amax 0, scale 0) quantizes to zeros, as in torch; computed with a scale of 1 instead,
+        # it does (every element is 0, and so is what it rounds to) without the NaN of 0 / 0 in the block scales,
+        # so no per-element select is needed. The stored scales stay 0.
+        pts_a = tl.where(amax_a > 0, pts_a, 1.0)
+        pts_b = tl.where(amax_b > 0, pts_b, 1.0)
         seed = tl.load(seed_ptr)
         CH: tl.constexpr = BLOCK // 8  # chunk columns of 8 features per tile (stochastic rounding)
-        cols = pid_n * BLOCK + tl.arange(0, BLOCK)
-        # Each tile's load is issued before the previous tile's outputs are stored (the compiler may not move a load
-        # past a store to memory it cannot tell apart from x's), so with GROUPS > 1 it is in flight while that tile
-        # is quantized: the pass is bound by the bytes each SM has in flight more than by its instructions.
-        x_next, mask_next = _load_tile(x_ptr, pid_m * GROUPS * 16 + tl.arange(0, 16), cols, M, N, stride_m)
         for g in tl.static_range(GROUPS):
             rows = (pid_m * GROUPS + g) * 16 + tl.arange(0, 16)
-            x_raw, mask = x_next, mask_next
-            if g + 1 < GROUPS:
-                x_next, mask_next = _load_tile(x_ptr, rows + 16, cols, M, N, stride_m)
+            cols = pid_n * BLOCK + tl.arange(0, BLOCK)
             if STOCH:
                 # One Philox call per (token, chunk column j of 8 features): its four 32-bit outputs give 16
                 # bytes, one per element and output of those 8 features (words 0-1 for `a`, 2-3 for `b`): 16
@@ -337,8 +264,9 @@ if HAVE_TRITON:
             else:  # not read without STOCH
                 r_a = tl.zeros((16, BLOCK), dtype=tl.int32)
                 r_b = r_a
-            _quant_tile(x_raw, mask, h_ptr, a_ptr, b_ptr, rows, cols, N, sc_ptr,
+            _quant_tile(x_ptr, h_ptr, a_ptr, b_ptr, rows, cols, M, N, stride_m, pts_a, pts_b,
                         r_a, r_b, BLOCK, HAS_RHT, STOCH, DOT_BF16, CUDA_SEMANTICS)
+
 
 def rht_operand(rht: torch.Tensor, device) -> torch.Tensor:
     """The kernels' form of the transform: rht^T in BF16 (entries +-1/4, exact)."""
@@ -349,7 +277,7 @@ def dual_quantize_launch(x: torch.Tensor, h: torch.Tensor, seed: torch.Tensor, r
                          wrap=lambda kernel: kernel, *, block_n: int = BLOCK_N, groups: int = GROUPS,
                          num_warps: int = NUM_WARPS, amax_block_n: int = AMAX_BLOCK_N,
                          amax_groups: int = AMAX_GROUPS):
-    """Launch the three kernels (under the interpreter too): returns (a, b, pts) with pts = [pts_a, pts_b].
+    """Launch both kernels (under the interpreter too): returns (a, b, pts) with pts = [pts_a, pts_b].
     The global maxima are reduced from per-program partials (no atomics on one address); the amax pass has its
     own tile (`amax_block_n` features x 16 `amax_groups` tokens), the quantize pass `block_n` x 16 `groups`."""
     m, n = x.shape
@@ -361,11 +289,9 @@ def dual_quantize_launch(x: torch.Tensor, h: torch.Tensor, seed: torch.Tensor, r
     partial = torch.empty((amax_grid[0] * amax_grid[1], 2), device=x.device, dtype=torch.float32)
     wrap(_nvfp4_dual_amax_kernel)[amax_grid](x, h, partial, m, n, x.stride(0), BLOCK=amax_block_n,
                                              GROUPS=amax_groups, HAS_RHT=rht, DOT_BF16=on_gpu, num_warps=NUM_WARPS)
-    sc = torch.empty(2 * SC_WORDS, device=x.device, dtype=torch.float32)
-    wrap(_nvfp4_scales_kernel)[(1,)](partial, partial.shape[0], sc, pts, RB=SCALES_RB, CUDA_SEMANTICS=on_gpu,
-                                     num_warps=NUM_WARPS)
+    amax = partial.amax(dim=0)
     grid = (triton.cdiv(m, 16 * groups), triton.cdiv(n, block_n))
-    wrap(_nvfp4_dual_quant_kernel)[grid](x, h, sc, seed, a, b, m, n, x.stride(0), BLOCK=block_n,
+    wrap(_nvfp4_dual_quant_kernel)[grid](x, h, amax, seed, a, b, pts, m, n, x.stride(0), BLOCK=block_n,
                                          GROUPS=groups, HAS_RHT=rht, STOCH=stochastic, DOT_BF16=on_gpu,
                                          CUDA_SEMANTICS=on_gpu, num_warps=num_warps)
     return a, b, pts
