@@ -355,6 +355,21 @@ def test_the_gemm_benchmarks_fused_quantizers_are_the_training_steps(nt, monkeyp
     assert torch.equal(w_row.dequantize(), q.weight_fprop(w, dtype=torch.bfloat16).dequantize())
 
 
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_the_training_tile_gives_the_bits_of_one_group_per_program(nt, stochastic):
+    """launch_config's tile (what the compiled step runs) only decides which program quantizes which rows: its
+    outputs, both roundings, equal one 16-token group per program's to the bit, with 48 tokens (a last program
+    whose second group is masked out) and a partial feature tile."""
+    x = _operand(48, 160, "heavy")
+    h = nt.rht_operand(rht_matrix(random_sign_vector(0)), "cpu")
+    seed = torch.tensor([7])
+    cfg = nt.launch_config(x.shape[1], stochastic)
+    assert cfg["groups"] > 1  # else this compares a tile with itself
+    mine = nt.dual_quantize_launch(x, h, seed, True, stochastic, **cfg)
+    one = nt.dual_quantize_launch(x, h, seed, True, stochastic, **dict(cfg, groups=1))
+    assert all(_same_bits(p, q) for p, q in zip(mine[:2], one[:2])) and torch.equal(mine[2], one[2])
+
+
 @pytest.mark.parametrize("rows,cols,config", [(32, 256, dict(block_n=128, groups=1)),
                                               # a partial tile: the counters' row stride
                                               # must count the masked columns of the last tile too

@@ -60,13 +60,17 @@ AMAX_GROUPS = 4
 
 
 def launch_config(n: int, stochastic: bool) -> dict:
-    """The quantize pass's tile, measured on an H100 over the 1b model's operand shapes: 128 features x 16 tokens
-    on 4 warps for both roundings. Stochastic rounding: bench/results/nvfp4_sr_layout_ab_2026-11-24T1950_H100.json
-    (0.305 ms at 8192 x 8192 against 0.334 at 256 features, whose random bytes take more registers). Round to
-    nearest: once the amax pass had tiles of its own, 128 features were the faster or equal at every shape
-    (bench/results/nvfp4_kernel_bench_2026-11-24T2133_*: 8192 x 2048 0.079 against 0.110 ms at 256, 8192 x 4096
-    0.135 / 0.138, 8192 x 8192 0.252 / 0.254)."""
-    return dict(block_n=128, groups=1, num_warps=4)
+    """The quantize pass's tile: 128 features x 2 groups of 16 tokens on 4 warps, for both roundings.
+    - 128 features on 4 warps, measured on an H100 over the 1b model's operand shapes. Stochastic rounding:
+      bench/results/nvfp4_sr_layout_ab_2026-11-24T1950_H100.json (0.305 ms at 8192 x 8192 against 0.334 at 256
+      features, whose random bytes take more registers). Round to nearest: once the amax pass had tiles of its own,
+      128 features were the faster or equal at every shape (bench/results/nvfp4_kernel_bench_2026-11-24T2133_*:
+      8192 x 2048 0.079 against 0.110 ms at 256, 8192 x 4096 0.135 / 0.138, 8192 x 8192 0.252 / 0.254).
+    - 2 token groups per program, measured on an H200 with the host out of the timing (bench/nvfp4_quant_probe.py,
+      CUDA graphs; bench/results/nvfp4_quant_probe_2026-11-29T0115_*, two runs): 16.28 against 16.73 ms per 1b
+      step over the step's 144 launches, faster at every shape and rounding, the same bits (a program's tile only
+      decides which program quantizes which rows; the random draws' counters are per row and column)."""
+    return dict(block_n=128, groups=2, num_warps=4)
 
 
 if HAVE_TRITON:
