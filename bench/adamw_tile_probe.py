@@ -11,10 +11,14 @@ ceiling measured in the same run. Every variant starts from the same state and m
 parameter, master, m and v to the bit (the update is elementwise: the tile only changes which program computes an
 element).
 
+`--shard`: FSDP2's shard update (`adamw_shard_update`, its own kernel) instead, as the one-rank direct step runs it:
+FP32 parameters, m and v, BF16 gradients, and the BF16 copy of each updated parameter written by the same pass (28 B
+per parameter too); its tile (SHARD_BLOCK x SHARD_NUM_WARPS, 2048 x 8) was chosen on an H100. Tiles BLOCK:WARPS only.
+
 GPU time per update between CUDA events (median of 10 after 3 warm-up updates). Prints a table; writes
 bench/results/adamw_tile_probe_<device>_<time>.json (and $OUT/adamw_tile_probe.json).
 
-    python bench/adamw_tile_probe.py [--tiles 2048:8 1024:4 2048:8:8 ...]   (block:warps[:programs per SM])
+    python bench/adamw_tile_probe.py [--shard] [--tiles 2048:8 1024:4 2048:8:8 ...]   (block:warps[:programs per SM])
 """
 from __future__ import annotations
 
@@ -29,6 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # step's until 436fb00), then the sizes the first H200 run tried
 TILES = ((2048, 8, None), (1024, 4, None), (2048, 4, None), (4096, 8, None), (4096, 16, None), (8192, 16, None),
          (8192, 8, None), (2048, 8, 8), (4096, 8, 4), (4096, 16, 2), (8192, 16, 2))
+
+
+# the shard update's tiles: its own (the H100's) first, then MasterAdamW's H200 choice and its neighbours
+SHARD_TILES = ((2048, 8, None), (512, 4, None), (1024, 4, None), (256, 2, None), (512, 2, None), (1024, 8, None),
+               (4096, 8, None))
 
 
 def tile_arg(text: str) -> tuple:
@@ -72,8 +81,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiles", nargs="+", type=tile_arg, default=None, metavar="BLOCK:WARPS[:PER_SM]",
                     help="tiles to time (the first is the reference for the bit comparison); default: TILES")
+    ap.add_argument("--shard", action="store_true",
+                    help="time FSDP2's shard update (FP32 parameters, BF16 gradients and copies) instead")
     a = ap.parse_args(argv)
-    tiles = TILES if a.tiles is None else a.tiles
+    tiles = (SHARD_TILES if a.shard else TILES) if a.tiles is None else a.tiles
+    if a.shard and any(per_sm is not None for _, _, per_sm in tiles):
+        ap.error("--shard: the shard update has one program per block; give tiles as BLOCK:WARPS")
 
     import torch
 
@@ -105,6 +118,12 @@ def main(argv=None) -> int:
 
     def update(block, warps, per_sm):
         for (lst, wd), st in zip(lists, steps):
+            if a.shard:  # w: the FP32 parameter shard; p: its BF16 copy, written by the same pass
+                torch._foreach_add_(st, 1.0)  # the caller counts the step (training.parallel's LocalFusedAdamW)
+                ok.adamw_shard_update(lst["w"], lst["g"], lst["m"], lst["v"], st, lr=1e-4, beta1=0.9, beta2=0.95,
+                                      weight_decay=wd, eps=1e-8, grad_scale=grad_scale, tables=tables,
+                                      outs=lst["p"], block=block, num_warps=warps)
+                continue
             ok.adamw_master_update(lst["p"], lst["g"], lst["w"], lst["m"], lst["v"], lr, st, grad_scale, 0.9, 0.95,
                                    1e-8, wds[wd], tables=tables, programs=None if per_sm is None else per_sm * sms,
                                    block=block, num_warps=warps)
@@ -135,7 +154,7 @@ def main(argv=None) -> int:
                      "vs_floor": ms / floor_ms, "tb_per_s": ADAMW_BYTES_PER_PARAM * n / ms / 1e9,
                      "mismatches_vs_default": mism, "same": not any(mism.values())})
         print(f"[adamw] {rows[-1]}", flush=True)
-    summary = {"bench": "adamw_tile_probe", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    summary = {"bench": "adamw_tile_probe", "update": "shard" if a.shard else "master", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "git_commit": git_commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "params": n, "sms": sms, "bytes_per_param": ADAMW_BYTES_PER_PARAM, "ceilings": ceilings,
                "rows": rows}

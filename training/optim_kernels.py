@@ -297,14 +297,18 @@ def shard_supported(params: list[torch.Tensor], grads: list[torch.Tensor],
 
 
 def adamw_shard_update(ps, gs, ms, vs, steps, *, lr: float, beta1: float, beta2: float, weight_decay: float,
-                       eps: float, grad_scale: torch.Tensor | None, tables: AdamWTables, outs=None):
+                       eps: float, grad_scale: torch.Tensor | None, tables: AdamWTables, outs=None,
+                       block: int | None = None, num_warps: int | None = None):
     """`torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=..., grad_scale=...)` (AdamW, not amsgrad, not
     maximize; after the caller's `_foreach_add_(steps, 1)`) in one launch, without storing the divided
     gradients. Parameters and state FP32 on one device; the gradients FP32, or BF16 (read as their exact FP32
     values: the same update as with their FP32 copies). `outs`: BF16 tensors that receive each updated parameter
-    rounded to nearest even (what `.to(torch.bfloat16)` gives), written by the same pass (see `shard_supported`)."""
+    rounded to nearest even (what `.to(torch.bfloat16)` gives), written by the same pass (see `shard_supported`).
+    `block`, `num_warps`: the tile; None: SHARD_BLOCK and SHARD_NUM_WARPS (bench/adamw_tile_probe.py --shard times
+    others)."""
+    block, num_warps = block or SHARD_BLOCK, num_warps or SHARD_NUM_WARPS
     step_size, bc2s = shard_scalars(steps, lr, beta1, beta2)
-    firsts = block_starts(ps, SHARD_BLOCK)
+    firsts = block_starts(ps, block)
     table = tables.table(ps, gs, ms, vs, [], extra=(*firsts, *(o.data_ptr() for o in outs or ())))
     b1, b2 = np.float32(beta1), np.float32(beta2)
     _adamw_shard_kernel[(firsts[-1],)](
@@ -312,5 +316,5 @@ def adamw_shard_update(ps, gs, ms, vs, steps, *, lr: float, beta1: float, beta2:
         float(np.float32(lr) * np.float32(weight_decay)), float(b1), float(np.float32(1.0) - b1), float(b2),
         float(np.float32(1.0) - b2), f32(eps),
         HAS_SCALE=grad_scale is not None, HAS_DECAY=weight_decay != 0, G_BF16=gs[0].dtype == torch.bfloat16,
-        HAS_OUT=bool(outs), BLOCK=SHARD_BLOCK, P=triton.next_power_of_2(len(ps) + 1), num_warps=SHARD_NUM_WARPS,
+        HAS_OUT=bool(outs), BLOCK=block, P=triton.next_power_of_2(len(ps) + 1), num_warps=num_warps,
         enable_fp_fusion=False)

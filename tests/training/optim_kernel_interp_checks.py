@@ -143,12 +143,13 @@ def _shard_reference(p, g, m, v, step_size, bc2s, *, lr, wd, beta1, beta2, eps, 
     return p - ((step_size * m).double() / denom.double()).float(), m, v
 
 
-@pytest.mark.parametrize("wd,bf16_grads,outs", [(0.0, False, False), (0.1, False, False), (0.1, True, True),
-                                                (0.0, True, False)])
-def test_shard_update_matches_torch_cuda_arithmetic(wd, bf16_grads, outs):
+@pytest.mark.parametrize("wd,bf16_grads,outs,tile", [(0.0, False, False, None), (0.1, False, False, None),
+                                                     (0.1, True, True, None), (0.0, True, False, None),
+                                                     (0.1, True, True, (512, 4))])
+def test_shard_update_matches_torch_cuda_arithmetic(wd, bf16_grads, outs, tile):
     """Also with BF16 gradients (FSDP2's one-rank direct step: read as their exact FP32 values, so the update of
     their FP32 copies) and BF16 copies of the updated parameters written by the same pass (round to nearest even,
-    as `.to(torch.bfloat16)`)."""
+    as `.to(torch.bfloat16)`). `tile`: (block, num_warps) other than the module's (None), as the probe passes them."""
     from training import optim_kernels as ok
 
     g_ = torch.Generator().manual_seed(3)
@@ -176,7 +177,7 @@ def test_shard_update_matches_torch_cuda_arithmetic(wd, bf16_grads, outs):
                 **hyper)
         assert ok.shard_supported(ps, gs, copies)
         ok.adamw_shard_update(ps, gs, ms, vs, steps, lr=lr, weight_decay=wd, grad_scale=scale, tables=tables,
-                              outs=copies, **hyper)
+                              outs=copies, **hyper, **(dict(zip(("block", "num_warps"), tile)) if tile else {}))
         if outs:
             for c, p in zip(copies, ref[0]):
                 assert torch.equal(c.view(torch.int16), p.to(torch.bfloat16).view(torch.int16))
