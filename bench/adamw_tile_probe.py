@@ -13,7 +13,8 @@ element).
 
 `--shard`: FSDP2's shard update (`adamw_shard_update`, its own kernel) instead, as the one-rank direct step runs it:
 FP32 parameters, m and v, BF16 gradients, and the BF16 copy of each updated parameter written by the same pass (28 B
-per parameter too); its tile (SHARD_BLOCK x SHARD_NUM_WARPS, 2048 x 8) was chosen on an H100. Tiles BLOCK:WARPS only.
+per parameter too); its tile was 2048 x 8, chosen on an H100, until this mode's first H200 run chose 512 x 4 (76775f6,
+bench/NOTES_floor.md 83). Tiles BLOCK:WARPS only.
 
 GPU time per update between CUDA events (median of 10 after 3 warm-up updates). Prints a table; writes
 bench/results/adamw_tile_probe_<device>_<time>.json (and $OUT/adamw_tile_probe.json).
@@ -35,7 +36,8 @@ TILES = ((2048, 8, None), (1024, 4, None), (2048, 4, None), (4096, 8, None), (40
          (8192, 8, None), (2048, 8, 8), (4096, 8, 4), (4096, 16, 2), (8192, 16, 2))
 
 
-# the shard update's tiles: its own (the H100's) first, then MasterAdamW's H200 choice and its neighbours
+# the shard update's tiles: the H100's first, then MasterAdamW's H200 choice (the shard update's since 76775f6) and its
+# neighbours
 SHARD_TILES = ((2048, 8, None), (512, 4, None), (1024, 4, None), (256, 2, None), (512, 2, None), (1024, 8, None),
                (4096, 8, None))
 
@@ -154,8 +156,8 @@ def main(argv=None) -> int:
                      "vs_floor": ms / floor_ms, "tb_per_s": ADAMW_BYTES_PER_PARAM * n / ms / 1e9,
                      "mismatches_vs_default": mism, "same": not any(mism.values())})
         print(f"[adamw] {rows[-1]}", flush=True)
-    summary = {"bench": "adamw_tile_probe", "update": "shard" if a.shard else "master", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               "git_commit": git_commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    summary = {"bench": "adamw_tile_probe", "update": "shard" if a.shard else "master",
+               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "params": n, "sms": sms, "bytes_per_param": ADAMW_BYTES_PER_PARAM, "ceilings": ceilings,
                "rows": rows}
     print(f"copy ceiling {gbps:.0f} GB/s; {n / 1e9:.3f} B parameters; floor {floor_ms:.2f} ms per update")
