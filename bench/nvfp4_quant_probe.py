@@ -1,19 +1,20 @@
 """The fused NVFP4 quantizers (training/precision/nvfp4_triton.py) on a GPU, module against module and tile against
 tile, on the 1b model's operand shapes, with the host out of the measurement.
 
-bench/nvfp4_kernel_bench.py times Python calls of `dual_quantize_launch` back to back, so at 8192 x 2048 (~0.08 ms of
-GPU work for three launches and three allocations) the host's launch time is part of what it reads. Here each
-variant's 20 calls are captured in one CUDA graph and the graph is replayed between CUDA events: GPU time only (the
-amax pass, its reduction and the quantize pass, as in the training step). Every variant is first checked against the
-first module's default configuration on the same operand and seed: (a, b, pts) to the bit, both roundings (a change
-of tile or of arithmetic that keeps the bits keeps the stochastic rounding's draws too).
+bench/nvfp4_kernel_bench.py times Python calls of `dual_quantize_launch` back to back, so at 8192 x 2048 (~0.08 ms
+of GPU work for three launches and three allocations) the host's launch time is part of what it reads. Here each
+variant's 20 calls are captured in one CUDA graph and the graph is replayed between CUDA events (bench.kernel_bench.
+graph_timed, the median of 5 replays): GPU time only (the amax pass, its reduction and the quantize pass, as in the
+training step). Every variant is first checked against the first module's default configuration on the same operand
+and seed: (a, b, pts) to the bit, both roundings (a change of tile or of arithmetic that keeps the bits keeps the
+stochastic rounding's draws too).
 
     python bench/nvfp4_quant_probe.py --modules old=/tmp/old_nvfp4_triton.py [--configs 128:1:4 128:2:4 ...]
                                       [--amax-tiles 256:4 512:8 ...]
 
 (`this` is always the working tree's module; configs are block_n:groups:num_warps of the quantize pass;
-`--amax-tiles` adds rows of `this` module at its own quantize configuration with the amax pass's tile
-features:token groups changed: the amax is the same whatever the tile, so the bits are too.) Prints a table last; writes
+`--amax-tiles` adds rows of `this` module at its own quantize configuration with the amax pass's tile features:token
+groups changed: the amax is the same whatever the tile, so the bits are too.) Prints a table last; writes
 bench/results/nvfp4_quant_probe_<device>_<time>.json (and $OUT/nvfp4_quant_probe.json).
 """
 from __future__ import annotations
@@ -32,27 +33,25 @@ LAUNCHES = {((8192, 2048), False): 48, ((8192, 2048), True): 32, ((8192, 4096), 
 CONFIGS = ((128, 1, 4), (128, 2, 4), (128, 4, 4), (128, 2, 8), (64, 2, 4), (256, 2, 8))
 
 
-def config_arg(text: str) -> tuple:
-    """BLOCK_N:GROUPS:WARPS -> (block_n, groups, num_warps): powers of two, block_n >= 16."""
+def _powers_of_two(text: str, fields: str, example: str) -> tuple:
+    """`text` as len(fields.split(":")) powers of two, the first >= 16 (a block of features), or a usage error."""
     try:
         values = tuple(int(v) for v in text.split(":"))
     except ValueError:
         values = ()
-    if len(values) != 3 or any(v <= 0 or v & (v - 1) for v in values) or values[0] < 16:
-        raise argparse.ArgumentTypeError(f"{text!r}: want BLOCK_N:GROUPS:WARPS, powers of two, BLOCK_N >= 16 "
-                                         "(e.g. 128:2:4)")
+    if len(values) != len(fields.split(":")) or any(v <= 0 or v & (v - 1) for v in values) or values[0] < 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: want {fields}, powers of two, BLOCK_N >= 16 (e.g. {example})")
     return values
+
+
+def config_arg(text: str) -> tuple:
+    """BLOCK_N:GROUPS:WARPS -> (block_n, groups, num_warps) of the quantize pass."""
+    return _powers_of_two(text, "BLOCK_N:GROUPS:WARPS", "128:2:4")
 
 
 def amax_tile_arg(text: str) -> tuple:
-    """BLOCK_N:GROUPS -> (amax_block_n, amax_groups): powers of two, BLOCK_N >= 16."""
-    try:
-        values = tuple(int(v) for v in text.split(":"))
-    except ValueError:
-        values = ()
-    if len(values) != 2 or any(v <= 0 or v & (v - 1) for v in values) or values[0] < 16:
-        raise argparse.ArgumentTypeError(f"{text!r}: want BLOCK_N:GROUPS, powers of two, BLOCK_N >= 16 (e.g. 256:4)")
-    return values
+    """BLOCK_N:GROUPS -> (amax_block_n, amax_groups) of the amax pass."""
+    return _powers_of_two(text, "BLOCK_N:GROUPS", "256:4")
 
 
 def module_arg(text: str) -> tuple:
@@ -72,33 +71,6 @@ def load_module(name: str, path: str):
     return mod
 
 
-def graph_ms(fn, calls: int = 20, reps: int = 5) -> float:
-    """GPU ms per call of `fn`: `calls` calls captured in one CUDA graph, the median of `reps` replays."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modules", nargs="*", type=module_arg, default=[],
@@ -115,6 +87,7 @@ def main(argv=None) -> int:
     import torch
 
     from bench.benchmeta import git_commit
+    from bench.kernel_bench import graph_timed
     from training.precision import nvfp4_triton as this
     from training.precision.formats import random_sign_vector, rht_matrix
 
@@ -139,7 +112,7 @@ def main(argv=None) -> int:
                 same = all(torch.equal(p.view(torch.int32) if p.dtype == torch.float32 else p.view(torch.int16),
                                        q.view(torch.int32) if q.dtype == torch.float32 else q.view(torch.int16))
                            for p, q in zip(out, ref))
-                ms = graph_ms(lambda: mod.dual_quantize_launch(x, h, seed, True, sr, **cfg))
+                ms = graph_timed(lambda: mod.dual_quantize_launch(x, h, seed, True, sr, **cfg), reps=5)
                 row = {"shape": list(shape), "stochastic": sr, "module": name, "variant": label, **cfg, "ms": ms,
                        "same_bits": same, "gbps": x.numel() * 2 * 4 / ms / 1e6}  # x read twice, a and b written
                 rows.append(row)

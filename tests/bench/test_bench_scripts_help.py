@@ -75,6 +75,28 @@ def test_the_adamw_tile_probe_parses_tiles_and_names_a_malformed_one(capsys):
         assert repr(bad) in err and "BLOCK:WARPS" in err, err
 
 
+def test_the_adamw_tile_probe_times_the_shard_update_with_plain_tiles_only(capsys):
+    from bench.adamw_tile_probe import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--shard", "--tiles", "512:4", "2048:8:8"])
+    assert exc.value.code == 2 and "BLOCK:WARPS" in capsys.readouterr().err
+
+
+def test_the_nvfp4_quant_probe_parses_its_tiles_and_names_a_malformed_one(capsys, tmp_path):
+    from bench.nvfp4_quant_probe import amax_tile_arg, config_arg, main
+
+    assert config_arg("128:2:4") == (128, 2, 4) and amax_tile_arg("256:4") == (256, 4)
+    for flag, bad in (("--configs", "128:2"), ("--configs", "128:3:4"), ("--configs", "8:1:4"),
+                      ("--amax-tiles", "256:4:4"), ("--amax-tiles", "x:4"), ("--modules", f"old={tmp_path}/none.py"),
+                      ("--modules", "old")):
+        with pytest.raises(SystemExit) as exc:
+            main([flag, bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert repr(bad) in err, err
+
+
 def test_the_adamw_tile_probe_lays_every_parameter_into_its_flat_state_once():
     import torch
 
