@@ -157,7 +157,8 @@ def main(argv=None) -> int:
                      "mismatches_vs_default": mism, "same": not any(mism.values())})
         print(f"[adamw] {rows[-1]}", flush=True)
     summary = {"bench": "adamw_tile_probe", "update": "shard" if a.shard else "master",
-               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
+               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "params": n, "sms": sms, "bytes_per_param": ADAMW_BYTES_PER_PARAM, "ceilings": ceilings,
                "rows": rows}
     print(f"copy ceiling {gbps:.0f} GB/s; {n / 1e9:.3f} B parameters; floor {floor_ms:.2f} ms per update")

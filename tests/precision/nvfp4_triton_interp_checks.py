@@ -82,7 +82,6 @@ def test_an_all_zero_operand_gives_zeros_not_nan(nt):
     assert not a.any() and not b.any() and not pts.any()
 
 
-
 @pytest.mark.parametrize("tiny", [False, True])
 def test_block_scales_where_a_product_with_the_reciprocal_rounds_to_another_e4m3_scale(nt, tiny):
     """The block scale divides by the per-tensor scale (an IEEE division, as torch does). At amax 896 these 29 block
@@ -105,6 +104,7 @@ def test_block_scales_where_a_product_with_the_reciprocal_rounds_to_another_e4m3
                                         torch.zeros(1, dtype=torch.int64), True, False)
     ref = quantize_nvfp4(x, dtype=torch.bfloat16)
     assert _same_bits(a, ref.values) and torch.equal(pts[0], ref.outer)
+
 
 def _e2m1_fraction(a):
     """(lower neighbour on E2M1's grid, grid step, f) for a >= 0: a = lower + f * step, f in [0, 1), exactly."""
