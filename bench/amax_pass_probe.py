@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     for r in rows:
         tile = "x".join(str(v) for v in r["tile"])
         same = "" if r["same_amax"] else "  DIFFERS from the first tile's"
-        print(f"{r['pass']:16s} {tile:>14s} {r['ms']:8.4f} {r['floor_ms']:8.4f} {r['vs_floor']:6.2f}  {r['amax']}{same}")
+        print(f"{r['pass']:16s} {tile:>14s} {r['ms']:8.4f} {r['floor_ms']:8.4f} {r['vs_floor']:6.2f}  "
+              f"{r['amax']}{same}")
     write_result(summary, "amax_pass_probe", torch.cuda.get_device_name())
     return 0 if all(r["same_amax"] for r in rows) else 1
 
