@@ -82,11 +82,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import json
-    import os
 
     import torch
 
-    from bench.benchmeta import git_commit
+    from bench.benchmeta import git_commit, write_result
     from bench.kernel_bench import graph_timed
     from training.precision import nvfp4_triton as this
     from training.precision.formats import random_sign_vector, rht_matrix
@@ -126,14 +125,7 @@ def main(argv=None) -> int:
                "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
                "modules": dict(a.modules), "rows": rows, "ms_per_1b_step": per_step,
                "all_same_bits": all(r["same_bits"] for r in rows)}
-    text = json.dumps(payload, indent=1)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    out_dir = Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    device = torch.cuda.get_device_name(dev).replace(" ", "-").lower()
-    (out_dir / f"nvfp4_quant_probe_{device}_{stamp}_at_{git_commit()}.json").write_text(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "nvfp4_quant_probe.json").write_text(text)
+    write_result(payload, "nvfp4_quant_probe", torch.cuda.get_device_name(dev))
     print(f"\nall variants bit-equal to {mods[0][0]}'s default: {payload['all_same_bits']}")
     cols = [(shape, sr) for shape in SHAPES for sr in (False, True) if (shape, sr) in LAUNCHES]
     print(f"{'module config':>22} " + " ".join(f"{f'{s[0]}x{s[1]} ' + ('sr' if sr else 'rne'):>15}" for s, sr in cols)
