@@ -61,6 +61,7 @@ class Run:
     fsdp_keeps_gathered_weights: bool | None = None  # FSDP2 blocks keep their gathered weights to the backward
     cublaslt_workspace: str = "default"  # configure_cublaslt_workspace's result: default | none | env
     rope_backward: str | None = None   # training.model.set_rope_backward's result (None: no fused QKV projection)
+    inductor_settings: dict = field(default_factory=dict)  # Recipe.inductor_settings, applied around the loop
 
     @property
     def on_cuda(self) -> bool:
@@ -98,7 +99,7 @@ class Run:
                 "reuse_quantized_weights": any(isinstance(h, QuantizedWeightReuse) for h in self.hooks),
                 "compile_mode": self.compile_mode, "cublaslt_workspace": self.cublaslt_workspace,
                 "loss_weight_grad": self.loss_weight_grad, "rope_backward": self.rope_backward,
-                "data": dict(self.dataset.info)}
+                "inductor_settings": dict(self.inductor_settings), "data": dict(self.dataset.info)}
 
     @property
     def loss_weight_grad(self) -> str | None:
@@ -190,7 +191,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
                micro_batch=t.batch_size // (t.grad_accum * ctx.world),
                model_info=describe_model(model, spec.model), compile_mode=mode,
                fsdp_keeps_gathered_weights=keep_gathered, cublaslt_workspace=cublaslt_workspace,
-               rope_backward=rope_backward)
+               rope_backward=rope_backward, inductor_settings=_inductor_settings(spec, model, on_cuda))
 
 
 def overlap_update(option: bool | None, parallel: str) -> bool:
@@ -218,6 +219,15 @@ def _compile_mode(t, report, parallel: str, on_cuda: bool, ac: dict, *, per_laye
     scope_ok = t.perf.compile_scope == "layers" or (t.perf.compile_scope == "auto" and per_layer)
     measured = on_cuda and parallel == "single" and scope_ok and ac.get("mode") == "none" and not t.numerics_every
     return report.compile_mode if measured else None
+
+
+def _inductor_settings(spec: RunSpec, model, on_cuda: bool) -> dict:
+    """The recipe's inductor settings for this run's compiled step (Recipe.inductor_settings); {} uncompiled."""
+    if not spec.training.compile:
+        return {}
+    from training.precision.registry import get_recipe
+
+    return get_recipe(spec.recipe).inductor_settings(model, on_cuda)
 
 
 def _weight_reuse(model, t, parallel: str) -> list:

@@ -9,6 +9,7 @@ clipping folded into the optimizer, gradient accumulation (in the parameters' dt
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from dataclasses import asdict, dataclass, field
@@ -77,15 +78,16 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
                total_steps=spec.total_steps, start_step=start_step,
                peak_bf16_tflops=peak_tflops(run.device_name, "bf16"))
 
-    status = train_loop(run, state, drain, checkpointer, validation, sink, should_stop)
-    if status == "diverged":
-        state.step = drain.diverged_step
-        state.tokens = state.step * spec.tokens_per_step
-    else:
-        if state.step > start_step or state.val_loss is None:
-            _validate(validation, state, sink)
-        if checkpointer.enabled and state.step > 0 and not checkpointer.is_saved(state.step):
-            checkpointer.save(state.step, state)
+    with _inductor_settings(run.inductor_settings):  # every compile of the step happens in here (it is lazy)
+        status = train_loop(run, state, drain, checkpointer, validation, sink, should_stop)
+        if status == "diverged":
+            state.step = drain.diverged_step
+            state.tokens = state.step * spec.tokens_per_step
+        else:
+            if state.step > start_step or state.val_loss is None:
+                _validate(validation, state, sink)
+            if checkpointer.enabled and state.step > 0 and not checkpointer.is_saved(state.step):
+                checkpointer.save(state.step, state)
 
     summary = {**drain.summary(), **run.info(), "wall_time_s": state.wall_time()}
     report = run.report.to_dict()
@@ -97,6 +99,15 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
         checkpoint_dir=str(checkpointer.last_path) if checkpointer.last_path is not None else None)
     sink.event("result", **{k: v for k, v in result.to_dict().items() if k != "conversion_report"})
     return result
+
+
+def _inductor_settings(settings: dict):
+    """The recipe's inductor settings (Recipe.inductor_settings) for the duration of the run, inductor's own after."""
+    if not settings:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(settings)
 
 
 def train_loop(run: Run, state: TrainState, drain: MetricsDrain, checkpointer: Checkpointer,

@@ -304,6 +304,47 @@ def share_mlp_input(block) -> int:
     return 1
 
 
+# Inductor setting for a compiled step with NVFP4 layers on the fused path (inductor_settings).
+FLEXIBLE_USER_KERNELS = {"triton_kernel_default_layout_constraint": "flexible_layout"}
+
+
+def keeps_row_stride(width: int, itemsize: int = 2) -> bool:
+    """Whether inductor leaves the row stride of a buffer `width` elements wide as it is: its comprehensive padding
+    (on by default on GPUs) rounds a stride above `padding_stride_threshold` elements that is not a multiple of
+    `padding_alignment_bytes` up to one (`ir.Layout._pad_strides`). A buffer of more dimensions whose outer stride is
+    padded has no 2D view of uniform rows; inductor then hands a user kernel a copy, whose rows keep this width."""
+    from torch._inductor import config
+
+    return (not config.comprehensive_padding or width <= config.padding_stride_threshold
+            or (width * itemsize) % config.padding_alignment_bytes == 0)
+
+
+def inductor_settings(model: torch.nn.Module, on_cuda: bool) -> dict:
+    """The inductor settings a compiled step with this model's NVFP4 layers runs under (training.setup applies
+    them around the training loop): `FLEXIBLE_USER_KERNELS` where the fused quantizers run, else {}.
+
+    The fused quantizer (nvfp4_triton, a torch.library.triton_op) is two Triton kernels that both read the operand:
+    the amax pass, then the quantize pass. Under inductor's default for user kernels ("needs_fixed_stride_order"),
+    an operand that a fused pointwise kernel produces (the RMSNorm output, SwiGLU's h, its backward's dL/dgate and
+    dL/dup) is not stored yet when the two kernels' inputs are lowered, so each kernel gets a copy of its own in the
+    traced strides (`ExternKernel.require_exact_strides` -> `copy_input`) and the producing kernel stores the same
+    values twice: five kernels of the 1b step, ~5 GB a step. With "flexible_layout" the producer's buffer is stored
+    once and both kernels read it (bench/NOTES_floor.md 84: the same losses, ~1.1-1.5 ms a 1b step on an H200).
+
+    The kernels take the row stride traced at compile time as a constant, so the buffer inductor allocates must keep
+    it: every NVFP4 layer on the fused path must have in and out features that padding leaves alone
+    (`keeps_row_stride`: up to 1024, or multiples of 64 BF16 elements, under inductor's defaults; Llama's widths are);
+    where one does not, {} (each kernel takes its copy in the traced strides, as before). {} on CPU and without fused layers."""
+    from training.precision import nvfp4_triton
+
+    layers = [m for m in model.modules() if isinstance(m, NVFP4EmulatedLinear) and m.quantizer.fused]
+    if not (on_cuda and nvfp4_triton.HAVE_TRITON and layers):
+        return {}
+    if all(keeps_row_stride(w) for m in layers for w in (m.in_features, m.out_features)):
+        return dict(FLEXIBLE_USER_KERNELS)
+    return {}
+
+
 def fused_weight_operands(q: NVFP4Quantizer, w: torch.Tensor) -> tuple[Quantized, Quantized | None]:
     """W's Fprop operand on the fused path (BF16), and its Dgrad operand where that is the same quantization
     transposed (16x16 tiles); None: 1x16 blocks along the other dimension, quantized when Dgrad needs them."""
@@ -403,6 +444,9 @@ class NVFP4Recipe(Recipe):
 
     def share_inputs(self, block, options: dict, real: bool) -> int:
         return share_mlp_input(block) if options["share_mlp_input"] and options["fused_quantize"] and not real else 0
+
+    def inductor_settings(self, model, on_cuda):
+        return inductor_settings(model, on_cuda)
 
     def gemm_ops(self, device):
         real = has_capability(device, self.min_capability)

@@ -126,6 +126,12 @@ class Recipe:
         (training.perf.compile_mode unset), or None for inductor's default."""
         return None
 
+    def inductor_settings(self, model: nn.Module, on_cuda: bool) -> dict:
+        """Inductor settings (`torch._inductor.config` names and values) a compiled step with this recipe's converted
+        layers runs under; training.train applies them around its loop (forward, backward and recompiles) and
+        restores inductor's own after it. None by default."""
+        return {}
+
     # The GEMM benchmark's relative-error bound ‖C − C_bf16‖ / ‖C_bf16‖ for a GEMM of Gaussian operands in this
     # recipe's format: about twice the expected error (two quantized operands, errors adding in quadrature), so
     # shape effects pass and a broken quantizer (error ≈ 1) fails. Recipes that own a GEMM format set it.
