@@ -34,6 +34,10 @@ def _model():
     model = build_model(config, 0).to("cuda", torch.bfloat16)
     fuse_qkv(model)
     apply_recipe(model, "nvfp4")
+    from training.precision.nvfp4 import NVFP4EmulatedLinear
+    for m in model.modules():  # the transform's operand built before any compilation traces the layers
+        if isinstance(m, NVFP4EmulatedLinear):
+            m.quantizer.rht_operand(torch.device("cuda"))
     return model
 
 
