@@ -64,6 +64,17 @@ def _compiled_step(model, ids, settings: dict):
     return values, "\n".join(code)
 
 
+def _eager_step(model, ids):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with sdpa_kernel(SDPBackend.MATH):
+        logits = model(input_ids=ids).logits
+        logits.float().square().mean().backward()
+    return [logits.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
 def _differences(want, got) -> list[str]:
     out = []
     for i, (w, g) in enumerate(zip(want, got)):
@@ -79,12 +90,17 @@ def test_the_flexible_layout_gives_the_default_layouts_bits_with_each_operand_st
     model = _model()
     assert inductor_settings(model, on_cuda=True) == FLEXIBLE_USER_KERNELS
     ids = torch.randint(0, 512, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    eager = _eager_step(model, ids)
     want, code_default = _compiled_step(model, ids, {})
     again, _ = _compiled_step(model, ids, {})
     got, code_flexible = _compiled_step(model, ids, FLEXIBLE_USER_KERNELS)
+    report = {name: _differences(eager, v)[:2] for name, v in (("default", want), ("again", again), ("flexible", got))}
+    print("against eager:", report)
+    eager2 = _eager_step(model, ids)
+    assert not _differences(eager, eager2), ("eager twice", _differences(eager, eager2))
     assert "_nvfp4_dual_quant_kernel" in code_flexible and "_nvfp4_dual_amax_kernel" in code_flexible
     assert want[1].abs().sum() > 0
-    assert not _differences(want, again), f"two compilations of the default differ: {_differences(want, again)}"
+    assert not _differences(want, again), f"two compilations of the default differ: {report}"
     assert not _differences(want, got), _differences(want, got)
     dup = duplicate_stores(code_flexible)
     assert not dup, f"stored twice under the flexible layout: {dup} (default layout: {duplicate_stores(code_default)})"
