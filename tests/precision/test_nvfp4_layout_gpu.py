@@ -34,10 +34,6 @@ def _model():
     model = build_model(config, 0).to("cuda", torch.bfloat16)
     fuse_qkv(model)
     apply_recipe(model, "nvfp4")
-    from training.precision.nvfp4 import NVFP4EmulatedLinear
-    for m in model.modules():  # the transform's operand built before any compilation traces the layers
-        if isinstance(m, NVFP4EmulatedLinear):
-            m.quantizer.rht_operand(torch.device("cuda"))
     return model
 
 
@@ -90,17 +86,19 @@ def test_the_flexible_layout_gives_the_default_layouts_bits_with_each_operand_st
     model = _model()
     assert inductor_settings(model, on_cuda=True) == FLEXIBLE_USER_KERNELS
     ids = torch.randint(0, 512, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    # The model's first forward is eager. With the model's first forward compiled (the default), that compilation's
+    # values differed from the next compilation's of the same graph, by about as much as a compiled step differs from
+    # the eager one (FP4 rounding of inductor's unrounded FP32 intermediates); with an eager forward first, all three
+    # compilations here agree bit for bit. Seen on an H200 at be42ed8, not traced (bench/NOTES_floor.md 84).
     eager = _eager_step(model, ids)
     want, code_default = _compiled_step(model, ids, {})
     again, _ = _compiled_step(model, ids, {})
     got, code_flexible = _compiled_step(model, ids, FLEXIBLE_USER_KERNELS)
     report = {name: _differences(eager, v)[:2] for name, v in (("default", want), ("again", again), ("flexible", got))}
-    print("against eager:", report)
-    eager2 = _eager_step(model, ids)
-    assert not _differences(eager, eager2), ("eager twice", _differences(eager, eager2))
+    assert not _differences(eager, _eager_step(model, ids)), "two eager steps differ"
     assert "_nvfp4_dual_quant_kernel" in code_flexible and "_nvfp4_dual_amax_kernel" in code_flexible
     assert want[1].abs().sum() > 0
-    assert not _differences(want, again), f"two compilations of the default differ: {report}"
+    assert not _differences(want, again), f"two compilations of the default differ (against eager: {report})"
     assert not _differences(want, got), _differences(want, got)
     dup = duplicate_stores(code_flexible)
     assert not dup, f"stored twice under the flexible layout: {dup} (default layout: {duplicate_stores(code_default)})"
