@@ -148,7 +148,8 @@ def parse_config(text: str) -> dict:
 INDUCTOR_SETTINGS = {"emulate_precision_casts": ("emulate_precision_casts", True),
                      "coordinate_descent": ("coordinate_descent_tuning", True),
                      # user Triton kernels (torch.library.triton_op) take their inputs in whatever layout inductor
-                     # gives them instead of a copy in the traced strides (bench/NOTES_floor.md 59)
+                     # gives them instead of a copy in the traced strides (bench/NOTES_floor.md 59; nvfp4 runs so by
+                     # its own Recipe.inductor_settings since 8b81ae6, section 84)
                      "flexible_user_kernels": ("triton_kernel_default_layout_constraint", "flexible_layout"),
                      # a pointwise result with several users is stored once (not recomputed per user) from 4 reads
                      # on instead of 5 (bench/NOTES_floor.md 59)

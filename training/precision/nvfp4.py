@@ -320,8 +320,8 @@ def keeps_row_stride(width: int, itemsize: int = 2) -> bool:
 
 
 def inductor_settings(model: torch.nn.Module, on_cuda: bool) -> dict:
-    """The inductor settings a compiled step with this model's NVFP4 layers runs under (training.setup applies
-    them around the training loop): `FLEXIBLE_USER_KERNELS` where the fused quantizers run, else {}.
+    """The inductor settings a compiled step with this model's NVFP4 layers runs under (NVFP4Recipe.inductor_settings;
+    training.train applies them around its loop): `FLEXIBLE_USER_KERNELS` where the fused quantizers run, else {}.
 
     The fused quantizer (nvfp4_triton, a torch.library.triton_op) is two Triton kernels that both read the operand:
     the amax pass, then the quantize pass. Under inductor's default for user kernels ("needs_fixed_stride_order"),

@@ -129,7 +129,7 @@ class Recipe:
     def inductor_settings(self, model: nn.Module, on_cuda: bool) -> dict:
         """Inductor settings (`torch._inductor.config` names and values) a compiled step with this recipe's converted
         layers runs under; training.train applies them around its loop (forward, backward and recompiles) and
-        restores inductor's own after it. None by default."""
+        restores inductor's own after it. {} (inductor's defaults) unless a recipe says otherwise."""
         return {}
 
     # The GEMM benchmark's relative-error bound ‖C − C_bf16‖ / ‖C_bf16‖ for a GEMM of Gaussian operands in this
