@@ -78,7 +78,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
                total_steps=spec.total_steps, start_step=start_step,
                peak_bf16_tflops=peak_tflops(run.device_name, "bf16"))
 
-    with _inductor_settings(run.inductor_settings):  # every compile of the step happens in here (it is lazy)
+    with _under_inductor_settings(run.inductor_settings):  # every compile of the step happens in here (it is lazy)
         status = train_loop(run, state, drain, checkpointer, validation, sink, should_stop)
         if status == "diverged":
             state.step = drain.diverged_step
@@ -101,7 +101,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     return result
 
 
-def _inductor_settings(settings: dict):
+def _under_inductor_settings(settings: dict):
     """The recipe's inductor settings (Recipe.inductor_settings) for the duration of the run, inductor's own after."""
     if not settings:
         return contextlib.nullcontext()

@@ -50,6 +50,8 @@ except Exception:  # noqa: BLE001 - any import problem means: no fast path
 E4M3_MAX = 448.0
 E4M3_TINY = 2.0 ** -6
 E2M1_MAX = 6.0
+# dual_quantize_launch's default tile when called without one (the interpreter tests, the kernel benches); the
+# training step's tile is launch_config's (2 token groups, not 4)
 BLOCK_N = 128  # features per program
 GROUPS = 4  # runs of 16 tokens per program
 NUM_WARPS = 4
