@@ -48,6 +48,9 @@ def _job_state(stack, job_id: str) -> str:
     return re.search(r"JobState=(\S+)", stack.slurm.scontrol("show", "job", "-o", job_id)).group(1)
 
 
+REQUEUED_STEPS = 40
+
+
 def _complete(stack, run_id: int, steps: int) -> None:
     series = stack.series(run_id)
     assert series["step"] == list(range(1, steps + 1)), series["step"]
@@ -60,21 +63,27 @@ def test_runs_train_cancel_and_resume_through_slurm(slurm_stack):
     # Three runs at once (the worker has 3 slots, the cluster room for all): one trains through, one is preempted
     # mid-run, one is cancelled.
     plain = stack.create(name="slurm", **TINY, training=two_nodes, recipes=["bf16"])
-    requeued = stack.create(name="slurm-requeue", **TINY, training=dict(two_nodes, steps=30), recipes=["bf16"])
+    requeued = stack.create(name="slurm-requeue", **TINY, training=dict(two_nodes, steps=REQUEUED_STEPS),
+                            recipes=["bf16"])
     cancelled = stack.create(name="slurm-cancel", **TINY, training=dict(two_nodes, steps=400), recipes=["bf16"])
     run_id, requeue_id, cancel_id = (e["runs"][0]["id"] for e in (plain, requeued, cancelled))
     job, requeue_job, cancel_job = (_slurm_job(stack, r) for r in (run_id, requeue_id, cancel_id))
+
+    # Preemption: Slurm requeues the running job (and would hold it 2 minutes; released at once here); the same
+    # Slurm job starts again, claims the run and resumes from its last checkpoint. Requeued as soon as the first
+    # checkpoint (step 5) is behind it and long before its last step: `scontrol requeue` also takes a job that has
+    # already completed, and a run that had finished before it would only be skipped by the job's second start (a
+    # fresh-clone CI run, with the cancel below done first, requeued this run after its 30 steps).
+    stack.wait(lambda: (stack.run(requeue_id).get("progress") or {}).get("step", 0) >= 6, 240, "the first checkpoint")
+    before = stack.run(requeue_id)
+    assert before["status"] == "running" and before["progress"]["step"] < REQUEUED_STEPS, before
+    assert "error" not in stack.slurm.scontrol("requeue", requeue_job).lower()
 
     # Cancel in the API: the Slurm job ends, the run is cancelled.
     stack.wait(lambda: stack.run(cancel_id)["status"] == "running", 120, "the run to start")
     assert stack.api.post(f"/runs/{cancel_id}/cancel").status_code == 200
     stack.wait(lambda: stack.run(cancel_id)["status"] == "cancelled", 120, "the cancel")
     stack.wait(lambda: _job_state(stack, cancel_job) in ("CANCELLED", "COMPLETED"), 60, "the Slurm job to end")
-
-    # Preemption: Slurm requeues the running job (and would hold it 2 minutes; released at once here); the same
-    # Slurm job starts again, claims the run and resumes from its last checkpoint.
-    stack.wait(lambda: (stack.run(requeue_id).get("progress") or {}).get("step", 0) >= 12, 240, "a checkpoint or two")
-    assert "error" not in stack.slurm.scontrol("requeue", requeue_job).lower()
     stack.wait(lambda: _job_state(stack, requeue_job) == "PENDING", 60, "the requeued job to wait for its begin time")
     stack.slurm.scontrol("update", f"JobId={requeue_job}", "StartTime=now")
 
@@ -98,5 +107,5 @@ def test_runs_train_cancel_and_resume_through_slurm(slurm_stack):
     run = exp["runs"][0]
     assert run["status"] == "succeeded", stack.log("worker") + stack.slurm.log()
     assert run["attempts"] >= 2
-    _complete(stack, requeue_id, 30)
+    _complete(stack, requeue_id, REQUEUED_STEPS)
     stack.wait(lambda: _job_state(stack, requeue_job) == "COMPLETED", 60, "the requeued job to complete")
