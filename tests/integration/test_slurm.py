@@ -77,7 +77,8 @@ def test_runs_train_cancel_and_resume_through_slurm(slurm_stack):
     stack.wait(lambda: (stack.run(requeue_id).get("progress") or {}).get("step", 0) >= 6, 240, "the first checkpoint")
     before = stack.run(requeue_id)
     assert before["status"] == "running" and before["progress"]["step"] < REQUEUED_STEPS, before
-    assert "error" not in stack.slurm.scontrol("requeue", requeue_job).lower()
+    # Incomplete: only a job still running is requeued, as preemption does.
+    assert "error" not in stack.slurm.scontrol("requeue", "Incomplete", requeue_job).lower()
 
     # Cancel in the API: the Slurm job ends, the run is cancelled.
     stack.wait(lambda: stack.run(cancel_id)["status"] == "running", 120, "the run to start")
