@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("script", ["carveout_probe.py", "kernel_bench.py", "transpose_store_probe.py",
                                     "cublaslt_workspace_probe.py", "amax_pass_probe.py",
-                                    "adamw_tile_probe.py", "nvfp4_quant_probe.py"])
+                                    "adamw_tile_probe.py", "nvfp4_quant_probe.py",
+                                    "first_compile_probe.py"])
 def test_gpu_bench_script_imports_and_prints_its_usage(script):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
@@ -114,3 +115,45 @@ def test_the_adamw_tile_probe_lays_every_parameter_into_its_flat_state_once():
         offsets = [v.data_ptr() - t.data_ptr() for v in views_2d[k] + views_1d[k]]
         sizes = [v.numel() * t.element_size() for v in views_2d[k] + views_1d[k]]
         assert offsets == [sum(sizes[:i]) for i in range(len(sizes))], k
+
+
+def test_the_first_compile_probe_names_state_a_step_builds_and_kernels_that_differ():
+    """What bench/first_compile_probe.py reports, on what a step could do: an NVFP4 layer's quantizer building its
+    kernels' RHT operand on first use is named as added state, a weight changed in place as changed; of two output
+    codes, the kernel whose source differs and the kernels only in one."""
+    import torch
+
+    from bench.first_compile_probe import code_changes, module_state, state_changes
+    from training.model import build_model, llama_config
+    from training.precision import apply_recipe
+
+    model = build_model(llama_config({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                                      "num_attention_heads": 2, "num_key_value_heads": 2}, 128, 32), 0)
+    apply_recipe(model, "nvfp4")
+    before = module_state(model)
+    assert state_changes(before, module_state(model)) == []
+    down = model.model.layers[0].mlp.down_proj
+    down.quantizer.rht_operand(torch.device("cpu"))
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] += 1
+    changes = sorted(state_changes(before, module_state(model)))
+    assert len(changes) == 2, changes
+    assert changes[0].startswith("changed model.layers.0.mlp.down_proj.quantizer._rht_operands: {} -> "
+                                 "{'cpu': tensor(16, 16) torch.bfloat16 cpu")
+    assert changes[1].startswith("changed model.layers.0.mlp.up_proj.weight: tensor(128, 64) torch.float32 cpu")
+
+    def code(*kernels):
+        return "\n".join(f"{name} = async_compile.triton('{name}', '''\n{body}\n''', device_str='cuda')"
+                         for name, body in kernels) + "\ncall(args)"
+    first = code(("triton_poi_fused_mul_0", "tmp1 = tmp0 * tmp0"), ("triton_red_fused_max_1", "tmp2 = max(tmp1)"))
+    second = code(("triton_poi_fused_mul_0", "tmp1 = tmp0 * 2.0"), ("triton_poi_fused_add_2", "tmp3 = tmp0 + 1"))
+    found = code_changes(first, second)
+    assert found["only_first"] == ["triton_red_fused_max_1"] and found["only_second"] == ["triton_poi_fused_add_2"]
+    assert list(found["differ"]) == ["triton_poi_fused_mul_0"]
+    assert "+tmp1 = tmp0 * 2.0" in found["differ"]["triton_poi_fused_mul_0"]
+    assert found["kernels"] == [2, 2] and found["wrapper_differs"]  # it launches other kernels
+    body_only = code(("triton_poi_fused_mul_0", "tmp1 = tmp0 * 2.0"), ("triton_red_fused_max_1", "tmp2 = max(tmp1)"))
+    found = code_changes(first, body_only)
+    assert list(found["differ"]) == ["triton_poi_fused_mul_0"] and not found["wrapper_differs"]
+    assert code_changes(first, first) == {"only_first": [], "only_second": [], "differ": {}, "kernels": [2, 2],
+                                          "wrapper_differs": False}
