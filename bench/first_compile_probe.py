@@ -162,16 +162,17 @@ def step(model, fn, ids):
     return [logits.detach().clone()] + [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
-def compiled_step(model, ids):
+def compiled_step(model, ids, settings: dict | None = None):
     """A fresh compilation of the model (dynamo reset) under inductor's deterministic mode (no on-device
-    benchmarking of kernel configurations, which could pick another reduction order): (values, output code)."""
+    benchmarking of kernel configurations, which could pick another reduction order) and `settings` (more inductor
+    config): (values, output code)."""
     import torch
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    with inductor_config.patch({"deterministic": True}):
+    with inductor_config.patch({"deterministic": True, **(settings or {})}):
         values, code = run_and_get_code(lambda: step(model, compiled, ids))
     return values, "\n".join(code)
 
