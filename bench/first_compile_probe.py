@@ -162,6 +162,11 @@ def step(model, fn, ids):
     return [logits.detach().clone()] + [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
+def graph_count(code: str) -> int:
+    """Compiled graphs (forward and backward each one) in inductor's joined output code: one `call` per graph."""
+    return code.count("def call(self, args)")
+
+
 def compiled_step(model, ids, settings: dict | None = None):
     """A fresh compilation of the model (dynamo reset) under inductor's deterministic mode (no on-device
     benchmarking of kernel configurations, which could pick another reduction order) and `settings` (more inductor
@@ -204,14 +209,24 @@ def main(argv=None) -> int:
     t0 = time.time()
     model = build(args.recipe, args.layers, device)
     ids = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(0)).to(device)
+    from torch._dynamo.utils import counters
+
     states = [module_state(model)]
-    first, code_first = compiled_step(model, ids)
+    breaks = {}
+
+    def compile_and_step(name):
+        counters["graph_break"].clear()
+        values, code = compiled_step(model, ids)
+        breaks[name] = {"graphs": graph_count(code), "graph_breaks": dict(counters["graph_break"])}
+        return values, code
+
+    first, code_first = compile_and_step("first")
     states.append(module_state(model))
-    second, code_second = compiled_step(model, ids)
+    second, code_second = compile_and_step("second")
     states.append(module_state(model))
     eager = step(model, model, ids)
     states.append(module_state(model))
-    third, _ = compiled_step(model, ids)
+    third, _ = compile_and_step("third")
 
     result = {
         "bench": "first_compile_probe", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -225,6 +240,7 @@ def main(argv=None) -> int:
                    "eager vs first compilation": differences(eager, first)[:4],
                    "eager vs second compilation": differences(eager, second)[:4]},
         "code, first vs second compilation": code_changes(code_first, code_second),
+        "graphs per compilation": breaks,
         "wall_s": round(time.time() - t0, 1),
     }
     if args.dump and os.environ.get("OUT"):
@@ -237,6 +253,9 @@ def main(argv=None) -> int:
         print(f"  state changed by the {name}: {len(changes)}" + "".join(f"\n    {c}" for c in changes[:12]))
     for name, diffs in result["values"].items():
         print(f"  {name}: {'; '.join(diffs[:3]) if diffs else 'the same bits'}")
+    for name, b in breaks.items():
+        print(f"  {name} compilation: {b['graphs']} compiled graphs, graph breaks: "
+              f"{sum(b['graph_breaks'].values())} {list(b['graph_breaks'])[:3]}")
     code = result["code, first vs second compilation"]
     print(f"  kernels {code['kernels'][0]} / {code['kernels'][1]}; only in the first: {code['only_first'][:6]}; "
           f"only in the second: {code['only_second'][:6]}; differing: {list(code['differ'])[:6]}; "

@@ -119,11 +119,11 @@ def test_the_adamw_tile_probe_lays_every_parameter_into_its_flat_state_once():
 
 def test_the_first_compile_probe_names_state_a_step_builds_and_kernels_that_differ():
     """What bench/first_compile_probe.py reports, on what a step could do: an NVFP4 layer's quantizer building its
-    kernels' RHT operand on first use is named as added state, a weight changed in place as changed; of two output
-    codes, the kernel whose source differs and the kernels only in one."""
+    kernels' RHT operand for another device is named as changed state, a weight changed in place as changed; of two
+    output codes, the kernel whose source differs and the kernels only in one, and how many graphs each has."""
     import torch
 
-    from bench.first_compile_probe import code_changes, module_state, state_changes
+    from bench.first_compile_probe import code_changes, graph_count, module_state, state_changes
     from training.model import build_model, llama_config
     from training.precision import apply_recipe
 
@@ -133,13 +133,14 @@ def test_the_first_compile_probe_names_state_a_step_builds_and_kernels_that_diff
     before = module_state(model)
     assert state_changes(before, module_state(model)) == []
     down = model.model.layers[0].mlp.down_proj
-    down.quantizer.rht_operand(torch.device("cpu"))
+    down.quantizer.rht_operand(torch.device("meta"))  # the layer's own device's was built with the quantizer
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight[0, 0] += 1
     changes = sorted(state_changes(before, module_state(model)))
     assert len(changes) == 2, changes
-    assert changes[0].startswith("changed model.layers.0.mlp.down_proj.quantizer._rht_operands: {} -> "
-                                 "{'cpu': tensor(16, 16) torch.bfloat16 cpu")
+    assert changes[0].startswith("changed model.layers.0.mlp.down_proj.quantizer._rht_operands: {'cpu': tensor(16, "
+                                 "16) torch.bfloat16 cpu"), changes[0]
+    assert "'meta': tensor(16, 16) torch.bfloat16 meta}" in changes[0], changes[0]
     assert changes[1].startswith("changed model.layers.0.mlp.up_proj.weight: tensor(128, 64) torch.float32 cpu")
 
     def code(*kernels):
@@ -152,6 +153,7 @@ def test_the_first_compile_probe_names_state_a_step_builds_and_kernels_that_diff
     assert list(found["differ"]) == ["triton_poi_fused_mul_0"]
     assert "+tmp1 = tmp0 * 2.0" in found["differ"]["triton_poi_fused_mul_0"]
     assert found["kernels"] == [2, 2] and found["wrapper_differs"]  # it launches other kernels
+    assert graph_count("def call(self, args):\n    pass\n" * 3) == 3 and graph_count(first) == 0
     body_only = code(("triton_poi_fused_mul_0", "tmp1 = tmp0 * 2.0"), ("triton_red_fused_max_1", "tmp2 = max(tmp1)"))
     found = code_changes(first, body_only)
     assert list(found["differ"]) == ["triton_poi_fused_mul_0"] and not found["wrapper_differs"]

@@ -203,6 +203,35 @@ def test_nvfp4_ablation_options_change_what_they_say():
     assert not torch.equal(one_d[0][0], rne[0][0])
 
 
+def test_nvfp4_rht_operand_is_built_with_the_quantizer_and_never_stored_while_compiling():
+    """The fused kernels' RHT operand exists on the layer's device before any step (built by the first compiled
+    forward, it split that step into several graphs on the GPU: bench/NOTES_floor.md 86); for another device, a
+    compiled function computes it inside its graph, in one graph, and stores nothing."""
+    from training.precision.nvfp4 import NVFP4Quantizer
+    from training.precision.nvfp4_triton import rht_operand
+
+    q = NVFP4Quantizer(rht=True, stochastic_rounding=False, weight_2d=True, rht_seed=3, device=torch.device("cpu"))
+    assert list(q._rht_operands) == ["cpu"]
+    want = rht_operand(q.rht_matrix, "cpu")
+    assert q.rht_operand(torch.device("cpu")) is q._rht_operands["cpu"] and torch.equal(q._rht_operands["cpu"], want)
+    assert want.dtype == torch.bfloat16 and want.is_contiguous() and torch.equal(want.float(), q.rht_matrix.t())
+
+    lazy = NVFP4Quantizer(rht=True, stochastic_rounding=False, weight_2d=True, rht_seed=3)  # no device given
+    assert lazy._rht_operands == {}
+
+    def f(x):
+        return (x.to(torch.bfloat16) @ lazy.rht_operand(x.device)).float()
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 16)
+    explained = torch._dynamo.explain(f)(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    assert torch.equal(torch.compile(f, fullgraph=True)(x), (x.to(torch.bfloat16) @ want).float())
+    assert lazy._rht_operands == {}, "stored while compiling"
+    lazy.rht_operand(torch.device("cpu"))  # eager: stored
+    assert list(lazy._rht_operands) == ["cpu"]
+
+
 # --------------------------------------------------------------------------------------- fp8_delayed
 def _delayed_model(history: int = 4):
     model = tiny_model()

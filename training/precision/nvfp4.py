@@ -63,14 +63,24 @@ class NVFP4Quantizer(GemmQuantizer):
         self.signs = random_sign_vector(rht_seed)
         # Built once on the layer's device: no per-step host work, nothing for torch.compile to trace.
         self.rht_matrix = rht_matrix(self.signs).to(device) if device is not None else rht_matrix(self.signs)
+        if device is not None:
+            self.rht_operand(device)  # built now, not by the first (compiled) forward: see rht_operand
 
     def rht_operand(self, device) -> torch.Tensor:
-        """rht^T in BF16 on `device`, for the fused kernels (built once per device)."""
+        """rht^T in BF16 on `device`, for the fused kernels: built once per device, on the layer's device when the
+        quantizer is made. Not stored while torch.compile traces (a layer moved to another device afterwards): the
+        graph then computes it (a 16 x 16 copy). Built and stored by the first compiled forward instead, it split
+        that step into several graphs (12 compiled graphs for a 2-layer model on an H200 under torch 2.11, against
+        2 once it existed), whose boundaries round intermediates to BF16 that one graph keeps in FP32: that step's
+        values were not those of any later compilation (bench/first_compile_probe.py; bench/NOTES_floor.md 86)."""
         key = str(device)
-        if key not in self._rht_operands:
+        operand = self._rht_operands.get(key)
+        if operand is None:
             from training.precision.nvfp4_triton import rht_operand
-            self._rht_operands[key] = rht_operand(self.rht_matrix, device)
-        return self._rht_operands[key]
+            operand = rht_operand(self.rht_matrix, device)
+            if not torch.compiler.is_compiling():
+                self._rht_operands[key] = operand
+        return operand
 
     def input(self, x2d, *, dtype=torch.float32, track=False):
         return quantize_nvfp4(x2d, dtype=dtype, track=track)
