@@ -129,7 +129,9 @@ def differences(want, got) -> list[str]:
     return out
 
 
-def build(recipe: str, layers: int, device: str):
+def build(recipe: str, layers: int, device: str, **options):
+    """A seeded 2-layer-wide Llama (hidden 256, intermediate 512) in BF16 on `device`, QKV fused, `recipe` applied
+    with `options`."""
     import torch
 
     from training.model import build_model, fuse_qkv, llama_config
@@ -139,7 +141,7 @@ def build(recipe: str, layers: int, device: str):
                            "num_attention_heads": 4, "num_key_value_heads": 2}, 512, 128)
     model = build_model(config, 0).to(device, torch.bfloat16)
     fuse_qkv(model)
-    apply_recipe(model, recipe)
+    apply_recipe(model, recipe, **options)
     return model
 
 

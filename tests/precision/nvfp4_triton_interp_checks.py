@@ -283,9 +283,10 @@ def test_a_converted_llama_mlp_quantizes_its_input_once_with_the_same_bits(nt, m
     runs = []
     for share in (True, False):
         model = build_model(llama_config(TWO_BLOCKS, 256, 32), 0).bfloat16()
-        report = apply_recipe(model, "nvfp4", share_mlp_input=True)
+        report = apply_recipe(model, "nvfp4", share_mlp_input=True, fused_swiglu=False)
         layers = model.model.layers
-        assert f"{len(layers)} block(s): linears reading the same input quantize it once where the fused kernels run (MLP gate and up)" in report.notes
+        assert any(note.startswith(f"{len(layers)} block(s): linears reading the same input quantize it once where "
+                                   "the fused kernels run (MLP gate and up)") for note in report.notes)
         if not share:
             for layer in layers:
                 del layer.mlp.forward  # back to LlamaMLP.forward: gate and up each quantize X
@@ -301,9 +302,10 @@ def test_a_converted_llama_mlp_quantizes_its_input_once_with_the_same_bits(nt, m
 
 
 def test_shared_mlp_input_is_the_default_and_numerics_sampling_sees_gate_and_up(nt, monkeypatch):
-    """share_mlp_input is on by default. The numerics probe samples each converted linear through a forward hook,
-    which the shared call would bypass: while it samples, gate and up run as their own modules (no shared call,
-    a sample for each), with the values of the shared call; when it stops, the shared call is back."""
+    """share_mlp_input is on by default (here with fused_swiglu off, which would run the whole MLP as one function).
+    The numerics probe samples each converted linear through a forward hook, which the shared call would bypass: while
+    it samples, gate and up run as their own modules (no shared call, a sample for each), with the values of the
+    shared call; when it stops, the shared call is back."""
     from training.model import build_model, llama_config
     from training.precision import apply_recipe
     from training.precision.nvfp4 import NVFP4EmulatedLinear, NVFP4SharedInputFn
@@ -314,9 +316,11 @@ def test_shared_mlp_input_is_the_default_and_numerics_sampling_sees_gate_and_up(
     monkeypatch.setattr(NVFP4SharedInputFn, "apply", lambda *a: calls.append(1) or original(*a))
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
     model = build_model(llama_config(TWO_BLOCKS, 256, 32), 0).bfloat16()
-    report = apply_recipe(model, "nvfp4")
+    report = apply_recipe(model, "nvfp4", fused_swiglu=False)
+    assert report.options["share_mlp_input"] and not report.options["fused_swiglu"]
     layers = len(model.model.layers)
-    assert f"{layers} block(s): linears reading the same input quantize it once where the fused kernels run (MLP gate and up)" in report.notes
+    assert any(note.startswith(f"{layers} block(s): linears reading the same input quantize it once where the fused "
+                               "kernels run (MLP gate and up)") for note in report.notes)
     losses = []
     for sampling in (False, True, False):
         report.set_numerics_sampling(sampling)

@@ -54,7 +54,7 @@ def test_options_and_defaults_are_the_recipes_documented_ones():
                         "fused_swiglu": True, "fused_qkv_rope": True},
         "mxfp8": {"scale_rounding": "rceil", "fused_quantize": True},
         "nvfp4": {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_seed": 0, "fused_quantize": True,
-                  "share_mlp_input": True},
+                  "share_mlp_input": True, "fused_swiglu": True},
     }
     for entry in catalog.recipes():
         assert all(option.help for option in entry.options), entry.name
@@ -75,7 +75,7 @@ def test_capability_says_where_real_kernels_run():
     ("fp8_delayed", {"amax_history_len": 0}, "option amax_history_len of fp8_delayed must be a positive integer"),
     ("mxfp8", {"scale_rounding": "even"}, "option scale_rounding of mxfp8 must be one of floor, rceil, got 'even'"),
     ("nvfp4", {"hadamard": True}, "unknown option(s) hadamard for recipe 'nvfp4'; valid options: fused_quantize, "
-                                  "rht, rht_seed, share_mlp_input, stochastic_rounding, weight_2d"),
+                                  "fused_swiglu, rht, rht_seed, share_mlp_input, stochastic_rounding, weight_2d"),
     ("fp8_tensorwise", {"amax_history_len": 16}, "unknown option(s) amax_history_len for recipe 'fp8_tensorwise'; "
                                                  "valid options: fused_qkv_rope, fused_swiglu, implementation"),
     ("fp8_tensorwise", {"implementation": "te"}, "option implementation of fp8_tensorwise must be one of auto, "

@@ -81,7 +81,7 @@ def test_bf16_first_layers_and_baseline_convert_nothing_they_should_not():
 
 @pytest.mark.parametrize("call,match", [
     (dict(name="fp6"), "unknown recipe 'fp6'; choose one of bf16, fp8_delayed"),
-    (dict(name="nvfp4", hadamard=True), r"unknown option\(s\) hadamard for recipe 'nvfp4'; valid options: fused_quantize, rht, rht_seed"),
+    (dict(name="nvfp4", hadamard=True), r"unknown option\(s\) hadamard for recipe 'nvfp4'; valid options: fused_quantize, fused_swiglu, rht, rht_seed"),
     (dict(name="fp8_tensorwise", amax_history_len=16),
      "valid options: fused_qkv_rope, fused_swiglu, implementation"),
     (dict(name="fp8_rowwise", amax_history_len=16), "valid options: none"),

@@ -284,6 +284,10 @@ _BUILTIN = (
             _bool("share_mlp_input", True, "with fused_quantize, a Llama MLP's gate and up quantize their common "
                                            "input once instead of twice (the same values; false: each its own, "
                                            "for an A/B)"),
+            _bool("fused_swiglu", True, "with share_mlp_input, a Llama MLP's SwiGLU and its backward each run as one "
+                                        "Triton pass that also reduces the per-tensor maxima of h, dL/dgate and "
+                                        "dL/dup, so their quantization skips its amax pass (inductor's math, the "
+                                        "same values in a compiled step; false: the layers' path, for an A/B)"),
         ),
         quantizer_bytes=(8, 6),  # per-tensor amax first; W's 16x16 tiles are transpose-invariant: one layout
     ),

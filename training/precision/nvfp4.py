@@ -314,6 +314,134 @@ def share_mlp_input(block) -> int:
     return 1
 
 
+def _weight_operands(q: "NVFP4Quantizer", w, cached) -> tuple[Quantized, Quantized | None]:
+    """W's Fprop operand and its Dgrad operand (or None: quantized when Dgrad needs it), from the per-step weight cache
+    `cached` = (wf, wf_outer, wd, wd_outer) where it holds them (QuantizedLinear), else quantized now."""
+    wf, wf_outer, wd, wd_outer = cached
+    if wf is not None:
+        return Quantized(wf, wf_outer), (Quantized(wd, wd_outer) if wd is not None else None)
+    return fused_weight_operands(q, w)
+
+
+def _raw_mm(a: Quantized, b: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
+    """emulated_mm's GEMM and its scale apart: (a.values @ b.values^T in BF16, a.outer * b.outer in FP32)."""
+    with torch.autocast("cuda", enabled=False):
+        return torch.mm(a.values, b.values.t()), a.outer * b.outer
+
+
+class NVFP4SwiGLUMLPFn(torch.autograd.Function):
+    """A Llama MLP, down(silu(gate(x)) * up(x)), of emulated NVFP4 linears on the fused path (`fused_swiglu`): the
+    GEMMs, quantizations and saved operands of NVFP4SharedInputFn (gate and up) and NVFP4FusedFn (down), operand for
+    operand, except that SwiGLU and its backward run as one Triton pass each (nvfp4_swiglu_triton) that takes the gate
+    and up GEMMs' BF16 results with their scales (and down's Dgrad result with its scale), writes h (or dL/dgate and
+    dL/dup) and the per-tensor maxima their quantization needs, so the quantizer's amax pass over them is skipped.
+    The math of those passes is what inductor's compiled step computes from the same GEMM results (the scale products
+    not rounded to BF16), so a compiled step gives the three layers' bits (tests/precision/test_nvfp4_swiglu_gpu.py);
+    an eager one differs from the three layers' eager step, which rounds each GEMM's scaled result to BF16 first. SR
+    seeds are drawn in the layers' order: down's dY, then up's, then gate's."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, wg, wu, wd, qg: "NVFP4Quantizer", qu: "NVFP4Quantizer", qd: "NVFP4Quantizer", *cached):
+        """`cached`: for gate, up and down, (wf, wf_outer, wd, wd_outer) from the per-step weight cache or Nones."""
+        from training.precision.nvfp4_swiglu_triton import nvfp4_swiglu_fwd
+        from training.precision.nvfp4_triton import nvfp4_dual_quantize_given_amax
+
+        x2, (xa, xb, pts_x) = _quantize_input(x, qg)
+        ops = [_weight_operands(q, w, cached[4 * i:4 * i + 4]) for i, (q, w) in enumerate(((qg, wg), (qu, wu),
+                                                                                           (qd, wd)))]
+        xq = Quantized(xa, pts_x[0])
+        g, s_g = _raw_mm(xq, ops[0][0])
+        u, s_u = _raw_mm(xq, ops[1][0])
+        rht_t = qd.rht_operand(x2.device)
+        h, amax_h = nvfp4_swiglu_fwd(g, u, s_g, s_u, rht_t, rht=qd.rht)
+        ha, hb, pts_h = nvfp4_dual_quantize_given_amax(h, rht_t, amax_h, rht=qd.rht, stochastic=False)
+        y = emulated_mm(Quantized(ha, pts_h[0]), ops[2][0], x2.dtype)
+        saved = [xb, pts_x, g, u, s_g, s_u, hb, pts_h, wg, wu, wd]
+        ctx.dgrad = []  # per linear: where its saved Dgrad operand is in saved_tensors, or None
+        for _, wdq in ops:
+            ctx.dgrad.append(len(saved) if wdq is not None else None)
+            saved += [wdq.values, wdq.outer] if wdq is not None else []
+        ctx.save_for_backward(*saved)
+        ctx.quantizers = (qg, qu, qd)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        return y.reshape(*x.shape[:-1], wd.shape[0])
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy):
+        from training.precision.nvfp4_swiglu_triton import nvfp4_swiglu_bwd
+        from training.precision.nvfp4_triton import nvfp4_dual_quantize, nvfp4_dual_quantize_given_amax
+
+        saved = ctx.saved_tensors
+        xb, pts_x, g, u, s_g, s_u, hb, pts_h, wg, wu, wd = saved[:11]
+        qg, qu, qd = ctx.quantizers
+        needs = ctx.needs_input_grad
+
+        def dgrad_operand(k, q, w):
+            at = ctx.dgrad[k]
+            return Quantized(saved[at], saved[at + 1]) if at is not None else q.weight_dgrad(w, dtype=torch.bfloat16)
+
+        # down: dY quantized (its SR seed first), Dgrad into dh (GEMM and scale apart, for the SwiGLU pass), Wgrad
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
+        rht_t = qd.rht_operand(dy2.device)
+        dya, dyb, pts_dy = nvfp4_dual_quantize(dy2, rht_t, rht=qd.rht, stochastic=qd.stochastic_rounding)
+        dh, s_dh = _raw_mm(Quantized(dya, pts_dy[0]), dgrad_operand(2, qd, wd))
+        grad_wd = emulated_mm(Quantized(dyb, pts_dy[1]).t(), Quantized(hb, pts_h[1]).t(), wd.dtype) if needs[3] \
+            else None
+        dg, amax_dg, du, amax_du = nvfp4_swiglu_bwd(g, u, dh, s_g, s_u, s_dh, qg.rht_operand(dh.device), rht=qg.rht)
+        grads = {}
+        for k, q, w, d, amax in ((1, qu, wu, du, amax_du), (0, qg, wg, dg, amax_dg)):  # up first, as autograd's engine
+            da, db, pts_d = nvfp4_dual_quantize_given_amax(d, q.rht_operand(d.device), amax, rht=q.rht,
+                                                           stochastic=q.stochastic_rounding)
+            gx = emulated_mm(Quantized(da, pts_d[0]), dgrad_operand(k, q, w), ctx.x_dtype) if needs[0] else None
+            gw = emulated_mm(Quantized(db, pts_d[1]).t(), Quantized(xb, pts_x[1]).t(), w.dtype) if needs[1 + k] \
+                else None
+            grads[k] = (gx, gw)
+        grad_x = (grads[1][0] + grads[0][0]).reshape(ctx.x_shape) if needs[0] else None
+        return (grad_x, grads[0][1], grads[1][1], grad_wd) + (None,) * (3 + 12)
+
+
+def _fused_swiglu_mlp_forward(self, x):
+    """LlamaMLP.forward as NVFP4SwiGLUMLPFn where the three layers take the fused path and no hooks watch them (the
+    numerics probe samples each layer through forward hooks, which the fused function would bypass); else gate and up
+    sharing their input's quantization (NVFP4SharedInputFn) or each its own: the layers' values."""
+    gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+    if (gate._fused_path(x) and up._fused_path(x) and down._fused_path(x)
+            and not any(has_hooks(m) for m in (gate, up, down))):
+        cached = [c for m in (gate, up, down) for c in (m._cached("fused") or (None,) * 4)]
+        return NVFP4SwiGLUMLPFn.apply(x, gate.weight, up.weight, down.weight, gate.quantizer, up.quantizer,
+                                      down.quantizer, *cached)
+    return _shared_input_mlp_forward(self, x)
+
+
+def fuse_swiglu_mlp(block) -> int:
+    """In a Llama decoder block whose MLP has a SiLU activation and gate, up and down projections that are emulated
+    NVFP4 linears without biases, with one transform (rht and its signs) and one rounding of gradients: the MLP runs
+    as NVFP4SwiGLUMLPFn where the fused path runs (CUDA, BF16, token count a multiple of 16), gate and up sharing their
+    input's quantization elsewhere. Returns 1 if set up so, else 0 (another MLP class or activation, biases, a layer
+    kept in BF16, gate and up fused into one linear, quantizers that differ)."""
+    from transformers.activations import SiLUActivation
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = getattr(block, "mlp", None)
+    if type(mlp) is not LlamaMLP or getattr(mlp, "_plab_fused_swiglu", False) or getattr(mlp, "_plab_shared_input",
+                                                                                           False):
+        return 0
+    layers = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(m, NVFP4EmulatedLinear) and m.bias is None for m in layers):
+        return 0
+    if not isinstance(mlp.act_fn, (torch.nn.SiLU, SiLUActivation)):
+        return 0
+    qs = [m.quantizer for m in layers]
+    if any(q.rht != qs[0].rht or not torch.equal(q.signs, qs[0].signs)
+           or q.stochastic_rounding != qs[0].stochastic_rounding for q in qs):
+        return 0
+    mlp.forward = _fused_swiglu_mlp_forward.__get__(mlp)
+    mlp._plab_fused_swiglu = True
+    return 1
+
+
 # Inductor setting for a compiled step with NVFP4 layers on the fused path (inductor_settings).
 FLEXIBLE_USER_KERNELS = {"triton_kernel_default_layout_constraint": "flexible_layout"}
 
@@ -452,8 +580,16 @@ class NVFP4Recipe(Recipe):
         return (NVFP4EmulatedLinear(linear, quantizer, self.name), quantizer,
                 f"emulated: {quantizer.describe()}{fused}")
 
+    shared_note = ("linears reading the same input quantize it once where the fused kernels run (MLP gate and up), "
+                   "and with fused_swiglu the MLP's SwiGLU and its backward each run as one Triton pass that also "
+                   "takes the maxima the next quantization needs")
+
     def share_inputs(self, block, options: dict, real: bool) -> int:
-        return share_mlp_input(block) if options["share_mlp_input"] and options["fused_quantize"] and not real else 0
+        if real or not options["fused_quantize"]:
+            return 0
+        if options["fused_swiglu"] and options["share_mlp_input"] and fuse_swiglu_mlp(block):
+            return 1
+        return share_mlp_input(block) if options["share_mlp_input"] else 0
 
     def inductor_settings(self, model, on_cuda):
         return inductor_settings(model, on_cuda)

@@ -287,15 +287,25 @@ def dual_quantize_launch(x: torch.Tensor, h: torch.Tensor, seed: torch.Tensor, r
     The global maxima are reduced from per-program partials (no atomics on one address); the amax pass has its
     own tile (`amax_block_n` features x 16 `amax_groups` tokens), the quantize pass `block_n` x 16 `groups`."""
     m, n = x.shape
-    pts = torch.empty(2, device=x.device, dtype=torch.float32)
-    a = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
-    b = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     on_gpu = x.is_cuda
     amax_grid = (triton.cdiv(m, 16 * amax_groups), triton.cdiv(n, amax_block_n))
     partial = torch.empty((amax_grid[0] * amax_grid[1], 2), device=x.device, dtype=torch.float32)
     wrap(_nvfp4_dual_amax_kernel)[amax_grid](x, h, partial, m, n, x.stride(0), BLOCK=amax_block_n,
                                              GROUPS=amax_groups, HAS_RHT=rht, DOT_BF16=on_gpu, num_warps=NUM_WARPS)
-    amax = partial.amax(dim=0)
+    return quantize_launch(x, h, partial.amax(dim=0), seed, rht, stochastic, wrap, block_n=block_n, groups=groups,
+                           num_warps=num_warps)
+
+
+def quantize_launch(x: torch.Tensor, h: torch.Tensor, amax: torch.Tensor, seed: torch.Tensor, rht: bool,
+                    stochastic: bool, wrap=lambda kernel: kernel, *, block_n: int = BLOCK_N, groups: int = GROUPS,
+                    num_warps: int = NUM_WARPS):
+    """The quantize pass alone, from the two maxima `amax` = [max |x|, max |RHT(x)|] (FP32, 2 elements, unit stride;
+    the amax pass's, or those of the kernel that produced x: nvfp4_swiglu_triton): returns (a, b, pts)."""
+    m, n = x.shape
+    pts = torch.empty(2, device=x.device, dtype=torch.float32)
+    a = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
+    b = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
+    on_gpu = x.is_cuda
     grid = (triton.cdiv(m, 16 * groups), triton.cdiv(n, block_n))
     wrap(_nvfp4_dual_quant_kernel)[grid](x, h, amax, seed, a, b, pts, m, n, x.stride(0), BLOCK=block_n,
                                          GROUPS=groups, HAS_RHT=rht, STOCH=stochastic, DOT_BF16=on_gpu,
@@ -312,6 +322,12 @@ if HAVE_TRITON:
         return dual_quantize_launch(x, h, seed, rht, stochastic, wrap=wrap_triton,
                                     **launch_config(x.shape[1], stochastic))
 
+    @triton_op("plab::nvfp4_quantize_given_amax", mutates_args=())
+    def _quantize_given_amax_op(x: torch.Tensor, h: torch.Tensor, amax: torch.Tensor, seed: torch.Tensor, rht: bool,
+                                stochastic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return quantize_launch(x, h, amax, seed, rht, stochastic, wrap=wrap_triton,
+                               **launch_config(x.shape[1], stochastic))
+
 
 def nvfp4_dual_quantize(x: torch.Tensor, h: torch.Tensor, *, rht: bool, stochastic: bool):
     """(a, b, pts): `a` NVFP4 values of x in 1x16 blocks along dim 1, `b` of RHT(x) (if `rht`) in 1x16
@@ -319,6 +335,20 @@ def nvfp4_dual_quantize(x: torch.Tensor, h: torch.Tensor, *, rht: bool, stochast
     tensor with both dims multiples of 16 (any strides); `h` is `rht_operand(...)`."""
     if x.stride(1) != 1:  # the kernels read rows with unit stride along the features
         x = x.contiguous()
-    seed = torch.randint(0, 2 ** 31 - 1, (1,), device=x.device, dtype=torch.int64) if stochastic else \
-        torch.zeros(1, device=x.device, dtype=torch.int64)
-    return torch.ops.plab.nvfp4_dual_quantize(x, h, seed, rht, stochastic)
+    return torch.ops.plab.nvfp4_dual_quantize(x, h, _seed(x, stochastic), rht, stochastic)
+
+
+def _seed(x: torch.Tensor, stochastic: bool) -> torch.Tensor:
+    """Stochastic rounding's Philox seed, drawn from torch's generator on x's device (zeros without it)."""
+    if stochastic:
+        return torch.randint(0, 2 ** 31 - 1, (1,), device=x.device, dtype=torch.int64)
+    return torch.zeros(1, device=x.device, dtype=torch.int64)
+
+
+def nvfp4_dual_quantize_given_amax(x: torch.Tensor, h: torch.Tensor, amax: torch.Tensor, *, rht: bool,
+                                   stochastic: bool):
+    """nvfp4_dual_quantize's (a, b, pts) without its amax pass: `amax` = [max |x|, max |RHT(x)|] (FP32; with `rht`
+    False both max |x|) computed by the kernel that produced x (nvfp4_swiglu_triton). x: unit column stride."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return torch.ops.plab.nvfp4_quantize_given_amax(x, h, amax, _seed(x, stochastic), rht, stochastic)
