@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("script", ["carveout_probe.py", "kernel_bench.py", "transpose_store_probe.py",
                                     "cublaslt_workspace_probe.py", "amax_pass_probe.py",
                                     "adamw_tile_probe.py", "nvfp4_quant_probe.py",
-                                    "first_compile_probe.py"])
+                                    "first_compile_probe.py", "nvfp4_swiglu_probe.py"])
 def test_gpu_bench_script_imports_and_prints_its_usage(script):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)

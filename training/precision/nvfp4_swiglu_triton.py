@@ -41,18 +41,21 @@ BLOCK_N, GROUPS, NUM_WARPS = 128, 2, 4
 
 if HAVE_TRITON:
     @triton.jit
-    def _store_bf16(ptr, rows, cols, N, v, mask):
-        """Store FP32 `v` as BF16 (nearest even, on the bits: the interpreter's cast truncates) and return the stored
-        values in FP32 (exact)."""
-        bits = bf16_bits_rne(v)
-        tl.store(ptr + rows[:, None].to(tl.int64) * N + cols[None, :], bits.to(tl.bfloat16, bitcast=True), mask=mask)
-        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    def _store_bf16(ptr, rows, cols, N, v, mask, NATIVE: tl.constexpr):
+        """Store FP32 `v` as BF16, rounded to nearest even, and return the stored values in FP32 (exact). NATIVE: the
+        GPU's conversion instruction (as inductor's store); else on the bits (the interpreter's cast truncates)."""
+        if NATIVE:
+            b = v.to(tl.bfloat16)
+        else:
+            b = bf16_bits_rne(v).to(tl.bfloat16, bitcast=True)
+        tl.store(ptr + rows[:, None].to(tl.int64) * N + cols[None, :], b, mask=mask)
+        return bf16_to_f32(b)
 
     @triton.jit
     def _nvfp4_swiglu_kernel(g_ptr, u_ptr, dh_ptr, sg_ptr, su_ptr, sdh_ptr, rht_ptr, oa_ptr, ob_ptr, partial_ptr,
                              M, N, stride_g, stride_u, stride_dh, BACKWARD: tl.constexpr, HAS_RHT: tl.constexpr,
                              DOT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr,
-                             GROUPS: tl.constexpr, K: tl.constexpr):
+                             GROUPS: tl.constexpr, K: tl.constexpr, NATIVE: tl.constexpr):
         pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         sg = tl.load(sg_ptr)
@@ -71,13 +74,14 @@ if HAVE_TRITON:
             if BACKWARD:
                 dh = bf16_to_f32(tl.load(dh_ptr + r * stride_dh + cols[None, :], mask=mask, other=0.0)) * \
                     tl.load(sdh_ptr)
-                a = _store_bf16(oa_ptr, rows, cols, N, ((dh * u) * sig) * (g * (1.0 - sig) + 1.0), mask)  # dL/dg
-                b = _store_bf16(ob_ptr, rows, cols, N, dh * silu, mask)  # dL/du
+                a = _store_bf16(oa_ptr, rows, cols, N, ((dh * u) * sig) * (g * (1.0 - sig) + 1.0), mask,
+                                NATIVE)  # dL/dg
+                b = _store_bf16(ob_ptr, rows, cols, N, dh * silu, mask, NATIVE)  # dL/du
                 max_b = tl.maximum(max_b, tl.abs(b))
                 if HAS_RHT:
                     max_br = tl.maximum(max_br, tl.abs(_rht_tile(rht_ptr, b, DOT_BF16)))
             else:
-                a = _store_bf16(oa_ptr, rows, cols, N, silu * u, mask)  # h
+                a = _store_bf16(oa_ptr, rows, cols, N, silu * u, mask, NATIVE)  # h
             max_a = tl.maximum(max_a, tl.abs(a))
             if HAS_RHT:
                 max_ar = tl.maximum(max_ar, tl.abs(_rht_tile(rht_ptr, a, DOT_BF16)))
@@ -92,12 +96,12 @@ if HAVE_TRITON:
 
 
 def swiglu_launch(g, u, dh, s_g, s_u, s_dh, rht_t, rht: bool, *, wrap=lambda kernel: kernel, block_n: int = BLOCK_N,
-                  groups: int = GROUPS, num_warps: int = NUM_WARPS):
+                  groups: int = GROUPS, num_warps: int = NUM_WARPS, native: bool | None = None):
     """Launch the kernel (under the interpreter too). Forward (dh None): (h, amax) with amax = [max |h|, max
     |RHT(h)|] (FP32, the layout nvfp4_dual_quantize_given_amax takes). Backward: (dL/dg, dL/du, amax) with amax =
     [max |dL/dg|, max |RHT(dL/dg)|, max |dL/du|, max |RHT(dL/du)|]. Without `rht` the RHT maxima repeat the plain
     ones. g, u, dh: BF16 [tokens, features] with unit column stride; s_*: FP32 one-element tensors; rht_t: the
-    quantizer's rht_operand."""
+    quantizer's rht_operand. `native`: round to BF16 with the GPU's instruction (default: where compiled for one)."""
     m, n = g.shape
     backward = dh is not None
     assert g.dtype == u.dtype == torch.bfloat16 and (dh is None or dh.dtype == torch.bfloat16), "BF16 operands"
@@ -111,7 +115,7 @@ def swiglu_launch(g, u, dh, s_g, s_u, s_dh, rht_t, rht: bool, *, wrap=lambda ker
                                      partial, m, n, g.stride(0), u.stride(0), dh.stride(0) if backward else 0,
                                      BACKWARD=backward, HAS_RHT=rht, DOT_BF16=g.is_cuda,
                                      LIBDEVICE=compiled_for_gpu(), BLOCK=block_n, GROUPS=groups, K=k,
-                                     num_warps=num_warps)
+                                     NATIVE=compiled_for_gpu() if native is None else native, num_warps=num_warps)
     amax = partial.amax(dim=0)
     return (oa, ob, amax) if backward else (oa, amax)
 

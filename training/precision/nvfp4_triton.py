@@ -286,14 +286,21 @@ def dual_quantize_launch(x: torch.Tensor, h: torch.Tensor, seed: torch.Tensor, r
     """Launch both kernels (under the interpreter too): returns (a, b, pts) with pts = [pts_a, pts_b].
     The global maxima are reduced from per-program partials (no atomics on one address); the amax pass has its
     own tile (`amax_block_n` features x 16 `amax_groups` tokens), the quantize pass `block_n` x 16 `groups`."""
+    amax = amax_launch(x, h, rht, wrap, amax_block_n=amax_block_n, amax_groups=amax_groups)
+    return quantize_launch(x, h, amax, seed, rht, stochastic, wrap, block_n=block_n, groups=groups,
+                           num_warps=num_warps)
+
+
+def amax_launch(x: torch.Tensor, h: torch.Tensor, rht: bool, wrap=lambda kernel: kernel, *,
+                amax_block_n: int = AMAX_BLOCK_N, amax_groups: int = AMAX_GROUPS) -> torch.Tensor:
+    """The amax pass alone: [max |x|, max |RHT(x)|] (FP32; without `rht` both max |x|), reduced from per-program
+    partials (no atomics on one address)."""
     m, n = x.shape
-    on_gpu = x.is_cuda
     amax_grid = (triton.cdiv(m, 16 * amax_groups), triton.cdiv(n, amax_block_n))
     partial = torch.empty((amax_grid[0] * amax_grid[1], 2), device=x.device, dtype=torch.float32)
     wrap(_nvfp4_dual_amax_kernel)[amax_grid](x, h, partial, m, n, x.stride(0), BLOCK=amax_block_n,
-                                             GROUPS=amax_groups, HAS_RHT=rht, DOT_BF16=on_gpu, num_warps=NUM_WARPS)
-    return quantize_launch(x, h, partial.amax(dim=0), seed, rht, stochastic, wrap, block_n=block_n, groups=groups,
-                           num_warps=num_warps)
+                                             GROUPS=amax_groups, HAS_RHT=rht, DOT_BF16=x.is_cuda, num_warps=NUM_WARPS)
+    return partial.amax(dim=0)
 
 
 def quantize_launch(x: torch.Tensor, h: torch.Tensor, amax: torch.Tensor, seed: torch.Tensor, rht: bool,
