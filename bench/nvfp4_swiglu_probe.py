@@ -4,8 +4,9 @@ model's MLP shape (8192 tokens x 8192), with the host out of the measurement.
 In the layers' path inductor computes h = silu(G s_g) (U s_u) (forward) or dL/dgate and dL/dup (backward) in one
 pointwise kernel, and the quantizer's amax pass then reads each result once more for max |v| and max |RHT(v)|. The
 fused pass computes the same values and both maxima in one kernel. Here: inductor's kernel (torch.compile of the
-layers' math) plus the amax pass(es), against the fused kernel at several tiles (BLOCK_N:GROUPS:WARPS) and with the
-BF16 rounding done by the conversion instruction (`native`) or on the bits. Each variant's 20 calls are captured in
+layers' math) plus the amax pass(es), against the fused kernel at several tiles (BLOCK_N:GROUPS:WARPS), with the
+BF16 rounding done by the conversion instruction (`native`) or on the bits, and with the RHT's product taken as the
+amax pass takes it or transposed (` T`, as the quantize pass: one wgmma with M = BLOCK_N). Each variant's 20 calls are captured in
 one CUDA graph and replayed between CUDA events (bench.kernel_bench.graph_timed). Every fused variant is checked
 against inductor's values and the amax pass's maxima, to the bit.
 
@@ -85,10 +86,10 @@ def main(argv=None) -> int:
         return all(torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x, y.view(torch.int16)
                                if y.dtype == torch.bfloat16 else y) for x, y in zip(xs, ys))
 
-    for native in (True, False):
+    for native, transposed in ((True, False), (True, True), (False, False)):
         for bn, groups, warps in a.configs:
-            cfg = dict(block_n=bn, groups=groups, num_warps=warps, native=native)
-            label = f"fused {bn}:{groups}:{warps}{'' if native else ' bits'}"
+            cfg = dict(block_n=bn, groups=groups, num_warps=warps, native=native, transposed=transposed)
+            label = f"fused {bn}:{groups}:{warps}{'' if native else ' bits'}{' T' if transposed else ''}"
             for direction in ("forward", "backward"):
                 if direction == "forward":
                     def fn():

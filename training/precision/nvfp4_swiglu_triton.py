@@ -32,7 +32,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from training.precision.fp8_swiglu_triton import _silu_parts
-    from training.precision.nvfp4_triton import _rht_tile
+    from training.precision.nvfp4_triton import _rht_tile, _rht_tile_t
     from training.triton_math import bf16_bits_rne, bf16_to_f32
 
 # A program: 2 groups of 16 tokens x 128 features, 4 warps (fp8_swiglu_triton's 32 x 128 tile, whose two passes run at
@@ -52,18 +52,32 @@ if HAVE_TRITON:
         return bf16_to_f32(b)
 
     @triton.jit
+    def _rht_absmax(rht_ptr, x, DOT_BF16: tl.constexpr, TRANSPOSED: tl.constexpr):
+        """|RHT(x)| of a (16, BLOCK) tile, as the amax pass's _rht_tile, or transposed ((BLOCK, 16): x^T @ rht, the
+        quantize pass's product, one wgmma with M = BLOCK on Hopper): only its maximum is kept, which is the same
+        either way if the two products' sums are."""
+        if TRANSPOSED:
+            return tl.abs(_rht_tile_t(rht_ptr, x, DOT_BF16))
+        return tl.abs(_rht_tile(rht_ptr, x, DOT_BF16))
+
+    @triton.jit
     def _nvfp4_swiglu_kernel(g_ptr, u_ptr, dh_ptr, sg_ptr, su_ptr, sdh_ptr, rht_ptr, oa_ptr, ob_ptr, partial_ptr,
                              M, N, stride_g, stride_u, stride_dh, BACKWARD: tl.constexpr, HAS_RHT: tl.constexpr,
                              DOT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr,
-                             GROUPS: tl.constexpr, K: tl.constexpr, NATIVE: tl.constexpr):
+                             GROUPS: tl.constexpr, K: tl.constexpr, NATIVE: tl.constexpr,
+                             TRANSPOSED: tl.constexpr):
         pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         sg = tl.load(sg_ptr)
         su = tl.load(su_ptr)
         max_a = tl.zeros((16, BLOCK), dtype=tl.float32)
-        max_ar = tl.zeros((16, BLOCK), dtype=tl.float32)
         max_b = tl.zeros((16, BLOCK), dtype=tl.float32)
-        max_br = tl.zeros((16, BLOCK), dtype=tl.float32)
+        if TRANSPOSED:
+            max_ar = tl.zeros((BLOCK, 16), dtype=tl.float32)
+            max_br = tl.zeros((BLOCK, 16), dtype=tl.float32)
+        else:
+            max_ar = tl.zeros((16, BLOCK), dtype=tl.float32)
+            max_br = tl.zeros((16, BLOCK), dtype=tl.float32)
         for grp in tl.static_range(GROUPS):
             rows = (tl.program_id(0) * GROUPS + grp) * 16 + tl.arange(0, 16)
             mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -79,29 +93,36 @@ if HAVE_TRITON:
                 b = _store_bf16(ob_ptr, rows, cols, N, dh * silu, mask, NATIVE)  # dL/du
                 max_b = tl.maximum(max_b, tl.abs(b))
                 if HAS_RHT:
-                    max_br = tl.maximum(max_br, tl.abs(_rht_tile(rht_ptr, b, DOT_BF16)))
+                    max_br = tl.maximum(max_br, _rht_absmax(rht_ptr, b, DOT_BF16, TRANSPOSED))
             else:
                 a = _store_bf16(oa_ptr, rows, cols, N, silu * u, mask, NATIVE)  # h
             max_a = tl.maximum(max_a, tl.abs(a))
             if HAS_RHT:
-                max_ar = tl.maximum(max_ar, tl.abs(_rht_tile(rht_ptr, a, DOT_BF16)))
-        if not HAS_RHT:  # the RHT maxima repeat the plain ones (nvfp4_triton's amax pass)
-            max_ar = max_a
-            max_br = max_b
-        tl.store(partial_ptr + K * pid, tl.max(tl.max(max_a, axis=1), axis=0))
-        tl.store(partial_ptr + K * pid + 1, tl.max(tl.max(max_ar, axis=1), axis=0))
+                max_ar = tl.maximum(max_ar, _rht_absmax(rht_ptr, a, DOT_BF16, TRANSPOSED))
+        amax_a = tl.max(tl.max(max_a, axis=1), axis=0)
+        amax_ar = amax_a  # without RHT the RHT maxima repeat the plain ones (nvfp4_triton's amax pass)
+        if HAS_RHT:
+            amax_ar = tl.max(tl.max(max_ar, axis=1), axis=0)
+        tl.store(partial_ptr + K * pid, amax_a)
+        tl.store(partial_ptr + K * pid + 1, amax_ar)
         if BACKWARD:
-            tl.store(partial_ptr + K * pid + 2, tl.max(tl.max(max_b, axis=1), axis=0))
-            tl.store(partial_ptr + K * pid + 3, tl.max(tl.max(max_br, axis=1), axis=0))
+            amax_b = tl.max(tl.max(max_b, axis=1), axis=0)
+            amax_br = amax_b
+            if HAS_RHT:
+                amax_br = tl.max(tl.max(max_br, axis=1), axis=0)
+            tl.store(partial_ptr + K * pid + 2, amax_b)
+            tl.store(partial_ptr + K * pid + 3, amax_br)
 
 
 def swiglu_launch(g, u, dh, s_g, s_u, s_dh, rht_t, rht: bool, *, wrap=lambda kernel: kernel, block_n: int = BLOCK_N,
-                  groups: int = GROUPS, num_warps: int = NUM_WARPS, native: bool | None = None):
+                  groups: int = GROUPS, num_warps: int = NUM_WARPS, native: bool | None = None,
+                  transposed: bool = False):
     """Launch the kernel (under the interpreter too). Forward (dh None): (h, amax) with amax = [max |h|, max
     |RHT(h)|] (FP32, the layout nvfp4_dual_quantize_given_amax takes). Backward: (dL/dg, dL/du, amax) with amax =
     [max |dL/dg|, max |RHT(dL/dg)|, max |dL/du|, max |RHT(dL/du)|]. Without `rht` the RHT maxima repeat the plain
     ones. g, u, dh: BF16 [tokens, features] with unit column stride; s_*: FP32 one-element tensors; rht_t: the
-    quantizer's rht_operand. `native`: round to BF16 with the GPU's instruction (default: where compiled for one)."""
+    quantizer's rht_operand. `native`: round to BF16 with the GPU's instruction (default: where compiled for one);
+    `transposed`: the RHT's product as the quantize pass takes it (x^T @ rht) rather than as the amax pass does."""
     m, n = g.shape
     backward = dh is not None
     assert g.dtype == u.dtype == torch.bfloat16 and (dh is None or dh.dtype == torch.bfloat16), "BF16 operands"
@@ -115,7 +136,8 @@ def swiglu_launch(g, u, dh, s_g, s_u, s_dh, rht_t, rht: bool, *, wrap=lambda ker
                                      partial, m, n, g.stride(0), u.stride(0), dh.stride(0) if backward else 0,
                                      BACKWARD=backward, HAS_RHT=rht, DOT_BF16=g.is_cuda,
                                      LIBDEVICE=compiled_for_gpu(), BLOCK=block_n, GROUPS=groups, K=k,
-                                     NATIVE=compiled_for_gpu() if native is None else native, num_warps=num_warps)
+                                     NATIVE=compiled_for_gpu() if native is None else native, TRANSPOSED=transposed,
+                                     num_warps=num_warps)
     amax = partial.amax(dim=0)
     return (oa, ob, amax) if backward else (oa, amax)
 
