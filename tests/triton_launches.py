@@ -16,7 +16,7 @@ from pathlib import Path
 RECORD_ENV = "PLAB_TRITON_LAUNCHES"
 # Constexprs the launchers set from the tensors' device (`x.is_cuda`): under the interpreter they take their CPU
 # value, which a GPU never compiles, so the launches are compiled with their GPU value.
-GPU_VALUES = {"DOT_BF16": True, "CUDA_SEMANTICS": True, "CUDA_ADDCMUL": True}
+GPU_VALUES = {"DOT_BF16": True, "CUDA_SEMANTICS": True, "CUDA_ADDCMUL": True, "NATIVE": True}
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 
 _POINTER = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "float64": "*fp64", "int8": "*i8",

@@ -80,6 +80,21 @@ def test_backward_gradients_and_their_maxima_are_the_reference_and_the_amax_pass
         assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
+@pytest.mark.parametrize("backward", [False, True])
+def test_the_transposed_rht_product_gives_the_same_outputs_and_plain_maxima(backward):
+    """The RHT's product taken transposed (`transposed`, the quantize pass's wgmma form) changes nothing but how the
+    RHT maxima are summed: the outputs and the plain maxima are the same; the RHT maxima agree to FP32 rounding here
+    (numpy's sums in another order; on a GPU, bench/nvfp4_swiglu_probe.py checks them to the bit)."""
+    g, u, dh, (s_g, s_u, s_dh) = _operands(32, 256, seed=2)
+    args = (g, u, dh if backward else None, s_g, s_u, s_dh if backward else None, _rht_t(), True)
+    plain, transposed = ns.swiglu_launch(*args), ns.swiglu_launch(*args, transposed=True)
+    for a, b in zip(plain[:-1], transposed[:-1]):
+        assert _same_bits(a, b)
+    amax, amax_t = plain[-1], transposed[-1]
+    assert torch.equal(amax[0::2], amax_t[0::2])
+    assert torch.allclose(amax[1::2], amax_t[1::2], rtol=1e-6, atol=0)
+
+
 def _mlp_inputs(seed=3, tokens=32, hidden=64, inter=96):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(2, tokens // 2, hidden, generator=gen).bfloat16()

@@ -52,13 +52,15 @@ if HAVE_TRITON:
         return bf16_to_f32(b)
 
     @triton.jit
-    def _rht_absmax(rht_ptr, x, DOT_BF16: tl.constexpr, TRANSPOSED: tl.constexpr):
-        """|RHT(x)| of a (16, BLOCK) tile, as the amax pass's _rht_tile, or transposed ((BLOCK, 16): x^T @ rht, the
-        quantize pass's product, one wgmma with M = BLOCK on Hopper): only its maximum is kept, which is the same
-        either way if the two products' sums are."""
+    def _rht_max(m, rht_ptr, x, DOT_BF16: tl.constexpr, TRANSPOSED: tl.constexpr):
+        """max(m, |RHT(x)|) for a (16, BLOCK) tile x: RHT(x) as the amax pass's _rht_tile, (16, BLOCK), or transposed
+        ((BLOCK, 16): x^T @ rht, the quantize pass's product, one wgmma with M = BLOCK on Hopper), m of that shape.
+        Only the maximum is kept, which is the same either way if the two products' sums are."""
         if TRANSPOSED:
-            return tl.abs(_rht_tile_t(rht_ptr, x, DOT_BF16))
-        return tl.abs(_rht_tile(rht_ptr, x, DOT_BF16))
+            y = _rht_tile_t(rht_ptr, x, DOT_BF16)
+        else:
+            y = _rht_tile(rht_ptr, x, DOT_BF16)
+        return tl.maximum(m, tl.abs(y))
 
     @triton.jit
     def _nvfp4_swiglu_kernel(g_ptr, u_ptr, dh_ptr, sg_ptr, su_ptr, sdh_ptr, rht_ptr, oa_ptr, ob_ptr, partial_ptr,
@@ -93,12 +95,12 @@ if HAVE_TRITON:
                 b = _store_bf16(ob_ptr, rows, cols, N, dh * silu, mask, NATIVE)  # dL/du
                 max_b = tl.maximum(max_b, tl.abs(b))
                 if HAS_RHT:
-                    max_br = tl.maximum(max_br, _rht_absmax(rht_ptr, b, DOT_BF16, TRANSPOSED))
+                    max_br = _rht_max(max_br, rht_ptr, b, DOT_BF16, TRANSPOSED)
             else:
                 a = _store_bf16(oa_ptr, rows, cols, N, silu * u, mask, NATIVE)  # h
             max_a = tl.maximum(max_a, tl.abs(a))
             if HAS_RHT:
-                max_ar = tl.maximum(max_ar, _rht_absmax(rht_ptr, a, DOT_BF16, TRANSPOSED))
+                max_ar = _rht_max(max_ar, rht_ptr, a, DOT_BF16, TRANSPOSED)
         amax_a = tl.max(tl.max(max_a, axis=1), axis=0)
         amax_ar = amax_a  # without RHT the RHT maxima repeat the plain ones (nvfp4_triton's amax pass)
         if HAS_RHT:
