@@ -35,9 +35,13 @@ if HAVE_TRITON:
     from training.precision.nvfp4_triton import _rht_tile, _rht_tile_t
     from training.triton_math import bf16_bits_rne, bf16_to_f32
 
-# A program: 2 groups of 16 tokens x 128 features, 4 warps (fp8_swiglu_triton's 32 x 128 tile, whose two passes run at
-# 1.13x and 1.23x their bytes on an H100; each group of 16 tokens is one RHT block).
-BLOCK_N, GROUPS, NUM_WARPS = 128, 2, 4
+# A program: GROUPS runs of 16 tokens (each one RHT block) x BLOCK_N features. Measured on an H200 at 8192 x 8192 with
+# the host out of the timing (bench/nvfp4_swiglu_probe.py, bench/results/nvfp4_swiglu_probe_*_20261129T0704*, every
+# tile the same bits): forward 128 x 2 groups x 4 warps 0.132 ms (256 x 2 x 8 0.133, 128 x 1 x 4 0.147), backward
+# 128 x 1 x 4 0.218 ms (128 x 2 x 4 0.241, 64 x 1 x 2 0.222); 1.38x and 1.37x their bytes' floor, against 0.142 and
+# 0.255 ms for inductor's SwiGLU kernel plus the amax pass(es) over its result(s).
+BLOCK_N, GROUPS, NUM_WARPS = 128, 2, 4  # forward
+BWD_GROUPS = 1
 
 if HAVE_TRITON:
     @triton.jit
@@ -155,7 +159,7 @@ if HAVE_TRITON:
     @triton_op("plab::nvfp4_swiglu_bwd", mutates_args=())
     def _bwd_op(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, s_g: torch.Tensor, s_u: torch.Tensor,
                 s_dh: torch.Tensor, rht_t: torch.Tensor, rht: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return swiglu_launch(g, u, dh, s_g, s_u, s_dh, rht_t, rht, wrap=wrap_triton)
+        return swiglu_launch(g, u, dh, s_g, s_u, s_dh, rht_t, rht, wrap=wrap_triton, groups=BWD_GROUPS)
 
 
 def nvfp4_swiglu_fwd(g, u, s_g, s_u, rht_t, *, rht: bool):
