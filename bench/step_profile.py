@@ -57,7 +57,14 @@ def fused_cast_in_gemm(name: str, category: str) -> bool:
     return category == "gemm" and re.match(r"triton_(poi|red|per)_", name) is not None
 
 
+# Our kernels that compute an elementwise op and, in the same pass, the maxima the next quantization needs (NVFP4's
+# fused SwiGLU writes BF16 h, not a quantized operand): elementwise work, whose bytes the elementwise floor counts.
+ELEMENTWISE_WITH_MAXIMA = re.compile(r"^_nvfp4_swiglu")
+
+
 def categorize(name: str) -> str:
+    if ELEMENTWISE_WITH_MAXIMA.search(name):
+        return "triton/elementwise"
     for cat, rx in CATEGORIES:
         if rx.search(name):
             # inductor names a fused kernel after its ops: an RMSNorm is `triton_per_fused__to_copy_..._rsqrt`,

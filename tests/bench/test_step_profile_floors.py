@@ -86,6 +86,7 @@ def test_floor_rows_give_measured_over_floor_and_a_total(sp, config):
 @pytest.mark.parametrize("name,category", [
     ("_adamw_master_kernel", "optimizer"), ("_mxfp8_dual_quant_kernel", "quantizers"),
     ("_nvfp4_dual_amax_kernel", "quantizers"), ("triton_poi_fused__to_copy_clamp_mul_0", "quantizers"),
+    ("_nvfp4_swiglu_kernel", "triton/elementwise"), ("_swiglu_fp8_kernel", "quantizers"),
     ("triton_red_fused__log_softmax_0", "triton/elementwise"), ("triton_poi_fused__to_copy_0", "copy/cast"),
     ("triton_per_fused__to_copy__unsafe_view_add_div_expand_mul_pow_sum_view_3", "triton/elementwise")])
 def test_kernels_are_categorised_by_name(sp, name, category):
