@@ -2,19 +2,18 @@
 model's MLP shape (8192 tokens x 8192), with the host out of the measurement.
 
 In the layers' path inductor computes h = silu(G s_g) (U s_u) (forward) or dL/dgate and dL/dup (backward) in one
-pointwise kernel, and the quantizer's amax pass then reads each result once more for max |v| and max |RHT(v)|. The
-fused pass computes the same values and both maxima in one kernel. Here: inductor's kernel (torch.compile of the
-layers' math) plus the amax pass(es), against the fused kernel at several tiles (BLOCK_N:GROUPS:WARPS), with the
-BF16 rounding done by the conversion instruction (`native`) or on the bits, and with the RHT's product taken as the
-amax pass takes it or transposed (` T`, as the quantize pass: one wgmma with M = BLOCK_N). Each variant's 20 calls are captured in
-one CUDA graph and replayed between CUDA events (bench.kernel_bench.graph_timed). Every fused variant is checked
-against inductor's values and the amax pass's maxima, to the bit.
+pointwise kernel, and the quantizer's amax pass then reads each result once more for max |v| and max |RHT(v)|. The fused
+pass computes the same values and both maxima in one kernel. Here: inductor's kernel (torch.compile of the layers' math)
+plus the amax pass(es), against the fused kernel at several tiles (BLOCK_N:GROUPS:WARPS), with the BF16 rounding done by
+the conversion instruction (`native`) or on the bits, and with the RHT's product taken as the amax pass takes it or
+transposed (` T`, as the quantize pass: one wgmma with M = BLOCK_N). Each variant's 20 calls are captured in one CUDA
+graph and replayed between CUDA events (bench.kernel_bench.graph_timed). Every fused variant is checked against
+inductor's values and the amax pass's maxima, to the bit.
 
     python bench/nvfp4_swiglu_probe.py [--configs 128:2:4 64:2:4 ...]
 
 Prints a table last (ms per launch, and per 1b step: 16 layers, one forward and one backward each); writes
-bench/results/nvfp4_swiglu_probe_<device>_<time>.json (and $OUT/nvfp4_swiglu_probe.json).
-"""
+bench/results/nvfp4_swiglu_probe_<device>_<time>.json (and $OUT/nvfp4_swiglu_probe.json)."""
 from __future__ import annotations
 
 import argparse
@@ -104,7 +103,6 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     bytes_fwd, bytes_bwd = 3 * 2 * g.numel(), 5 * 2 * g.numel()  # BF16 in and out, once each
-    copy_tbps = None
     x = torch.empty(256 * 2 ** 20, device=dev, dtype=torch.uint8)
     y = torch.empty_like(x)
     copy_ms = graph_timed(lambda: y.copy_(x), reps=5)

@@ -9,7 +9,7 @@ holds every value of it: here it also reduces both maxima, so the quantizer's am
 amax passes, each a read of a 134 MB operand (bench/NOTES_floor.md 86).
 
 Forward: from the gate and up GEMMs' BF16 results G, U and their FP32 per-tensor scales (the emulated GEMM's product
-of the two operands' scales, nvfp4.emulated_mm), g = G s_g, u = U s_u, h = silu(g) u, stored in BF16. Backward: with
+of the two operands' scales, emulation.emulated_mm), g = G s_g, u = U s_u, h = silu(g) u, stored in BF16. Backward: with
 down's Dgrad result DH and its scale, dh = DH s_dh, dL/dg = silu'(g) u dh and dL/du = silu(g) dh. The math is
 inductor's, operation for operation, as its compiled step fuses the emulated GEMMs' scale products into the SwiGLU
 (torch 2.11, bench/NOTES_floor.md 86): FP32 products of the BF16 results and the scales, not rounded to BF16, silu(g)
