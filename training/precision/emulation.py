@@ -98,19 +98,25 @@ def gemm_dtype(t: torch.Tensor, quantizer: GemmQuantizer | None = None) -> torch
     return torch.bfloat16 if t.is_cuda and exact else torch.float32
 
 
-def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
-    """a @ b.T (+ bias) on the dequantized operands, in `out_dtype`. The GEMM runs in the values' dtype
-    (BF16 in, FP32 accumulation, BF16 out; or FP32); per-tensor `outer` scales and the bias are applied
-    to its result in FP32 (see the module docstring for the rounding this implies)."""
+def emulated_mm_parts(a: Quantized, b: Quantized) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """emulated_mm's two halves: (a.values @ b.values^T in the values' dtype, the product of the per-tensor `outer`
+    scales in FP32, or the one there is, or None). A fused consumer (nvfp4.NVFP4SwiGLUMLPFn) applies the scale
+    itself, as inductor fuses it into the consumer of emulated_mm's result."""
     if a.values.is_cuda:
         with torch.autocast("cuda", enabled=False):
             out = torch.mm(a.values, b.values.t())
     else:
         out = torch.mm(a.values, b.values.t())
     if a.outer is not None and b.outer is not None:
-        scale = a.outer * b.outer
-    else:
-        scale = a.outer if a.outer is not None else b.outer
+        return out, a.outer * b.outer
+    return out, a.outer if a.outer is not None else b.outer
+
+
+def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """a @ b.T (+ bias) on the dequantized operands, in `out_dtype`. The GEMM runs in the values' dtype
+    (BF16 in, FP32 accumulation, BF16 out; or FP32); per-tensor `outer` scales and the bias are applied
+    to its result in FP32 (see the module docstring for the rounding this implies)."""
+    out, scale = emulated_mm_parts(a, b)
     if scale is None and bias is None:
         return in_dtype(out, out_dtype)
     out = in_dtype(out, torch.float32)

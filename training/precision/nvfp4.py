@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from training.precision.emulation import (EmulatedLinearFn, GemmQuantizer, QuantizedLinear, compute_dtype, emulated_mm,
-                                        has_hooks)
+                                        emulated_mm_parts, has_hooks)
 from training.precision.formats import (Quantized, quantize_nvfp4, random_hadamard_transform, random_sign_vector,
                                         rht_matrix)
 from training.precision.gemm_ops import EmulatedTorchaoOps, TorchaoBlockScaled, TorchaoBlockScaledOps, has_capability
@@ -121,10 +121,7 @@ def _fused_fprop(xq: tuple, weight, bias, quantizer: "NVFP4Quantizer", out_dtype
     """One linear's Fprop on the fused path from X's quantization `xq` = (xa, xb, pts): (Y as [tokens, out],
     W's Dgrad operand (values, outer) or None). `wf`.. : W's operands from the per-step weight cache, or None."""
     xa, _, pts = xq
-    if wf is not None:
-        wq, w_dgrad = Quantized(wf, wf_outer), (Quantized(wd, wd_outer) if wd is not None else None)
-    else:
-        wq, w_dgrad = fused_weight_operands(quantizer, weight)
+    wq, w_dgrad = _weight_operands(quantizer, weight, (wf, wf_outer, wd, wd_outer))
     y = emulated_mm(Quantized(xa, pts[0]), wq, out_dtype, bias)
     return y, w_dgrad
 
@@ -323,12 +320,6 @@ def _weight_operands(q: "NVFP4Quantizer", w, cached) -> tuple[Quantized, Quantiz
     return fused_weight_operands(q, w)
 
 
-def _raw_mm(a: Quantized, b: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
-    """emulated_mm's GEMM and its scale apart: (a.values @ b.values^T in BF16, a.outer * b.outer in FP32)."""
-    with torch.autocast("cuda", enabled=False):
-        return torch.mm(a.values, b.values.t()), a.outer * b.outer
-
-
 class NVFP4SwiGLUMLPFn(torch.autograd.Function):
     """A Llama MLP, down(silu(gate(x)) * up(x)), of emulated NVFP4 linears on the fused path (`fused_swiglu`): the
     GEMMs, quantizations and saved operands of NVFP4SharedInputFn (gate and up) and NVFP4FusedFn (down), operand for
@@ -351,8 +342,8 @@ class NVFP4SwiGLUMLPFn(torch.autograd.Function):
         ops = [_weight_operands(q, w, cached[4 * i:4 * i + 4]) for i, (q, w) in enumerate(((qg, wg), (qu, wu),
                                                                                            (qd, wd)))]
         xq = Quantized(xa, pts_x[0])
-        g, s_g = _raw_mm(xq, ops[0][0])
-        u, s_u = _raw_mm(xq, ops[1][0])
+        g, s_g = emulated_mm_parts(xq, ops[0][0])
+        u, s_u = emulated_mm_parts(xq, ops[1][0])
         rht_t = qd.rht_operand(x2.device)
         h, amax_h = nvfp4_swiglu_fwd(g, u, s_g, s_u, rht_t, rht=qd.rht)
         ha, hb, pts_h = nvfp4_dual_quantize_given_amax(h, rht_t, amax_h, rht=qd.rht, stochastic=False)
@@ -386,7 +377,7 @@ class NVFP4SwiGLUMLPFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
         rht_t = qd.rht_operand(dy2.device)
         dya, dyb, pts_dy = nvfp4_dual_quantize(dy2, rht_t, rht=qd.rht, stochastic=qd.stochastic_rounding)
-        dh, s_dh = _raw_mm(Quantized(dya, pts_dy[0]), dgrad_operand(2, qd, wd))
+        dh, s_dh = emulated_mm_parts(Quantized(dya, pts_dy[0]), dgrad_operand(2, qd, wd))
         grad_wd = emulated_mm(Quantized(dyb, pts_dy[1]).t(), Quantized(hb, pts_h[1]).t(), wd.dtype) if needs[3] \
             else None
         dg, amax_dg, du, amax_du = nvfp4_swiglu_bwd(g, u, dh, s_g, s_u, s_dh, qg.rht_operand(dh.device), rht=qg.rht)
