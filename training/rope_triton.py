@@ -250,5 +250,8 @@ def auto_one_pass(layer: torch.nn.Module) -> bool:
     as the GEMM wrote it). Not where inductor fuses RoPE's backward into an FP8 cast of dY (torchao's Float8Linear,
     fp8_tensorwise's CurrentScalingLinear, fp8_delayed's layers), nor where it fuses a pointwise epilogue of the
     projection into RoPE's forward (NVFP4's emulated per-tensor scale: the one-pass forward rounds the scaled output
-    to BF16 first, and nvfp4's first loss moved from 10.80476 to 10.8028 on an H200, bench/NOTES_floor.md 75)."""
+    to BF16 first, and nvfp4's first loss moved from 10.80476 to 10.8028 on an H200, bench/NOTES_floor.md 75). Checked
+    again after the first compiled step's graph breaks were gone (bench/NOTES_floor.md 87): on a 2-block NVFP4 model
+    one_pass gave the same logits and other gradients (most elements, up to ~6 % of the max: a dY differing in its
+    last bits moves FP4 roundings), on the 1b shape another first loss (10.80223 against 10.81155) and -0.4 ms."""
     return type(layer) is torch.nn.Linear or getattr(layer, "rope_one_pass_auto", False)
