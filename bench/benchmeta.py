@@ -8,13 +8,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def git_commit() -> str:
-    """HEAD's sha; PLAB_GIT_COMMIT names it for a copy of the tree without .git (the GPU machine)."""
+def git_commit(repo: Path | None = None) -> str:
+    """HEAD's sha, with "-dirty" when tracked files differ from it; PLAB_GIT_COMMIT names it for a copy of the tree
+    without .git (the GPU machine). A copy whose .git is older than its files (seen on the GPU machine, 2026-11-29:
+    HEAD said 426c869 for a tree at 2e813b0) so reads as HEAD-dirty, not as HEAD."""
     if os.environ.get("PLAB_GIT_COMMIT"):
         return os.environ["PLAB_GIT_COMMIT"]
+    cwd = repo or REPO
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO,
-                              timeout=10).stdout.strip() or "unknown"
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=cwd,
+                             timeout=10).stdout.strip()
+        if not sha:
+            return "unknown"
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=cwd, timeout=30)
+        return sha + ("-dirty" if changed.returncode == 0 and changed.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
