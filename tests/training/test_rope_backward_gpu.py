@@ -96,4 +96,3 @@ def test_compiled_the_passes_launch_their_kernel_and_leave_the_rope_tables_alone
     fp8 = _kernels(torch.compile(rope_bwd_fp8), dq, dk, dv, cos, sin, scale)
     # the kernel and inductor's reduction of its amax partials; with the tables copied in and out, four more
     assert "_rope_bwd_fp8_kernel" in fp8 and len(fp8) == 2, fp8
-
