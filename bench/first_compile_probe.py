@@ -132,6 +132,12 @@ def differences(want, got) -> list[str]:
 def build(recipe: str, layers: int, device: str, **options):
     """A seeded 2-layer-wide Llama (hidden 256, intermediate 512) in BF16 on `device`, QKV fused, `recipe` applied
     with `options`."""
+    return build_with_report(recipe, layers, device, **options)[0]
+
+
+def build_with_report(recipe: str, layers: int, device: str, **options):
+    """`build`'s model and apply_recipe's report (its hooks: what the training loop runs after each optimizer
+    step)."""
     import torch
 
     from training.model import build_model, fuse_qkv, llama_config
@@ -141,8 +147,7 @@ def build(recipe: str, layers: int, device: str, **options):
                            "num_attention_heads": 4, "num_key_value_heads": 2}, 512, 128)
     model = build_model(config, 0).to(device, torch.bfloat16)
     fuse_qkv(model)
-    apply_recipe(model, recipe, **options)
-    return model
+    return model, apply_recipe(model, recipe, **options)
 
 
 def step(model, fn, ids):

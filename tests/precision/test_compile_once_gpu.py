@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.first_compile_probe import step
+from bench.first_compile_probe import build_with_report, step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the recipes' fused paths)")
 
@@ -20,16 +20,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_three_compiled_steps_compile_once_without_graph_breaks(recipe):
     from torch._dynamo.utils import counters
 
-    from training.model import build_model, fuse_qkv, llama_config
-    from training.precision import apply_recipe
-
     torch._dynamo.reset()
     counters.clear()
-    config = llama_config({"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-                           "num_attention_heads": 4, "num_key_value_heads": 2}, 512, 128)  # first_compile_probe's
-    model = build_model(config, 0).to("cuda", torch.bfloat16)
-    fuse_qkv(model)
-    report = apply_recipe(model, recipe)
+    model, report = build_with_report(recipe, 2, "cuda")
     ids = torch.randint(0, 512, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     compiled = torch.compile(model)
     for _ in range(3):
