@@ -56,13 +56,20 @@ def test_cudnn_laid_out_gradients_give_the_same_dy_compiled(mode):
 
 
 def test_two_blocks_compiled_whole_give_the_same_logits_and_gradients_within_rounding():
+    """Compiled under inductor's deterministic mode: by default inductor times padded against unpadded matmuls for
+    shapes like the 97-token vocabulary's (pad_mm) and keeps the faster, so two compilations of the same forward could
+    take different GEMMs and differ in the logits' last bits. In one pytest process after the other GPU tests the
+    default mode's logits differed so (H200, 2026-11-28 at 59d1e21 and 2026-11-29 at fbcf281), alone they did not."""
+    import torch._inductor.config as inductor_config
+
     torch._dynamo.reset()
     base, one = _pair(layers=2)
     ids = torch.randint(0, 97, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     results = []
     for model in (base, one):
-        logits = torch.compile(model)(input_ids=ids).logits
-        logits.float().square().mean().backward()
+        with inductor_config.patch({"deterministic": True}):
+            logits = torch.compile(model)(input_ids=ids).logits
+            logits.float().square().mean().backward()
         results.append([logits.detach()] + [p.grad.clone() for p in model.parameters()])
     assert torch.equal(results[0][0], results[1][0])
     for i, (a, b) in enumerate(zip(*results)):
