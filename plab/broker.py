@@ -7,6 +7,8 @@ same settings (the filesystem transport's folders are part of them), hence one b
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from celery import Celery
 
 from plab.settings import get_settings
@@ -67,25 +69,31 @@ def send_task(name: str, args: list, *, kwargs: dict | None = None, queue: str =
     return _senders[key].send_task(name, args=args, kwargs=kwargs or {}, queue=queue).id
 
 
-def message_present(task_id: str, queues: list[str]) -> bool | None:
-    """Whether the broker still holds the message `task_id` – waiting in one of `queues` or delivered and not yet
-    acknowledged – or None when this broker cannot be asked (then nothing is re-sent on its account)."""
+def messages_present(task_ids: Collection[str], queues: list[str]) -> set[str] | None:
+    """Which of the messages `task_ids` the broker still holds – waiting in one of `queues` or delivered and not yet
+    acknowledged – read in one pass over the broker's messages (the reconciler asks about every queued run at once:
+    one read per run made a pass over N queued runs read the queues N times); None when this broker cannot be
+    asked (then nothing is re-sent on its account)."""
     settings = get_settings()
     if settings.broker_url.startswith("redis"):
         import redis
 
         client = redis.Redis.from_url(settings.broker_url)
         try:
-            needle = task_id.encode()
-            if any(needle in raw for raw in client.hvals("unacked")):
-                return True
-            return any(needle in raw for q in queues for raw in client.lrange(q, 0, -1))
+            raws = list(client.hvals("unacked")) + [raw for q in queues for raw in client.lrange(q, 0, -1)]
         finally:
             client.close()
-    if settings.broker_url.startswith("filesystem://"):
-        folder = settings.broker_folder / "queue"
-        return any(task_id in p.read_text(errors="replace") for p in folder.glob("*") if p.is_file())
-    return None
+    elif settings.broker_url.startswith("filesystem://"):
+        raws = []
+        for path in (settings.broker_folder / "queue").glob("*"):
+            try:
+                raws.append(path.read_bytes())
+            except (FileNotFoundError, IsADirectoryError):  # consumed by a worker since the listing
+                continue
+    else:
+        return None
+    held = b"\x00".join(raws)  # a task id is a UUID: it cannot span two messages across the separator
+    return {t for t in task_ids if t.encode() in held}
 
 
 def train_gpus(spec: dict) -> int:

@@ -31,40 +31,58 @@ def _aware(t: datetime | None) -> datetime | None:
     return None if t is None else (t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc))
 
 
-def reconcile(session: Session, settings, message_present=None, now: datetime | None = None) -> dict:
-    """One pass; returns what it did ({"requeued": [...], "failed": [...], "resent": [...]})."""
-    from backend.queue import queue_for
-    from plab.broker import message_present as broker_has
+def reconcile(session: Session, settings, messages_present=None, now: datetime | None = None) -> dict:
+    """One pass; returns what it did ({"requeued": [...], "failed": [...], "resent": [...]}).
 
-    message_present = message_present or broker_has
+    No run stays locked while the broker is asked, nor while another run is handled: the candidates are read without
+    locks, the broker is asked once about all the queued ones (`plab.broker.messages_present`, or the callable
+    given), and each run to change is then locked on its own (SKIP LOCKED: one that a worker's request or another
+    API replica holds is left to the next pass), checked again and committed. A worker's metric batch or status
+    report, which lock their run, thus waits at most for that run's own change. Until 2026-11-29 a pass held every
+    candidate locked while it asked the broker about each in turn; behind a slow broker the workers' requests
+    waited (a metric batch timed out after 10 s in deeper OpenAPI fuzzing on PostgreSQL)."""
+    from backend.queue import queue_for
+    from plab.broker import messages_present as broker_holds
+
+    messages_present = messages_present or broker_holds
     now = now or utcnow()
     done = {"requeued": [], "failed": [], "resent": []}
     stale = now - timedelta(seconds=settings.stale_s)
-    rows = session.scalars(select(Run).where(Run.status == "running", Run.external.is_(False),
-                                             or_(Run.heartbeat_at.is_(None), Run.heartbeat_at < stale))
-                           .with_for_update(skip_locked=True)).all()
-    for run in rows:
-        last = _aware(run.heartbeat_at) or _aware(run.started_at)
-        if last is not None and last >= stale:
+    silent = (Run.status == "running", Run.external.is_(False),
+              or_(Run.heartbeat_at.is_(None), Run.heartbeat_at < stale))
+    for rid in session.scalars(select(Run.id).where(*silent).order_by(Run.id)).all():
+        run = session.scalars(select(Run).where(Run.id == rid, *silent).with_for_update(skip_locked=True)).first()
+        last = None if run is None else (_aware(run.heartbeat_at) or _aware(run.started_at))
+        if run is None or (last is not None and last >= stale):
+            session.commit()
             continue
         if (run.attempts or 0) >= settings.max_attempts:
             run.status, run.finished_at = "failed", now
             run.error_message = (f"the job's worker stopped heartbeating (last heartbeat {last:%Y-%m-%d %H:%M:%S} "
                                  f"UTC) and the run was started {run.attempts} times (PLAB_MAX_ATTEMPTS)")
             done["failed"].append(run.id)
-            continue
-        run.status = "queued"
-        if dispatch.resend_run(session, run):
-            done["requeued"].append(run.id)
+        else:
+            run.status = "queued"
+            if dispatch.resend_run(session, run):
+                done["requeued"].append(run.id)
+        session.commit()
     grace = now - timedelta(seconds=settings.requeue_grace_s)
-    rows = session.scalars(select(Run).where(Run.status == "queued", Run.external.is_(False),
-                                             Run.cancel_requested.is_(False), Run.dispatch_id.is_not(None),
-                                             Run.dispatched_at < grace)
-                           .with_for_update(skip_locked=True)).all()
-    for run in rows:
-        present = message_present(run.dispatch_id, sorted({"default", queue_for(run.spec)}))
-        if present is False and dispatch.resend_run(session, run):
-            done["resent"].append(run.id)
+    waiting = (Run.status == "queued", Run.external.is_(False), Run.cancel_requested.is_(False),
+               Run.dispatch_id.is_not(None), Run.dispatched_at < grace)
+    candidates = session.execute(select(Run.id, Run.dispatch_id, Run.spec).where(*waiting).order_by(Run.id)).all()
+    session.commit()  # the read's transaction ends before the broker is asked
+    if candidates:
+        held = messages_present({d for _, d, _ in candidates},
+                                sorted({"default"} | {queue_for(spec) for _, _, spec in candidates}))
+        for rid, dispatch_id, _ in candidates:
+            if held is None or dispatch_id in held:  # a broker that cannot be asked: nothing is re-sent
+                continue
+            # Still queued on the same message (a worker that took it meanwhile has claimed the run: `running`).
+            run = session.scalars(select(Run).where(Run.id == rid, Run.dispatch_id == dispatch_id, *waiting)
+                                  .with_for_update(skip_locked=True)).first()
+            if run is not None and dispatch.resend_run(session, run):
+                done["resent"].append(rid)
+            session.commit()
     if any(done.values()):
         log.warning("reconciler: %s", done)
     return done

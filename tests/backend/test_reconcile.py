@@ -4,6 +4,8 @@ so a duplicate message never trains it twice at once."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -99,3 +101,55 @@ def test_a_queued_run_whose_message_redis_lost_is_sent_again(api, broker):
     assert sorted(_pass(api, requeue_grace_s=0.0)["resent"]) == sorted(ids)
     assert _queued_messages(broker) == 2
     assert _pass(api, requeue_grace_s=0.0)["resent"] == []  # found again: not sent twice
+
+
+def test_a_worker_writing_to_a_queued_run_does_not_wait_while_the_pass_asks_the_broker(postgres_url, tmp_path, broker):
+    """The pass asks the broker about every queued run whose message may be lost; a broker slow to answer (here a
+    presence check that waits) must not hold up a worker's metric batch or status report for those runs, which lock
+    the run's row. Until 2026-11-29 the pass held every such run locked (FOR UPDATE) while it asked the broker about
+    each in turn: under deeper OpenAPI fuzzing on PostgreSQL a metric batch timed out after 10 s behind it."""
+    api = make_client(postgres_url, tmp_path, token=None)
+    exp = api.post("/api/v1/experiments", json={**EXPERIMENT, "recipes": ["bf16", "fp8_tensorwise"],
+                                                "enqueue": True}).json()
+    ids = [r["id"] for r in exp["runs"]]
+    asked, answer = threading.Event(), threading.Event()
+    calls = []
+
+    def slow_broker(task_ids, queues):
+        calls.append(sorted(task_ids))
+        asked.set()
+        answer.wait(60)
+        return set()  # every message lost: both runs are sent again
+
+    done = []
+
+    def one_pass():
+        settings = dataclasses.replace(api.app.state.settings, requeue_grace_s=0.0)
+        with _session(api) as s:
+            done.append(reconcile(s, settings, messages_present=slow_broker))
+            s.commit()
+
+    reconciler = threading.Thread(target=one_pass)
+    reconciler.start()
+    try:
+        assert asked.wait(30), "the pass never asked the broker"
+        answers = []
+        writer = threading.Thread(target=lambda: answers.append((
+            api.post(f"/api/v1/runs/{ids[0]}/metrics", json={"points": [{"key": "train/loss", "step": 1, "value": 2.5}]}),
+            api.post(f"/api/v1/runs/{ids[1]}/status", json={"status": "running"}))))
+        started = time.monotonic()
+        writer.start()
+        writer.join(10)
+        waited = time.monotonic() - started
+        blocked = writer.is_alive()
+    finally:
+        answer.set()
+        reconciler.join(60)
+    writer.join(60)
+    assert not blocked, f"the worker's requests waited {waited:.1f} s for the pass's broker question"
+    metrics, status = answers[0]
+    assert metrics.status_code == 200 and status.status_code == 200, (metrics.text, status.text)
+    assert len(calls) == 1 and len(calls[0]) == 2  # the broker asked once about both messages
+    # The run that reported `running` meanwhile is not sent again; the other still queued one is.
+    assert done == [{"requeued": [], "failed": [], "resent": [ids[0]]}]
+    assert _queued_messages(broker) == 3
