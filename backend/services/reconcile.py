@@ -74,9 +74,9 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
     if candidates:
         held = messages_present({d for _, d, _ in candidates},
                                 sorted({"default"} | {queue_for(spec) for _, _, spec in candidates}))
-        for rid, dispatch_id, _ in candidates:
-            if held is None or dispatch_id in held:  # a broker that cannot be asked: nothing is re-sent
-                continue
+        # A broker that cannot be asked (None): nothing is re-sent on its account.
+        lost = [] if held is None else [(rid, d) for rid, d, _ in candidates if d not in held]
+        for rid, dispatch_id in lost:
             # Still queued on the same message (a worker that took it meanwhile has claimed the run: `running`).
             run = session.scalars(select(Run).where(Run.id == rid, Run.dispatch_id == dispatch_id, *waiting)
                                   .with_for_update(skip_locked=True)).first()
