@@ -10,3 +10,7 @@ Entry points other code calls:
 The loop's pieces: training.setup (the run), training.metrics_drain, training.checkpoint.Checkpointer,
 training.validation. Submodules are imported on use, so `import training` stays cheap.
 """
+
+from training import quiet as _quiet
+
+_quiet.install()
