@@ -607,6 +607,47 @@ class TrainingSpec:
     perf: PerfOptions = field(default_factory=PerfOptions)
 
 
+# An experiment's recipe entry ({name, options, bf16_first_layers, ...}) and where a run spec keeps each field.
+_ENTRY_FIELDS_IN_A_RUN_SPEC = {"name": "recipe", "options": "recipe_options", "bf16_first_layers": "bf16_first_layers",
+                               "bf16_last_layers": "bf16_last_layers", "keep_bf16": "keep_bf16"}
+
+
+def recipe_entry_hint(entry: dict) -> str:
+    """The error for a run spec whose `recipe` is a mapping (an experiment's recipe entry pasted in): what the run
+    spec says instead, spelled from the entry's own fields."""
+    import json
+
+    names = ", ".join(catalog.recipe_names())
+    moved, dropped = [], []
+    entry = dict(entry)
+    options = entry.get("options")
+    if isinstance(options, dict):  # the layer choices are run-spec keys of their own, not recipe options
+        layer_keys = [k for k in options if k in catalog.LAYER_CHOICES]
+        entry["options"] = {k: v for k, v in options.items() if k not in layer_keys}
+        entry.update({k: options[k] for k in layer_keys if k not in entry})
+        if not entry["options"]:
+            del entry["options"]
+    for key, value in entry.items():
+        target = _ENTRY_FIELDS_IN_A_RUN_SPEC.get(key)
+        if target is None:
+            dropped.append(str(key))
+            continue
+        try:
+            shown = json.dumps(value)
+        except (TypeError, ValueError):
+            shown = repr(value)
+        moved.append(f"{target}: {shown[:200]}")
+    message = (f"recipe must be a recipe name (one of {names}), got a mapping; a run spec gives an experiment's "
+               f"recipe entry as top-level keys: recipe (its name), recipe_options (its options), "
+               f"bf16_first_layers, bf16_last_layers, keep_bf16")
+    if moved:
+        message += f" - here: {', '.join(moved)}"
+    if dropped:
+        message += (f"; {', '.join(sorted(dropped))} belong(s) to an experiment's entry only (a run spec has one "
+                    f"top-level seed and no label)")
+    return message
+
+
 @dataclass
 class RunSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -653,6 +694,8 @@ class RunSpec:
         recipe_options = d.get("recipe_options", {}) or {}
         if not isinstance(recipe_options, dict):
             raise SpecError(f"recipe_options must be an object, got {recipe_options!r}")
+        if isinstance(recipe, dict):
+            raise SpecError(recipe_entry_hint(recipe))
         try:
             entry = catalog.get(recipe)
         except catalog.RecipeError as exc:

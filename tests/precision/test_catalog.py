@@ -81,6 +81,10 @@ def test_capability_says_where_real_kernels_run():
     ("fp8_tensorwise", {"implementation": "te"}, "option implementation of fp8_tensorwise must be one of auto, "
                                                  "torchao, plab, got 'te'"),
     ("fp8_rowwise", {"implementation": "plab"}, "valid options: none"),
+    ("nvfp4", {"bf16_last_layers": 4, "rht": True}, "unknown option(s) bf16_last_layers for recipe 'nvfp4'; valid "
+     "options: fused_quantize, fused_swiglu, rht, rht_seed, share_mlp_input, stochastic_rounding, weight_2d "
+     "(bf16_last_layers: not a recipe option but a key of its own, beside the recipe's name in an experiment's "
+     "recipe entry, beside `recipe` in a run spec)"),
 ])
 def test_a_bad_option_names_the_option_the_value_and_what_is_allowed(recipe, options, message):
     with pytest.raises(catalog.RecipeError) as info:

@@ -75,6 +75,22 @@ def test_invalid_specs_raise_spec_error_saying_what_to_fix(d, fragment):
     assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize("entry, fragments", [
+    ({"name": "nvfp4", "options": {"bf16_last_layers": 4}}, ['recipe: "nvfp4"', "bf16_last_layers: 4"]),
+    ({"name": "mxfp8", "options": {"scale_rounding": "even"}, "keep_bf16": ["layers.0.*"]},
+     ['recipe: "mxfp8"', 'recipe_options: {"scale_rounding": "even"}', 'keep_bf16: ["layers.0.*"]']),
+    ({"name": "bf16", "label": "base", "seeds": [0, 1]}, ['recipe: "bf16"', "label, seeds belong(s) to an experiment"]),
+])
+def test_an_experiments_recipe_entry_as_recipe_says_how_a_run_spec_spells_it(entry, fragments):
+    with pytest.raises(SpecError) as err:
+        RunSpec.from_dict({"recipe": entry})
+    message = str(err.value)
+    assert message.startswith("recipe must be a recipe name (one of bf16, ")
+    for fragment in fragments:
+        assert fragment in message
+    assert "recipe_options: {}" not in message and "bf16_last_layers: 4}" not in message
+
+
 def test_missing_corpus_can_be_skipped_on_hosts_without_data():
     spec = RunSpec.from_dict({"data": {"corpus": "no_such_corpus_here"}}, check_paths=False)
     assert spec.data.corpus == "no_such_corpus_here"

@@ -39,6 +39,10 @@ EXTENSIONS_ENV = "PLAB_RECIPE_MODULES"
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
 
+# Which blocks' linears a recipe converts: chosen beside the recipe, for every recipe, not among its options.
+LAYER_CHOICES = ("bf16_first_layers", "bf16_last_layers", "keep_bf16")
+
+
 class RecipeError(ValueError):
     """An unknown recipe or an option value it does not accept; the message says what is allowed."""
 
@@ -121,8 +125,13 @@ class RecipeEntry:
         unknown = sorted(set(given) - set(known), key=str)
         if unknown:
             valid = ", ".join(sorted(known)) or "none"
-            raise RecipeError(f"unknown option(s) {', '.join(map(str, unknown))} for recipe {self.name!r}; "
-                              f"valid options: {valid}")
+            message = (f"unknown option(s) {', '.join(map(str, unknown))} for recipe {self.name!r}; "
+                       f"valid options: {valid}")
+            layer_choices = [str(k) for k in unknown if k in LAYER_CHOICES]
+            if layer_choices:
+                message += (f" ({', '.join(layer_choices)}: not a recipe option but a key of its own, beside the "
+                            f"recipe's name in an experiment's recipe entry, beside `recipe` in a run spec)")
+            raise RecipeError(message)
         for name, value in given.items():
             known[name].check(value, self.name)
         return {**self.defaults(), **given}
