@@ -6,6 +6,7 @@ can correct, 503 when a service the API depends on (the database, the job queue)
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,13 +42,64 @@ class QueueUnavailable(RuntimeError):
         self.stored = stored
 
 
+def _wrong_type(error: dict) -> bool:
+    return str(error.get("type", "")).endswith("_type")
+
+
+# How pydantic names a union's member in an error's location: a type ("str", "dict[str,any]",
+# "function-after[known_recipe_and_options(), RecipeRequest]") or a model class; field names are snake_case.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|bytes|none|[a-z][a-z-]*\[.*\]|[A-Z][A-Za-z0-9_]*)$")
+
+
+def _member_index(loc: tuple) -> int | None:
+    return next((i for i, part in enumerate(loc) if isinstance(part, str) and _UNION_MEMBER.match(part)), None)
+
+
+def _union_branches(errors: list[dict]) -> list[tuple[str, dict]]:
+    """Each error with the union member it came from taken out of its location. pydantic tries every member of a
+    union (`str | RecipeRequest`) and reports each one that failed, under a location naming the member
+    (`recipes.1.str`, `recipes.1.function-after[...]`). A value of one member's type that broke that member's rules
+    was not meant as another member: that member's "Input should be a valid string" is dropped. Where every member
+    failed on the type alone, one line lists what the value may be."""
+    located = []
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        i = _member_index(loc)
+        located.append((loc, e, None if i is None else loc[:i]))
+    members: dict[tuple, set] = {}
+    for loc, _e, prefix in located:
+        if prefix is not None:
+            members.setdefault(prefix, set()).add(loc[len(prefix)])
+    out: list[tuple[str, dict]] = []
+    type_only: dict[tuple, list[str]] = {}
+    for loc, e, prefix in located:
+        if prefix is None or len(members[prefix]) < 2:
+            out.append((_where(loc), e))
+            continue
+        if len(loc) == len(prefix) + 1 and _wrong_type(e):
+            siblings = [(l2, e2) for l2, e2, p2 in located if p2 == prefix and l2[len(prefix)] != loc[len(prefix)]]
+            if any(len(l2) > len(prefix) + 1 or not _wrong_type(e2) for l2, e2 in siblings):
+                continue  # the value was of another member's type
+            if prefix not in type_only:
+                type_only[prefix] = []
+                out.append((_where(prefix), {"msg": type_only[prefix]}))  # joined below, in its place
+            type_only[prefix].append(str(e.get("msg", "invalid")))
+            continue
+        out.append((_where(loc[:len(prefix)] + loc[len(prefix) + 1:]), e))
+    return [(where, {"msg": " | ".join(dict.fromkeys(e["msg"]))} if isinstance(e.get("msg"), list) else e)
+            for where, e in out]
+
+
+def _where(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if p not in ("body", "query", "path"))
+
+
 def _describe(errors: list[dict]) -> str:
     parts = []
-    for e in errors:
-        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
-        msg = e.get("msg", "invalid")
+    for loc, e in _union_branches(errors):
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts) or "invalid request"
+    return "; ".join(dict.fromkeys(parts)) or "invalid request"
 
 
 def _error(status: int, message: str, **extra) -> JSONResponse:

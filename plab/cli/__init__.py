@@ -44,8 +44,6 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in DELEGATED:
             return DELEGATED[argv[0]](argv[1:])
         args = build_parser().parse_args(argv)
-        if getattr(args, "steps", None) is not None and args.steps < 1:
-            raise UsageError("--steps must be at least 1")
         return args.func(args)
     except UsageError as e:
         print(f"plab: error: {e}", file=sys.stderr)

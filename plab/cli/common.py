@@ -1,7 +1,10 @@
 """What the `plab` commands share: the error a user can act on, and reading their YAML/JSON files."""
 from __future__ import annotations
 
+import argparse
 import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -26,3 +29,57 @@ def load_file(path: str) -> dict:
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
+
+
+def whole_number(minimum: int = 1):
+    """An argparse type: an integer >= `minimum`, refused with what was typed."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
+        return value
+    parse.__name__ = f"whole number >= {minimum}"
+    return parse
+
+
+def port_number(text: str, source: str = "") -> int:
+    """A TCP port, 1-65535 (argparse type; `source` names an environment variable the value came from)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= 65535:
+        where = f"{source} " if source else ""
+        raise argparse.ArgumentTypeError(f"{where}must be a port number from 1 to 65535, got {text!r}")
+    return value
+
+
+def port_from_env(variable: str, default: int) -> int:
+    """The port an environment variable sets, read when a command runs (an unset one: `default`)."""
+    text = os.environ.get(variable)
+    if text is None or text == "":
+        return default
+    try:
+        return port_number(text, variable)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"{e}: unset it or give --port") from None
+
+
+@contextmanager
+def api_call(url: str, what: str):
+    """Errors of a call to the API as a UsageError: the server's refusal (`what` was refused: its reason) or a
+    server that cannot be reached (where, and how to start one)."""
+    import httpx
+
+    from workers.client import ApiError
+
+    try:
+        yield
+    except ApiError as e:
+        raise UsageError(f"the server refused {what}: {e.message}") from e
+    except httpx.HTTPError as e:
+        raise UsageError(f"cannot reach the API at {url} ({e}); start it with `plab serve`, or give --api-url / "
+                         f"set PLAB_API_URL") from e

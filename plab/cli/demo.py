@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from plab.cli.common import UsageError
+from plab.cli.common import UsageError, api_call, port_number, whole_number
 
 DEMO_RECIPES = ["bf16", "fp8_tensorwise", "mxfp8", "nvfp4"]
 FINAL = {"succeeded", "failed", "cancelled", "diverged"}
@@ -32,7 +32,7 @@ def demo_experiment(steps: int, recipes: list[str]) -> dict:
 
 
 def _free_port(preferred: int) -> int:
-    for port in [preferred] + list(range(preferred + 1, preferred + 50)):
+    for port in range(preferred, min(preferred + 50, 65536)):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -144,9 +144,27 @@ def _follow(client, experiment_id: int, worker: subprocess.Popen, log_path: Path
         time.sleep(2)
 
 
+def demo_recipes(text: str | None) -> list[str]:
+    """--recipes as a list of catalog names, checked before anything starts."""
+    from training.precision import catalog
+
+    if text is None:
+        return list(DEMO_RECIPES)
+    recipes = [r.strip() for r in text.split(",") if r.strip()]
+    if not recipes:
+        raise UsageError(f"--recipes names no recipe; give e.g. --recipes {','.join(DEMO_RECIPES)}")
+    for name in recipes:
+        try:
+            catalog.get(name)
+        except catalog.RecipeError as e:
+            raise UsageError(f"--recipes: {e}") from None
+    return recipes
+
+
 def cmd_demo(args) -> int:
     from workers.client import PlabClient
 
+    recipes = demo_recipes(args.recipes)
     port = _free_port(args.port)
     home, env = _demo_env(args, port)
     py, logs = sys.executable, home / "logs"
@@ -158,8 +176,8 @@ def cmd_demo(args) -> int:
         url = f"http://127.0.0.1:{port}"
         _wait_for_server(url, server, logs / "server.log")
         client = PlabClient.from_env(url)
-        recipes = args.recipes.split(",") if args.recipes else DEMO_RECIPES
-        exp = client.create_experiment(demo_experiment(args.steps, recipes))
+        with api_call(url, "the demo's experiment"):
+            exp = client.create_experiment(demo_experiment(args.steps, recipes))
         page = f"{url}/experiments/{exp['id']}"
         print(f"[plab] experiment {exp['id']} with {len(exp['runs'])} runs; dashboard: {page}", flush=True)
         exp = _follow(client, exp["id"], worker, logs / "worker.log")
@@ -181,10 +199,11 @@ def cmd_demo(args) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     dm = sub.add_parser("demo", help="embedded one-shot comparison on SQLite with an embedded broker")
     dm.add_argument("--no-serve", action="store_true", help="exit when the runs finish, with a summary table")
-    dm.add_argument("--steps", type=int, default=100)
+    dm.add_argument("--steps", type=whole_number(1), default=100)
     dm.add_argument("--recipes", help=f"comma-separated (default {','.join(DEMO_RECIPES)})")
-    dm.add_argument("--slots", type=int, default=2, help="runs trained at the same time")
-    dm.add_argument("--port", type=int, default=8000)
+    dm.add_argument("--slots", type=whole_number(1), default=2, help="runs trained at the same time")
+    dm.add_argument("--port", type=port_number, default=8000,
+                    help="the dashboard's port (the next free one when taken)")
     dm.add_argument("--home", help="state folder (default $PLAB_HOME or ./plab-data)")
     dm.add_argument("--keep-env", action="store_true", help="use PLAB_DATABASE_URL/PLAB_BROKER_URL if set")
     dm.set_defaults(func=cmd_demo)

@@ -5,7 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-from plab.cli.common import UsageError
+from plab.cli.common import UsageError, api_call, whole_number
 
 
 def cmd_eval(argv: list[str]) -> int:
@@ -19,26 +19,29 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def _eval_run_via_api(argv: list[str]) -> int:
-    from workers.client import ApiError, PlabClient
+    from workers.client import PlabClient
 
     p = argparse.ArgumentParser(prog="plab eval RUN_ID", description="evaluate a run's checkpoint on the workers")
     p.add_argument("run_id", type=int)
     p.add_argument("--tasks", required=True, help="comma-separated, e.g. plab_blimp,plab_lambada_openai")
-    p.add_argument("--limit", type=int, help="documents per task")
+    p.add_argument("--limit", type=whole_number(1), help="documents per task")
     p.add_argument("--wait", action="store_true", help="wait for the job and print its results")
     p.add_argument("--api-url")
     a = p.parse_args(argv)
-    client = PlabClient.from_env(a.api_url)
-    try:
-        ev = client.create_evaluation(a.run_id, [t for t in a.tasks.split(",") if t], a.limit)
-    except ApiError as e:
-        raise UsageError(e.message) from e
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UsageError("--tasks names no task; give e.g. --tasks plab_blimp,plab_lambada_openai "
+                         "(plab eval --list-tasks lists them)")
+    client = PlabClient.from_env(a.api_url, retries=2)
+    with api_call(client.base_url, f"an evaluation of run {a.run_id}"):
+        ev = client.create_evaluation(a.run_id, tasks, a.limit)
     print(f"evaluation {ev['id']} of run {a.run_id} queued: {', '.join(ev['tasks'])}")
     if not a.wait:
         return 0
     while ev["status"] in ("queued", "running"):
         time.sleep(2)
-        ev = client.get_evaluation(ev["id"])
+        with api_call(client.base_url, f"reading evaluation {ev['id']}"):
+            ev = client.get_evaluation(ev["id"])
     for r in ev["results"]:
         shown = ", ".join(f"{m} {v.get('value'):.4f}" for m, v in (r["metrics"].get("metrics") or {}).items()
                           if isinstance(v, dict) and v.get("value") is not None)

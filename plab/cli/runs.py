@@ -6,19 +6,17 @@ import json
 import os
 from pathlib import Path
 
-from plab.cli.common import UsageError, load_file
+from plab.cli.common import UsageError, api_call, load_file, whole_number
 from training.sink import MetricSink, NullSink
 
 
 def cmd_submit(args) -> int:
-    from workers.client import ApiError, PlabClient
+    from workers.client import PlabClient
 
     body = load_file(args.file)
-    client = PlabClient.from_env(args.api_url)
-    try:
+    client = PlabClient.from_env(args.api_url, retries=2)  # a server that is down: said in ~2 s
+    with api_call(client.base_url, "the experiment"):
         exp = client.create_experiment(body)
-    except ApiError as e:
-        raise UsageError(f"the server refused the experiment: {e.message}") from e
     print(f"experiment {exp['id']} '{exp['name']}': {len(exp['runs'])} run(s) queued "
           f"({', '.join(r['label'] for r in exp['runs'])})")
     print(f"{client.base_url}/experiments/{exp['id']}")
@@ -99,12 +97,6 @@ def _torchrun(args, spec) -> int:
         return subprocess.run(cmd).returncode
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(text)
-
-
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     sm = sub.add_parser("submit", help="create an experiment from a YAML/JSON file")
     sm.add_argument("file")
@@ -117,6 +109,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--output", default="plab-data/train", help="checkpoint folder")
     t.add_argument("--metrics", help="also write metrics to this JSONL file")
     t.add_argument("--no-resume", action="store_true")
-    t.add_argument("--print-every", type=_positive, default=10, help="print the loss every N steps (N >= 1)")
+    t.add_argument("--print-every", type=whole_number(1), default=10, help="print the loss every N steps (N >= 1)")
     t.add_argument("--result-json", help="also write the result summary to this file")
     t.set_defaults(func=cmd_train)

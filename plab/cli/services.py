@@ -5,7 +5,7 @@ import argparse
 import os
 import socket
 
-from plab.cli.common import UsageError
+from plab.cli.common import UsageError, port_from_env, port_number, whole_number
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -21,8 +21,9 @@ def cmd_serve(args) -> int:
         raise UsageError(f"refusing to serve on {args.host} without PLAB_API_TOKEN: anyone who reaches the port "
                          "could create and cancel runs. Set PLAB_API_TOKEN to a long random secret (e.g. `openssl "
                          "rand -hex 32`), or bind 127.0.0.1, or pass --insecure-no-token on a trusted network")
+    port = args.port if args.port is not None else port_from_env("PLAB_PORT", 8000)
     app = create_app(migrate=False if args.no_migrate else None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=port, log_level=args.log_level)
     return 0
 
 
@@ -64,7 +65,17 @@ def cmd_worker(args) -> int:
         args.device_kind = args.device_kind or "slurm"
         # Only runs sent to it (training.queue: slurm): the single-host path stays the default for the others.
         args.queues = args.queues or args.device_kind
-    plan = worker_plan(parse_gpus(args.gpus), args.slots, args.multi_gpu, args.queues, args.device_kind)
+    gpus = parse_gpus(args.gpus)
+    if args.gpus == "all" and not gpus:
+        # The deployment's one command (docker-compose.yml) on a host without GPUs: CPU slots.
+        print("[plab] worker: --gpus all found no CUDA GPU here; running CPU slot(s)", flush=True)
+    elif gpus and args.slots is not None:
+        if args.gpus != "all":
+            raise UsageError(f"--slots {args.slots} is for CPU jobs; with --gpus each listed GPU is one slot "
+                             f"(or --multi-gpu: one job over all of them)")
+        print(f"[plab] worker: --slots {args.slots} ignored: --gpus all found {len(gpus)} GPU(s), one slot each",
+              flush=True)
+    plan = worker_plan(gpus, args.slots, args.multi_gpu, args.queues, args.device_kind)
     # Read by each pool process as it starts (workers.tasks pins slot i to the i-th entry).
     os.environ["PLAB_WORKER_SLOTS"] = ";".join(plan["slots"])
     os.environ.setdefault("PLAB_JOB_THREADS", str(plan["threads"]))
@@ -154,17 +165,17 @@ def cmd_db(args) -> int:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="run the API and dashboard")
     s.add_argument("--host", default=os.environ.get("PLAB_HOST", "127.0.0.1"))
-    s.add_argument("--port", type=int, default=int(os.environ.get("PLAB_PORT", "8000")))
+    s.add_argument("--port", type=port_number, default=None, help="default: $PLAB_PORT or 8000")
     s.add_argument("--no-migrate", action="store_true", help="do not apply migrations on start")
     s.add_argument("--insecure-no-token", action="store_true",
                    help="serve on a non-loopback address without PLAB_API_TOKEN (writes open to anyone)")
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
     s.set_defaults(func=cmd_serve)
 
     w = sub.add_parser("worker", help="run a Celery worker")
     w.add_argument("--gpus", help="GPU indices, e.g. 0,1 (one single-GPU job per device) or 'all'")
     w.add_argument("--multi-gpu", action="store_true", help="run one multi-GPU job at a time over all --gpus")
-    w.add_argument("--slots", type=int, help="concurrent CPU jobs when no GPU is given (default 1)")
+    w.add_argument("--slots", type=whole_number(1), help="concurrent CPU jobs when no GPU is given (default 1)")
     w.add_argument("--queues", help="comma-separated queues (default: 'default' and the device kind)")
     w.add_argument("--device-kind", help="queue name for this hardware, e.g. h100, b200 (default gpu/cpu)")
     w.add_argument("--launcher", choices=("local", "slurm"), default="local",
@@ -178,13 +189,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--sbatch-args", help="more sbatch options, e.g. '--qos=high --constraint=h100'")
     w.add_argument("--slurm-poll-s", type=float, default=5.0, help="seconds between looks at a Slurm job")
     w.add_argument("--hostname")
-    w.add_argument("--log-level", default="info")
+    w.add_argument("--log-level", default="info", type=str.lower,
+                   choices=("critical", "error", "warning", "info", "debug"))
     w.set_defaults(func=cmd_worker)
 
     f = sub.add_parser("flower", help="Celery's monitoring UI for the workers")
     f.add_argument("--host", default="127.0.0.1")
     f.add_argument("--basic-auth", default=None, help="USER:PASSWORD (default: PLAB_FLOWER_BASIC_AUTH)")
-    f.add_argument("--port", type=int, default=5555)
+    f.add_argument("--port", type=port_number, default=5555)
     f.set_defaults(func=cmd_flower)
 
     d = sub.add_parser("db", help="database maintenance")

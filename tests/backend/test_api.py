@@ -68,6 +68,26 @@ def test_bad_experiments_are_refused_with_a_message_naming_the_problem(api, body
     assert api.get("/api/v1/experiments").json()["total"] == 0  # nothing half-stored
 
 
+@pytest.mark.parametrize("body, detail", [
+    # a recipe object breaking RecipeRequest's rules: no "recipes.1.str: Input should be a valid string" beside it
+    ({"recipes": ["bf16", {"name": "nvfp4", "keep_bf16": [""]}]},
+     "recipes.1.keep_bf16.0: String should have at least 1 character"),
+    ({"recipes": ["bf16", {"name": "nvfp4", "rht": True}]}, "recipes.1.rht: Extra inputs are not permitted"),
+    ({"recipes": ["bf16", {"name": "fp9"}]}, "recipes.1: unknown recipe 'fp9'; choose one of bf16, fp8_delayed, "
+     "fp8_tensorwise, fp8_rowwise, fp8_blockwise, mxfp8, nvfp4"),
+    # a value of neither member's type: one line saying what it may be; other fields' errors kept, in order
+    ({"name": 5, "model": 5, "recipes": [7]},
+     "name: Input should be a valid string; model: Input should be a valid string | Input should be a valid "
+     "dictionary; recipes.0: Input should be a valid string | Input should be a valid dictionary or object to "
+     "extract fields from"),
+])
+def test_a_unions_error_names_the_member_the_value_was_meant_as(api, body, detail):
+    r = api.post("/api/v1/experiments", json={**EXPERIMENT, **body})
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"] == detail
+    assert len(r.json()["errors"]) > 1  # the structured list keeps every member's error
+
+
 def test_metric_batches_are_idempotent_on_run_key_step(api):
     run = create(api)["runs"][0]
     points = [{"key": "train/loss", "step": s, "value": 5.0 - s / 100, "tokens": s * 1024, "wall_time": s * 0.1}

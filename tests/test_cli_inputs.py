@@ -1,0 +1,118 @@
+"""What `plab` does with a bad flag, a bad environment variable, or an API it cannot reach or that refuses: one
+line saying what was wrong and how to fix it, exit status 2, no traceback, nothing started."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from plab.cli import build_parser, main
+from tests.conftest import REPO
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["worker", "--slots", "0"], "argument --slots: expected a whole number >= 1, got '0'"),
+    (["worker", "--slots", "-1"], "argument --slots: expected a whole number >= 1, got '-1'"),
+    (["serve", "--port", "99999"], "argument --port: must be a port number from 1 to 65535, got '99999'"),
+    (["serve", "--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    (["flower", "--port", "0"], "argument --port: must be a port number from 1 to 65535, got '0'"),
+    (["demo", "--steps", "0"], "argument --steps: expected a whole number >= 1, got '0'"),
+    (["demo", "--slots", "two"], "argument --slots: expected a whole number >= 1, got 'two'"),
+    (["demo", "--port", "70000"], "argument --port: must be a port number from 1 to 65535, got '70000'"),
+    (["train", "x.yaml", "--print-every", "0"], "argument --print-every: expected a whole number >= 1, got '0'"),
+    (["eval", "3", "--tasks", "plab_blimp", "--limit", "0"], "argument --limit: expected a whole number >= 1"),
+])
+def test_a_bad_flag_is_refused_by_the_parser(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["worker", "--gpus", "0", "--slots", "2"], "--slots 2 is for CPU jobs; with --gpus each listed GPU is one slot"),
+    (["demo", "--recipes", "bf16,fp9"], "--recipes: unknown recipe 'fp9'; choose one of bf16, fp8_delayed"),
+    (["demo", "--recipes", ","], "--recipes names no recipe; give e.g. --recipes bf16,fp8_tensorwise"),
+    (["eval", "3", "--tasks", ","], "--tasks names no task"),
+])
+def test_a_bad_combination_is_refused_before_anything_starts(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    started = time.monotonic()
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"plab: error: {message}")
+    assert time.monotonic() - started < 10
+    assert not (tmp_path / "plab-data").exists()  # the demo made no home, started no server
+
+
+def test_a_bad_port_in_the_environment_is_named_when_serving_and_harmless_otherwise(monkeypatch, capsys):
+    monkeypatch.setenv("PLAB_PORT", "eighty")
+    assert build_parser().parse_args(["serve"]).port is None  # building the parser reads no environment
+    assert main(["serve"]) == 2
+    assert capsys.readouterr().err == ("plab: error: PLAB_PORT must be a port number from 1 to 65535, got 'eighty': "
+                                       "unset it or give --port\n")
+
+
+@pytest.mark.parametrize("argv", [["submit", "{file}"], ["eval", "3", "--tasks", "plab_blimp"]])
+def test_an_api_that_is_down_is_named_with_how_to_start_it(argv, tmp_path, capsys):
+    body = tmp_path / "e.yaml"
+    body.write_text("name: x\nrecipes: [bf16]\n")
+    url = f"http://127.0.0.1:{closed_port()}"
+    started = time.monotonic()
+    assert main([a.format(file=body) for a in argv] + ["--api-url", url]) == 2
+    assert capsys.readouterr().err.startswith(f"plab: error: cannot reach the API at {url} (")
+    assert time.monotonic() - started < 10  # two quick retries, not the workers' patient ones
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`plab serve` as a user starts it: the embedded default (SQLite, filesystem broker) in its own home."""
+    home = tmp_path_factory.mktemp("served")
+    port = closed_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("PLAB_DATABASE_URL", "PLAB_BROKER_URL", "PLAB_API_TOKEN")}
+    env["PLAB_HOME"] = str(home)
+    proc = subprocess.Popen([sys.executable, "-m", "plab.cli", "serve", "--port", str(port), "--log-level", "warning"],
+                            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/api/v1/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+        time.sleep(0.3)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_submit_prints_the_experiment_or_the_servers_reason(served, tmp_path, capsys):
+    good = tmp_path / "good.yaml"
+    good.write_text("name: cli\nmodel: tiny\ndata: {corpus: tinyshakespeare, vocab_size: 512, seq_len: 64}\n"
+                    "training: {steps: 30, batch_size: 2}\nrecipes: [bf16, {name: nvfp4, bf16_last_layers: 1}]\n")
+    assert main(["submit", str(good), "--api-url", served]) == 0
+    out = capsys.readouterr().out
+    assert "'cli': 2 run(s) queued (bf16, nvfp4 bf16_last=1)" in out and f"{served}/experiments/" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: cli\nrecipes: [bf16, {name: nvfp4, options: {bf16_last_layers: 1}}]\n")
+    assert main(["submit", str(bad), "--api-url", served]) == 2
+    assert capsys.readouterr().err == (
+        "plab: error: the server refused the experiment: recipes.1: unknown option(s) bf16_last_layers for recipe "
+        "'nvfp4'; valid options: fused_quantize, fused_swiglu, rht, rht_seed, share_mlp_input, stochastic_rounding, "
+        "weight_2d (bf16_last_layers: not a recipe option but a key of its own, beside the recipe's name in an "
+        "experiment's recipe entry, beside `recipe` in a run spec)\n")
+    assert main(["eval", "9999", "--tasks", "plab_blimp", "--api-url", served]) == 2
+    assert capsys.readouterr().err == ("plab: error: the server refused an evaluation of run 9999: run 9999 does not "
+                                       "exist\n")
