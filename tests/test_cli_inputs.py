@@ -55,6 +55,19 @@ def test_a_bad_combination_is_refused_before_anything_starts(argv, message, caps
     assert not (tmp_path / "plab-data").exists()  # the demo made no home, started no server
 
 
+def test_train_refuses_an_output_it_cannot_write_before_training(tmp_path, capsys, monkeypatch):
+    from training import launch
+
+    spec = tmp_path / "run.yaml"
+    spec.write_text("model: tiny\ndata: {corpus: tinyshakespeare, vocab_size: 512, seq_len: 64}\n"
+                    "training: {steps: 3, batch_size: 2, warmup_steps: 1}\n")
+    (tmp_path / "blocker").write_text("a file where a folder would go")
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("the run started"))
+    assert main(["train", str(spec), "--output", str(tmp_path / "blocker" / "out")]) == 2
+    assert capsys.readouterr().err == (f"plab: error: --output {tmp_path}/blocker/out: cannot create the folder "
+                                       f"{tmp_path}/blocker/out (Not a directory)\n")
+
+
 def test_a_bad_port_in_the_environment_is_named_when_serving_and_harmless_otherwise(monkeypatch, capsys):
     monkeypatch.setenv("PLAB_PORT", "eighty")
     assert build_parser().parse_args(["serve"]).port is None  # building the parser reads no environment

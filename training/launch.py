@@ -49,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-resume", action="store_true", help="start from step 0 even if DIR holds checkpoints")
     a = ap.parse_args(argv)
     spec = _read_spec(ap, a.spec)
+    for flag, path, folder in (("--output-dir", a.output_dir, True), ("--metrics-jsonl", a.metrics_jsonl, False),
+                               ("--result-json", a.result_json, False)):
+        problem = output_problem(path, folder=folder) if path else None
+        if problem:
+            ap.error(f"{flag} {path}: {problem}")
 
     rank = int(os.environ.get("RANK", "0"))
     sink = JsonlSink(a.metrics_jsonl) if (a.metrics_jsonl and rank == 0) else NullSink()
@@ -59,6 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and a.result_json:
         Path(a.result_json).write_text(json.dumps(result.to_dict(), indent=1))
     return 0
+
+
+def output_problem(path, *, folder: bool) -> str | None:
+    """Why a run could not write to `path` (a folder, or a file's folder: created now, as training would), or None;
+    asked before a run starts, so a typo in a path is not found after the model is built."""
+    path = Path(path)
+    target = path if folder else path.parent
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create the folder {target} ({e.strerror or e})"
+    if not target.is_dir():
+        return f"{target} is not a folder"
+    if not os.access(target, os.W_OK | os.X_OK):
+        return f"the folder {target} is not writable"
+    if not folder and path.is_dir():
+        return f"{path} is a folder; give a file name"
+    return None
 
 
 def _read_spec(ap: argparse.ArgumentParser, path: str) -> RunSpec:

@@ -57,6 +57,11 @@ def cmd_train(args) -> int:
         spec = RunSpec.from_dict(data)
     except SpecError as e:
         raise UsageError(f"{args.file}: {e}") from e
+    for flag, path, folder in (("--output", args.output, True), ("--metrics", args.metrics, False),
+                               ("--result-json", args.result_json, False)):
+        problem = launch.output_problem(path, folder=folder) if path else None
+        if problem:
+            raise UsageError(f"{flag} {path}: {problem}")
     if spec.training.gpus > 1 and "WORLD_SIZE" not in os.environ:
         return _torchrun(args, spec)
     rank0 = int(os.environ.get("RANK", "0")) == 0

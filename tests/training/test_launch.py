@@ -47,3 +47,21 @@ def test_a_bad_spec_file_is_a_usage_error_that_says_what_is_wrong(tmp_path, caps
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and str(path) in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--output-dir", "{blocker}/out"], "--output-dir {blocker}/out: cannot create the folder {blocker}/out"),
+    (["--output-dir", "{tmp}/out", "--metrics-jsonl", "{blocker}/m/x.jsonl"],
+     "--metrics-jsonl {blocker}/m/x.jsonl: cannot create the folder {blocker}/m"),
+    (["--output-dir", "{tmp}/out", "--result-json", "{tmp}"], "--result-json {tmp}: {tmp} is a folder; give a file name"),
+])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(make_spec, tmp_path, capsys, monkeypatch,
+                                                                         extra, message):
+    (tmp_path / "spec.json").write_text(json.dumps(make_spec(training={"steps": 3})))
+    (tmp_path / "blocker").write_text("a file where a folder would go")
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("the run started"))
+    fill = {"blocker": str(tmp_path / "blocker"), "tmp": str(tmp_path)}
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main([str(tmp_path / "spec.json")] + [x.format(**fill) for x in extra])
+    assert exit_info.value.code == 2
+    assert message.format(**fill) in capsys.readouterr().err
