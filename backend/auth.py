@@ -26,6 +26,9 @@ import time
 from dataclasses import dataclass
 
 SCOPES = ("read", "write", "admin")
+# A token's name, as the API (TokenIn) and `plab token create` accept it.
+TOKEN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+TOKEN_NAME_MAX = 100
 RANK = {scope: i for i, scope in enumerate(SCOPES)}
 TOKEN_PREFIX = "plab_"
 COOKIE = "plab_session"

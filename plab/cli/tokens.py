@@ -28,12 +28,27 @@ def _session():
     return session
 
 
+def _check_name(name: str) -> None:
+    """The API's rule for a token's name (backend.auth), and not digits alone (`revoke` also takes an id)."""
+    import re
+
+    from backend import auth
+
+    if not name or len(name) > auth.TOKEN_NAME_MAX or not re.match(auth.TOKEN_NAME_PATTERN, name):
+        raise UsageError(f"a token's name is 1 to {auth.TOKEN_NAME_MAX} letters, digits, '.', '_' or '-', starting "
+                         f"with a letter or digit, e.g. worker-gpu1 or alice; got {name[:120]!r}")
+    if name.isdigit():
+        raise UsageError(f"a token's name of digits alone ({name!r}) would read as an id in `plab token revoke`; "
+                         "add a letter, e.g. worker-" + name)
+
+
 def cmd_token(args) -> int:
     from backend import auth
     from backend.models import ApiToken, utcnow
 
     with _session() as session:
         if args.action == "create":
+            _check_name(args.name)
             try:
                 row, raw = auth.create_token(session, args.name, args.scope)
             except ValueError as e:
@@ -49,8 +64,9 @@ def cmd_token(args) -> int:
                       f"{fmt(r.last_used_at):20} {fmt(r.revoked_at)}")
         else:
             ref = args.name
-            row = (session.get(ApiToken, int(ref)) if ref.isdigit() else
-                   session.query(ApiToken).filter(ApiToken.name == ref).one_or_none())
+            row = session.query(ApiToken).filter(ApiToken.name == ref).one_or_none()
+            if row is None and ref.isdigit():  # an id (a name of digits, made through the API, goes first)
+                row = session.get(ApiToken, int(ref))
             if row is None:
                 raise UsageError(f"no token named or numbered {ref!r} (see `plab token list`)")
             if row.revoked_at is None:

@@ -132,3 +132,26 @@ def test_plab_token_cli_creates_lists_and_revokes(tmp_path):
     api.app.state.tokens.forget()
     assert api.post("/api/v1/experiments", json=EXPERIMENT, headers=_bearer(raw)).status_code == 401
     assert plab("revoke", "nobody").returncode == 2
+
+
+def test_plab_token_cli_takes_the_apis_names_and_revokes_a_name_before_an_id(tmp_path, monkeypatch, capsys):
+    from plab.cli import main
+
+    monkeypatch.setenv("PLAB_HOME", str(tmp_path))
+    monkeypatch.setenv("PLAB_DATABASE_URL", f"sqlite:///{tmp_path / 'plab.sqlite'}")
+    for bad in ("", "a b", "_x", "x" * 101, "tab\there"):
+        assert main(["token", "create", bad, "--scope", "read"]) == 2
+        assert "a token's name is 1 to 100 letters, digits" in capsys.readouterr().err
+    assert main(["token", "create", "12", "--scope", "read"]) == 2
+    assert "would read as an id in `plab token revoke`; add a letter, e.g. worker-12" in capsys.readouterr().err
+
+    api = _api(tmp_path)
+    alice, bob = _make(api, "alice", "read"), _make(api, "bob", "read")
+    named = _make(api, str(alice["id"]), "write")     # the API takes a name of digits
+    assert main(["token", "revoke", str(alice["id"])]) == 0  # the token of that name goes, not alice
+    assert capsys.readouterr().out.startswith(f"token '{alice['id']}' revoked")
+    assert main(["token", "revoke", str(bob["id"])]) == 0    # an id nobody is named after
+    assert capsys.readouterr().out == "token 'bob' revoked (running servers stop accepting it within a few seconds)\n"
+    assert main(["token", "revoke", str(named["id"] + 100)]) == 2
+    revoked = {t["name"]: t["revoked_at"] is not None for t in api.get("/api/v1/tokens", headers=_bearer(ADMIN)).json()}
+    assert revoked == {"alice": False, "bob": True, named["name"]: True}

@@ -23,7 +23,7 @@ class SessionOut(BaseModel):
 
 class TokenIn(BaseModel):
     model_config = {"extra": "forbid"}
-    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    name: str = Field(min_length=1, max_length=auth.TOKEN_NAME_MAX, pattern=auth.TOKEN_NAME_PATTERN)
     scope: Literal["read", "write", "admin"]
 
 
