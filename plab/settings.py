@@ -42,8 +42,8 @@ def _default_data_dir() -> Path:
 def get_settings() -> Settings:
     """Read the environment now (not at import) so tests and the CLI can set variables first."""
     home = Path(os.environ.get("PLAB_HOME", "plab-data")).resolve()
-    db = os.environ.get("PLAB_DATABASE_URL") or f"sqlite:///{home / 'plab.sqlite'}"
-    broker = os.environ.get("PLAB_BROKER_URL") or "filesystem://"
+    db = _database_url(os.environ.get("PLAB_DATABASE_URL") or f"sqlite:///{home / 'plab.sqlite'}")
+    broker = _broker_url(os.environ.get("PLAB_BROKER_URL") or "filesystem://")
     token = os.environ.get("PLAB_API_TOKEN") or None
     data_dir = Path(os.environ["PLAB_DATA_DIR"]).resolve() if os.environ.get("PLAB_DATA_DIR") else _default_data_dir()
     api_url = os.environ.get("PLAB_API_URL", "http://127.0.0.1:8000").rstrip("/")
@@ -54,7 +54,7 @@ def get_settings() -> Settings:
                     heartbeat_s=_seconds("PLAB_HEARTBEAT_S", 10.0), stale_s=_seconds("PLAB_STALE_S", 60.0),
                     reconcile_s=_seconds("PLAB_RECONCILE_S", 15.0, zero_ok=True),
                     requeue_grace_s=_seconds("PLAB_REQUEUE_GRACE_S", 60.0),
-                    max_attempts=int(_seconds("PLAB_MAX_ATTEMPTS", 3)))
+                    max_attempts=_whole("PLAB_MAX_ATTEMPTS", 3))
 
 
 class SettingsError(ValueError):
@@ -80,6 +80,61 @@ def _seconds(name: str, default: float, *, zero_ok: bool = False) -> float:
     if not (value > 0 or (zero_ok and value == 0)) or value != value or value == float("inf"):
         raise SettingsError(f"{name} must be a positive number{' or 0 (off)' if zero_ok else ''}, got {raw!r}")
     return value
+
+
+def _whole(name: str, default: int, minimum: int = 1) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < minimum:
+        raise SettingsError(f"{name} must be a whole number >= {minimum}, got {raw!r}")
+    return int(raw)
+
+
+DATABASE_URL_HELP = "sqlite:///PATH (embedded) or postgresql+psycopg://USER:PASSWORD@HOST:5432/DB (served)"
+
+
+def _database_url(url: str) -> str:
+    """PLAB_DATABASE_URL checked: SQLite or PostgreSQL through psycopg 3 (the driver installed); `postgresql://` and
+    `postgres://` without a driver mean psycopg 3 (SQLAlchemy would look for psycopg2, which is not installed)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise SettingsError(f"PLAB_DATABASE_URL is not a database URL: {_hide_password(url)!r}; "
+                            f"give {DATABASE_URL_HELP}") from None
+    backend, _, driver = parsed.drivername.partition("+")
+    if parsed.drivername == "postgresql+psycopg":
+        return url
+    if backend in ("postgres", "postgresql") and driver == "":
+        return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    if backend == "sqlite" and driver == "":
+        return url
+    raise SettingsError(f"PLAB_DATABASE_URL uses {parsed.drivername!r}, which the lab does not run on; give "
+                        f"{DATABASE_URL_HELP}")
+
+
+def _hide_password(url: str) -> str:
+    head, at, tail = url.rpartition("@")
+    if not at or "://" not in head:
+        return url
+    scheme, _, credentials = head.partition("://")
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{tail}" if ":" in credentials else url
+
+
+def _broker_url(url: str) -> str:
+    """PLAB_BROKER_URL checked against the transports Celery knows (redis:// and the embedded filesystem:// are
+    the tested ones; the reconciler can read only those two)."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    scheme = url.partition("://")[0]
+    if "://" not in url or scheme not in TRANSPORT_ALIASES:
+        raise SettingsError(f"PLAB_BROKER_URL must be a Celery broker URL such as redis://HOST:6379/0 (served) or "
+                            f"filesystem:// (embedded), got {url!r}")
+    return url
 
 
 def _max_body() -> int:

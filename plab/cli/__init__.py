@@ -22,6 +22,7 @@ from plab.cli import demo, runs, services, tokens
 from plab.cli.common import UsageError
 from plab.cli.evaluate import cmd_eval
 from plab.cli.gemm import cmd_gemm
+from plab.settings import SettingsError
 
 DELEGATED = {"eval": cmd_eval, "gemm-bench": cmd_gemm}
 
@@ -45,6 +46,6 @@ def main(argv: list[str] | None = None) -> int:
             return DELEGATED[argv[0]](argv[1:])
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except UsageError as e:
+    except (UsageError, SettingsError) as e:
         print(f"plab: error: {e}", file=sys.stderr)
         return 2

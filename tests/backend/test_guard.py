@@ -90,6 +90,42 @@ def test_settings_refuse_bad_auth_mode_and_body_limit(monkeypatch):
         get_settings()
 
 
+@pytest.mark.parametrize("variable, value, message", [
+    ("PLAB_MAX_ATTEMPTS", "2.5", "PLAB_MAX_ATTEMPTS must be a whole number >= 1, got '2.5'"),
+    ("PLAB_MAX_ATTEMPTS", "0", "PLAB_MAX_ATTEMPTS must be a whole number >= 1, got '0'"),
+    ("PLAB_DATABASE_URL", "mysql://root@127.0.0.1/test", "PLAB_DATABASE_URL uses 'mysql', which the lab does not "
+     "run on; give sqlite:///PATH (embedded) or postgresql+psycopg://USER:PASSWORD@HOST:5432/DB (served)"),
+    ("PLAB_DATABASE_URL", "postgresql+psycopg2://u@h/d", "PLAB_DATABASE_URL uses 'postgresql+psycopg2'"),
+    ("PLAB_DATABASE_URL", "localhost:5432", "PLAB_DATABASE_URL is not a database URL: 'localhost:5432'"),
+    ("PLAB_BROKER_URL", "amqq://x", "PLAB_BROKER_URL must be a Celery broker URL such as redis://HOST:6379/0"),
+    ("PLAB_BROKER_URL", "127.0.0.1:6379", "got '127.0.0.1:6379'"),
+])
+def test_settings_refuse_what_the_lab_cannot_run_on(monkeypatch, variable, value, message, capsys):
+    from plab.cli import main
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as info:
+        get_settings()
+    assert message in str(info.value)
+    assert main(["db", "upgrade"]) == 2  # the command line says it in one line
+    assert capsys.readouterr().err == f"plab: error: {info.value}\n"
+
+
+def test_a_postgresql_url_without_a_driver_means_psycopg_3(monkeypatch, postgres_url):
+    import sqlalchemy
+
+    bare = postgres_url.replace("postgresql+psycopg://", "postgresql://")
+    for given in (bare, bare.replace("postgresql://", "postgres://")):
+        monkeypatch.setenv("PLAB_DATABASE_URL", given)
+        assert get_settings().database_url == postgres_url
+        engine = sqlalchemy.create_engine(get_settings().database_url)  # the driver installed
+        with engine.connect() as c:
+            assert c.execute(sqlalchemy.text("select 1")).scalar() == 1
+        engine.dispose()
+    monkeypatch.setenv("PLAB_DATABASE_URL", postgres_url)
+    assert get_settings().database_url == postgres_url  # as given
+
+
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
