@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from training.config import RunSpec, SpecError
+from training.outputs import output_problem
 from training.distributed import init_distributed
 from training.setup import device_kind
 from training.sink import JsonlSink, MetricSink, NullSink
@@ -64,24 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and a.result_json:
         Path(a.result_json).write_text(json.dumps(result.to_dict(), indent=1))
     return 0
-
-
-def output_problem(path, *, folder: bool) -> str | None:
-    """Why a run could not write to `path` (a folder, or a file's folder: created now, as training would), or None;
-    asked before a run starts, so a typo in a path is not found after the model is built."""
-    path = Path(path)
-    target = path if folder else path.parent
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return f"cannot create the folder {target} ({e.strerror or e})"
-    if not target.is_dir():
-        return f"{target} is not a folder"
-    if not os.access(target, os.W_OK | os.X_OK):
-        return f"the folder {target} is not writable"
-    if not folder and path.is_dir():
-        return f"{path} is a folder; give a file name"
-    return None
 
 
 def _read_spec(ap: argparse.ArgumentParser, path: str) -> RunSpec:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from plab.cli.common import UsageError, api_call, load_file, whole_number
+from training.outputs import output_problem
 from training.sink import MetricSink, NullSink
 
 
@@ -59,7 +60,7 @@ def cmd_train(args) -> int:
         raise UsageError(f"{args.file}: {e}") from e
     for flag, path, folder in (("--output", args.output, True), ("--metrics", args.metrics, False),
                                ("--result-json", args.result_json, False)):
-        problem = launch.output_problem(path, folder=folder) if path else None
+        problem = output_problem(path, folder=folder) if path else None
         if problem:
             raise UsageError(f"{flag} {path}: {problem}")
     if spec.training.gpus > 1 and "WORLD_SIZE" not in os.environ:

@@ -53,7 +53,8 @@ def test_a_bad_spec_file_is_a_usage_error_that_says_what_is_wrong(tmp_path, caps
     (["--output-dir", "{blocker}/out"], "--output-dir {blocker}/out: cannot create the folder {blocker}/out"),
     (["--output-dir", "{tmp}/out", "--metrics-jsonl", "{blocker}/m/x.jsonl"],
      "--metrics-jsonl {blocker}/m/x.jsonl: cannot create the folder {blocker}/m"),
-    (["--output-dir", "{tmp}/out", "--result-json", "{tmp}"], "--result-json {tmp}: {tmp} is a folder; give a file name"),
+    (["--output-dir", "{tmp}/out", "--result-json", "{tmp}"],
+     "--result-json {tmp}: {tmp} is a folder; give a file name"),
 ])
 def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(make_spec, tmp_path, capsys, monkeypatch,
                                                                          extra, message):

@@ -21,9 +21,11 @@ def record(name: str, message: str) -> logging.LogRecord:
 def test_torchaos_cuda_library_line_dropped_only_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
     assert quiet.torchao_cuda_library_on_cpu_build(record("torchao", CUDA_LIBRARY))
-    assert quiet.torchao_cuda_library_on_cpu_build(record("torchao", CUDA_LIBRARY.replace("_C_mxfp8.cpython-310-x86_64-linux-gnu", "_C_cutlass_90a.abi3")))
+    cutlass = CUDA_LIBRARY.replace("_C_mxfp8.cpython-310-x86_64-linux-gnu", "_C_cutlass_90a.abi3")
+    assert quiet.torchao_cuda_library_on_cpu_build(record("torchao", cutlass))
     # another library, or another message: kept
-    assert not quiet.torchao_cuda_library_on_cpu_build(record("torchao", CUDA_LIBRARY.replace("_C_mxfp8", "_C_cpu_kernels")))
+    other = CUDA_LIBRARY.replace("_C_mxfp8", "_C_cpu_kernels")
+    assert not quiet.torchao_cuda_library_on_cpu_build(record("torchao", other))
     assert not quiet.torchao_cuda_library_on_cpu_build(record("torchao", "Skipping import of cpp extensions"))
     monkeypatch.setattr(torch.version, "cuda", "12.8")  # with CUDA the failure means something: kept
     assert not quiet.torchao_cuda_library_on_cpu_build(record("torchao", CUDA_LIBRARY))

@@ -98,14 +98,15 @@ def main(argv: Sequence[str] | None = None, *, resolve_target: Callable[[str], s
 def _check_output(output: str | None) -> None:
     """An --output file can be written: its folder is made if missing; a folder or unwritable place is an
     error (OSError) before anything is evaluated."""
+    from training.outputs import output_problem
+
     if not output:
         return
-    path = Path(output)
-    if path.is_dir():
-        raise OSError(f"--output {output} is a folder; give a file name such as {path / 'results.json'}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(path.parent, os.W_OK):
-        raise OSError(f"--output {output}: cannot write in {path.parent}")
+    if Path(output).is_dir():
+        raise OSError(f"--output {output} is a folder; give a file name such as {Path(output) / 'results.json'}")
+    problem = output_problem(output, folder=False)
+    if problem:
+        raise OSError(f"--output {output}: {problem}")
 
 
 def _write_output(output: str, result: dict) -> int:
