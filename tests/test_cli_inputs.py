@@ -68,6 +68,17 @@ def test_train_refuses_an_output_it_cannot_write_before_training(tmp_path, capsy
                                        f"{tmp_path}/blocker/out (Not a directory)\n")
 
 
+def test_train_says_what_the_run_found_wrong_with_its_data_in_one_line(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join('{"content": "%s"}\n' % ("word " * 40) for _ in range(50)))
+    spec = tmp_path / "run.yaml"
+    spec.write_text(f"model: tiny\ndata: {{corpus: {corpus}, vocab_size: 512, seq_len: 64}}\n"
+                    "training: {steps: 3, batch_size: 2, warmup_steps: 1}\n")
+    assert main(["train", str(spec), "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"plab: error: {spec}: data.tokenizer: {corpus}:1: the line has no "
+                                              "field 'text' (fields: ['content']); set data.text_field")
+
+
 def test_a_bad_port_in_the_environment_is_named_when_serving_and_harmless_otherwise(monkeypatch, capsys):
     monkeypatch.setenv("PLAB_PORT", "eighty")
     assert build_parser().parse_args(["serve"]).port is None  # building the parser reads no environment

@@ -12,16 +12,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
 from training.config import RunSpec, SpecError
+from training.corpus import CorpusError
 from training.outputs import output_problem
+from training.precision.catalog import RecipeError
 from training.distributed import init_distributed
 from training.setup import device_kind
 from training.sink import JsonlSink, MetricSink, NullSink
 from training.train import TrainResult, train
+
+
+# What a run can find wrong with its spec only once it opens the corpus, tokenizer or model.
+INPUT_ERRORS = (SpecError, CorpusError, RecipeError)
 
 
 def run(spec: RunSpec | dict, sink: MetricSink | None = None, *, output_dir, resume: bool = True,
@@ -60,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     sink = JsonlSink(a.metrics_jsonl) if (a.metrics_jsonl and rank == 0) else NullSink()
     try:
         result = run(spec, sink, output_dir=a.output_dir, resume=not a.no_resume)
+    except INPUT_ERRORS as e:  # found once the data or model is opened: the user's to fix, not a traceback
+        print(f"{ap.prog}: error: {a.spec}: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         sink.close()
     if rank == 0 and a.result_json:

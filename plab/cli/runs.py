@@ -68,8 +68,12 @@ def cmd_train(args) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     sink = (ProgressPrinter(JsonlSink(args.metrics) if args.metrics else None, args.print_every) if rank0
             else NullSink())
-    result = launch.run(spec, sink, output_dir=Path(args.output), resume=not args.no_resume)
-    sink.close()
+    try:
+        result = launch.run(spec, sink, output_dir=Path(args.output), resume=not args.no_resume)
+    except launch.INPUT_ERRORS as e:
+        raise UsageError(f"{args.file}: {e}") from e
+    finally:
+        sink.close()
     if not rank0:
         return 0
     summary = {"status": result.status, "steps": result.steps, "final_loss": result.final_loss,

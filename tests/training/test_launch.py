@@ -66,3 +66,15 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(make_sp
         launch.main([str(tmp_path / "spec.json")] + [x.format(**fill) for x in extra])
     assert exit_info.value.code == 2
     assert message.format(**fill) in capsys.readouterr().err
+
+
+def test_a_corpus_problem_found_when_the_run_opens_it_is_one_line_and_status_2(make_spec, tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"content": f"line {i} " * 20}) + "\n" for i in range(50)))
+    spec = make_spec(data={"corpus": str(corpus), "vocab_size": 512}, training={"steps": 2})
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    assert launch.main([str(tmp_path / "spec.json"), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"python -m training: error: {tmp_path / 'spec.json'}: data.tokenizer: {corpus}:1: the line has no "
+                   f"field 'text' (fields: ['content']); set data.text_field to the field that holds the text, or "
+                   f"fix the line\n")
