@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from training.corpus import CorpusError
 from training.shards import ShardRequest, build_token_shards, token_dtype
 from training.tokenizer import as_corpus
 
@@ -31,7 +32,7 @@ class TokenDataset:
 
     def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, vocab_size: int):
         if len(train) < seq_len + 2:
-            raise ValueError(f"the training split has {len(train)} tokens, fewer than one window of "
+            raise CorpusError(f"the training split has {len(train)} tokens, fewer than one window of "
                              f"seq_len+1 = {seq_len + 1}; use a larger corpus or a smaller data.seq_len")
         self.train, self.val = train, val
         self.seq_len, self.vocab_size = seq_len, vocab_size

@@ -416,9 +416,13 @@ def _split_rule(request: ShardRequest) -> str:
 
 def _check_not_empty(request: ShardRequest, writer: ShardWriter) -> None:
     where = ", ".join(request.corpus.names[:3]) + (" ..." if len(request.corpus.names) > 3 else "")
-    if writer.docs_train + writer.docs_val == 0:
+    if writer.docs_train + writer.docs_val == 0 or writer.n_train + writer.n_val == 0:
         raise CorpusError(f"the corpus ({where}) has no documents: its files are empty or every line was "
                           f"skipped; check data.corpus and data.text_field")
+    if writer.n_val == 0 and request.corpus.text_only:  # split by tokens: the corpus is too short
+        raise CorpusError(f"the corpus ({where}) has {writer.n_train} tokens, too few for data.val_fraction "
+                          f"{request.val_fraction:g} of them to make a validation split; use a larger corpus, "
+                          f"raise data.val_fraction or give data.val_corpus")
     if writer.n_val == 0:
         raise CorpusError(f"no document of the corpus ({writer.docs_train} documents) was held out for validation "
                           f"at data.val_fraction {request.val_fraction:g}; raise data.val_fraction or give "

@@ -240,6 +240,21 @@ def test_an_empty_corpus_is_a_clear_error(tmp_path, tok, cache_dir):
         list_corpus_files(tmp_path / "notes")
 
 
+def test_a_text_corpus_too_short_to_split_or_to_fill_a_window_says_so(tmp_path, tok, cache_dir):
+    from training.data import TokenDataset
+
+    short = tmp_path / "short.txt"
+    short.write_text("a few words")
+    with pytest.raises(CorpusError, match=r"the corpus \(\S*short.txt\) has \d+ tokens, too few for data.val_fraction "
+                                          r"0.02 of them to make a validation split; use a larger corpus"):
+        shards(short, tok, cache_dir, val_fraction=0.02)
+    train, val, _ = shards(short, tok, cache_dir, val_fraction=0.5)
+    assert len(val) > 0
+    with pytest.raises(CorpusError, match=f"the training split has {len(train)} tokens, fewer than one window of "
+                                          "seq_len\\+1 = 65; use a larger corpus or a smaller data.seq_len"):
+        TokenDataset(train, val, seq_len=64, vocab_size=512)
+
+
 def test_a_training_run_on_jsonl_reports_progress_and_records_its_data(tmp_path, docs, make_spec, cache_dir,
                                                                         monkeypatch):
     from training.train import train
