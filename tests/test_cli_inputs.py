@@ -140,3 +140,26 @@ def test_submit_prints_the_experiment_or_the_servers_reason(served, tmp_path, ca
     assert main(["eval", "9999", "--tasks", "plab_blimp", "--api-url", served]) == 2
     assert capsys.readouterr().err == ("plab: error: the server refused an evaluation of run 9999: run 9999 does not "
                                        "exist\n")
+
+
+def test_ctrl_c_ends_a_command_with_status_130_and_no_traceback(tmp_path):
+    """A real SIGINT to `plab train` while it trains: one line, the shell's status for SIGINT, and the same command
+    resumes from the checkpoint the run wrote."""
+    import signal
+
+    spec = tmp_path / "run.yaml"
+    spec.write_text("model: tiny\ndata: {corpus: tinyshakespeare, vocab_size: 512, seq_len: 64}\n"
+                    "training: {steps: 100000, batch_size: 2, warmup_steps: 1, checkpoint_every: 2}\n")
+    env = dict(os.environ, PLAB_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "plab.cli", "train", str(spec), "--output", str(tmp_path / "out"),
+                             "--print-every", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # trained a few steps, so a checkpoint exists
+        if line.startswith("step      4"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.endswith("plab: interrupted (the same command resumes the run from its last checkpoint)\n")
+    assert "Traceback" not in err
+    assert any((tmp_path / "out" / "checkpoints").iterdir())

@@ -49,3 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, SettingsError) as e:
         print(f"plab: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, without a traceback
+        hint = " (the same command resumes the run from its last checkpoint)" if argv[:1] == ["train"] else ""
+        print(f"plab: interrupted{hint}", file=sys.stderr)
+        return 130
