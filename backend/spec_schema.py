@@ -20,7 +20,10 @@ SPEC_RULES = ("training.batch_size must be divisible by grad_accum x gpus x node
               "a custom model's hidden_size must be divisible by num_attention_heads (unless head_dim is given), "
               "num_attention_heads by num_key_value_heads, and its head dim must be even",
               "a custom model's vocab_size must not be smaller than data.vocab_size (with a trained tokenizer)",
-              "an experiment makes at most 256 runs (its distinct recipes, each once per seed)")
+              "an experiment makes at most 256 runs (its distinct recipes, each once per seed)",
+              "where the API's host holds the data directory, data.corpus, data.val_corpus, data.tokenizer and "
+              "model.config / model.init_from must name what exists: corpus files, a tokenizer, a config.json, a "
+              "checkpoint folder with safetensors weights")
 
 
 def _int(section: str, name: str, minimum: int | None, nullable: bool = False) -> dict:

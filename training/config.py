@@ -226,6 +226,20 @@ def _optional_path(section: str, name: str, value) -> str | None:
     return value
 
 
+def _close_names(value: str) -> str:
+    """'; did you mean ...?' for a corpus name that is a typo of one in the data directory, else ''."""
+    import difflib
+
+    try:
+        if any(c in value for c in "/*?[") or not data_root().is_dir():
+            return ""
+        names = sorted(p.name for p in data_root().iterdir() if not p.name.startswith("."))
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(value, names, n=3)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
 def _check_data_paths(data: DataSpec) -> None:
     """The corpus, validation corpus and tokenizer exist and are readable as what they claim to be."""
     from training.corpus import CorpusError
@@ -236,10 +250,14 @@ def _check_data_paths(data: DataSpec) -> None:
         try:
             data.open_corpus(which)
         except CorpusError as exc:
-            raise SpecError(f"{exc} (data directory: {data_root()})") from None
+            raise SpecError(f"{exc} (data directory: {data_root()}){_close_names(getattr(data, which))}") from None
     path = data.tokenizer_path()
-    if path is not None and not (path.is_file() and path.suffix == ".json") and not (
-            (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+    try:
+        usable = path is None or (path.is_file() and path.suffix == ".json") or (
+            (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file())
+    except OSError as e:
+        raise SpecError(f"data.tokenizer {str(path)[:300]!r} cannot be read: {e.strerror or e}") from None
+    if not usable:
         raise SpecError(f"data.tokenizer {str(path)!r} is not a tokenizer folder (with tokenizer.json) or a "
                         f"tokenizer.json file; give one, or 'train' to train a BPE on the corpus")
 
@@ -316,7 +334,10 @@ class ModelSpec:
             raise SpecError(f"model.{key} must be a path (a string), got {path!r}")
         spec = cls(preset=None, **{key: path})
         if check_paths:
-            spec.config_file() if key == "config" else spec.checkpoint_dir()
+            try:
+                spec.config_file() if key == "config" else spec.checkpoint_dir()
+            except OSError as e:  # a name too long, no permission: the system's reason, not a traceback
+                raise SpecError(f"model.{key} {path[:300]!r} cannot be read: {e.strerror or e}") from None
         return spec
 
     def _resolved(self, key: str) -> Path:

@@ -61,7 +61,16 @@ def is_glob(value: str) -> bool:
 
 def list_corpus_files(path: Path, *, field: str = "data.corpus") -> list[Path]:
     """The corpus files of a resolved path: the file itself, a folder's files (non-recursive; a
-    `save_to_disk` folder's Arrow files in its own order), or a glob's matches - sorted."""
+    `save_to_disk` folder's Arrow files in its own order), or a glob's matches - sorted. A path the system
+    refuses to look at (a name too long, no permission) is a CorpusError too."""
+    try:
+        return _list_corpus_files(path, field)
+    except OSError as e:
+        raise CorpusError(f"{field} {str(path)[:300]!r} cannot be read: {e.strerror or e}; give a name under "
+                          f"PLAB_DATA_DIR, a path or a glob") from None
+
+
+def _list_corpus_files(path: Path, field: str) -> list[Path]:
     text = str(path)
     if is_glob(text):
         matches = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())

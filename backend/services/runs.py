@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from datetime import timezone
 
 from sqlalchemy import select
@@ -48,10 +47,30 @@ def build_spec(body: ExperimentCreate, recipe: RecipeRequest, seed: int | None =
 
     try:
         parsed = RunSpec.from_dict(spec, check_paths=False).to_dict()
-        confine_spec_paths(parsed, spec_roots())
+        roots = spec_roots()
+        confine_spec_paths(parsed, roots)
+        if _paths_are_here(parsed, roots):
+            RunSpec.from_dict(spec, check_paths=True)
         return parsed
     except SpecError as e:
         raise InvalidInput(f"{recipe.name}: {e}") from e
+
+
+def _paths_are_here(spec: dict, roots: list) -> bool:
+    """Whether this host holds the folders the spec's paths lie in: the data directory and, for a path elsewhere,
+    its PLAB_ALLOWED_PATHS folder. Then the corpus, tokenizer and model paths are checked when the experiment is
+    submitted (a typo in data.corpus is a 422, not a failed run per recipe); the embedded default and the compose
+    file's API (which mounts the workers' data read-only) hold them. An API without the data checks nothing."""
+    from training.config import SpecError, confine_spec_paths
+
+    present = [r for r in roots if r.is_dir()]
+    if not present or present[0] != roots[0]:
+        return False
+    try:
+        confine_spec_paths(spec, present)
+    except SpecError:
+        return False
+    return True
 
 
 def spec_roots() -> list:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 from fastapi.testclient import TestClient
@@ -86,6 +87,22 @@ def test_a_unions_error_names_the_member_the_value_was_meant_as(api, body, detai
     assert r.status_code == 422, r.text
     assert r.json()["detail"] == detail
     assert len(r.json()["errors"]) > 1  # the structured list keeps every member's error
+
+
+def test_a_corpus_typo_is_refused_at_submission_where_the_api_holds_the_data(api, monkeypatch, tmp_path):
+    typo = {**EXPERIMENT, "data": {"corpus": "tinyshakespear"}}
+    r = api.post("/api/v1/experiments", json=typo)
+    assert r.status_code == 422
+    detail = r.json()["detail"]
+    assert detail.startswith("bf16: data.corpus ")  # the baseline, which the experiment adds first
+    assert detail.endswith("does not exist; give a name under PLAB_DATA_DIR, a path or a glob (data directory: "
+                           f"{os.environ['PLAB_DATA_DIR']}); did you mean tinyshakespeare?")
+    init = {**EXPERIMENT, "model": {"init_from": "tinyshakespeare"}}
+    assert "is not a Hugging Face checkpoint folder" in api.post("/api/v1/experiments", json=init).json()["detail"]
+    assert api.get("/api/v1/experiments").json()["total"] == 0
+    # An API host without the data directory (the workers hold it) stores the spec; the worker checks it.
+    monkeypatch.setenv("PLAB_DATA_DIR", str(tmp_path / "not-on-this-host"))
+    assert api.post("/api/v1/experiments", json=typo).status_code == 201
 
 
 def test_metric_batches_are_idempotent_on_run_key_step(api):

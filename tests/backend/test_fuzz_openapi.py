@@ -8,12 +8,12 @@ task names, path confinement, GEMM requests and results (backend/spec_schema.py)
 two fields (a divisibility, a sum, a product), which JSON Schema cannot state; the document states them in words
 (`SPEC_RULES`, the GEMM request's description). `stated_rule_broken` below is those rules, written here from the
 document; a generated request that breaks one must be refused with 422 and a `detail` naming it, and every other
-request goes through every check."""
+request goes through every check. One stated rule only the file system can decide (the paths a spec names exist, on
+a host that holds the data directory, as here) is decided by the training library's own check of them."""
 from __future__ import annotations
 
 import math
 
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import positive_data_acceptance
@@ -67,6 +67,23 @@ def _runs(body: dict) -> int:
     return n
 
 
+def _names_what_does_not_exist(body: dict) -> bool:
+    """The document's rule on paths (the data directory is on this host), decided as `plab train` decides it: the
+    spec's model and data parse without looking at the files, and not when the files are looked at."""
+    from training.config import RunSpec, SpecError
+
+    spec = {"model": body.get("model", "tiny"), "data": body.get("data") or {}}
+    try:
+        RunSpec.from_dict(spec, check_paths=False)
+    except SpecError:
+        return False  # refused for another reason, which the other rules or the schema say
+    try:
+        RunSpec.from_dict(spec, check_paths=True)
+    except SpecError:
+        return True
+    return False
+
+
 def stated_rule_broken(case) -> str | None:
     """Which rule of those the document states in words (not in JSON Schema) the request breaks, if any."""
     body = case.body if isinstance(case.body, dict) else {}
@@ -86,6 +103,8 @@ def stated_rule_broken(case) -> str | None:
                 return "model.vocab_size must not be smaller than data.vocab_size"
         if _runs(body) > 256:
             return "at most 256 runs (recipes x seeds) in one experiment"
+        if _names_what_does_not_exist(body):
+            return "the files a spec names must exist where the API holds the data directory"
         batch = t.get("batch_size", 8)
         if batch % (t.get("grad_accum", 1) * t.get("gpus", 1) * t.get("nodes", 1)):
             return "batch_size must be divisible by grad_accum x gpus x nodes"

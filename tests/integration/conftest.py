@@ -97,7 +97,10 @@ class Stack:
                         PLAB_API_TOKEN="integration-token", PYTHONUNBUFFERED="1",
                         # Fast leases so recovery tests take seconds: heartbeats every 2 s, a run without one for
                         # 15 s has lost its worker, the reconciler looks every 2 s.
-                        PLAB_HEARTBEAT_S="2", PLAB_STALE_S="15", PLAB_RECONCILE_S="2", PLAB_REQUEUE_GRACE_S="5")
+                        PLAB_HEARTBEAT_S="2", PLAB_STALE_S="15", PLAB_RECONCILE_S="2", PLAB_REQUEUE_GRACE_S="5",
+                        # A folder of the test's own corpora, which specs may name besides the shared data.
+                        PLAB_ALLOWED_PATHS=str(tmp / "data"))
+        (tmp / "data").mkdir(parents=True, exist_ok=True)
         self.env.pop("CUDA_VISIBLE_DEVICES", None)
         self.slots = slots
         self.procs: dict[str, subprocess.Popen] = {}

@@ -51,14 +51,20 @@ def test_cancelling_a_running_run_stops_it_at_a_step_boundary(stack):
 
 
 def test_a_failing_run_is_failed_with_its_message(stack):
-    # The API host checks only that the path stays inside the data directory (data lives on the workers); the
-    # worker finds it missing and reports why.
-    exp = stack.create(name="fail", model="tiny", data={"corpus": "no_such_corpus", "vocab_size": 512,
-                                                       "seq_len": 64}, training=tiny_training(5), recipes=["bf16"])
+    # The API checks that the corpus exists (this host holds the data); what is inside it only the worker reads: a
+    # JSONL corpus whose lines lack data.text_field fails the run, with the reason.
+    corpus = stack.tmp / "data" / "no_text.jsonl"
+    corpus.write_text("".join('{"body": "%s"}\n' % ("words " * 30) for _ in range(40)))
+    missing = {"corpus": "no_such_corpus", "vocab_size": 512, "seq_len": 64}
+    r = stack.api.post("/experiments", json={"name": "typo", "model": "tiny", "data": missing,
+                                             "training": tiny_training(5), "recipes": ["bf16"]})
+    assert r.status_code == 422 and "no_such_corpus' does not exist" in r.json()["detail"]
+    exp = stack.create(name="fail", model="tiny", data={**missing, "corpus": str(corpus)}, training=tiny_training(5),
+                       recipes=["bf16"])
     exp = stack.wait_final(exp["id"], timeout=120)
     run = exp["runs"][0]
     assert run["status"] == "failed"
-    assert "no_such_corpus" in run["error_message"]
+    assert run["error_message"].startswith(f"SpecError: data.tokenizer: {corpus}:1: the line has no field 'text'")
 
 
 def test_a_huge_learning_rate_diverges_with_the_step(stack):

@@ -68,6 +68,13 @@ def test_tokens_budget_becomes_steps_rounded_up():
     ({"data": {"vocab_size": 100}}, "data.vocab_size must be >= 300"),
     ({"training": {"batch_size": 2.5}}, "training.batch_size must be an integer"),
     ({"training": {"compile": "yes"}}, "training.compile must be true or false"),
+    # a path the system will not look at (a name over 255 bytes): its reason, not an OSError traceback
+    ({"data": {"corpus": "a" * 300}}, "cannot be read: File name too long"),
+    ({"data": {"val_corpus": "b" * 300}}, "cannot be read: File name too long"),
+    ({"data": {"tokenizer": "c" * 300}}, "cannot be read: File name too long"),
+    ({"model": {"init_from": "d" * 300}}, "cannot be read: File name too long"),
+    ({"model": {"config": "e" * 300}}, "cannot be read: File name too long"),
+    ({"data": {"corpus": "tinyshakespear"}}, "did you mean tinyshakespeare?"),
 ])
 def test_invalid_specs_raise_spec_error_saying_what_to_fix(d, fragment):
     with pytest.raises(SpecError) as err:
