@@ -86,6 +86,7 @@ def running_server(home: Path, token: str | None = None):
     port = _free_port()
     env = {**os.environ, "PLAB_HOME": str(home), "PLAB_DATABASE_URL": f"sqlite:///{home / 'db.sqlite'}",
            "PLAB_RECONCILE_S": "0",  # runs here are driven by the tests, not by workers with heartbeats
+           "PLAB_ALLOWED_PATHS": str(home / "models"),  # stand-in checkpoints a test names (the API checks they exist)
            "PYTHONUNBUFFERED": "1"}
     for name in ("PLAB_API_TOKEN", "PLAB_BROKER_URL"):
         env.pop(name, None)

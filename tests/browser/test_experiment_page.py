@@ -89,17 +89,21 @@ def test_a_missing_experiment_run_or_page_is_a_404_page_in_the_sites_design(serv
 
 
 def test_the_header_shows_the_model_a_run_built_and_where_it_came_from(server, page, charts):
-    exp = server.create_experiment(["bf16"], name="from-checkpoint", model={"init_from": "tinyshakespeare"})
+    checkpoint = server.home / "models" / "qwen"  # what the API checks for; no worker loads it here
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    exp = server.create_experiment(["bf16"], name="from-checkpoint", model={"init_from": str(checkpoint)})
     run = exp["runs"][0]
     server.set_status(run["id"], "running", device_name="cpu (test)")
     server.log_loss_curve(run["id"], steps=5, start=4.0)
     model = {"architecture": "Qwen2ForCausalLM", "model_type": "qwen2", "params": 1_234_567,
-             "source": "checkpoint", "origin": "tinyshakespeare", "blocks": 2, "vocab_size": 512}
+             "source": "checkpoint", "origin": "models/qwen", "blocks": 2, "vocab_size": 512}
     server.set_status(run["id"], "succeeded", summary={"final_loss": 1.6, "model": model})
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
     charts.wait_for_traces("loss-chart", 1)
     meta = page.locator("#experiment-meta").inner_text()
-    assert "Qwen2ForCausalLM · 1.2M parameters · from checkpoint tinyshakespeare" in meta
+    assert f"Qwen2ForCausalLM · 1.2M parameters · from checkpoint {checkpoint}" in meta
 
 
 def test_run_row_shows_data_preparation_then_what_the_run_was_trained_on(server, page):
