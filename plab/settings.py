@@ -110,7 +110,7 @@ def _database_url(url: str) -> str:
         return url
     if backend in ("postgres", "postgresql") and driver == "":
         return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
-    if backend == "sqlite" and driver == "":
+    if backend == "sqlite" and driver in ("", "pysqlite"):
         return url
     raise SettingsError(f"PLAB_DATABASE_URL uses {parsed.drivername!r}, which the lab does not run on; give "
                         f"{DATABASE_URL_HELP}")
@@ -133,7 +133,7 @@ def _broker_url(url: str) -> str:
     scheme = url.partition("://")[0]
     if "://" not in url or scheme not in TRANSPORT_ALIASES:
         raise SettingsError(f"PLAB_BROKER_URL must be a Celery broker URL such as redis://HOST:6379/0 (served) or "
-                            f"filesystem:// (embedded), got {url!r}")
+                            f"filesystem:// (embedded), got {_hide_password(url)!r}")
     return url
 
 

@@ -99,6 +99,8 @@ def test_settings_refuse_bad_auth_mode_and_body_limit(monkeypatch):
     ("PLAB_DATABASE_URL", "localhost:5432", "PLAB_DATABASE_URL is not a database URL: 'localhost:5432'"),
     ("PLAB_BROKER_URL", "amqq://x", "PLAB_BROKER_URL must be a Celery broker URL such as redis://HOST:6379/0"),
     ("PLAB_BROKER_URL", "127.0.0.1:6379", "got '127.0.0.1:6379'"),
+    ("PLAB_BROKER_URL", "redsi://:s3cret@host:6379/0", "got 'redsi://:***@host:6379/0'"),  # no password echoed
+    ("PLAB_DATABASE_URL", "mysql://root:s3cret@127.0.0.1/test", "PLAB_DATABASE_URL uses 'mysql'"),
 ])
 def test_settings_refuse_what_the_lab_cannot_run_on(monkeypatch, variable, value, message, capsys):
     from plab.cli import main
@@ -106,7 +108,7 @@ def test_settings_refuse_what_the_lab_cannot_run_on(monkeypatch, variable, value
     monkeypatch.setenv(variable, value)
     with pytest.raises(SettingsError) as info:
         get_settings()
-    assert message in str(info.value)
+    assert message in str(info.value) and "s3cret" not in str(info.value)
     assert main(["db", "upgrade"]) == 2  # the command line says it in one line
     assert capsys.readouterr().err == f"plab: error: {info.value}\n"
 
