@@ -664,8 +664,9 @@ def recipe_entry_hint(entry: dict) -> str:
     if moved:
         message += f" - here: {', '.join(moved)}"
     if dropped:
-        message += (f"; {', '.join(sorted(dropped))} belong(s) to an experiment's entry only (a run spec has one "
-                    f"top-level seed and no label)")
+        shown = ", ".join(k[:50] for k in sorted(dropped)[:10]) + (" ..." if len(dropped) > 10 else "")
+        message += (f"; {shown} belong(s) to an experiment's entry only (a run spec has one top-level seed and no "
+                    f"label)")
     return message
 
 
