@@ -38,6 +38,7 @@ def _eval_run_via_api(argv: list[str]) -> int:
     print(f"evaluation {ev['id']} of run {a.run_id} queued: {', '.join(ev['tasks'])}")
     if not a.wait:
         return 0
+    client.retries = 5  # waiting: a server restarting meanwhile is waited for (~15 s), as the workers wait
     while ev["status"] in ("queued", "running"):
         time.sleep(2)
         with api_call(client.base_url, f"reading evaluation {ev['id']}"):
