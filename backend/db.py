@@ -45,7 +45,14 @@ def get_engine(url: str) -> Engine:
         if url.startswith("sqlite"):
             path = url.split("///", 1)[-1]
             if path and path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    from plab.settings import SettingsError
+
+                    raise SettingsError(f"cannot create the folder of the SQLite database {path} "
+                                        f"({e.strerror or e}): set PLAB_HOME (or PLAB_DATABASE_URL) to a place this "
+                                        f"user can write") from None
             engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
             @event.listens_for(engine, "connect")

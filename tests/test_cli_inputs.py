@@ -163,3 +163,17 @@ def test_ctrl_c_ends_a_command_with_status_130_and_no_traceback(tmp_path):
     assert err.endswith("plab: interrupted (the same command resumes the run from its last checkpoint)\n")
     assert "Traceback" not in err
     assert any((tmp_path / "out" / "checkpoints").iterdir())
+
+
+def test_a_home_that_cannot_be_made_is_named_not_a_traceback(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a folder would go")
+    assert main(["demo", "--home", str(blocker / "home"), "--no-serve"]) == 2
+    assert capsys.readouterr().err == (f"plab: error: --home {blocker}/home: cannot create the folder {blocker}/home "
+                                       f"(Not a directory)\n")
+    monkeypatch.setenv("PLAB_HOME", str(blocker / "home"))
+    monkeypatch.delenv("PLAB_DATABASE_URL", raising=False)
+    assert main(["token", "list"]) == 2
+    assert capsys.readouterr().err == (f"plab: error: cannot create the folder of the SQLite database "
+                                       f"{blocker}/home/plab.sqlite (Not a directory): set PLAB_HOME (or "
+                                       f"PLAB_DATABASE_URL) to a place this user can write\n")

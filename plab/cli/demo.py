@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from plab.cli.common import UsageError, api_call, port_number, whole_number
+from training.outputs import output_problem
 
 DEMO_RECIPES = ["bf16", "fp8_tensorwise", "mxfp8", "nvfp4"]
 FINAL = {"succeeded", "failed", "cancelled", "diverged"}
@@ -92,7 +93,9 @@ def _demo_env(args, port: int) -> tuple[Path, dict]:
     from plab.settings import get_settings
 
     home = Path(args.home).resolve() if args.home else get_settings().home
-    home.mkdir(parents=True, exist_ok=True)
+    problem = output_problem(home, folder=True)
+    if problem:
+        raise UsageError(f"{'--home' if args.home else 'PLAB_HOME'} {home}: {problem}")
     env = dict(os.environ, PLAB_HOME=str(home), PLAB_API_URL=f"http://127.0.0.1:{port}")
     if not args.keep_env:
         # The demo is the embedded deployment: SQLite and the filesystem broker under its home.
