@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from training.config import RunSpec, SpecError
 from training.corpus import CorpusError
-from training.outputs import output_problem
+from training.outputs import outputs_problem
 from training.precision.catalog import RecipeError
 from training.distributed import init_distributed
 from training.setup import device_kind
@@ -57,11 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-resume", action="store_true", help="start from step 0 even if DIR holds checkpoints")
     a = ap.parse_args(argv)
     spec = _read_spec(ap, a.spec)
-    for flag, path, folder in (("--output-dir", a.output_dir, True), ("--metrics-jsonl", a.metrics_jsonl, False),
-                               ("--result-json", a.result_json, False)):
-        problem = output_problem(path, folder=folder) if path else None
-        if problem:
-            ap.error(f"{flag} {path}: {problem}")
+    problem = outputs_problem((("--output-dir", a.output_dir, True), ("--metrics-jsonl", a.metrics_jsonl, False),
+                               ("--result-json", a.result_json, False)))
+    if problem:
+        ap.error(problem)
 
     rank = int(os.environ.get("RANK", "0"))
     sink = JsonlSink(a.metrics_jsonl) if (a.metrics_jsonl and rank == 0) else NullSink()

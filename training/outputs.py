@@ -21,3 +21,13 @@ def output_problem(path, *, folder: bool) -> str | None:
     if not folder and path.is_dir():
         return f"{path} is a folder; give a file name"
     return None
+
+
+def outputs_problem(outputs) -> str | None:
+    """The first of `outputs` ((flag, path or None, is a folder) triples) a command could not write, said as
+    "FLAG PATH: why", or None."""
+    for flag, path, folder in outputs:
+        problem = output_problem(path, folder=folder) if path else None
+        if problem:
+            return f"{flag} {path}: {problem}"
+    return None

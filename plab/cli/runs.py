@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from plab.cli.common import UsageError, api_call, load_file, whole_number
-from training.outputs import output_problem
+from training.outputs import outputs_problem
 from training.sink import MetricSink, NullSink
 
 
@@ -58,11 +58,10 @@ def cmd_train(args) -> int:
         spec = RunSpec.from_dict(data)
     except SpecError as e:
         raise UsageError(f"{args.file}: {e}") from e
-    for flag, path, folder in (("--output", args.output, True), ("--metrics", args.metrics, False),
-                               ("--result-json", args.result_json, False)):
-        problem = output_problem(path, folder=folder) if path else None
-        if problem:
-            raise UsageError(f"{flag} {path}: {problem}")
+    problem = outputs_problem((("--output", args.output, True), ("--metrics", args.metrics, False),
+                               ("--result-json", args.result_json, False)))
+    if problem:
+        raise UsageError(problem)
     if spec.training.gpus > 1 and "WORLD_SIZE" not in os.environ:
         return _torchrun(args, spec)
     rank0 = int(os.environ.get("RANK", "0")) == 0
