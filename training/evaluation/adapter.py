@@ -500,6 +500,7 @@ def _lm_eval_environment(offline: bool):
                 setattr(module, attr, True)
     os.environ.update(wanted)
     _compile_templates_once()
+    _skip_environment_report_once()
     try:
         yield
     finally:
@@ -537,3 +538,31 @@ def _compile_templates_once() -> None:
     apply_template.plab_compiles_once = True
     apply_template.original = utils.apply_template
     utils.apply_template = apply_template
+
+
+def _skip_environment_report_once() -> None:
+    """Make `simple_evaluate` skip the environment report it appends to every result.
+
+    lm-eval 0.4.x ends each `simple_evaluate` with `get_git_commit_hash()` (`git describe` with the process's stderr,
+    so every task printed "fatal: not a git repository" where the process does not run inside a git checkout, as in
+    the Docker image) and `add_env_info()` (torch's `collect_env`, which starts pip, nvidia-smi and others: ~0.6 s a
+    task on a CPU machine, counted in that task's `time_s`). Neither of their keys reaches our records: `evaluate`
+    keeps its own provenance (`lm_eval_version`, model_args, device, dtype) and the run keeps its commit. Installed
+    once per process and left in place, as `_compile_templates_once` is (an evaluation in another thread never
+    restores it under this one); the originals are kept as `.original`."""
+    from lm_eval import evaluator
+
+    if getattr(evaluator.add_env_info, "plab_skipped", False):
+        return
+
+    def get_git_commit_hash():
+        return None
+
+    def add_env_info(storage: dict) -> None:
+        return None
+
+    for fn, original in ((get_git_commit_hash, evaluator.get_git_commit_hash),
+                         (add_env_info, evaluator.add_env_info)):
+        fn.plab_skipped = True
+        fn.original = original
+        setattr(evaluator, fn.__name__, fn)
