@@ -133,6 +133,7 @@ def test_comparing_evaluation_results_aligns_documents_and_finds_an_injected_cha
     assert rows[("plab_piqa", "acc")]["delta"] == pytest.approx(1.0 - base_acc)
     assert rows[("plab_piqa", "acc_norm")]["delta"] == 0
     blimp = rows[("plab_blimp", "acc")]
+    assert shipped_results["tasks"]["plab_blimp"]["weight_by_size"] == {"acc": False}  # its YAML, as lm-eval's
     assert blimp["n"] == shipped_results["tasks"]["plab_blimp"]["n_samples"]
     assert blimp["baseline"] == pytest.approx(shipped_results["tasks"]["plab_blimp"]["metrics"]["acc"]["value"])
     mcnemar = {(r["task"], r["metric"]): r for r in compare_results(shipped_results, candidate, method="mcnemar")}

@@ -238,7 +238,7 @@ def _evaluate_task(lm, name: str, manager, *, builtin: bool, limit, bootstrap_it
                if offline else "the Hub could not be reached")
         ) from err
     elapsed = time.perf_counter() - t_task
-    converted = _convert_results(raw)
+    converted = _convert_results(raw, {g: _group_aggregates(manager, g) for g in raw.get("group_subtasks", {})})
     for task_name, task_result in converted.items():
         task_result["time_s"] = elapsed if task_name == name else None
     return converted
@@ -250,8 +250,25 @@ def task_hash(samples: Iterable[dict]) -> str:
     return hashlib.sha256(joined.encode("utf-8")).hexdigest()
 
 
-def _convert_results(raw: dict) -> dict[str, dict]:
-    """lm-eval's results dict → our compact per-task records (leaf tasks, then groups)."""
+def _group_aggregates(manager, group: str) -> dict[str, bool] | None:
+    """{metric: weight_by_size} of a group's `aggregate_metric_list` in its YAML as lm-eval's task index holds
+    it (lm-eval's defaults: weighted by size), {} for a group lm-eval gives no score; None where the index has no
+    config for it (a group defined inline in another group's YAML)."""
+    entry = manager.task_index.get(group)
+    cfg = getattr(entry, "cfg", None)
+    if not isinstance(cfg, dict):
+        return None
+    listed = cfg.get("aggregate_metric_list") or []
+    if isinstance(listed, dict):
+        listed = [listed]
+    return {m["metric"]: bool(m.get("weight_by_size", True)) for m in listed
+            if isinstance(m, dict) and isinstance(m.get("metric"), str)}
+
+
+def _convert_results(raw: dict, group_aggregates: dict[str, dict[str, bool] | None] | None = None) -> dict[str, dict]:
+    """lm-eval's results dict → our compact per-task records (leaf tasks, then groups). `group_aggregates`:
+    each group's {metric: weight_by_size} (`_group_aggregates`); a group without one is aggregated, unweighted,
+    over every metric of its first subtask, as records stored before it were."""
     configs = raw.get("configs", {})
     samples = raw.get("samples", {})
     out: dict[str, dict] = {}
@@ -277,16 +294,25 @@ def _convert_results(raw: dict) -> dict[str, dict]:
             "config_digest": _digest(cfg),
             "samples": per_sample,
         }
-    for group, subtasks in raw.get("group_subtasks", {}).items():
-        if not subtasks:
-            continue
+    group_subtasks = {g: list(subs) for g, subs in raw.get("group_subtasks", {}).items() if subs}
+    for group in _children_first(group_subtasks):
+        subtasks = group_subtasks[group]
         leafs = [out[s] for s in subtasks if s in out]
+        listed = (group_aggregates or {}).get(group)
+        if listed is None:
+            aggregation, by_size = ({m: "mean" for m in leafs[0]["aggregation"]} if leafs else {}), {}
+        else:
+            # The metrics lm-eval scores the group on (e.g. MMLU: acc only), each with its weighting.
+            known = {m for t in leafs for m in t["aggregation"]}
+            aggregation = {m: "mean" for m in listed if m in known}
+            by_size = {m: listed[m] for m in aggregation}
         out[group] = {
             "kind": "group",
             "group": group_of.get(group),
             "subtasks": list(subtasks),
             "metrics": _metrics(raw.get("groups", {}).get(group, {})),
-            "aggregation": {m: "mean" for m in leafs[0]["aggregation"]} if leafs else {},
+            "aggregation": aggregation,
+            "weight_by_size": by_size,
             "higher_is_better": dict(raw.get("higher_is_better", {}).get(group, {})),
             "n_samples": sum(t["n_samples"] for t in leafs),
             "n_docs": sum(t["n_docs"] or 0 for t in leafs),
@@ -295,6 +321,26 @@ def _convert_results(raw: dict) -> dict[str, dict]:
             "config_digest": hashlib.sha256("".join(t["config_digest"] for t in leafs).encode()).hexdigest(),
         }
     return out
+
+
+def _children_first(group_subtasks: dict[str, list[str]]) -> list[str]:
+    """The groups in an order where each subgroup comes before the groups that hold it (MMLU: its four
+    categories, then MMLU), so a group's record is built from its children's records."""
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(group: str) -> None:
+        if group in seen:
+            return
+        seen.add(group)
+        for sub in group_subtasks[group]:
+            if sub in group_subtasks:
+                visit(sub)
+        order.append(group)
+
+    for group in group_subtasks:
+        visit(group)
+    return order
 
 
 def _metrics(entry: dict) -> dict[str, dict]:

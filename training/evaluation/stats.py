@@ -12,9 +12,14 @@ Methods
     The (1 - alpha) interval is the alpha/2 and 1 - alpha/2 percentiles of the resampled
     differences; the two-sided p-value is ``2 * min(P*(d <= 0), P*(d >= 0))`` (capped at 1),
     so ``p < alpha`` exactly when the interval excludes 0. Significant = the interval
-    excludes 0. With ``strata`` (a group such as BLiMP) the resampling is done within each
-    stratum and the statistic is the unweighted mean of the per-stratum statistics, which is
-    how lm-eval aggregates a group with ``weight_by_size: false``.
+    excludes 0. With ``strata`` (a group such as BLiMP or MMLU: one stratum per leaf task) the
+    resampling is done within each stratum and the statistic is the mean of the per-stratum
+    statistics, unweighted (lm-eval's ``weight_by_size: false``, BLiMP) or weighted by each
+    stratum's document count (``weight_by_size: true``, lm-eval's default and MMLU's): the
+    number lm-eval reports for the group. lm-eval 0.4 aggregates a group over all its leaf
+    tasks, whatever subgroups lie between, with the group's own flag; so do the group rows of
+    :func:`compare_results` (the flag comes from the group record's ``weight_by_size``; records
+    stored without it are taken as unweighted, as they always were).
 ``mcnemar`` (binary 0/1 outcomes only)
     Exact McNemar test: with b = #(baseline right, candidate wrong) and c = #(baseline wrong,
     candidate right), under H0 c ~ Binomial(b + c, 1/2); the p-value is the exact two-sided
@@ -80,13 +85,16 @@ def paired_difference(
     seed: int = 0,
     alpha: float = 0.05,
     strata: Sequence | None = None,
+    weight_by_size: bool = False,
 ) -> dict:
     """Difference ``statistic(candidate) - statistic(baseline)`` with a (1 - alpha) interval.
 
     ``baseline`` and ``candidate`` are per-document values aligned by position (document i
     of one is document i of the other). Returns ``{"method", "statistic", "n", "alpha",
     "baseline", "candidate", "delta", "ci_low", "ci_high", "p_value", "significant"}`` and,
-    for McNemar, ``"discordant": {"baseline_only": b, "candidate_only": c}``.
+    for McNemar, ``"discordant": {"baseline_only": b, "candidate_only": c}``. ``strata``: one
+    label per document (a group's leaf tasks); ``weight_by_size`` weights each stratum's
+    statistic by its document count instead of equally.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -104,20 +112,21 @@ def paired_difference(
             "documents in the same order (align them by doc_id first, see compare_results)"
         )
     groups = _strata_indices(strata, a.shape[0])
+    weights = _stratum_weights(groups, weight_by_size)
 
     result: dict[str, Any] = {
         "method": method,
         "statistic": statistic,
         "n": int(a.shape[0]),
         "alpha": float(alpha),
-        "baseline": _grouped_statistic(a, groups, statistic),
-        "candidate": _grouped_statistic(b, groups, statistic),
+        "baseline": _grouped_statistic(a, groups, statistic, weights),
+        "candidate": _grouped_statistic(b, groups, statistic, weights),
     }
     result["delta"] = result["candidate"] - result["baseline"]
     if method == "mcnemar":
-        result.update(_mcnemar(a, b, statistic, alpha, groups))
+        result.update(_mcnemar(a, b, statistic, alpha, groups, weight_by_size))
     else:
-        result.update(_bootstrap(a, b, groups, statistic, n_boot, seed, alpha))
+        result.update(_bootstrap(a, b, groups, weights, statistic, n_boot, seed, alpha))
     return result
 
 
@@ -160,12 +169,15 @@ def compare_results(
             a, b, strata = _aligned(name, metric, base, cand, base_tasks, cand_tasks)
             if not a:
                 continue
+            by_size = strata is not None and bool((base.get("weight_by_size") or {}).get(metric, False))
             binary = agg == "mean" and all(v in (0.0, 1.0) for v in a + b)
             row_method = "mcnemar" if method == "mcnemar" and binary else "bootstrap"
-            if row_method == "mcnemar" and strata is not None and len(set(np.bincount(_codes(strata)))) > 1:
+            if (row_method == "mcnemar" and strata is not None and not by_size
+                    and len(set(np.bincount(_codes(strata)))) > 1):
                 row_method = "bootstrap"  # pooled McNemar would misweight unequal subtasks
             diff = paired_difference(
-                a, b, method=row_method, statistic=agg, n_boot=n_boot, seed=seed, alpha=alpha, strata=strata
+                a, b, method=row_method, statistic=agg, n_boot=n_boot, seed=seed, alpha=alpha, strata=strata,
+                weight_by_size=by_size,
             )
             higher = base.get("higher_is_better", {}).get(metric)
             rows.append({"task": name, "metric": metric, "higher_is_better": higher, **diff})
@@ -213,16 +225,17 @@ def check_same_documents(name: str, base: dict, cand: dict) -> None:
 
 
 def _aligned(name, metric, base, cand, base_tasks, cand_tasks):
-    """Per-document values of both runs on their common documents (+ strata for groups)."""
+    """Per-document values of both runs on their common documents (+ strata for groups: the leaf task of each
+    document, through any subgroups, as lm-eval aggregates a group over its leaf tasks)."""
     if base.get("kind") == "group":
         a_all, b_all, strata = [], [], []
         for sub in base.get("subtasks", []):
             if sub in base_tasks and sub in cand_tasks:
                 check_same_documents(sub, base_tasks[sub], cand_tasks[sub])
-                a, b, _ = _aligned(sub, metric, base_tasks[sub], cand_tasks[sub], base_tasks, cand_tasks)
+                a, b, leaves = _aligned(sub, metric, base_tasks[sub], cand_tasks[sub], base_tasks, cand_tasks)
                 a_all += a
                 b_all += b
-                strata += [sub] * len(a)
+                strata += leaves if leaves is not None else [sub] * len(a)
         return a_all, b_all, strata
     a_map = dict(zip(base["samples"]["doc_id"], base["samples"][metric]))
     b_map = dict(zip(cand["samples"]["doc_id"], cand["samples"][metric]))
@@ -279,14 +292,19 @@ def _finish(means: np.ndarray, statistic: str) -> np.ndarray:
     return -means[..., 0] / means[..., 1] / math.log(2)
 
 
-def _grouped_statistic(x: np.ndarray, groups: list[np.ndarray], statistic: str) -> float:
-    return float(np.mean([_finish(x[g].mean(axis=0), statistic) for g in groups]))
+def _stratum_weights(groups: list[np.ndarray], weight_by_size: bool) -> np.ndarray:
+    sizes = np.array([len(g) for g in groups], dtype=np.float64)
+    return sizes / sizes.sum() if weight_by_size else np.full(len(groups), 1.0 / len(groups))
 
 
-def _bootstrap(a, b, groups, statistic, n_boot, seed, alpha) -> dict:
+def _grouped_statistic(x: np.ndarray, groups: list[np.ndarray], statistic: str, weights: np.ndarray) -> float:
+    return float(sum(w * _finish(x[g].mean(axis=0), statistic) for g, w in zip(groups, weights)))
+
+
+def _bootstrap(a, b, groups, weights, statistic, n_boot, seed, alpha) -> dict:
     rng = np.random.default_rng(seed)
     deltas = np.zeros(n_boot)
-    for g in groups:
+    for g, w in zip(groups, weights):
         size = len(g)
         rows = max(1, _CHUNK_ENTRIES // size)
         for start in range(0, n_boot, rows):
@@ -294,8 +312,7 @@ def _bootstrap(a, b, groups, statistic, n_boot, seed, alpha) -> dict:
             idx = g[rng.integers(0, size, size=(stop - start, size))]
             stat_a = _finish(a[idx].mean(axis=1), statistic)
             stat_b = _finish(b[idx].mean(axis=1), statistic)
-            deltas[start:stop] += stat_b - stat_a
-    deltas /= len(groups)
+            deltas[start:stop] += w * (stat_b - stat_a)
     low, high = np.quantile(deltas, [alpha / 2, 1 - alpha / 2])
     p_value = min(1.0, 2 * min(np.mean(deltas <= 0), np.mean(deltas >= 0)))
     return {
@@ -308,13 +325,14 @@ def _bootstrap(a, b, groups, statistic, n_boot, seed, alpha) -> dict:
     }
 
 
-def _mcnemar(a, b, statistic, alpha, groups) -> dict:
+def _mcnemar(a, b, statistic, alpha, groups, weight_by_size=False) -> dict:
     from scipy.stats import binomtest, norm
 
     x, y = a[:, 0], b[:, 0]
     if statistic != "mean" or not (np.isin(x, (0.0, 1.0)).all() and np.isin(y, (0.0, 1.0)).all()):
         raise ValueError("McNemar's test needs binary 0/1 outcomes (accuracies); use method='bootstrap'")
-    if len({len(g) for g in groups}) > 1:
+    if not weight_by_size and len({len(g) for g in groups}) > 1:
+        # Weighted by size, the group's accuracy is the pooled accuracy, which is what McNemar tests.
         raise ValueError("McNemar pools all documents, which misweights strata of unequal size; use method='bootstrap'")
     n = x.shape[0]
     b_only = int(np.sum((x == 1) & (y == 0)))
