@@ -33,6 +33,8 @@ PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
     "H100 NVL": {"bf16": 835.5, "fp8": 1670.5, "fp4": None},
     # H200 data sheet (nvidia.com/en-us/data-center/h200): SXM BF16 1,979 / FP8 3,958 sparse (same SM as H100).
     "H200": {"bf16": 989.4, "fp8": 1978.9, "fp4": None},
+    # Same data sheet, H200 NVL column (a 600 W PCIe card): BF16 1,671 / FP8 3,341 sparse, as the H100 NVL.
+    "H200 NVL": {"bf16": 835.5, "fp8": 1670.5, "fp4": None},
     # HGX B200 data sheet (8 GPUs): FP4 144 PF, FP8 72 PF, BF16 36 PF sparse ⇒ per GPU dense 9 / 4.5 / 2.25 PF.
     "B200": {"bf16": 2250.0, "fp8": 4500.0, "fp4": 9000.0},
     # GB200 NVL72 data sheet (72 GPUs): FP4 1,440 PF, FP8 720 PF, BF16 360 PF sparse ⇒ per GPU dense 10 / 5 / 2.5 PF.
@@ -48,7 +50,7 @@ PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
 # Order matters: the first substring found in the device name wins (GB200 before B200, variants of
 # H100 before plain H100).
 _NAME_PATTERNS = [
-    ("GB200", "GB200"), ("B200", "B200"), ("H200", "H200"),
+    ("GB200", "GB200"), ("B200", "B200"), ("H200 NVL", "H200 NVL"), ("H200", "H200"),
     ("H100 NVL", "H100 NVL"), ("H100 PCIE", "H100 PCIe"), ("H100", "H100 SXM"),
     ("A100", "A100"), ("L40S", "L40S"), ("RTX 4090", "RTX 4090"),
 ]

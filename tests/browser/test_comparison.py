@@ -3,6 +3,9 @@ throughput bars, and the offline HTML export."""
 from __future__ import annotations
 
 import json
+import math
+import random
+import statistics
 
 import pytest
 
@@ -55,6 +58,47 @@ def test_relative_difference_to_bf16_is_the_known_offset_aligned_on_tokens(serve
 
     band = page.evaluate("() => document.getElementById('relative-chart').layout.shapes[0]")
     assert (band["y0"], band["y1"]) == (-1, 1)
+    assert page.console_log.errors == []
+
+
+def test_long_noisy_runs_are_compared_on_the_apis_bucket_means(server, page, charts):
+    """Runs longer than the page's 1000 points come back downsampled to each bucket's min and max point; the
+    difference of two runs' extremes is their step-to-step noise, not their offset. The chart draws the API's
+    comparison instead (bucket means at mean tokens, the verdict's numbers): the same values, and near the
+    planted 0.5% where the min/max points are spread over several percent."""
+    exp = server.create_experiment(["bf16", "fp8_tensorwise"], name="noisy-long")
+    runs = {r["recipe"]: r for r in exp["runs"]}
+    rng = random.Random(7)
+    for recipe, offset in (("bf16", 0.0), ("fp8_tensorwise", 0.5)):
+        points = [{"key": "train/loss", "step": step, "tokens": (step + 1) * 128,
+                   "value": (3.0 * math.exp(-step / 8000) + 1.5) * (1 + offset / 100) * (1 + rng.gauss(0, 0.02))}
+                  for step in range(16_000)]
+        for i in range(0, len(points), 8000):
+            r = server.http.post(f"/api/v1/runs/{runs[recipe]['id']}/metrics", json={"points": points[i:i + 8000]})
+            assert r.status_code in (200, 201), r.text
+        server.set_status(runs[recipe]["id"], "running")
+        server.set_status(runs[recipe]["id"], "succeeded", gemm_backend="real" if offset else "bf16")
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    page.fill("#smoothing", "0")
+    page.dispatch_event("#smoothing", "input")
+    charts.wait_for_traces("relative-chart", 1)
+    drawn = charts.traces("relative-chart")[0]
+    api = server.http.get(f"/api/v1/experiments/{exp['id']}/comparison",
+                          params={"x": "tokens", "max_points": 1000}).json()
+    entry = next(e for e in api["runs"] if e["recipe"] == "fp8_tensorwise")
+    assert drawn["name"] == "fp8_tensorwise" and 100 < len(drawn["x"]) <= 1000
+    assert drawn["x"] == pytest.approx(entry["x"]) and drawn["y"] == pytest.approx(entry["delta_pct"])
+    # Buckets of 16 steps: the mean's difference has 2% x sqrt(2) / 4 = 0.71% noise around the offset.
+    assert abs(statistics.fmean(drawn["y"]) - 0.5) < 0.1 and statistics.pstdev(drawn["y"]) < 0.9
+    # What the page's own loss series hold (buckets of 32 steps, their min and max point): the same difference
+    # computed from them is spread over several percent.
+    series = server.http.get(f"/api/v1/experiments/{exp['id']}/series",
+                             params={"keys": "train/loss", "max_points": 1000, "x": "tokens"}).json()
+    by_run = {s["run_id"]: s["series"]["train/loss"] for s in series["runs"]}
+    base, fp8 = by_run[runs["bf16"]["id"]], by_run[runs["fp8_tensorwise"]["id"]]
+    assert base["downsampled"] and fp8["downsampled"]
+    extremes = [100 * (f - b) / b for f, b in zip(fp8["value"], base["value"])]
+    assert statistics.pstdev(extremes) > 3 * statistics.pstdev(drawn["y"])
     assert page.console_log.errors == []
 
 

@@ -180,3 +180,27 @@ def test_accuracy_deltas_in_the_decision_table_sit_next_to_bf16s_seed_spread(ser
     # Sorted by the accuracy difference, ascending; the reference has no difference to itself and sorts last.
     assert order == [runs[("fp8_tensorwise", 0)], runs[("mxfp8", 0)], runs[("bf16", 1)], runs[("bf16", 0)]]
     assert page.console_log.errors == []
+
+
+def test_mfu_is_a_fraction_of_the_bf16_peak_everywhere_even_above_one(server, page, charts):
+    """MFU is always measured against the GPU's dense BF16 peak, so a format faster than that peak shows above 100%:
+    1.05 is 105%, not 1.05% (the page once read any MFU above 1 as a percentage). The convention is stated."""
+    exp = server.create_experiment(["bf16", "fp8_tensorwise"], name="mfu-above-one")
+    runs = {r["recipe"]: r["id"] for r in exp["runs"]}
+    for recipe, mfu in (("bf16", 0.42), ("fp8_tensorwise", 1.05)):
+        plant(server, runs[recipe], train=2.0, val=2.1)
+        server.set_status(runs[recipe], "running")
+        server.set_status(runs[recipe], "succeeded", gemm_backend="real" if mfu > 1 else "bf16",
+                          summary={"tokens_per_s": 1000.0 * mfu, "mfu": mfu})
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    page.wait_for_selector("#decision-table tbody tr[data-verdict-run-id]")
+    cells = page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('#decision-table tbody tr')]
+        .map(tr => [tr.dataset.verdictRunId, tr.querySelector('[data-col=mfu]').textContent.trim()]))""")
+    assert cells == {str(runs["bf16"]): "42.0%", str(runs["fp8_tensorwise"]): "105.0%"}
+    title = page.locator("#decision-table th[data-sort=mfu]").get_attribute("title")
+    assert "dense BF16 peak" in title and "causal" in title
+    charts.wait_for_traces("memory-chart", 2)
+    bars = {t["name"]: t["y"] for t in charts.traces("memory-chart")}
+    assert bars["MFU (% of dense BF16 peak)"] == pytest.approx([42.0, 105.0])
+    assert "dense BF16 peak" in page.locator("#mfu-convention").inner_text()
+    assert page.console_log.errors == []

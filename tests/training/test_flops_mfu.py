@@ -27,7 +27,7 @@ def test_flops_per_token_of_a_custom_gqa_model_with_explicit_head_dim():
 
 @pytest.mark.parametrize("name, key", [
     ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
-    ("NVIDIA H200", "H200"), ("NVIDIA B200", "B200"), ("NVIDIA GB200", "GB200"),
+    ("NVIDIA H200", "H200"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA B200", "B200"), ("NVIDIA GB200", "GB200"),
     ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA L40S", "L40S"), ("NVIDIA GeForce RTX 4090", "RTX 4090"),
     ("cpu", None), (None, None),
 ])

@@ -3,11 +3,12 @@
 import { get, post, items, formatDate, newestOnly, showGlobalError, LIVE_STATUSES } from "./api.js";
 import { html, joinHtml, plotText, setHTML, slurmNote, statusBadge, urlPath } from "./dom.js";
 import {
-  BASELINE, dataPreparation, dataSummary, finalLoss, gemmBackend, mfu, peakMemory, progressFraction, recipeName,
+  BASELINE, dataPreparation, dataSummary, finalLoss, gemmBackend, mfu, mfuPercent, MFU_CONVENTION, peakMemory,
+  progressFraction, recipeName,
   runLabel, runSummary,
   tokensPerSecond,
 } from "./summary.js";
-import { cleanPoints, ema, median, relativeDifference, relativeWallTime } from "./series.js";
+import { cleanPoints, ema, median, relativeWallTime } from "./series.js";
 import {
   BASELINE_COLOR, colorAt, DEFAULT_SMOOTHING, emulatedPattern, loadPlotly, PLOT_CONFIG, smoothedTraces,
 } from "./plot.js";
@@ -39,6 +40,10 @@ const state = {
   smoothing: DEFAULT_SMOOTHING,
   logScale: false,
   zoom: null, // [x_min, x_max] on the server's x axis while the user is zoomed in
+  // The API's comparison (GET /experiments/{id}/comparison): every run's relative train-loss difference to the
+  // baseline run, on bucket means for long runs; null when the experiment has no BF16 run.
+  comparison: null,
+  comparisonX: "tokens",
   polls: 0,
   failed: false,
   gone: false,
@@ -59,6 +64,26 @@ async function fetchSeries(keys, maxPoints, { withZoom }) {
   return byRun;
 }
 
+// The relative difference to BF16 comes from the API, which compares long runs through the rollup's bucket means
+// (mean loss at mean tokens): the loss series the page draws are downsampled to each bucket's min and max point,
+// and a difference of two runs' extremes is mostly their step-to-step noise (a 0.5% offset under 5% noise).
+async function fetchComparison(x) {
+  const params = new URLSearchParams({ x, max_points: String(MAX_POINTS) });
+  try {
+    return await get(`/api/v1/experiments/${encodeURIComponent(experimentId)}/comparison?${params}`);
+  } catch (err) {
+    if (err.status === 409) return null; // no BF16 run yet
+    throw err;
+  }
+}
+
+function seriesHaveTokens(series) {
+  for (const byKey of series.values()) {
+    if ((byKey["train/loss"]?.tokens || []).some((t) => t != null)) return true;
+  }
+  return series.size === 0;
+}
+
 // plotly.js (4.6 MB) takes the browser a second or more to parse on a busy machine: `refresh` loads it only after
 // the first API requests are on their way, so the server answers while the browser parses (plot.js).
 
@@ -74,14 +99,22 @@ async function refresh() {
   const requests = Promise.all([
     get(`/api/v1/experiments/${encodeURIComponent(experimentId)}`),
     fetchLossSeries(),
+    fetchComparison(state.comparisonX),
   ]);
   const plotly = loadPlotly();
   plotly.catch(() => {}); // awaited below; this only keeps an early API failure from orphaning it
-  const [experiment, loss] = await requests;
+  const [experiment, loss, comparison] = await requests;
   if (state.firstRenderMs == null) performance.mark("plab:data-ready");
   state.experiment = experiment;
   state.runs = orderRuns(items(experiment.runs || [], "runs"));
   if (loss.latest) state.series = loss.series;
+  state.comparison = comparison;
+  // Runs logged without token counts are compared on steps (asked again once their series show it).
+  const x = state.zoom || !loss.latest ? state.comparisonX : (seriesHaveTokens(state.series) ? "tokens" : "step");
+  if (x !== state.comparisonX) {
+    state.comparisonX = x;
+    state.comparison = await fetchComparison(x);
+  }
   // Statuses, progress and cancel buttons need no plotly.js: show them as soon as the data is here.
   renderHeader();
   renderTable();
@@ -121,6 +154,9 @@ function orderRuns(runs) {
 }
 
 function baselineRun() {
+  // The API's choice (the comparison's and the verdict's baseline run) once it is known.
+  const chosen = state.comparison && state.runs.find((r) => String(r.id) === String(state.comparison.baseline_run_id));
+  if (chosen) return chosen;
   const base = state.runs.filter((r) => recipeName(r) === BASELINE);
   return base.find((r) => r.status === "succeeded") || base.find((r) => r.status === "running") || base[0] || null;
 }
@@ -188,15 +224,19 @@ function drawLoss() {
 }
 
 function drawRelative() {
-  const base = baselineRun();
+  const cmp = state.comparison;
+  const entries = new Map((cmp?.runs || []).map((e) => [String(e.run_id), e]));
+  // The API's baseline run (the verdict's): a succeeded BF16 run with no layer kept apart, else the earliest.
+  const base = cmp ? baselineRun() : null;
   const others = state.runs.filter((r) => r !== base && recipeName(r) !== BASELINE);
-  const basePts = base ? pointsOf(base, "train/loss") : null;
-  // Align on tokens as the comparison promises; runs logged without token counts fall back to steps.
-  const useTokens = basePts && basePts.tokens.some((t) => t != null) ;
-  const xy = (p) => ({ x: useTokens ? p.tokens : p.step, y: p.value });
+  const useTokens = cmp?.x === "tokens";
+  const diffOf = (run) => {
+    const e = entries.get(String(run.id));
+    return e ? { x: e.x || [], y: e.delta_pct || [] } : { x: [], y: [] };
+  };
   const traces = others.map((run) => {
     const idx = state.runs.indexOf(run);
-    const diff = basePts ? relativeDifference(xy(basePts), xy(pointsOf(run, "train/loss"))) : { x: [], y: [] };
+    const diff = diffOf(run);
     // Smooth the difference, not the two losses: an EMA runs over points, so two runs sampled on
     // different token grids would lag differently and show a difference that is not there.
     return smoothedTraces({ name: plotText(runLabel(run)), x: diff.x, y: diff.y, color: colorOf(run, idx),
@@ -206,7 +246,7 @@ function drawRelative() {
   const replicates = state.runs.filter((r) => r !== base && recipeName(r) === BASELINE
     && !r.bf16_first_layers && !r.bf16_last_layers);
   const smooth = (y) => (state.smoothing > 0 ? ema(y, state.smoothing) : y);
-  const band = seedBandTraces(base, replicates, (run) => xy(pointsOf(run, "train/loss")), smooth);
+  const band = base ? seedBandTraces(replicates.map(diffOf), smooth) : [];
   const tol = state.experiment?.verdict_tolerance_pct ?? 1;
   const layout = {
     title: { text: base ? "Train loss difference to BF16 (%)" : "No BF16 run to compare with", font: { size: 14 } },
@@ -247,7 +287,7 @@ function drawSpeed() {
     colors.push(colorOf(run, i));
     mem.push(peakMemory(run) ?? median(pointsOf(run, "perf/peak_mem_gib", state.perf).value));
     const m = mfu(run) ?? median(pointsOf(run, "perf/mfu", state.perf).value);
-    mfus.push(m == null ? null : 100 * (m > 1 ? m / 100 : m));
+    mfus.push(mfuPercent(m));
   });
   Plotly.react("throughput-chart", [{
     type: "bar", x: labels, y: tps, text, textposition: "outside", name: "tokens/s",
@@ -261,8 +301,9 @@ function drawSpeed() {
   Plotly.react("memory-chart", [
     { type: "bar", x: labels, y: mem, name: "peak memory (GiB)", offsetgroup: "mem",
       marker: { color: "#6c8ebf", pattern: emulatedPattern(emulatedBars) } },
-    { type: "bar", x: labels, y: mfus, name: "MFU (%)", yaxis: "y2", offsetgroup: "mfu",
-      marker: { color: "#d79b00", pattern: emulatedPattern(emulatedBars) } },
+    { type: "bar", x: labels, y: mfus, name: "MFU (% of dense BF16 peak)", yaxis: "y2", offsetgroup: "mfu",
+      marker: { color: "#d79b00", pattern: emulatedPattern(emulatedBars) },
+      hovertemplate: "%{x}<br>MFU %{y:.1f}% of the GPU's dense BF16 peak<extra></extra>" },
   ], {
     title: { text: "Peak memory and MFU", font: { size: 14 } },
     margin: { l: 60, r: 60, t: 40, b: 90 }, barmode: "group",
@@ -587,6 +628,7 @@ function attachZoom() {
 }
 
 // ---------------------------------------------------------------- start
+document.getElementById("mfu-convention").textContent = `MFU: ${MFU_CONVENTION.replace(/^Model FLOPs utilization: /, "")}.`;
 register({ name: "runs", refresh: refreshRuns, live: () => !state.gone && (isLive() || state.failed) });
 mountVerdict();
 mountGemm();

@@ -6,8 +6,7 @@
 import { get, items, LIVE_STATUSES } from "../api.js";
 import { html, joinHtml, plotText, setHTML, statusBadge } from "../dom.js";
 import { register } from "../poller.js";
-import { gemmBackend, mfu, peakMemory, runLabel } from "../summary.js";
-import { relativeDifference } from "../series.js";
+import { gemmBackend, mfu, mfuPercent, MFU_CONVENTION, peakMemory, runLabel } from "../summary.js";
 
 const root = document.getElementById("experiment-root");
 const experimentId = root?.dataset.experimentId;
@@ -86,7 +85,7 @@ function rowsOf(verdict) {
     return {
       run, facts: f, label: runLabel(run), status: run.status, val_loss: f.final_val_loss ?? null,
       val_delta: f.val_delta_pct ?? null,
-      speedup: f.speedup ?? null, mfu: m == null ? null : 100 * (m > 1 ? m / 100 : m), peak_mem: peakMemory(run),
+      speedup: f.speedup ?? null, mfu: mfuPercent(m), peak_mem: peakMemory(run),
       accuracy: new Map((f.accuracy || []).map((a) => [`${a.task}|${a.metric}`, a])),
     };
   });
@@ -196,7 +195,7 @@ function bodyRow(verdict, row, tasks) {
     <td class="num" data-col="val_loss">${finite(row.val_loss) ? row.val_loss.toFixed(4) : "–"}</td>
     <td class="num" data-col="val_delta">${row.run.id === verdict.reference_run_id ? "reference" : signed(row.val_delta)}</td>
     <td class="num" data-col="speedup">${speed}</td>
-    <td class="num">${finite(row.mfu) ? `${row.mfu.toFixed(1)}%` : "–"}</td>
+    <td class="num" data-col="mfu">${finite(row.mfu) ? `${row.mfu.toFixed(1)}%` : "–"}</td>
     <td class="num">${finite(row.peak_mem) ? row.peak_mem.toFixed(2) : "–"}</td>
     ${tasks.map((c) => accuracyCell(row, c))}
     <td>${outcomeOf(verdict, row)}</td>
@@ -224,7 +223,7 @@ export function render() {
   setHTML(panel.querySelector("thead"), html`<tr>${header("label", "Run", view)}${header("status", "Status", view)}${
     header("val_loss", "Val loss", view, "final validation loss")}${
     header("val_delta", "Δ vs BF16", view, "final validation loss vs the BF16 reference run, percent")}${
-    header("speedup", "Speedup", view, "tokens/s over BF16's")}${header("mfu", "MFU", view)}${
+    header("speedup", "Speedup", view, "tokens/s over BF16's")}${header("mfu", "MFU", view, MFU_CONVENTION)}${
     header("peak_mem", "Peak mem (GiB)", view)}${
     tasks.map((c) => header(`acc:${c.task}|${c.metric}`, `${c.task} Δ`, view, `${c.metric}, recipe − BF16`))}${""
     }<th>Verdict</th></tr>`);
@@ -237,11 +236,12 @@ export function render() {
 // Two traces (low, then high filled to it): at each of the reference run's points, the min and max over BF16's seed
 // replicates of their relative difference to the reference (the reference's own 0 included). Empty without
 // replicates. `xy(run)` gives a run's {x, y} on the chart's axis; `smooth(y)` the chart's smoothing.
-export function seedBandTraces(reference, replicates, xy, smooth = (y) => y) {
-  if (!reference || !replicates.length) return [];
+export function seedBandTraces(diffs, smooth = (y) => y) {
+  // diffs: each BF16 replicate's relative difference to the reference run ({x, y} in percent, on the
+  // reference's points); the reference itself is 0 everywhere, so the band always holds 0.
+  if (!diffs.length) return [];
   const lo = new Map(), hi = new Map();
-  for (const run of replicates) {
-    const diff = relativeDifference(xy(reference), xy(run));
+  for (const diff of diffs) {
     diff.x.forEach((x, i) => {
       lo.set(x, Math.min(lo.get(x) ?? 0, diff.y[i]));
       hi.set(x, Math.max(hi.get(x) ?? 0, diff.y[i]));
@@ -249,7 +249,7 @@ export function seedBandTraces(reference, replicates, xy, smooth = (y) => y) {
   }
   const xs = [...lo.keys()].sort((a, b) => a - b);
   if (!xs.length) return [];
-  const name = plotText(`BF16 seed band (min–max of ${replicates.length + 1} seeds)`);
+  const name = plotText(`BF16 seed band (min–max of ${diffs.length + 1} seeds)`);
   const common = { type: "scatter", mode: "lines", x: xs, line: { width: 0 }, hoverinfo: "skip",
     meta: { seed_band: true } };
   return [
