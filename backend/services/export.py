@@ -15,7 +15,9 @@ from backend.db import transaction
 from backend.models import MetricPoint
 from backend.services.runs import get_experiment
 
-CSV_COLUMNS = ("run_id", "recipe", "label", "key", "step", "tokens", "wall_time", "value")
+# gemm_backend (real | emulated | bf16, empty before the run reported it) last: an emulated run's perf/* figures
+# are not what the format's hardware would give, and an export read without the dashboard must still say so.
+CSV_COLUMNS = ("run_id", "recipe", "label", "key", "step", "tokens", "wall_time", "value", "gemm_backend")
 ROWS_PER_FETCH = 20_000
 
 
@@ -23,7 +25,8 @@ def export_plan(session, experiment_id: int) -> dict:
     """What the stream needs, read before the response starts (a missing experiment is a 404, not a cut stream)."""
     exp = get_experiment(session, experiment_id)
     return {"experiment_id": exp.id, "name": exp.name,
-            "runs": {r.id: {"recipe": r.recipe, "label": r.label, "status": r.status} for r in exp.runs}}
+            "runs": {r.id: {"recipe": r.recipe, "label": r.label, "status": r.status, "gemm_backend": r.gemm_backend}
+                     for r in exp.runs}}
 
 
 def _points(sessionmaker, run_ids: list[int], keys: list[str] | None) -> Iterator[tuple]:
@@ -47,7 +50,8 @@ def csv_stream(sessionmaker, plan: dict, keys: list[str] | None) -> Iterator[str
     runs = plan["runs"]
     for n, (run_id, key, step, tokens, wall_time, value) in enumerate(_points(sessionmaker, list(runs), keys), 1):
         run = runs[run_id]
-        writer.writerow((run_id, run["recipe"], run["label"], key, step, tokens, wall_time, value))
+        writer.writerow((run_id, run["recipe"], run["label"], key, step, tokens, wall_time, value,
+                         run["gemm_backend"]))
         if n % 5000 == 0:
             yield buf.getvalue()
             buf.seek(0)
@@ -56,7 +60,7 @@ def csv_stream(sessionmaker, plan: dict, keys: list[str] | None) -> Iterator[str
 
 
 def json_stream(sessionmaker, plan: dict, keys: list[str] | None) -> Iterator[str]:
-    """{"experiment_id", "name", "runs": [{"run_id", "recipe", "label", "status", "series": {key: {"step": [...],
+    """{"experiment_id", "name", "runs": [{"run_id", "recipe", "label", "status", "gemm_backend", "series": {key: {"step": [...],
     "tokens": [...], "wall_time": [...], "value": [...]}}}]}: one series in memory at a time."""
     runs = plan["runs"]
     yield json.dumps({"experiment_id": plan["experiment_id"], "name": plan["name"]})[:-1] + ', "runs": ['

@@ -253,7 +253,8 @@ def summarize(result: dict) -> dict:
     """What a list shows without the full result: device, formats that ran emulated, whole-step speedups."""
     if not result:
         return {}
-    emulated = sorted({r["format"] for r in result.get("results", []) if r.get("backend") == "emulated"})
+    # A CPU's FP8 kernel (backend "cpu") is software too: listed with the emulated formats, as training labels it.
+    emulated = sorted({r["format"] for r in result.get("results", []) if r.get("backend") in ("emulated", "cpu")})
     return {
         "device": result.get("device", {}),
         "n_shapes": len(result.get("shapes", [])),

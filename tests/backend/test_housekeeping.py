@@ -208,7 +208,7 @@ def test_export_streams_every_point_at_full_resolution(api):
     rows = list(csv.DictReader(io.StringIO(r.text)))
     assert len(rows) == 5000 + 300 + 4000
     assert rows[0] == {"run_id": str(base["id"]), "recipe": "bf16", "label": "bf16", "key": "train/grad_norm",
-                       "step": "0", "tokens": "0", "wall_time": "", "value": "1.0"}
+                       "step": "0", "tokens": "0", "wall_time": "", "value": "1.0", "gemm_backend": ""}
     only = api.get(f"/api/v1/experiments/{exp['id']}/export", params={"format": "csv", "keys": "train/grad_norm"})
     assert len(only.text.strip().splitlines()) == 301
     data = json.loads(api.get(f"/api/v1/experiments/{exp['id']}/export", params={"format": "json"}).text)
@@ -219,5 +219,5 @@ def test_export_streams_every_point_at_full_resolution(api):
     third = api.post("/api/v1/runs", json={"experiment_id": exp["id"], "recipe": "mxfp8"}, headers=_bearer(ADMIN))
     data = json.loads(api.get(f"/api/v1/experiments/{exp['id']}/export", params={"format": "json"}).text)
     assert data["runs"][-1] == {"run_id": third.json()["id"], "recipe": "mxfp8", "label": "mxfp8 (external)",
-                                "status": "running", "series": {}}
+                                "status": "running", "gemm_backend": None, "series": {}}
     assert api.get("/api/v1/experiments/999999/export").status_code == 404

@@ -190,7 +190,9 @@ def test_exported_html_report_opens_offline_and_shows_the_charts(server, page, c
         view.on("pageerror", lambda e: errors.append(str(e)))
         view.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         view.goto(report.as_uri())
-        view.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 4")
+        # The page's charts with something to show: no peak memory or MFU was reported, so no memory chart.
+        view.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
+        assert view.locator("#memory-chart").count() == 0
         counts = view.evaluate("() => ['loss-chart', 'relative-chart', 'throughput-chart']"
                                ".map(id => document.getElementById(id).data.filter(t => !(t.meta && t.meta.raw)).length)")
         assert counts == [4, 3, 1]
@@ -211,10 +213,14 @@ def test_csv_and_json_exports_hold_every_stored_point(server, page, charts, comp
     path = tmp_path / "e.csv"
     info.value.save_as(path)
     lines = path.read_text().splitlines()
-    assert lines[0] == "run_id,recipe,label,key,step,tokens,wall_time,value"
+    assert lines[0] == "run_id,recipe,label,key,step,tokens,wall_time,value,gemm_backend"
     # Every key, not only the curves on screen: train/loss and perf/tokens_per_s of three runs, 18 numerics points.
     assert len(lines) == 1 + 2 * (80 + 80 + 40) + 18
     assert any(line.startswith(f"{runs['bf16']['id']},bf16,bf16,train/loss,0,128,1800000000.0,") for line in lines)
+    # Each row says whether its run's GEMMs were real or emulated (the queued nvfp4 run has not said yet).
+    backends = {line.split(",")[0]: line.rsplit(",", 1)[1] for line in lines[1:]}
+    assert backends == {str(runs["bf16"]["id"]): "bf16", str(runs["fp8_tensorwise"]["id"]): "real",
+                        str(runs["mxfp8"]["id"]): "emulated"}
 
     with page.expect_download() as info:
         page.click("#export-json")
@@ -222,6 +228,7 @@ def test_csv_and_json_exports_hold_every_stored_point(server, page, charts, comp
     exported = json.loads((tmp_path / "e.json").read_text())
     assert exported["experiment_id"] == exp["id"]
     assert [len(r["series"].get("train/loss", {}).get("value", [])) for r in exported["runs"]] == [80, 80, 40, 0]
+    assert [r["gemm_backend"] for r in exported["runs"]] == ["bf16", "real", "emulated", None]
 
 
 def test_numerics_heatmap_shows_layers_by_sampled_steps(server, page, charts, compared):

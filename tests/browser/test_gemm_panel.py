@@ -54,14 +54,16 @@ def test_panel_draws_speedup_bars_shapes_and_predicted_next_to_measured_speedup(
     # One bar group per layer × pass, one bar per low-precision format; the heights are the API's speedups.
     for mode in ("kernel", "quant"):
         traces = charts.traces(f"gemm-chart-{mode}")
-        assert [t["name"] for t in traces] == ["fp8_tensorwise", "nvfp4 (emulated – no hardware support)"]
+        # On a CPU neither has hardware: FP8 runs torch's CPU kernel, NVFP4 the emulation; each says which.
+        assert [t["name"] for t in traces] == ["fp8_tensorwise (CPU kernel – no FP8 hardware)",
+                                               "nvfp4 (emulated – no hardware support)"]
         assert traces[0]["x"][:3] == ["qkv.fprop", "qkv.dgrad", "qkv.wgrad"] and len(traces[0]["x"]) == 15
         expected = {(r["layer"], r["gemm"]): r["speedup_vs_bf16"] for r in stored["results"]
                     if r["format"] == "nvfp4" and r["mode"] == mode}
         drawn = dict(zip(traces[1]["x"], traces[1]["y"]))
         assert drawn == {f"{layer}.{gemm}": v for (layer, gemm), v in expected.items()}
     patterns = page.evaluate("() => document.getElementById('gemm-chart-kernel').data.map(t => t.marker.pattern.shape)")
-    assert patterns == ["", "/"]  # the emulated format is hatched
+    assert patterns == ["/", "/"]  # both hatched
 
     rows = page.locator("#gemm-shapes-table tbody tr")
     assert rows.count() == 15
@@ -70,8 +72,9 @@ def test_panel_draws_speedup_bars_shapes_and_predicted_next_to_measured_speedup(
     qkv = next(x for x in stored["shapes"] if x["layer"] == "qkv" and x["gemm"] == "fprop")
     assert qkv["m"] == 4 * 32 and f"{qkv['m']} × {qkv['k']} × {qkv['n']}" in first.inner_text()
     assert page.locator("#gemm-shapes-table td.emulated[data-format='nvfp4']").count() == 30
-    assert page.locator("#gemm-shapes-table td.emulated[data-format='fp8_tensorwise']").count() == 0
-    assert "emulated – no hardware support" in page.locator("#gemm-emulated-note").inner_text()
+    assert page.locator("#gemm-shapes-table td.emulated[data-format='fp8_tensorwise']").count() == 30
+    note = page.locator("#gemm-emulated-note").inner_text()
+    assert "fp8_tensorwise: CPU kernel – no FP8 hardware" in note and "nvfp4: emulated – no hardware support" in note
     assert "CPU timings" in page.locator("#gemm-device").inner_text()
 
     fp8 = page.locator("#gemm-prediction-table tr[data-format='fp8_tensorwise']")

@@ -26,7 +26,7 @@ def test_experiments_list_shows_status_counts_and_the_verdict_on_validation_loss
     none_within = page.locator(f"#experiments-table tr[data-experiment-id='{worse['id']}'] .summary")
     page.wait_for_function("sel => document.querySelector(sel)?.textContent.length > 0",
                            arg=f"#experiments-table tr[data-experiment-id='{worse['id']}'] .summary")
-    assert none_within.inner_text().startswith("no recipe matches BF16's validation loss (one BF16 seed")
+    assert none_within.inner_text().startswith("no recipe matches BF16's validation loss (with one BF16 seed, a recipe ")
     row = page.locator(f"#experiments-table tr[data-experiment-id='{exp['id']}']")
     row.wait_for()
     assert row.locator(".experiment-link").inner_text() == "list-summary"

@@ -145,6 +145,15 @@ def test_metric_explorer_overlays_grad_norm_of_two_runs_with_the_raw_curve_behin
     assert page.locator(".modebar-btn[data-title*='Chart Studio'], .modebar-btn[data-title*='Cloud']").count() == 0
     assert page.locator(".modebar-btn").count() > 0  # the mode bars are there, without those buttons
     assert page.console_log.errors == []
+    # A run id that does not exist is said next to the form, and stays said past the page's next poll.
+    page.fill("#explorer-run-id", "999999")
+    page.click("#explorer-add")
+    error = page.locator("#explorer-error")
+    error.wait_for(state="visible")
+    assert "Run 999999 could not be added" in error.inner_text() and "does not exist" in error.inner_text()
+    page.wait_for_timeout(2500)
+    assert error.is_visible()
+    charts.wait_for_traces("explore-train_grad_norm", 3)  # the runs already shown stay
 
 
 def test_export_holds_the_full_range_after_a_zoom(server, page, charts, finished):

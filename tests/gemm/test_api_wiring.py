@@ -31,7 +31,8 @@ TINY_SHAPES = "64x128x96"
 
 @pytest.fixture(scope="module")
 def cpu_result() -> dict:
-    """A real benchmark result: one tiny GEMM on the CPU, BF16 plus a real and an emulated format."""
+    """A real benchmark result: one tiny GEMM on the CPU, BF16 plus FP8 on torch's CPU kernel and an emulated
+    format."""
     return run_gemm_benchmark(shapes=TINY_SHAPES, formats=["bf16", "fp8_tensorwise", "nvfp4"], device="cpu",
                               repeats=2, warmup=0, compile_quant=False)
 
@@ -128,7 +129,9 @@ def test_a_posted_result_is_stored_as_succeeded_and_listed_under_its_experiment(
     bench = r.json()
     assert bench["status"] == "succeeded" and bench["device_name"] == cpu_result["device"]["name"]
     assert bench["result"]["results"] == json.loads(json.dumps(cpu_result["results"]))
-    assert bench["summary"]["emulated_formats"] == ["nvfp4"]  # no FP4 hardware on a CPU
+    # No FP4 or FP8 hardware on a CPU: nvfp4 emulated, fp8_tensorwise on torch's CPU kernel (backend "cpu").
+    assert {r["backend"] for r in bench["result"]["results"] if r["format"] == "fp8_tensorwise"} == {"cpu"}
+    assert bench["summary"]["emulated_formats"] == ["fp8_tensorwise", "nvfp4"]
     api.post("/api/v1/gemm-benchmarks", json={"result": cpu_result})  # not attached to the experiment
     page = api.get("/api/v1/gemm-benchmarks", params={"experiment_id": exp_id}).json()
     assert page["total"] == 1 and page["items"][0]["id"] == bench["id"]
@@ -278,7 +281,7 @@ def test_cli_runs_on_cpu_on_a_tiny_shape_list_and_its_result_reaches_the_api(tmp
         ("bf16", "both"), ("fp8_rowwise", "kernel"), ("fp8_rowwise", "quant"), ("mxfp8", "kernel"),
         ("mxfp8", "quant")}
     assert all(r["time_s"] > 0 and r["m"] == 64 and r["k"] == 128 and r["n"] == 96 for r in result["results"])
-    assert stored["summary"]["emulated_formats"] == ["mxfp8"]
+    assert stored["summary"]["emulated_formats"] == ["fp8_rowwise", "mxfp8"]
 
 
 def test_cli_refuses_before_running_when_the_api_cannot_store_the_result(tmp_path):

@@ -99,9 +99,9 @@ def test_apply_recipe_rejects_bad_input_and_says_what_is_valid(call, match):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
 def test_real_backend_on_cpu_raises_and_says_why():
-    with pytest.raises(ValueError, match="backend='real' is unavailable for fp8_tensorwise: FP8 tensor cores needs a CUDA GPU"):
+    with pytest.raises(ValueError, match="backend='real' is unavailable for fp8_tensorwise: FP8 tensor cores need a CUDA GPU"):
         apply_recipe(tiny_model(), "fp8_tensorwise", backend="real")
-    with pytest.raises(ValueError, match="MXFP8 tensor cores needs a CUDA GPU with compute capability sm_100"):
+    with pytest.raises(ValueError, match="MXFP8 tensor cores need a CUDA GPU with compute capability sm_100"):
         apply_recipe(tiny_model(), "mxfp8", backend="real")
 
 

@@ -187,11 +187,12 @@ def _accuracy_spread(base_runs: Sequence[RunFacts], reference_run_id) -> dict:
 
 
 def _rule_text(rule: str, band, tol: float, n_seeds: int) -> str:
+    # A clause that stands alone: the dashboard shows it as "Rule: <text>.", the summary in brackets.
     if rule == "seed_band":
-        return (f"matches BF16 when its final validation-loss difference lies inside BF16's own seed band "
+        return (f"a recipe matches BF16 when its final validation-loss difference lies inside BF16's own seed band "
                 f"[{band[0]:+.2f}%, {band[1]:+.2f}%] (min–max over {n_seeds} seeds)")
-    return (f"one BF16 seed: matches BF16 when its final validation-loss difference is within ±{tol:g}% "
-            f"(the experiment's stated tolerance)")
+    return (f"with one BF16 seed, a recipe matches BF16 when its final validation-loss difference is within "
+            f"±{tol:g}% (the experiment's stated tolerance)")
 
 
 def _summary(out: dict, ref: RunFacts | None, ref_loss: float | None) -> tuple[dict | None, str]:

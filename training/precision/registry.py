@@ -64,9 +64,9 @@ def capability_reason(device: torch.device, minimum: tuple[int, int], what: str)
     """None when `device` has the tensor cores for `what`, else a sentence saying why not."""
     cap = cuda_capability(device)
     if cap is None:
-        return f"{what} needs a CUDA GPU with compute capability sm_{minimum[0]}{minimum[1]}+, model is on {device.type}"
+        return f"{what} need a CUDA GPU with compute capability sm_{minimum[0]}{minimum[1]}+, model is on {device.type}"
     if cap < minimum:
-        return (f"{what} needs compute capability sm_{minimum[0]}{minimum[1]}+, "
+        return (f"{what} need compute capability sm_{minimum[0]}{minimum[1]}+, "
                 f"this GPU is sm_{cap[0]}{cap[1]}")
     return None
 

@@ -10,7 +10,7 @@ import {
 } from "./summary.js";
 import { cleanPoints, ema, median, relativeWallTime } from "./series.js";
 import {
-  BASELINE_COLOR, colorAt, DEFAULT_SMOOTHING, emulatedPattern, loadPlotly, PLOT_CONFIG, smoothedTraces,
+  BASELINE_COLOR, BOTTOM_LEGEND, colorAt, DEFAULT_SMOOTHING, emulatedPattern, loadPlotly, PLOT_CONFIG, smoothedTraces,
 } from "./plot.js";
 import { poke, register } from "./poller.js";
 import { mount as mountAccuracy } from "./panels/accuracy.js";
@@ -187,10 +187,10 @@ function lossLayout(title, yTitle) {
   return {
     title: { text: title, font: { size: 14 } },
     margin: { l: 60, r: 20, t: 40, b: 45 },
-    xaxis: { title: { text: X_TITLES[state.xMode] } },
+    xaxis: { title: { text: X_TITLES[state.xMode], standoff: 6 }, automargin: true },
     yaxis: { title: { text: yTitle }, type: state.logScale ? "log" : "linear" },
     hovermode: "x unified",
-    legend: { orientation: "h", y: -0.2 },
+    legend: BOTTOM_LEGEND,
     // Keeps the user's zoom across the 2 s live updates; changes when the axis meaning changes.
     uirevision: `${state.xMode}|${state.logScale}`,
   };
@@ -251,10 +251,10 @@ function drawRelative() {
   const layout = {
     title: { text: base ? "Train loss difference to BF16 (%)" : "No BF16 run to compare with", font: { size: 14 } },
     margin: { l: 60, r: 20, t: 40, b: 45 },
-    xaxis: { title: { text: useTokens ? "tokens" : "step" } },
+    xaxis: { title: { text: useTokens ? "tokens" : "step", standoff: 6 }, automargin: true },
     yaxis: { title: { text: "Δ loss vs BF16 (%)" }, zeroline: true },
     hovermode: "x unified",
-    legend: { orientation: "h", y: -0.25 },
+    legend: BOTTOM_LEGEND,
     annotations: emptyNote(traces.some((t) => t.x.length), base
       ? "no comparable points yet (needs a BF16 run and another recipe with train/loss)"
       : "no BF16 run in this experiment"),
@@ -298,7 +298,12 @@ function drawSpeed() {
     margin: { l: 70, r: 20, t: 40, b: 90 }, yaxis: { title: { text: "tokens/s" } }, showlegend: false,
     annotations: emptyNote(tps.some((v) => v != null), "no throughput reported yet"),
   }, PLOT_CONFIG);
-  Plotly.react("memory-chart", [
+  // CPU runs report no peak memory or MFU: the chart is left out rather than drawn empty beside the throughput.
+  const memDiv = document.getElementById("memory-chart");
+  const hasMem = mem.some((v) => v != null) || mfus.some((v) => v != null);
+  const wasHidden = memDiv.hidden;
+  memDiv.hidden = !hasMem;
+  if (hasMem) Plotly.react("memory-chart", [
     { type: "bar", x: labels, y: mem, name: "peak memory (GiB)", offsetgroup: "mem",
       marker: { color: "#6c8ebf", pattern: emulatedPattern(emulatedBars) } },
     { type: "bar", x: labels, y: mfus, name: "MFU (% of dense BF16 peak)", yaxis: "y2", offsetgroup: "mfu",
@@ -310,9 +315,8 @@ function drawSpeed() {
     yaxis: { title: { text: "GiB" } },
     yaxis2: { title: { text: "MFU %" }, overlaying: "y", side: "right", rangemode: "tozero" },
     legend: { orientation: "h", y: 1.12 },
-    annotations: emptyNote(mem.some((v) => v != null) || mfus.some((v) => v != null),
-      "no peak-memory or MFU figures reported yet"),
   }, PLOT_CONFIG);
+  if (hasMem && wasHidden) Plotly.Plots.resize(memDiv);
   const anySpeed = tps.some((v) => v != null) || mem.some((v) => v != null) || mfus.some((v) => v != null);
   collapsePanel("throughput-chart", anySpeed ? "" : "No throughput, memory or MFU reported yet.");
 }

@@ -45,7 +45,8 @@ function unzoomed(layout) {
 
 function figure(id, fullLoss, x, smoothing) {
   const gd = document.getElementById(id);
-  if (!gd || !gd.data || gd.hidden || gd.closest("[hidden]")) return null;
+  // Charts the page left out or collapsed to a one-line note (nothing to show) are left out of the report too.
+  if (!gd || !gd.data || gd.hidden || gd.closest("[hidden]") || gd.closest(".collapsed")) return null;
   const data = gd.data.map((t) => {
     const trace = JSON.parse(JSON.stringify({ ...t, uid: undefined }));
     const meta = t.meta || {};

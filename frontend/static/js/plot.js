@@ -51,6 +51,11 @@ export function smoothedTraces({ name, x, y, color, smoothing: weight, width = 1
 // Bars of runs on emulated GEMMs carry this hatch on every chart: white stripes laid over the bar's own colour
 // ("overlay"; the default "replace" draws the stripes on a transparent bar, which shows nothing when they are
 // white), in the legend too.
+// A horizontal legend under the plot, at the bottom of the figure (not at a fraction of the plot's height, which on a
+// short or narrow chart put it over the x-axis title); the axis it sits under needs `automargin: true`.
+export const BOTTOM_LEGEND = Object.freeze({ orientation: "h", x: 0, xanchor: "left", y: 0, yanchor: "bottom",
+  yref: "container" });
+
 export function emulatedPattern(emulated) {
   const shapes = Array.isArray(emulated) ? emulated.map((e) => (e ? "/" : "")) : (emulated ? "/" : "");
   return { shape: shapes, fillmode: "overlay", fgcolor: "#ffffff", fgopacity: 1, size: 8, solidity: 0.3 };

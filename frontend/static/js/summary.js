@@ -89,7 +89,7 @@ export function dataPreparation(run) {
   const fraction = finite(p.fraction);
   const parts = [String(p.phase || "preparing data")];
   const docs = finite(p.documents), tps = finite(p.tokens_per_s), eta = finite(p.eta_s);
-  if (docs != null) parts.push(`${docs.toLocaleString()} documents`);
+  if (docs != null) parts.push(`${docs.toLocaleString()} document${docs === 1 ? "" : "s"}`);
   if (tps != null) parts.push(`${compactNumber(tps)} tokens/s`);
   if (eta != null) parts.push(eta < 90 ? `${Math.round(eta)} s left` : `${Math.round(eta / 60)} min left`);
   return {fraction: fraction == null ? null : Math.min(1, Math.max(0, fraction)), text: parts.join(" · ")};
@@ -102,7 +102,10 @@ export function dataSummary(run) {
   const parts = [];
   const files = finite(d.files), docs = finite(d.documents_train), tokens = finite(d.tokens_train);
   if (files != null) parts.push(`${files.toLocaleString()} file${files === 1 ? "" : "s"}`);
-  if (docs != null) parts.push(`${compactNumber(docs + (finite(d.documents_val) || 0))} documents`);
+  if (docs != null) {
+    const all = docs + (finite(d.documents_val) || 0);
+    parts.push(`${compactNumber(all)} document${all === 1 ? "" : "s"}`);
+  }
   if (tokens != null) parts.push(`${compactNumber(tokens)} training tokens`);
   if (typeof d.tokenizer === "string") parts.push(`tokenizer ${d.tokenizer}`);
   const bad = finite(d.bad_lines);

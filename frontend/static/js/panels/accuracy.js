@@ -3,7 +3,7 @@
 // significance marker, and a bar chart of those differences. Evaluations run as Celery jobs long after training;
 // the panel polls while any evaluation (or run, whose success may start one) is still to finish.
 import { get, items, LIVE_STATUSES } from "../api.js";
-import { colorAt, emulatedPattern, PLOT_CONFIG, plotlyReady } from "../plot.js";
+import { BOTTOM_LEGEND, colorAt, emulatedPattern, PLOT_CONFIG, plotlyReady } from "../plot.js";
 import { POLL_MS, register } from "../poller.js";
 import { escapeHtml, html, joinHtml, setHTML, statusBadge } from "../dom.js";
 import { gemmBackend, recipeName, runLabel } from "../summary.js";
@@ -271,8 +271,8 @@ function drawChart(table) {
     title: { text: `Difference to BF16 with ${Math.round(100 * (table.confidence || 0.95))}% interval`, font: { size: 14 } },
     barmode: "group", margin: { l: 70, r: 20, t: 40, b: 90 },
     yaxis: { title: { text: "Δ vs BF16 (accuracy: points)" }, zeroline: true, zerolinecolor: "#111" },
-    xaxis: { tickangle: -25 },
-    legend: { orientation: "h", y: -0.3 },
+    xaxis: { tickangle: -25, automargin: true },
+    legend: BOTTOM_LEGEND,
   }, PLOT_CONFIG);
   accuracyState.drawn = true;
 }

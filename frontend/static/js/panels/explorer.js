@@ -3,7 +3,7 @@
 // #smoothing). Gradient norm and learning rate are shown by default; any logged key can be added.
 import { get, items, LIVE_STATUSES, showGlobalError } from "../api.js";
 import { html, joinHtml, plotText, setHTML, urlPath } from "../dom.js";
-import { colorAt, loadPlotly, PLOT_CONFIG, smoothedTraces } from "../plot.js";
+import { BOTTOM_LEGEND, colorAt, loadPlotly, PLOT_CONFIG, smoothedTraces } from "../plot.js";
 import { poke, register } from "../poller.js";
 import { ema, relativeWallTime } from "../series.js";
 import { runLabel } from "../summary.js";
@@ -51,7 +51,8 @@ async function fetchAll(experimentId) {
       }));
     } catch (err) {
       explorer.extraRuns = explorer.extraRuns.filter((r) => r !== id);
-      showGlobalError(`Metric explorer: run ${id}: ${err.message}`);
+      // Next to the form that asked for it (the page's banner is far above and cleared by the next poll).
+      explorerError(`Run ${id} could not be added: ${err.message}`);
       continue;
     }
     runs.push({ id: run.id, recipe: run.recipe, label: `${runLabel(run)} (run ${run.id}, experiment ${run.experiment_id})`,
@@ -100,9 +101,9 @@ function renderCharts() {
     chart.hidden = !traces.length;
     if (!traces.length) continue;
     window.Plotly.react(chart, traces, {
-      margin: { l: 60, r: 10, t: 10, b: 40 }, xaxis: { title: { text: X_TITLES[x] } },
+      margin: { l: 60, r: 10, t: 10, b: 40 }, xaxis: { title: { text: X_TITLES[x], standoff: 6 }, automargin: true },
       yaxis: { title: { text: plotText(key) }, exponentformat: "e" }, hovermode: "x unified",
-      legend: { orientation: "h", y: -0.3 }, uirevision: `${key}|${x}`,
+      legend: BOTTOM_LEGEND, uirevision: `${key}|${x}`,
     }, PLOT_CONFIG);
   }
 }
@@ -131,6 +132,13 @@ async function refresh(experimentId) {
   return explorer.loading;
 }
 
+function explorerError(text) {
+  const el = document.getElementById("explorer-error");
+  if (!el) return;
+  el.textContent = text;
+  el.hidden = !text;
+}
+
 export function mount(experimentId) {
   const panel = document.getElementById("explorer-panel");
   if (!panel) return;
@@ -146,7 +154,8 @@ export function mount(experimentId) {
     event.preventDefault();
     const input = document.getElementById("explorer-run-id");
     const id = Number(input.value);
-    if (!Number.isInteger(id) || id < 1) { showGlobalError("Metric explorer: a run id is a positive whole number"); return; }
+    if (!Number.isInteger(id) || id < 1) { explorerError("A run id is a positive whole number (see the Runs page)."); return; }
+    explorerError("");
     if (!explorer.extraRuns.includes(id)) explorer.extraRuns.push(id);
     input.value = "";
     refresh(experimentId).then(() => poke());

@@ -5,7 +5,7 @@
 // device ran emulated: their bars are hatched and their names say so, because their timings are not what
 // the format's hardware would give.
 import { get, items, formatDate, LIVE_STATUSES } from "../api.js";
-import { colorAt, emulatedPattern, PLOT_CONFIG, plotlyReady } from "../plot.js";
+import { BOTTOM_LEGEND, colorAt, emulatedPattern, PLOT_CONFIG, plotlyReady } from "../plot.js";
 import { register } from "../poller.js";
 import { html, joinHtml, plotText, setHTML, statusBadge } from "../dom.js";
 import { BASELINE, gemmBackend, recipeName, runLabel, tokensPerSecond } from "../summary.js";
@@ -21,6 +21,9 @@ const MODES = [
   { key: "quant", chart: "gemm-chart-quant", title: "with quantization (quantize kernels timed, as in training)" },
 ];
 const EMULATED = "emulated – no hardware support";
+// torch's own FP8 GEMM on a CPU (`backend: "cpu"`): FP8 arithmetic in software, as far from FP8 hardware as an
+// emulation, and training on a CPU labels the same recipe emulated.
+const CPU_KERNEL = "CPU kernel – no FP8 hardware";
 
 // `refreshes` counts completed loads (tests wait on it).
 export const gemmState = { list: [], selectedId: null, detail: null, experiment: null, runs: [], drawn: false, refreshes: 0 };
@@ -46,13 +49,19 @@ function orderShapes(shapes) {
     || rank(PASS_ORDER, a.gemm) - rank(PASS_ORDER, b.gemm) || a.m - b.m || a.k - b.k || a.n - b.n);
 }
 
-// A format is labelled emulated when any of its timings ran the emulation path (no kernel for it on that device).
+// Formats whose timings are not a hardware kernel's, each with what it ran: the emulation path when any of its
+// timings did (no kernel for it on that device), else torch's CPU kernel. Hatched and labelled everywhere.
 export function emulatedFormats(result) {
-  return new Set((result.results || []).filter((r) => r.backend === "emulated").map((r) => r.format));
+  const out = new Map();
+  for (const r of result.results || []) {
+    if (r.backend === "emulated") out.set(r.format, EMULATED);
+    else if (r.backend === "cpu" && !out.has(r.format)) out.set(r.format, CPU_KERNEL);
+  }
+  return out;
 }
 
 function formatLabel(format, emulated) {
-  return emulated.has(format) ? `${format} (${EMULATED})` : format;
+  return emulated.has(format) ? `${format} (${emulated.get(format)})` : format;
 }
 
 function recordIndex(result) {
@@ -97,8 +106,8 @@ function drawBars(result) {
       title: { text: `Speedup over BF16 per GEMM, ${mode.title}`, font: { size: 14 } },
       barmode: "group", margin: { l: 60, r: 20, t: 40, b: 90 },
       yaxis: { title: { text: "× BF16" }, rangemode: "tozero" },
-      xaxis: { tickangle: -35 },
-      legend: { orientation: "h", y: -0.35 },
+      xaxis: { tickangle: -35, automargin: true },
+      legend: BOTTOM_LEGEND,
       shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: 1, y1: 1, line: { dash: "dot", color: "#111" } }],
     }, PLOT_CONFIG);
   }
@@ -114,7 +123,7 @@ function renderShapes(result) {
   for (const format of formats) for (const mode of modes) cols.push({ format, mode });
   setHTML(head, html`<tr><th>Layer</th><th>Pass</th><th>M × K × N</th><th>Count</th><th>BF16 TFLOP/s</th>${
     cols.map((c) => html`<th class="${emulated.has(c.format) ? "gemm-emulated" : ""}" title="${
-      emulated.has(c.format) ? EMULATED : ""}">${c.format}${emulated.has(c.format) ? "*" : ""}<br>${
+      emulated.get(c.format) || ""}">${c.format}${emulated.has(c.format) ? "*" : ""}<br>${
       c.mode === "kernel" ? "kernel-only" : "with quant."}</th>`)}</tr>`);
   const body = document.querySelector("#gemm-shapes-table tbody");
   setHTML(body, joinHtml(orderShapes(result.shapes || []).map((s) => {
@@ -235,13 +244,15 @@ function renderMeta(bench) {
     + `${cfg.dims.num_hidden_layers} layers, micro-batch ${cfg.micro_batch} × seq ${cfg.seq_len}`
     + (cfg.gated_mlp === false ? ", plain (non-gated) MLP" : "") : "explicit GEMM shapes";
   const timer = dev.timer === "CPU" ? "CPU timings (wall clock): not indicative of GPU speedups" : `timer ${dev.timer || "?"}`;
-  const emulated = [...emulatedFormats(result)];
+  const byLabel = new Map();
+  for (const [format, label] of emulatedFormats(result)) byLabel.set(label, [...(byLabel.get(label) || []), format]);
+  const notes = [...byLabel].map(([label, formats]) => `${formats.join(", ")}: ${label}`);
   setHTML(document.getElementById("gemm-meta"), joinHtml([
     html`${statusBadge(bench.status)} <span id="gemm-device" data-device-type="${dev.type || ""}">`,
     html`${dev.name || bench.device_name || ""} (${dev.type || "?"}, ${timer})</span>`,
     html` · ${what} · ${formatDate(bench.created_at)}`,
-    emulated.length && html` · <span class="gemm gemm-emulated" id="gemm-emulated-note">${emulated.join(", ")}: `,
-    emulated.length && html`${EMULATED} on this device (hatched)</span>`]));
+    notes.length && html` · <span class="gemm gemm-emulated" id="gemm-emulated-note">${notes.join("; ")} on this ${""
+      }device (hatched)</span>`]));
   const failures = result.failures || [];
   const fail = document.getElementById("gemm-failures");
   fail.hidden = !failures.length && !bench.error_message;

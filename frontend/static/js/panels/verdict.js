@@ -210,7 +210,7 @@ export function render() {
   const summary = document.getElementById("experiment-summary");
   if (summary) summary.textContent = verdict.summary || "";
   document.getElementById("verdict-rule").textContent = verdict.rule_text
-    ? `Rule: a recipe ${verdict.rule_text}.` : "";
+    ? `Rule: ${verdict.rule_text}.` : "";
   const accError = document.getElementById("verdict-accuracy-error");
   accError.hidden = !verdict.accuracy_error;
   accError.textContent = verdict.accuracy_error ? `Accuracy not compared: ${verdict.accuracy_error}` : "";
