@@ -296,6 +296,7 @@ function drawSpeed() {
   }], {
     title: { text: "Throughput (tokens/s; label: speedup over BF16)", font: { size: 14 } },
     margin: { l: 70, r: 20, t: 40, b: 90 }, yaxis: { title: { text: "tokens/s" } }, showlegend: false,
+    xaxis: { automargin: true }, // "nvfp4 (emulated)" whole on a phone
     annotations: emptyNote(tps.some((v) => v != null), "no throughput reported yet"),
   }, PLOT_CONFIG);
   // CPU runs report no peak memory or MFU: the chart is left out rather than drawn empty beside the throughput.
@@ -311,7 +312,7 @@ function drawSpeed() {
       hovertemplate: "%{x}<br>MFU %{y:.1f}% of the GPU's dense BF16 peak<extra></extra>" },
   ], {
     title: { text: "Peak memory and MFU", font: { size: 14 } },
-    margin: { l: 60, r: 60, t: 40, b: 90 }, barmode: "group",
+    margin: { l: 60, r: 60, t: 40, b: 90 }, barmode: "group", xaxis: { automargin: true },
     yaxis: { title: { text: "GiB" } },
     yaxis2: { title: { text: "MFU %" }, overlaying: "y", side: "right", rangemode: "tozero" },
     legend: { orientation: "h", y: 1.12 },

@@ -103,7 +103,8 @@ function drawBars(result) {
       };
     });
     window.Plotly.react(el, traces, {
-      title: { text: `Speedup over BF16 per GEMM, ${mode.title}`, font: { size: 14 } },
+      // Two lines: on a phone the one-line title was cut at both ends.
+      title: { text: `Speedup over BF16 per GEMM<br><sub>${mode.title}</sub>`, font: { size: 14 } },
       barmode: "group", margin: { l: 60, r: 20, t: 40, b: 90 },
       yaxis: { title: { text: "× BF16" }, rangemode: "tozero" },
       xaxis: { tickangle: -35, automargin: true },
@@ -136,7 +137,7 @@ function renderShapes(result) {
         }data-format="${c.format}" data-mode="${c.mode}" title="${r?.note || ""}">${text}</td>`;
     });
     return joinHtml([html`<tr data-layer="${s.layer}" data-gemm="${s.gemm}"><td>${s.layer}</td><td>${s.gemm}</td>`,
-      html`<td class="num">${s.m} × ${s.k} × ${s.n}</td><td class="num">${s.count}</td>`,
+      html`<td class="num shape-dims">${s.m} × ${s.k} × ${s.n}</td><td class="num">${s.count}</td>`,
       html`<td class="num">${tflops(base?.tflops)}</td>${cells}</tr>`]);
   })));
 }
