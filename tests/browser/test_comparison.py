@@ -58,6 +58,8 @@ def test_relative_difference_to_bf16_is_the_known_offset_aligned_on_tokens(serve
 
     band = page.evaluate("() => document.getElementById('relative-chart').layout.shapes[0]")
     assert (band["y0"], band["y1"]) == (-1, 1)
+    label = page.evaluate("() => document.getElementById('relative-chart').layout.annotations.map(a => a.text)")
+    assert label == ["±1%: the verdict's tolerance, on final validation loss"]
     assert page.console_log.errors == []
 
 

@@ -255,9 +255,14 @@ function drawRelative() {
     yaxis: { title: { text: "Δ loss vs BF16 (%)" }, zeroline: true },
     hovermode: "x unified",
     legend: BOTTOM_LEGEND,
-    annotations: emptyNote(traces.some((t) => t.x.length), base
+    annotations: [...emptyNote(traces.some((t) => t.x.length), base
       ? "no comparable points yet (needs a BF16 run and another recipe with train/loss)"
       : "no BF16 run in this experiment"),
+    // The shaded band says what it is: the verdict's tolerance, which it applies to the final validation loss (this
+    // chart is the training loss, so a curve may leave the band where the verdict still says "matches").
+    ...(band.length || !traces.some((t) => t.x.length) ? [] : [{ xref: "paper", x: 0, xanchor: "left", yref: "y",
+      y: tol, yanchor: "bottom", showarrow: false, font: { size: 11, color: "#2c7a2c" },
+      text: `±${tol}%: the verdict's tolerance, on final validation loss` }])],
     shapes: band.length ? [] : [{ type: "rect", xref: "paper", x0: 0, x1: 1, yref: "y", y0: -tol, y1: tol,
       fillcolor: "rgba(44,160,44,0.12)", line: { width: 0 }, layer: "below" }],
     uirevision: `rel|${useTokens}`,
