@@ -30,6 +30,7 @@ from training.precision import catalog
 from training.precision.gemm_ops import has_capability
 from training.precision.weight_reuse import QuantizedWeightReuse
 from training.sink import MetricSink
+from training.devices import device_label
 
 
 @dataclass
@@ -138,7 +139,7 @@ def setup_run(spec: RunSpec, ctx: DistContext, sink: MetricSink, *, cache_dir: P
     _configure_backends(device, t.perf)
     cublaslt_workspace = configure_cublaslt_workspace(device, t.perf, spec.recipe)
     on_cuda = device.type == "cuda"
-    device_name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
+    device_name = device_label(device)
     param_dtype = t.param_dtype if t.param_dtype != "auto" else ("bf16" if on_cuda else "fp32")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda and param_dtype != "bf16"
                 else contextlib.nullcontext())

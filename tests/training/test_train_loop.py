@@ -2,11 +2,13 @@
 import math
 
 import pytest
+import torch
 
 from training.sink import JsonlSink, ListSink
 from training.optim import lr_at
 from training.train import TrainResult, train
 from training.config import RunSpec
+from training.devices import cpu_name
 
 STEP_KEYS = {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s",
              "perf/data_wait_s", "perf/tflops"}
@@ -25,7 +27,7 @@ def test_tiny_model_learns_tinyshakespeare_in_50_steps(make_spec, cache_dir):
     val = sink.series("val/loss")
     assert [s for s, _ in val] == [25, 50] and val[1][1] < val[0][1]
     assert result.final_val_loss == val[-1][1] and result.final_loss == losses[-1]
-    assert result.device_name == "cpu" and result.gemm_backend == "bf16"
+    assert result.device_name == cpu_name() and result.gemm_backend == "bf16"
     assert result.summary["tokens_per_s"] > 0 and result.summary["mfu"] is None  # no peak for CPU
 
 
@@ -146,3 +148,14 @@ def test_random_corpus_trains_without_a_tokenizer_for_throughput_runs(make_spec,
     assert result.status == "succeeded" and len(sink.series("train/loss")) == 3
     assert not (tmp_path / "cache").exists()   # nothing tokenized or cached
     assert not list((tmp_path / "checkpoints" / "step_00000003").glob("tokenizer*"))
+
+
+def test_a_cpu_run_and_a_gemm_benchmark_on_this_machine_name_the_same_device():
+    """The dashboard predicts a recipe's speedup from a GEMM benchmark only for runs on the device it was timed on
+    (compared by name, as GPUs are): a CPU was "cpu" to the run, "cpu (N cores)" to the worker, "x86_64" to the
+    benchmark."""
+    from training.gemm.benchmark import _device_info
+    from workers.jobs.train import device_name
+
+    name = _device_info(torch.device("cpu"))["name"]
+    assert name == cpu_name() == device_name() and name not in ("cpu", "")

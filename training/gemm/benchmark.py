@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from training.precision.catalog import BASELINE
+from training.devices import cpu_name
 
 from .formats import (ERROR_BOUNDS, FORMATS, MODES, GemmOps, UnsupportedShape, format_ops, logical_operands,
                       make_operands, prepare, sm_version)
@@ -79,7 +80,7 @@ def _device_info(device: torch.device) -> dict:
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": props.name, "sm": sm_version(device),
                 "memory_gib": round(props.total_memory / 2**30, 1), "timer": "cuda_events"}
-    return {"type": "cpu", "name": platform.processor() or platform.machine() or "CPU",
+    return {"type": "cpu", "name": cpu_name(),
             "threads": torch.get_num_threads(), "timer": "CPU"}
 
 

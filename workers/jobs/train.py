@@ -65,9 +65,11 @@ def holder() -> str:
 def device_name() -> str:
     import torch
 
+    from training.devices import cpu_name
+
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return f"cpu ({os.cpu_count()} cores)"
+    return cpu_name()  # the name the run's result and a GEMM benchmark on this machine record
 
 
 def command(run_id: int, gpus: int | None = None, nodes: int | None = None) -> list[str]:
