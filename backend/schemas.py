@@ -662,6 +662,9 @@ class VerdictRecipe(BaseModel):
     min_val_loss: float | None
     val_delta_pct: float | None
     min_val_delta_pct: float | None
+    band_pct: list[float] | None = Field(
+        default=None, description="the seed band this recipe was judged by, for its number of finished seeds (its "
+                                  "own seeds pooled into the spread with 2+); null under the tolerance rule")
     tokens_per_s: float | None
     speedup: float | None
     speed_word: Literal["speedup", "slowdown"] | None
@@ -707,7 +710,9 @@ class VerdictOut(BaseModel):
     baseline: VerdictBaseline
     rule: Literal["seed_band", "tolerance"]
     rule_text: str
-    band_pct: list[float] | None = Field(description="[min, max] of BF16's seed replicates, with 2+ seeds")
+    band_pct: list[float] | None = Field(
+        description="with 2+ BF16 seeds, the band a one-seed recipe's delta is judged by: BF16's mean delta ± the 95% "
+                    "two-sample t interval's half-width (each recipe's entry has its own band)")
     tolerance_pct: float
     recipes: list[VerdictRecipe]
     runs: list[VerdictRun]

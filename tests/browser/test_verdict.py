@@ -69,7 +69,8 @@ def test_bf16_seed_band_is_drawn_on_the_relative_chart_and_decides_the_verdict(s
     bf16 = [r for r in exp["runs"] if r["recipe"] == "bf16"]
     assert [r["seed"] for r in bf16] == [0, 1, 2]
     fp8 = next(r["id"] for r in exp["runs"] if r["recipe"] == "fp8_tensorwise")
-    # BF16's seeds land at 0, -0.5% and +1.5%; fp8 at +1.2%: outside a ±1% tolerance, inside BF16's own spread.
+    # BF16's seeds land at 0, -0.5% and +1.5%; fp8 at +1.2%: outside a ±1% tolerance, inside BF16's own spread
+    # (1/3 ± 4.3027 · 1.0408 · sqrt(4/3): [-4.84%, +5.50%], the 95% t band for one more seed).
     for run, factor in zip(bf16, (1.0, 0.995, 1.015)):
         plant(server, run["id"], train=2.0 * factor, val=2.1 * factor)
         finish(server, run["id"], 1000.0, "bf16")
@@ -80,17 +81,27 @@ def test_bf16_seed_band_is_drawn_on_the_relative_chart_and_decides_the_verdict(s
     charts.wait_for_traces("relative-chart", 3)  # the band's two edges and fp8
     band = charts.traces("relative-chart", "t => ({y: t.y, fill: t.fill, band: !!(t.meta && t.meta.seed_band)})")
     low, high = [t for t in band if t["band"]]
-    assert all(v == pytest.approx(-0.5) for v in low["y"]) and all(v == pytest.approx(1.5) for v in high["y"])
+    assert all(v == pytest.approx(-4.8378, abs=1e-3) for v in low["y"])
+    assert all(v == pytest.approx(5.5045, abs=1e-3) for v in high["y"])
     assert high["fill"] == "tonexty" and len(low["y"]) == 40
     assert page.evaluate("() => document.getElementById('relative-chart').layout.shapes.length") == 0
     page.wait_for_function("() => document.getElementById('experiment-summary').textContent.length > 0")
     text = page.locator("#experiment-summary").inner_text()
     assert text.startswith("fp8_tensorwise matches BF16 at +1.20% final validation loss, 1.40×")
-    assert "seed band [-0.50%, +1.50%] (min–max over 3 seeds)" in text
+    assert "seed band, [-4.84%, +5.50%] for a one-seed recipe (95% t interval from 3 BF16 seeds" in text
     assert page.locator(f"#decision-table tr[data-verdict-run-id='{fp8}'] .outcome-matches").count() == 1
     verdicts = [page.locator(f"#decision-table tr[data-verdict-run-id='{r['id']}'] td:last-child").inner_text()
                 for r in bf16]
     assert verdicts == ["reference", "BF16 seed replicate", "BF16 seed replicate"]
+    # The chart's t quantiles are scipy's (to the table's 6 decimals); past 30 d.f. the last one.
+    from scipy.stats import t as student_t
+
+    quantiles = page.evaluate("""async () => {
+        const v = await import('/static/js/panels/verdict.js');
+        return [...Array(32).keys()].slice(1).map((df) => v.t975(df));
+    }""")
+    assert quantiles[:30] == pytest.approx([student_t.ppf(0.975, df) for df in range(1, 31)], abs=1e-6)
+    assert quantiles[30] == quantiles[29]
     assert page.console_log.errors == []
 
 

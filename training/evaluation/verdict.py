@@ -12,10 +12,15 @@ training-loss sample. Per recipe variant (a recipe with its options and kept lay
 
 The rule that says "matches BF16":
 
-- ``seed_band`` when the baseline has at least two seed replicates with a validation loss: the band is
-  ``[min, max]`` of the replicates' own ``val_delta_pct`` to the reference (the reference's 0 included), i.e. how
-  far BF16 moves when only the seed changes; a recipe matches when its delta lies inside it, is *better* below it
-  and *worse* above it;
+- ``seed_band`` when the baseline has at least two seed replicates with a validation loss: a 95% band for what a
+  recipe that trains like BF16 would show, from BF16's own seed-to-seed spread. With BF16's deltas d_1..d_n to the
+  reference (the reference's 0 among them; mean d, standard deviation s) and a recipe pooled over k finished seeds,
+  the band is ``d ± t(0.975, df) · s_p · sqrt(1/n + 1/k)``, where s_p = s and df = n - 1 for one recipe seed, and
+  with k >= 2 s_p pools BF16's and the recipe's own seeds (df = n + k - 2): a two-sample t interval, so a recipe
+  identical to BF16 is called better or worse 5% of the time (normal seed-to-seed variation). A recipe matches when its delta lies inside its band,
+  is *better* below it and *worse* above it. (The min-max of BF16's seeds, the rule before, calls an identical
+  one-seed recipe better or worse with probability 2 / (n + 1): half the time with three BF16 seeds.) The
+  top-level ``band_pct`` is the band for a one-seed recipe; each recipe's entry carries the band it was judged by;
 - ``tolerance`` otherwise: a recipe matches when ``|val_delta_pct| <= tolerance_pct`` (the experiment's stated
   tolerance, 1% unless set), better below ``-tolerance_pct``, worse above ``+tolerance_pct``.
 
@@ -30,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_TOLERANCE_PCT = 1.0
+SEED_BAND_CONFIDENCE = 0.95
 RULES = ("seed_band", "tolerance")
 
 
@@ -82,7 +88,8 @@ def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None
     ref = next((r for r in base_runs if r.run_id == reference_run_id), None)
     # Only finished runs are judged: a run still training has the validation loss of an earlier point of training.
     ref_loss = _finite(ref.final_val_loss) if ref and ref.status == "succeeded" else None
-    band = _seed_band([r for r in base_runs if r.status == "succeeded"], ref_loss)
+    base_deltas = _deltas([r for r in base_runs if r.status == "succeeded"], ref_loss)
+    band = seed_band(base_deltas)
     rule = "seed_band" if band is not None else "tolerance"
     base_tps = _mean(r.tokens_per_s for r in base_runs if r.status == "succeeded") or _mean(
         r.tokens_per_s for r in base_runs)
@@ -91,7 +98,7 @@ def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None
         if not r.is_baseline:
             variants.setdefault(r.variant, []).append(r)
     ref_seed = ref.seed if ref else None
-    entries = [_variant_entry(name, members, ref_loss, ref_seed, base_tps, band, tol)
+    entries = [_variant_entry(name, members, ref_loss, ref_seed, base_tps, base_deltas if band else None, tol)
                for name, members in variants.items()]
     spread = _accuracy_spread(base_runs, reference_run_id)
     for e in entries:
@@ -102,8 +109,7 @@ def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None
         "baseline": {"run_ids": [r.run_id for r in base_runs], "seeds": sorted({r.seed for r in base_runs}),
                      "final_val_loss": ref_loss, "tokens_per_s": base_tps},
         "rule": rule, "tolerance_pct": tol, "band_pct": band,
-        "rule_text": _rule_text(rule, band, tol, len([r for r in base_runs if r.status == "succeeded"
-                                                      and _finite(r.final_val_loss) is not None])),
+        "rule_text": _rule_text(rule, band, tol, len(base_deltas)),
         "recipes": entries,
         "runs": [_run_entry(r, ref_loss, base_tps, spread) for r in runs],
     }
@@ -111,11 +117,32 @@ def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None
     return out
 
 
-def _seed_band(base_runs: Sequence[RunFacts], ref_loss: float | None) -> list[float] | None:
-    """[min, max] of the baseline replicates' final val-loss deltas to the reference, with 2+ replicates."""
-    deltas = [_pct(_finite(r.final_val_loss), ref_loss) for r in base_runs]
-    deltas = [d for d in deltas if d is not None]
-    return [min(deltas), max(deltas)] if len(deltas) >= 2 else None
+def _deltas(runs: Sequence[RunFacts], ref_loss: float | None) -> list[float]:
+    """The runs' final val-loss deltas to the reference (percent), those that have one."""
+    deltas = [_pct(_finite(r.final_val_loss), ref_loss) for r in runs]
+    return [d for d in deltas if d is not None]
+
+
+def seed_band(base_deltas: Sequence[float], recipe_deltas: Sequence[float] = (),
+              confidence: float = SEED_BAND_CONFIDENCE) -> list[float] | None:
+    """The band a recipe's pooled delta is judged by (module docstring): BF16's mean delta ± the two-sample t
+    interval's half-width for a recipe pooled over max(1, len(recipe_deltas)) seeds; None with fewer than two
+    BF16 seeds. A recipe with 2+ seeds adds its own spread to the pooled standard deviation (and its degrees of
+    freedom)."""
+    n, k = len(base_deltas), len(recipe_deltas)
+    if n < 2:
+        return None
+    from scipy.stats import t as student_t
+
+    centre = statistics.fmean(base_deltas)
+    ss = sum((d - centre) ** 2 for d in base_deltas)
+    df = n - 1
+    if k >= 2:
+        recipe_mean = statistics.fmean(recipe_deltas)
+        ss += sum((d - recipe_mean) ** 2 for d in recipe_deltas)
+        df += k - 1
+    half = float(student_t.ppf(0.5 + confidence / 2, df)) * math.sqrt(ss / df) * math.sqrt(1 / n + 1 / max(k, 1))
+    return [centre - half, centre + half]
 
 
 def classify(delta_pct: float | None, band: list[float] | None, tolerance_pct: float) -> str | None:
@@ -123,20 +150,23 @@ def classify(delta_pct: float | None, band: list[float] | None, tolerance_pct: f
     if delta_pct is None:
         return None
     low, high = band if band is not None else (-tolerance_pct, tolerance_pct)
-    # A rounding hair outside the band (1e-9 %) is inside: the band's own ends are replicates' deltas.
+    # A rounding hair outside the band (1e-9 %) is inside (with identical BF16 seeds the band is one point).
     if delta_pct < low - 1e-9:
         return "better"
     return "worse" if delta_pct > high + 1e-9 else "matches"
 
 
-def _variant_entry(name: str, members: list[RunFacts], ref_loss, ref_seed, base_tps, band, tol) -> dict:
-    """A recipe variant's figures (its finished seeds pooled) and its outcome by the rule."""
+def _variant_entry(name: str, members: list[RunFacts], ref_loss, ref_seed, base_tps, base_deltas, tol) -> dict:
+    """A recipe variant's figures (its finished seeds pooled) and its outcome by the rule: BF16's seed band for its
+    number of finished seeds when `base_deltas` (2+ BF16 seeds) is given, else the tolerance."""
     final = _mean(r.final_val_loss for r in members if r.status == "succeeded")
     lowest = min((v for v in (_finite(r.min_val_loss) for r in members) if v is not None), default=None)
     tps = _mean(r.tokens_per_s for r in members if r.status == "succeeded") or _mean(r.tokens_per_s for r in members)
     speedup = tps / base_tps if tps is not None and base_tps else None
     delta = _pct(final, ref_loss)
     diverged = [r.run_id for r in members if r.status == "diverged"]
+    band = seed_band(base_deltas, _deltas([r for r in members if r.status == "succeeded"], ref_loss)) \
+        if base_deltas else None
     outcome = "diverged" if diverged else classify(delta, band, tol)
     # Its accuracy is the run paired with the reference: the same seed (initial weights and batch order).
     first = next((r for r in members if r.seed == ref_seed), min(members, key=lambda r: r.run_id))
@@ -145,7 +175,7 @@ def _variant_entry(name: str, members: list[RunFacts], ref_loss, ref_seed, base_
         "seeds": sorted({r.seed for r in members}), "statuses": sorted({r.status for r in members}),
         "emulated": any(r.emulated for r in members),
         "final_val_loss": final, "min_val_loss": lowest,
-        "val_delta_pct": delta, "min_val_delta_pct": _pct(lowest, ref_loss),
+        "val_delta_pct": delta, "min_val_delta_pct": _pct(lowest, ref_loss), "band_pct": band,
         "tokens_per_s": tps, "speedup": speedup,
         "speed_word": None if speedup is None else ("speedup" if speedup >= 1 else "slowdown"),
         "outcome": outcome, "matches": None if outcome is None else outcome in ("matches", "better"),
@@ -189,8 +219,10 @@ def _accuracy_spread(base_runs: Sequence[RunFacts], reference_run_id) -> dict:
 def _rule_text(rule: str, band, tol: float, n_seeds: int) -> str:
     # A clause that stands alone: the dashboard shows it as "Rule: <text>.", the summary in brackets.
     if rule == "seed_band":
-        return (f"a recipe matches BF16 when its final validation-loss difference lies inside BF16's own seed band "
-                f"[{band[0]:+.2f}%, {band[1]:+.2f}%] (min–max over {n_seeds} seeds)")
+        return (f"a recipe matches BF16 when its final validation-loss difference lies inside BF16's seed band, "
+                f"[{band[0]:+.2f}%, {band[1]:+.2f}%] for a one-seed recipe ({SEED_BAND_CONFIDENCE:.0%} t interval from "
+                f"{n_seeds} BF16 seeds; "
+                f"a recipe with more seeds gets its own band)")
     return (f"with one BF16 seed, a recipe matches BF16 when its final validation-loss difference is within "
             f"±{tol:g}% (the experiment's stated tolerance)")
 

@@ -115,6 +115,6 @@ def experiment_comparison(experiment_id: ObjectId, session: SessionDep,
 def experiment_verdict(experiment_id: ObjectId, session: SessionDep):
     """Per recipe: final (and lowest) validation-loss difference to BF16, speedup (a value < 1 is a slowdown),
     accuracy differences (paired, Holm-corrected) and real/emulated GEMMs, and whether it matches BF16 by the rule
-    named in `rule`: inside BF16's own seed band when BF16 has seed replicates, else within the experiment's
-    `verdict_tolerance_pct`. `summary` is the one-line verdict the dashboard and `plab demo` print."""
+    named in `rule`: inside BF16's seed band when BF16 has seed replicates (the 95% two-sample t interval from
+    BF16's seed-to-seed spread), else within the experiment's `verdict_tolerance_pct`. `summary` is the one-line verdict the dashboard and `plab demo` print."""
     return verdict.experiment_verdict(session, experiment_id)

@@ -233,28 +233,48 @@ export function render() {
 }
 
 // ---------------------------------------------------------------- BF16's seed band on the relative-loss chart
-// Two traces (low, then high filled to it): at each of the reference run's points, the min and max over BF16's seed
-// replicates of their relative difference to the reference (the reference's own 0 included). Empty without
-// replicates. `xy(run)` gives a run's {x, y} on the chart's axis; `smooth(y)` the chart's smoothing.
+// Student's t quantile t(0.975, df) for df = 1..30 (scipy.stats.t.ppf; a browser test checks them against it).
+const T975 = [12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
+  2.200985, 2.178813, 2.160369, 2.144787, 2.13145, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963, 2.079614,
+  2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.04523, 2.042272];
+// Beyond 30 degrees of freedom the table's last entry (slightly wider than the true quantile).
+export function t975(df) {
+  return df >= 1 ? T975[Math.min(df, T975.length) - 1] : NaN;
+}
+
+// The verdict's rule (training.evaluation.verdict) drawn at each of the reference run's points: BF16's n seeds'
+// relative differences to the reference (its own 0 among them), mean ± t(0.975, n-1) · sd · sqrt(1 + 1/n), the 95%
+// band one more seed of a recipe that trains like BF16 would fall in. Two traces (low, then high filled to it);
+// empty without replicates. `smooth(y)` is the chart's smoothing, applied to the band's edges.
 export function seedBandTraces(diffs, smooth = (y) => y) {
   // diffs: each BF16 replicate's relative difference to the reference run ({x, y} in percent, on the
-  // reference's points); the reference itself is 0 everywhere, so the band always holds 0.
+  // reference's points); the reference itself is 0 everywhere.
   if (!diffs.length) return [];
-  const lo = new Map(), hi = new Map();
+  const values = new Map();
   for (const diff of diffs) {
     diff.x.forEach((x, i) => {
-      lo.set(x, Math.min(lo.get(x) ?? 0, diff.y[i]));
-      hi.set(x, Math.max(hi.get(x) ?? 0, diff.y[i]));
+      if (!Number.isFinite(diff.y[i])) return;
+      if (!values.has(x)) values.set(x, [0]);
+      values.get(x).push(diff.y[i]);
     });
   }
-  const xs = [...lo.keys()].sort((a, b) => a - b);
+  const xs = [...values.keys()].sort((a, b) => a - b);
   if (!xs.length) return [];
-  const name = plotText(`BF16 seed band (min–max of ${diffs.length + 1} seeds)`);
+  const lo = [], hi = [];
+  for (const x of xs) {
+    const v = values.get(x), n = v.length;
+    const mean = v.reduce((a, b) => a + b, 0) / n;
+    const sd = Math.sqrt(v.reduce((a, b) => a + (b - mean) ** 2, 0) / (n - 1));
+    const half = t975(n - 1) * sd * Math.sqrt(1 + 1 / n);
+    lo.push(mean - half);
+    hi.push(mean + half);
+  }
+  const name = plotText(`BF16 seed band (95% for one seed, from ${diffs.length + 1} seeds)`);
   const common = { type: "scatter", mode: "lines", x: xs, line: { width: 0 }, hoverinfo: "skip",
     meta: { seed_band: true } };
   return [
-    { ...common, name, y: smooth(xs.map((x) => lo.get(x))), showlegend: false },
-    { ...common, name, y: smooth(xs.map((x) => hi.get(x))), fill: "tonexty", fillcolor: "rgba(120,120,120,0.25)" },
+    { ...common, name, y: smooth(lo), showlegend: false },
+    { ...common, name, y: smooth(hi), fill: "tonexty", fillcolor: "rgba(120,120,120,0.25)" },
   ];
 }
 
