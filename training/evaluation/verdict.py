@@ -17,10 +17,12 @@ The rule that says "matches BF16":
   reference (the reference's 0 among them; mean d, standard deviation s) and a recipe pooled over k finished seeds,
   the band is ``d ± t(0.975, df) · s_p · sqrt(1/n + 1/k)``, where s_p = s and df = n - 1 for one recipe seed, and
   with k >= 2 s_p pools BF16's and the recipe's own seeds (df = n + k - 2): a two-sample t interval, so a recipe
-  identical to BF16 is called better or worse 5% of the time (normal seed-to-seed variation). A recipe matches when its delta lies inside its band,
-  is *better* below it and *worse* above it. (The min-max of BF16's seeds, the rule before, calls an identical
-  one-seed recipe better or worse with probability 2 / (n + 1): half the time with three BF16 seeds.) The
-  top-level ``band_pct`` is the band for a one-seed recipe; each recipe's entry carries the band it was judged by;
+  identical to BF16 is called better or worse 5% of the time (for normal seed-to-seed variation; a recipe run
+  shares its seed's initial weights and batch order with that BF16 run, which makes their difference vary less,
+  so the band errs on the side of "matches"). A recipe matches when its delta lies inside its band, is *better*
+  below it and *worse* above it. (The min-max of BF16's seeds, the rule before, calls an identical one-seed recipe
+  better or worse with probability 2 / (n + 1): half the time with three BF16 seeds.) The top-level ``band_pct``
+  is the band for a one-seed recipe; each recipe's entry carries the band it was judged by;
 - ``tolerance`` otherwise: a recipe matches when ``|val_delta_pct| <= tolerance_pct`` (the experiment's stated
   tolerance, 1% unless set), better below ``-tolerance_pct``, worse above ``+tolerance_pct``.
 
@@ -220,9 +222,8 @@ def _rule_text(rule: str, band, tol: float, n_seeds: int) -> str:
     # A clause that stands alone: the dashboard shows it as "Rule: <text>.", the summary in brackets.
     if rule == "seed_band":
         return (f"a recipe matches BF16 when its final validation-loss difference lies inside BF16's seed band, "
-                f"[{band[0]:+.2f}%, {band[1]:+.2f}%] for a one-seed recipe ({SEED_BAND_CONFIDENCE:.0%} t interval from "
-                f"{n_seeds} BF16 seeds; "
-                f"a recipe with more seeds gets its own band)")
+                f"[{band[0]:+.2f}%, {band[1]:+.2f}%] for a one-seed recipe ({SEED_BAND_CONFIDENCE:.0%} t interval "
+                f"from {n_seeds} BF16 seeds; a recipe with more seeds gets its own band)")
     return (f"with one BF16 seed, a recipe matches BF16 when its final validation-loss difference is within "
             f"±{tol:g}% (the experiment's stated tolerance)")
 
