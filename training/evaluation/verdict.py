@@ -100,7 +100,7 @@ def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None
         if not r.is_baseline:
             variants.setdefault(r.variant, []).append(r)
     ref_seed = ref.seed if ref else None
-    entries = [_variant_entry(name, members, ref_loss, ref_seed, base_tps, base_deltas if band else None, tol)
+    entries = [_variant_entry(name, members, ref_loss, ref_seed, base_tps, base_deltas, tol)
                for name, members in variants.items()]
     spread = _accuracy_spread(base_runs, reference_run_id)
     for e in entries:
@@ -160,15 +160,14 @@ def classify(delta_pct: float | None, band: list[float] | None, tolerance_pct: f
 
 def _variant_entry(name: str, members: list[RunFacts], ref_loss, ref_seed, base_tps, base_deltas, tol) -> dict:
     """A recipe variant's figures (its finished seeds pooled) and its outcome by the rule: BF16's seed band for its
-    number of finished seeds when `base_deltas` (2+ BF16 seeds) is given, else the tolerance."""
+    number of finished seeds with 2+ BF16 deltas in `base_deltas`, else the tolerance."""
     final = _mean(r.final_val_loss for r in members if r.status == "succeeded")
     lowest = min((v for v in (_finite(r.min_val_loss) for r in members) if v is not None), default=None)
     tps = _mean(r.tokens_per_s for r in members if r.status == "succeeded") or _mean(r.tokens_per_s for r in members)
     speedup = tps / base_tps if tps is not None and base_tps else None
     delta = _pct(final, ref_loss)
     diverged = [r.run_id for r in members if r.status == "diverged"]
-    band = seed_band(base_deltas, _deltas([r for r in members if r.status == "succeeded"], ref_loss)) \
-        if base_deltas else None
+    band = seed_band(base_deltas, _deltas([r for r in members if r.status == "succeeded"], ref_loss))
     outcome = "diverged" if diverged else classify(delta, band, tol)
     # Its accuracy is the run paired with the reference: the same seed (initial weights and batch order).
     first = next((r for r in members if r.seed == ref_seed), min(members, key=lambda r: r.run_id))
