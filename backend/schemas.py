@@ -659,14 +659,18 @@ class VerdictRecipe(BaseModel):
     statuses: list[str]
     emulated: bool
     final_val_loss: float | None = Field(description="mean over its finished seeds")
-    min_val_loss: float | None
+    min_val_loss: float | None = Field(description="its finished seeds' lowest validation loss, averaged")
     val_delta_pct: float | None
-    min_val_delta_pct: float | None
+    min_val_delta_pct: float | None = Field(
+        description="min_val_loss against the reference run's own lowest validation loss, in percent")
     band_pct: list[float] | None = Field(
         default=None, description="the seed band this recipe was judged by, for its number of finished seeds (its "
                                   "own seeds pooled into the spread with 2+); null under the tolerance rule")
     tokens_per_s: float | None
-    speedup: float | None
+    speedup: float | None = Field(
+        description="the mean of its seeds' speedups: each run's tokens/s over the mean of the BF16 replicates' on "
+                    "the same device")
+    speedup_note: str | None = Field(default=None, description="why there is no speedup, where there is none")
     speed_word: Literal["speedup", "slowdown"] | None
     outcome: Literal["matches", "better", "worse", "diverged"] | None = Field(
         description="null until it has finished with a validation loss")
@@ -686,7 +690,11 @@ class VerdictRun(BaseModel):
     min_val_loss: float | None
     val_delta_pct: float | None
     tokens_per_s: float | None
-    speedup: float | None
+    speedup: float | None = Field(
+        description="tokens/s over the mean of the BF16 replicates' that ran on the same device; null with a "
+                    "speedup_note where none did (no speedup across two kinds of GPU)")
+    speedup_note: str | None = None
+    device: str | None = Field(default=None, description="the device it trained on, where known")
     accuracy: list[VerdictAccuracyRow]
 
 

@@ -29,10 +29,24 @@ from backend.services.runs import get_experiment
 COMPARISON_X = ("tokens", "step")
 
 
+def is_baseline(run: Run, baseline: str) -> bool:
+    """The baseline's recipe with no layer kept apart (an ablation of it is a recipe like any)."""
+    return run.recipe == baseline and not run.bf16_first_layers and not run.bf16_last_layers
+
+
+def baseline_replicates(runs: list[Run], baseline: str) -> list[Run]:
+    """The runs the verdict and the charts measure against: the experiment's own runs of the baseline (its seed
+    replicates). A record-only (external) run of the baseline recipe was trained by someone's own script, with
+    data order, initialisation and seed we cannot vouch for: it is a baseline only in an experiment that has no
+    run of its own of the baseline (one recorded entirely from scripts); otherwise it is compared like a recipe."""
+    candidates = [r for r in runs if is_baseline(r, baseline)]
+    return [r for r in candidates if not r.external] or candidates
+
+
 def baseline_run(runs: list[Run], baseline: str) -> Run | None:
-    """The experiment's baseline run: its recipe is the baseline and no layer is kept apart (an ablation of the
-    baseline recipe is not the baseline); a succeeded one is preferred, then the earliest."""
-    candidates = [r for r in runs if r.recipe == baseline and not r.bf16_first_layers and not r.bf16_last_layers]
+    """The experiment's baseline run, the reference: among `baseline_replicates` (no layer kept apart, the
+    experiment's own runs before record-only ones), a succeeded one is preferred, then the earliest."""
+    candidates = baseline_replicates(runs, baseline)
     if not candidates:
         candidates = [r for r in runs if r.recipe == baseline]
     if not candidates:
@@ -118,6 +132,17 @@ def _peak_memory(session: Session, run: Run) -> float | None:
     return None if row[0] is None else float(row[0])
 
 
+def run_speedups(runs: list[Run], baseline: str, tps_of: dict[int, float | None]) -> dict:
+    """run id -> (speedup, why none) by the verdict's one rule (training.evaluation.verdict.speedups): tokens/s
+    over the mean of the baseline replicates' on the same device."""
+    from training.evaluation.verdict import RunFacts, speedups
+
+    replicates = {r.id for r in baseline_replicates(runs, baseline)}
+    return speedups([RunFacts(run_id=r.id, variant=r.label, recipe=r.recipe, status=r.status, seed=r.seed or 0,
+                              is_baseline=r.id in replicates, tokens_per_s=tps_of[r.id], device=r.device_name)
+                     for r in runs])
+
+
 def _finite(v) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
@@ -144,12 +169,13 @@ def compare_experiment(session: Session, experiment_id: int, *, key: str = "trai
                        f"with {exp.baseline!r} among their recipes)")
     bx, by = comparison_points(session, base.id, key, x, max_points)
     base_final = final_value(session, base.id, key, final_n)
-    base_tps = throughput(session, base)
+    tps_of = {run.id: throughput(session, run) for run in exp.runs}
+    speed = run_speedups(list(exp.runs), exp.baseline, tps_of)
     runs_out = []
     for run in exp.runs:
         is_base = run.id == base.id
         final = final_value(session, run.id, key, final_n)
-        tps = throughput(session, run)
+        tps = tps_of[run.id]
         summary = run.summary or {}
         entry = {
             "run_id": run.id, "recipe": run.recipe, "label": run.label, "status": run.status,
@@ -157,8 +183,8 @@ def compare_experiment(session: Session, experiment_id: int, *, key: str = "trai
             "final_loss": final,
             "final_delta_pct": (100.0 * (final - base_final) / base_final
                                 if final is not None and base_final not in (None, 0) else None),
-            "tokens_per_s": tps, "speedup": tps / base_tps if tps is not None and base_tps else None,
-            "mfu": _finite(summary.get("mfu")), "peak_mem_gib": _peak_memory(session, run),
+            "tokens_per_s": tps, "speedup": speed[run.id][0], "speedup_note": speed[run.id][1],
+            "device_name": run.device_name, "mfu": _finite(summary.get("mfu")), "peak_mem_gib": _peak_memory(session, run),
         }
         if is_base:
             entry["x"], entry["delta_pct"] = [], []

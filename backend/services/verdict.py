@@ -3,6 +3,7 @@ throughput, GEMM backend, paired accuracy rows), handed to the one verdict rule 
 training.evaluation.verdict. The API, the experiments list, the experiment page and `plab demo` all read it here."""
 from __future__ import annotations
 
+import json
 import re
 
 from sqlalchemy import text
@@ -25,13 +26,35 @@ def _val_losses(session: Session, run_id: int) -> tuple[float | None, float | No
 
 
 def variant_of(run: Run) -> str:
-    """The run's recipe variant: its label without the ` seed=N` a seed replicate carries."""
+    """The run's label without the ` seed=N` a seed replicate carries: the name its variant is shown by."""
     return re.sub(rf" seed={run.seed}$", "", run.label) if run.seed is not None else run.label
 
 
-def is_baseline(run: Run, baseline: str) -> bool:
-    """A replicate of the baseline: its recipe, with no layer kept apart (an ablation of it is a recipe like any)."""
-    return run.recipe == baseline and not run.bf16_first_layers and not run.bf16_last_layers
+def variant_key(run: Run) -> str:
+    """What makes runs seed replicates of one recipe variant: recipe, options and kept layers (not the label, which
+    anyone may edit: a renamed run must not merge into another variant). A record-only run is a variant of its
+    own (its script's seed and settings are unknown)."""
+    if run.external:
+        return f"external:{run.id}"
+    return json.dumps([run.recipe, run.recipe_options or {}, run.bf16_first_layers or 0, run.bf16_last_layers or 0],
+                      sort_keys=True)
+
+
+def variant_names(runs: list[Run]) -> dict[int, str]:
+    """run id -> its variant's name: the first replicate's label without its seed, made unique (a second variant
+    whose label reads the same gets ` (run N)`)."""
+    first: dict[str, Run] = {}
+    for run in sorted(runs, key=lambda r: r.id):
+        first.setdefault(variant_key(run), run)
+    names: dict[str, str] = {}
+    taken: set[str] = set()
+    for key, run in first.items():
+        name = variant_of(run)
+        if name in taken:
+            name = f"{name} (run {run.id})"
+        taken.add(name)
+        names[key] = name
+    return {run.id: names[variant_key(run)] for run in runs}
 
 
 def _accuracy_rows(session: Session, experiment_id: int) -> tuple[dict[int, list], str | None]:
@@ -52,15 +75,18 @@ def experiment_verdict(session: Session, experiment_id: int) -> dict:
     exp = get_experiment(session, experiment_id)
     runs = list(exp.runs)
     reference = comparison.baseline_run(runs, exp.baseline)
+    replicates = {r.id for r in comparison.baseline_replicates(runs, exp.baseline)}
+    names = variant_names(runs)
     accuracy, accuracy_error = _accuracy_rows(session, experiment_id)
     facts = []
     for run in runs:
         final, lowest = _val_losses(session, run.id)
         facts.append(RunFacts(
-            run_id=run.id, variant=variant_of(run), recipe=run.recipe, status=run.status,
-            seed=run.seed if run.seed is not None else exp.seed, is_baseline=is_baseline(run, exp.baseline),
+            run_id=run.id, variant=names[run.id], recipe=run.recipe, status=run.status,
+            seed=run.seed if run.seed is not None else exp.seed, is_baseline=run.id in replicates,
             final_val_loss=final, min_val_loss=lowest, tokens_per_s=comparison.throughput(session, run),
-            emulated=run.gemm_backend == "emulated", accuracy=tuple(accuracy.get(run.id, ()))))
+            emulated=run.gemm_backend == "emulated", accuracy=tuple(accuracy.get(run.id, ())),
+            device=run.device_name))
     out = judge(facts, reference_run_id=reference.id if reference else None,
                 tolerance_pct=exp.verdict_tolerance_pct)
     return {"experiment_id": exp.id, "baseline_recipe": exp.baseline, "metric": VAL_KEY,

@@ -9,7 +9,7 @@ from tests.backend.test_api import create
 from tests.backend.test_comparison import api, finish, send  # noqa: F401 - `api` is a fixture
 
 from training.evaluation.stats import compare_results, holm_adjust
-from training.evaluation.verdict import RunFacts, experiment_verdict
+from training.evaluation.verdict import RunFacts, experiment_verdict, seed_band
 
 
 def val_and_noisy_train(run_id_loss: float, n: int = 40, *, train_last: float | None = None):
@@ -251,3 +251,82 @@ def test_runs_still_training_are_shown_but_not_judged():
     assert experiment_verdict(facts("running", "succeeded"), reference_run_id=1)["summary"] == (
         "BF16 is running: the verdict waits for its final validation loss")
     assert experiment_verdict(facts("succeeded", "succeeded"), reference_run_id=1)["recipes"][0]["outcome"] == "worse"
+
+
+def test_one_speedup_everywhere_against_bf16s_seeds_on_the_same_device(api):
+    """The verdict, its run rows and the comparison endpoint (the throughput chart's labels) give one speedup: a
+    run's tokens/s over the mean of the BF16 seeds' on its device; none across two kinds of GPU, with the reason."""
+    from tests.backend.test_comparison import comparison
+
+    exp = create(api, seeds=[0, 1])
+    b0, b1, fp8, nvfp4 = (r["id"] for r in exp["runs"])
+    for run, tps, device in ((b0, 100.0, "NVIDIA H100 80GB HBM3"), (b1, 120.0, "NVIDIA H100 80GB HBM3"),
+                             (fp8, 132.0, "NVIDIA H100 80GB HBM3"), (nvfp4, 300.0, "NVIDIA B200")):
+        send(api, run, val_and_noisy_train(2.0))
+        for body in ({"status": "running", "device_name": device},
+                     {"status": "succeeded", "gemm_backend": "real", "summary": {"tokens_per_s": tps}}):
+            assert api.post(f"/api/v1/runs/{run}/status", json=body).status_code == 200
+    v = verdict(api, exp["id"])
+    rows = {r["run_id"]: r for r in v["runs"]}
+    cmp = {r["run_id"]: r for r in comparison(api, exp["id"])["runs"]}
+    for run, expected in ((b0, 100 / 110), (b1, 120 / 110), (fp8, 1.2)):
+        assert rows[run]["speedup"] == pytest.approx(expected) and cmp[run]["speedup"] == pytest.approx(expected)
+    assert {e["recipe"]: e["speedup"] for e in v["recipes"]}["fp8_tensorwise"] == pytest.approx(1.2)
+    # nvfp4 ran on a B200, BF16 on H100s: no speedup anywhere, and each says why.
+    nv = next(e for e in v["recipes"] if e["recipe"] == "nvfp4")
+    assert nv["speedup"] is None and rows[nvfp4]["speedup"] is None and cmp[nvfp4]["speedup"] is None
+    for note in (nv["speedup_note"], rows[nvfp4]["speedup_note"], cmp[nvfp4]["speedup_note"]):
+        assert note.startswith("no baseline run on NVIDIA B200 (it ran on NVIDIA H100 80GB HBM3)")
+    assert rows[nvfp4]["device"] == "NVIDIA B200" and cmp[nvfp4]["device_name"] == "NVIDIA B200"
+
+
+def test_the_lowest_validation_loss_is_compared_with_the_references_own_lowest():
+    """Identical curves whose lowest point (2.98) is before the end (3.00): no difference at either point."""
+    facts = [RunFacts(1, "bf16", "bf16", "succeeded", 0, True, 3.0, 2.98, 10.0),
+             RunFacts(2, "fp8", "fp8", "succeeded", 0, False, 3.0, 2.98, 12.0),
+             RunFacts(3, "nvfp4", "nvfp4", "succeeded", 0, False, 3.03, 2.95, 12.0),
+             RunFacts(4, "nvfp4", "nvfp4", "succeeded", 1, False, 3.03, 2.97, 12.0)]
+    by = {e["recipe"]: e for e in experiment_verdict(facts, reference_run_id=1)["recipes"]}
+    assert by["fp8"]["val_delta_pct"] == 0.0 and by["fp8"]["min_val_delta_pct"] == 0.0
+    # two seeds: the mean of their lowest points (2.96) against BF16's lowest
+    assert by["nvfp4"]["min_val_loss"] == pytest.approx(2.96)
+    assert by["nvfp4"]["min_val_delta_pct"] == pytest.approx(100 * (2.96 - 2.98) / 2.98)
+
+
+def test_a_recorded_bf16_run_is_not_a_seed_of_the_baseline_and_a_renamed_run_stays_its_own_variant(api):
+    """A record-only (external) BF16 run logged by someone's script joined BF16's seeds and turned the tolerance
+    rule into a seed band 70 points wide; a run renamed to another run's label merged into that variant."""
+    exp = create(api)
+    bf16, fp8, nvfp4 = (r["id"] for r in exp["runs"])
+    for run, loss in ((bf16, 3.0), (fp8, 3.02), (nvfp4, 3.6)):
+        send(api, run, val_and_noisy_train(loss))
+        finish(api, run, tokens_per_s=1000.0)
+    r = api.post("/api/v1/runs", json={"experiment_id": exp["id"], "recipe": "bf16", "label": "my bf16"})
+    assert r.status_code == 201, r.text
+    mine = r.json()["id"]
+    send(api, mine, val_and_noisy_train(3.10))
+    assert api.post(f"/api/v1/runs/{mine}/status", json={"status": "succeeded"}).status_code == 200
+    v = verdict(api, exp["id"])
+    assert v["rule"] == "tolerance" and v["reference_run_id"] == bf16 and v["baseline"]["run_ids"] == [bf16]
+    by = {e["variant"]: e for e in v["recipes"]}
+    assert by["my bf16"]["run_ids"] == [mine] and by["my bf16"]["outcome"] == "worse"  # compared like a recipe
+    assert by["nvfp4 bf16_last=1"]["outcome"] == "worse"
+    # nvfp4 renamed to fp8's label: still two variants, each with its own numbers; the names stay unique
+    assert api.patch(f"/api/v1/runs/{nvfp4}", json={"label": "fp8_tensorwise"}).status_code == 200
+    v = verdict(api, exp["id"])
+    entries = {tuple(e["run_ids"]): e for e in v["recipes"]}
+    assert entries[(fp8,)]["variant"] == "fp8_tensorwise" and entries[(fp8,)]["outcome"] == "matches"
+    assert entries[(nvfp4,)]["variant"] == f"fp8_tensorwise (run {nvfp4})" and entries[(nvfp4,)]["outcome"] == "worse"
+
+
+def test_a_seed_run_twice_is_one_sample_of_bf16s_spread():
+    """Two BF16 runs of seed 0 and one of seed 1: the band comes from two seeds (none with fewer than two)."""
+    def facts(seeds):
+        runs = [RunFacts(i + 1, "bf16", "bf16", "succeeded", s, True, 3.0 + 0.01 * i) for i, s in enumerate(seeds)]
+        return runs + [RunFacts(9, "fp8", "fp8", "succeeded", 0, False, 3.0)]
+
+    assert experiment_verdict(facts([0, 0]), reference_run_id=1)["rule"] == "tolerance"
+    twice = experiment_verdict(facts([0, 0, 1]), reference_run_id=1)
+    assert twice["rule"] == "seed_band" and "from 2 BF16 seeds" in twice["rule_text"]
+    # the reference (seed 0, 3.00) and seed 1's run (3.02); seed 0's second run (3.01) is left out
+    assert twice["band_pct"] == pytest.approx(seed_band([0.0, 100 * 0.02 / 3.0]))

@@ -6,8 +6,12 @@ training-loss sample. Per recipe variant (a recipe with its options and kept lay
 - ``val_delta_pct``: ``100 * (mean final val loss of the variant's finished seeds - reference) / reference``
   (runs still training are shown but not judged), where the reference
   is the final validation loss of the baseline's reference run (its first seed: the run every chart compares with);
-  ``min_val_delta_pct`` the same for the lowest validation loss over the run;
-- ``speedup``: mean tokens/s of the variant over the baseline's mean (a value < 1 is called a slowdown);
+  ``min_val_delta_pct`` the same for the lowest validation loss over a run (the variant's finished seeds' lowest,
+  averaged, against the reference run's own lowest);
+- ``speedup`` (``speedups``): a run's tokens/s over the mean tokens/s of the baseline's replicates that ran on the
+  same device (its finished ones; all of them while none has finished), none where no baseline replicate ran on
+  that device (a speedup across two kinds of GPU is not the format's); a variant's is the mean of its seeds'
+  (a value < 1 is called a slowdown);
 - accuracy differences to the baseline where evaluated (paired, Holm-corrected: training.evaluation.stats).
 
 The rule that says "matches BF16":
@@ -57,6 +61,37 @@ class RunFacts:
     tokens_per_s: float | None = None
     emulated: bool = False
     accuracy: Sequence[dict] = field(default_factory=tuple)
+    device: str | None = None  # the GPU (or CPU) it trained on; None where not known
+
+
+def _same_device(a: str | None, b: str | None) -> bool:
+    """Two runs' devices are comparable unless both are known and differ (an external run may not say)."""
+    return not a or not b or a == b
+
+
+def speedups(runs: Sequence[RunFacts]) -> dict[int, tuple[float | None, str | None]]:
+    """run id -> (speedup, why none): the run's tokens/s over the mean tokens/s of the baseline replicates on its
+    device (the finished ones; all of them while none has finished). The one definition of a speedup: the
+    verdict, the comparison endpoint and the dashboard's throughput chart all show these numbers."""
+    base = [r for r in runs if r.is_baseline]
+    out: dict[int, tuple[float | None, str | None]] = {}
+    for r in runs:
+        tps = _finite(r.tokens_per_s)
+        if tps is None:
+            out[r.run_id] = (None, "no throughput reported yet")
+            continue
+        here = [b for b in base if _same_device(b.device, r.device)]
+        base_tps = _mean(b.tokens_per_s for b in here if b.status == "succeeded") or _mean(
+            b.tokens_per_s for b in here)
+        if base_tps:
+            out[r.run_id] = (tps / base_tps, None)
+        elif base and not here:
+            devices = sorted({b.device for b in base if b.device})
+            out[r.run_id] = (None, f"no baseline run on {r.device} (it ran on {', '.join(devices)}): a speedup "
+                                   f"across devices is not the format's")
+        else:
+            out[r.run_id] = (None, "the baseline has reported no throughput yet")
+    return out
 
 
 def _finite(v) -> float | None:
@@ -90,17 +125,20 @@ def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None
     ref = next((r for r in base_runs if r.run_id == reference_run_id), None)
     # Only finished runs are judged: a run still training has the validation loss of an earlier point of training.
     ref_loss = _finite(ref.final_val_loss) if ref and ref.status == "succeeded" else None
-    base_deltas = _deltas([r for r in base_runs if r.status == "succeeded"], ref_loss)
+    base_deltas = _deltas(_one_per_seed([r for r in base_runs if r.status == "succeeded"], reference_run_id),
+                          ref_loss)
     band = seed_band(base_deltas)
     rule = "seed_band" if band is not None else "tolerance"
     base_tps = _mean(r.tokens_per_s for r in base_runs if r.status == "succeeded") or _mean(
         r.tokens_per_s for r in base_runs)
+    speed = speedups(runs)
+    ref_lowest = _finite(ref.min_val_loss) if ref_loss is not None else None
     variants: dict[str, list[RunFacts]] = {}
     for r in runs:
         if not r.is_baseline:
             variants.setdefault(r.variant, []).append(r)
     ref_seed = ref.seed if ref else None
-    entries = [_variant_entry(name, members, ref_loss, ref_seed, base_tps, base_deltas, tol)
+    entries = [_variant_entry(name, members, ref_loss, ref_lowest, ref_seed, speed, base_deltas, tol)
                for name, members in variants.items()]
     spread = _accuracy_spread(base_runs, reference_run_id)
     for e in entries:
@@ -113,9 +151,21 @@ def experiment_verdict(runs: Sequence[RunFacts], *, reference_run_id: int | None
         "rule": rule, "tolerance_pct": tol, "band_pct": band,
         "rule_text": _rule_text(rule, band, tol, len(base_deltas)),
         "recipes": entries,
-        "runs": [_run_entry(r, ref_loss, base_tps, spread) for r in runs],
+        "runs": [_run_entry(r, ref_loss, speed[r.run_id], spread) for r in runs],
     }
     out["best"], out["summary"] = _summary(out, ref, ref_loss)
+    return out
+
+
+def _one_per_seed(runs: Sequence[RunFacts], first_id: int | None = None) -> list[RunFacts]:
+    """One run per seed (the run `first_id`, then the earliest): two runs of one seed are one sample of the
+    seed-to-seed spread, not two (a band from a seed counted twice would be too narrow)."""
+    seen: set[int] = set()
+    out = []
+    for r in sorted(runs, key=lambda r: (r.run_id != first_id, r.run_id)):
+        if r.seed not in seen:
+            seen.add(r.seed)
+            out.append(r)
     return out
 
 
@@ -158,16 +208,22 @@ def classify(delta_pct: float | None, band: list[float] | None, tolerance_pct: f
     return "worse" if delta_pct > high + 1e-9 else "matches"
 
 
-def _variant_entry(name: str, members: list[RunFacts], ref_loss, ref_seed, base_tps, base_deltas, tol) -> dict:
+def _variant_entry(name: str, members: list[RunFacts], ref_loss, ref_lowest, ref_seed, speed, base_deltas,
+                   tol) -> dict:
     """A recipe variant's figures (its finished seeds pooled) and its outcome by the rule: BF16's seed band for its
-    number of finished seeds with 2+ BF16 deltas in `base_deltas`, else the tolerance."""
-    final = _mean(r.final_val_loss for r in members if r.status == "succeeded")
-    lowest = min((v for v in (_finite(r.min_val_loss) for r in members) if v is not None), default=None)
-    tps = _mean(r.tokens_per_s for r in members if r.status == "succeeded") or _mean(r.tokens_per_s for r in members)
-    speedup = tps / base_tps if tps is not None and base_tps else None
+    number of finished seeds with 2+ BF16 deltas in `base_deltas`, else the tolerance. `speed`: `speedups`'s
+    answer for every run."""
+    done = [r for r in members if r.status == "succeeded"]
+    final = _mean(r.final_val_loss for r in done)
+    lowest = _mean(r.min_val_loss for r in done)
+    tps = _mean(r.tokens_per_s for r in done) or _mean(r.tokens_per_s for r in members)
+    timed = done if any(speed[r.run_id][0] is not None for r in done) else members
+    speedup = _mean(speed[r.run_id][0] for r in timed)
+    speedup_note = None if speedup is not None else next(
+        (speed[r.run_id][1] for r in members if speed[r.run_id][1]), None)
     delta = _pct(final, ref_loss)
     diverged = [r.run_id for r in members if r.status == "diverged"]
-    band = seed_band(base_deltas, _deltas([r for r in members if r.status == "succeeded"], ref_loss))
+    band = seed_band(base_deltas, _deltas(_one_per_seed(done), ref_loss))
     outcome = "diverged" if diverged else classify(delta, band, tol)
     # Its accuracy is the run paired with the reference: the same seed (initial weights and batch order).
     first = next((r for r in members if r.seed == ref_seed), min(members, key=lambda r: r.run_id))
@@ -176,16 +232,17 @@ def _variant_entry(name: str, members: list[RunFacts], ref_loss, ref_seed, base_
         "seeds": sorted({r.seed for r in members}), "statuses": sorted({r.status for r in members}),
         "emulated": any(r.emulated for r in members),
         "final_val_loss": final, "min_val_loss": lowest,
-        "val_delta_pct": delta, "min_val_delta_pct": _pct(lowest, ref_loss), "band_pct": band,
-        "tokens_per_s": tps, "speedup": speedup,
+        "val_delta_pct": delta, "min_val_delta_pct": _pct(lowest, ref_lowest), "band_pct": band,
+        "tokens_per_s": tps, "speedup": speedup, "speedup_note": speedup_note,
         "speed_word": None if speedup is None else ("speedup" if speedup >= 1 else "slowdown"),
         "outcome": outcome, "matches": None if outcome is None else outcome in ("matches", "better"),
         "accuracy": [_accuracy_row(row) for row in first.accuracy],
     }
 
 
-def _run_entry(r: RunFacts, ref_loss, base_tps, spread: dict) -> dict:
-    """One run of the decision table: its own figures against the reference (no pooling over seeds)."""
+def _run_entry(r: RunFacts, ref_loss, speed: tuple, spread: dict) -> dict:
+    """One run of the decision table: its own figures against the reference (no pooling over seeds); `speed` is
+    its (speedup, why none) from `speedups`."""
     final, tps = _finite(r.final_val_loss), _finite(r.tokens_per_s)
     rows = [_accuracy_row(row) for row in r.accuracy]
     for row in rows:
@@ -193,7 +250,7 @@ def _run_entry(r: RunFacts, ref_loss, base_tps, spread: dict) -> dict:
     return {"run_id": r.run_id, "variant": r.variant, "recipe": r.recipe, "seed": r.seed, "status": r.status,
             "is_baseline": r.is_baseline, "emulated": r.emulated, "final_val_loss": final,
             "min_val_loss": _finite(r.min_val_loss), "val_delta_pct": _pct(final, ref_loss),
-            "tokens_per_s": tps, "speedup": tps / base_tps if tps is not None and base_tps else None,
+            "tokens_per_s": tps, "speedup": speed[0], "speedup_note": speed[1], "device": r.device,
             "accuracy": rows}
 
 

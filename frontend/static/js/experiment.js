@@ -279,15 +279,19 @@ function runThroughput(run) {
 }
 
 function drawSpeed() {
-  const base = baselineRun();
-  const baseTps = base ? runThroughput(base) : null;
-  const labels = [], tps = [], text = [], emulatedBars = [], colors = [], mem = [], mfus = [];
+  // The speedups are the API's (the comparison's, by the verdict's rule): tokens/s over the mean of the BF16
+  // replicates' on the same device; none across two kinds of device.
+  const speedOf = new Map((state.comparison?.runs || []).map((r) => [String(r.run_id), r]));
+  const labels = [], tps = [], text = [], notes = [], emulatedBars = [], colors = [], mem = [], mfus = [];
   state.runs.forEach((run, i) => {
     const emulated = gemmBackend(run) === "emulated";
     labels.push(plotText(runLabel(run) + (emulated ? " (emulated)" : "")));
     const t = runThroughput(run);
     tps.push(t);
-    text.push(t != null && baseTps ? `${(t / baseTps).toFixed(2)}×` : "");
+    const cmp = speedOf.get(String(run.id));
+    text.push(typeof cmp?.speedup === "number" ? `${cmp.speedup.toFixed(2)}×` : "");
+    notes.push(plotText(typeof cmp?.speedup === "number" ? `${cmp.speedup.toFixed(2)}× BF16`
+      : (t != null && cmp?.speedup_note) || ""));
     emulatedBars.push(emulated);
     colors.push(colorOf(run, i));
     mem.push(peakMemory(run) ?? median(pointsOf(run, "perf/peak_mem_gib", state.perf).value));
@@ -295,9 +299,9 @@ function drawSpeed() {
     mfus.push(mfuPercent(m));
   });
   Plotly.react("throughput-chart", [{
-    type: "bar", x: labels, y: tps, text, textposition: "outside", name: "tokens/s",
+    type: "bar", x: labels, y: tps, text, customdata: notes, textposition: "outside", name: "tokens/s",
     marker: { color: colors, pattern: emulatedPattern(emulatedBars) },
-    hovertemplate: "%{x}<br>%{y:,.0f} tokens/s<br>%{text} BF16<extra></extra>",
+    hovertemplate: "%{x}<br>%{y:,.0f} tokens/s<br>%{customdata}<extra></extra>",
   }], {
     title: { text: "Throughput (tokens/s; label: speedup over BF16)", font: { size: 14 } },
     margin: { l: 70, r: 20, t: 40, b: 90 }, yaxis: { title: { text: "tokens/s" } }, showlegend: false,

@@ -142,12 +142,24 @@ function renderShapes(result) {
   })));
 }
 
-// Measured end-to-end speedup of a recipe: its finished run's tokens/s over the finished BF16 run's.
-export function measuredSpeedups(runs, format) {
-  const base = runs.find((r) => recipeName(r) === BASELINE && r.status === "succeeded");
-  const baseTps = base ? tokensPerSecond(base) : null;
+// The experiment's finished BF16 baseline runs (no layer kept apart) on `device` (any device when the benchmark
+// does not name one): the verdict's rule for a speedup (training/evaluation/verdict.py `speedups`) restricted
+// to the benchmark's device, so what is measured sits next to what is predicted for the same GPU.
+const onDevice = (r, device) => !device || !r.device_name || r.device_name === device;
+
+function bf16Runs(runs, device) {
+  return runs.filter((r) => recipeName(r) === BASELINE && !r.bf16_first_layers && !r.bf16_last_layers
+    && r.status === "succeeded" && onDevice(r, device));
+}
+
+// Measured end-to-end speedup of a recipe on the benchmark's device: each finished run's tokens/s over the mean
+// of the finished BF16 runs' there.
+export function measuredSpeedups(runs, format, device = null) {
+  const tps = bf16Runs(runs, device).map(tokensPerSecond).filter((v) => v != null);
+  const baseTps = tps.length ? tps.reduce((a, b) => a + b, 0) / tps.length : null;
   if (!baseTps) return [];
-  return runs.filter((r) => recipeName(r) === format && r.status === "succeeded" && tokensPerSecond(r) != null)
+  return runs.filter((r) => recipeName(r) === format && r.status === "succeeded" && tokensPerSecond(r) != null
+    && onDevice(r, device))
     .map((r) => ({ label: runLabel(r), speedup: tokensPerSecond(r) / baseTps, emulated: gemmBackend(r) === "emulated" }));
 }
 
@@ -162,7 +174,9 @@ function sameDims(a, b) {
 // same device. Its measured step time turns the GEMM-only speedup into an Amdahl prediction (training.gemm.predict);
 // anything else would mix two configurations. Returns {run, stepS, gemmsPerStep} or {why} when there is none.
 export function bf16StepFor(result, experiment, runs) {
-  const base = runs.find((r) => recipeName(r) === BASELINE && r.status === "succeeded");
+  const device = result.device?.name || "";
+  const timed = bf16Runs(runs, null).filter((r) => r.summary?.step_time_s > 0);
+  const base = timed.find((r) => (r.device_name || "") === device) || timed[0];
   const stepS = base?.summary?.step_time_s;
   if (!base || !(stepS > 0)) return { why: "no finished BF16 run with a step time in this experiment" };
   const req = result.request || {};
@@ -225,7 +239,7 @@ function renderPrediction(result) {
   const body = document.querySelector("#gemm-prediction-table tbody");
   document.getElementById("gemm-measured-head").hidden = !hasRuns;
   setHTML(body, joinHtml(formats.map((format) => {
-    const measured = measuredSpeedups(gemmState.runs, format);
+    const measured = measuredSpeedups(gemmState.runs, format, result.device?.name || null);
     const measuredText = measured.length ? joinHtml(measured.map((m) => html`${m.speedup.toFixed(2)}×${
       measured.length > 1 && html` <span class="muted">${m.label}</span>`}${
       m.emulated && html` <span class="gemm gemm-emulated">emulated GEMMs</span>`}`), html`<br>`) : "–";

@@ -131,8 +131,8 @@ function ensureLayout() {
     <p id="verdict-accuracy-error" class="form-error" role="alert" hidden></p>
     <div id="decision-table-wrap"><table id="decision-table" class="data-table"><thead></thead><tbody></tbody></table></div>
     <p class="hint">Δ vs BF16 is the final validation loss against the reference BF16 run (its first seed);
-      speedup is tokens/s over BF16's (below 1: a slowdown; on <em>emulated</em> GEMMs not the format's hardware
-      speed). Accuracy Δ is paired over the documents both runs scored; ▲/▼ mark differences significant after Holm's
+      speedup is tokens/s over the mean of the BF16 seeds' on the same device (below 1: a slowdown; on
+      <em>emulated</em> GEMMs not the format's hardware speed; n/a for a run on a device no BF16 run used). Accuracy Δ is paired over the documents both runs scored; ▲/▼ mark differences significant after Holm's
       correction across tasks (the uncorrected p is in the tooltip). Its interval covers the sampling of documents
       for these checkpoints only; seed-to-seed variation shows only where BF16 has seed replicates (their spread in
       brackets). Click a column to sort.</p>`);
@@ -188,7 +188,9 @@ function outcomeOf(verdict, row) {
 function bodyRow(verdict, row, tasks) {
   const backend = gemmBackend(row.run);
   const speed = finite(row.speedup)
-    ? html`${row.speedup.toFixed(2)}×${row.speedup < 1 ? html` <span class="muted">slowdown</span>` : ""}` : "–";
+    ? html`${row.speedup.toFixed(2)}×${row.speedup < 1 ? html` <span class="muted">slowdown</span>` : ""}`
+    : row.facts.speedup_note && finite(row.facts.tokens_per_s)
+      ? html`<span class="muted" title="${row.facts.speedup_note}">n/a</span>` : "–";
   return html`<tr data-verdict-run-id="${row.run.id}" data-status="${row.status}">
     <td>${row.label}${backend === "emulated" && html` <span class="gemm gemm-emulated">emulated</span>`}</td>
     <td>${statusBadge(row.status)}</td>
@@ -223,7 +225,7 @@ export function render() {
   setHTML(panel.querySelector("thead"), html`<tr>${header("label", "Run", view)}${header("status", "Status", view)}${
     header("val_loss", "Val loss", view, "final validation loss")}${
     header("val_delta", "Δ vs BF16", view, "final validation loss vs the BF16 reference run, percent")}${
-    header("speedup", "Speedup", view, "tokens/s over BF16's")}${header("mfu", "MFU", view, MFU_CONVENTION)}${
+    header("speedup", "Speedup", view, "tokens/s over BF16's on the same device")}${header("mfu", "MFU", view, MFU_CONVENTION)}${
     header("peak_mem", "Peak mem (GiB)", view)}${
     tasks.map((c) => header(`acc:${c.task}|${c.metric}`, `${c.task} Δ`, view, `${c.metric}, recipe − BF16`))}${""
     }<th>Verdict</th></tr>`);
