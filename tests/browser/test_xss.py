@@ -110,6 +110,13 @@ def test_no_stored_payload_runs_or_becomes_markup_on_any_page(server, page, plan
     assert page.console_log.errors == [] or all("__xss" not in e for e in page.console_log.errors)
     if where in ("list", "experiment", "run"):
         assert '<img src=x onerror="window.__xss(1)">' in seen["text"]  # shown, as text
+    if where == "experiment":
+        # In Plotly's legends too, character for character: Plotly decodes numeric entities and &amp; &lt; &gt;
+        # only, and a quote escaped as &quot; was shown as those six characters.
+        page.wait_for_function("document.querySelectorAll('#loss-chart .legendtext').length > 0")
+        legend = page.eval_on_selector_all("#loss-chart .legendtext", "els => els.map(e => e.textContent)")
+        assert any('fp8 <img src=x onerror="window.__xss(1)">' in t for t in legend), legend
+        assert not any("&quot;" in t or "&#" in t for t in legend), legend
 
 
 def test_the_javascript_has_one_markup_sink():

@@ -60,8 +60,13 @@ export function slurmNote(run) {
 }
 
 // Plotly renders trace names, category labels, titles and hover text as its own small subset of HTML: data
-// going there is escaped too (Plotly turns the entities back into the characters on screen).
-export const plotText = escapeHtml;
+// going there is escaped too. Plotly turns numeric entities and only a few named ones (&amp; &lt; &gt;) back into
+// the characters on screen, so quotes become numeric entities here (`&quot;` showed as those six characters).
+const PLOT_ENTITIES = { ...ENTITIES, '"': "&#34;" };
+
+export function plotText(value) {
+  return String(value ?? "").replace(/[&<>"'`]/g, (c) => PLOT_ENTITIES[c]);
+}
 
 // Control forms (`<form data-no-submit>`) never submit: Enter in one of their fields must not reload the page.
 // A listener instead of an inline `onsubmit` attribute, which the Content-Security-Policy forbids.

@@ -5,7 +5,7 @@
 import { get, items, LIVE_STATUSES } from "../api.js";
 import { BOTTOM_LEGEND, colorAt, emulatedPattern, PLOT_CONFIG, plotlyReady } from "../plot.js";
 import { POLL_MS, register } from "../poller.js";
-import { escapeHtml, html, joinHtml, setHTML, statusBadge } from "../dom.js";
+import { html, joinHtml, plotText, setHTML, statusBadge } from "../dom.js";
 import { gemmBackend, recipeName, runLabel } from "../summary.js";
 
 const root = document.getElementById("experiment-root");
@@ -244,16 +244,17 @@ export function deltaTraces(table) {
     const rel = (x, row) => (row && finite(x) ? (isAccuracy(row.metric) ? 100 * x : x) : null);
     const emulated = isEmulated(run);
     return {
-      type: "bar", name: escapeHtml(`${runName(run)}${emulated ? " (emulated GEMMs)" : ""}`), x: tasks.map(escapeHtml),
+      type: "bar", name: plotText(`${runName(run)}${emulated ? " (emulated GEMMs)" : ""}`), x: tasks.map(plotText),
       y: rows.map((row) => rel(row?.delta, row)),
       error_y: { type: "data", symmetric: false, visible: true, color: "#333", thickness: 1.2,
         array: rows.map((row) => rel(row && row.ci_high - row.delta, row)),
         arrayminus: rows.map((row) => rel(row && row.delta - row.ci_low, row)) },
       text: rows.map((row) => (row ? significance(row).mark : "")), textposition: "outside",
-      customdata: rows.map((row, j) => (row ? [row.metric, formatDelta(row.metric, row.delta),
+      // Hover text is Plotly's pseudo-HTML: the metric's name (a user's task may name it anything) is escaped.
+      customdata: rows.map((row, j) => (row ? [plotText(row.metric), formatDelta(row.metric, row.delta),
         `[${formatBound(row.metric, row.ci_low)}, ${formatBound(row.metric, row.ci_high)}]`, significance(row).title,
-        formatValue(row.metric, row.baseline), formatValue(row.metric, row.candidate)] : [taskMetric(table, tasks[j]), "–", "", "not compared", "", ""])),
-      hovertemplate: `${escapeHtml(runName(run))}<br>%{x} %{customdata[0]}: %{customdata[5]} vs BF16 %{customdata[4]}`
+        formatValue(row.metric, row.baseline), formatValue(row.metric, row.candidate)] : [plotText(taskMetric(table, tasks[j])), "–", "", "not compared", "", ""])),
+      hovertemplate: `${plotText(runName(run))}<br>%{x} %{customdata[0]}: %{customdata[5]} vs BF16 %{customdata[4]}`
         + "<br>Δ %{customdata[1]} %{customdata[2]}<br>%{customdata[3]}<extra></extra>",
       marker: { color: runColor(table, run),
         pattern: emulatedPattern(emulated) },
