@@ -30,6 +30,17 @@ def test_a_known_accuracy_gain_lies_inside_the_interval_and_is_significant():
         assert d["ci_low"] > 0 and d["significant"] and d["p_value"] < 0.001, method
 
 
+def test_a_bootstrap_p_value_is_never_zero():
+    """15 of 100 answers flipped, all one way: no resample reaches 0, and the p-value says so as (1 + 0) / (B + 1)
+    per tail (Davison & Hinkley), not 0 (the exact McNemar p is 2 x 0.5^15 = 6.1e-5)."""
+    baseline = [0.0] * 30 + [1.0] * 70
+    candidate = _flip(baseline, range(15), 1.0)
+    d = paired_difference(baseline, candidate, method="bootstrap", n_boot=1000)
+    assert d["p_value"] == pytest.approx(2 / 1001)
+    exact = paired_difference(baseline, candidate, method="mcnemar")
+    assert exact["p_value"] == pytest.approx(2 * 0.5 ** 15)
+
+
 def test_identical_runs_give_zero_delta_and_are_not_significant():
     rng = np.random.default_rng(2)
     acc = (rng.random(500) < 0.5).astype(float).tolist()
