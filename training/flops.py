@@ -1,21 +1,34 @@
 """Model FLOPs per token, peak TFLOP/s per GPU, and MFU.
 
 FLOPs per token (training = forward + backward), the PaLM convention (Chowdhery et al. 2022,
-appendix B) that nanoGPT's `estimate_mfu` and torchtitan also use:
+appendix B) that nanoGPT's `estimate_mfu` and torchtitan also use, per decoder layer l:
 
-    flops_per_token = 6 * N_matmul + 12 * L * T * (n_heads * head_dim)
+    flops_per_token = 6 * N_matmul + sum over layers l of 6 * T_l * n_heads * (d_qk + d_v)
+
+which for a plain transformer (every layer full softmax attention, d_qk = d_v = head_dim) is PaLM's
+6 * N_matmul + 12 * L * T * (n_heads * head_dim).
 
 * `N_matmul`: weights of every linear layer, LM head included (for Llama q, k, v, o, gate, up, down per
   block, plus hidden x vocab for the head), read from the model's own modules, so any architecture counts
   exactly (fused projections, biases' matmuls, an MoE's router and the top-k experts each token goes
-  through). Embeddings are excluded (a lookup, no matmul); norms are excluded (no matmul, negligible).
+  through, MLA's low-rank projections, a linear-attention layer's projections). Embeddings are excluded
+  (a lookup, no matmul); norms are excluded (no matmul, negligible).
   6 = 2 (multiply-add) x 3 (forward, grad w.r.t. input, grad w.r.t. weight).
-* Attention scores and the weighted sum of values: per layer and token, Q·Kᵀ and P·V are each
-  2·T·(n_heads·head_dim) FLOPs forward, x3 for training ⇒ 12·T·n_heads·head_dim, T = sequence length.
-* **Causal masking is NOT halved**: we count the full T x T score matrix, like PaLM and nanoGPT, so our
-  MFU is comparable with published figures. A causal FlashAttention kernel does about half that work,
-  so the attention share of MFU is overstated by up to 2x (for the 1b preset at T=2048 that term is
-  ~11 % of the total).
+* Attention scores and the weighted sum of values (`attention_flops_per_layer`): per layer and token,
+  Q·Kᵀ is 2·T_l·n_heads·d_qk and P·V 2·T_l·n_heads·d_v FLOPs forward, x3 for training ⇒
+  6·T_l·n_heads·(d_qk + d_v). d_qk = d_v = head_dim except in multi-head latent attention (DeepSeek-V2/V3:
+  d_qk = qk_nope_head_dim + qk_rope_head_dim, d_v = v_head_dim; their config's head_dim is only the RoPE
+  part). T_l = keys each query is scored against: T (the sequence length) in a full-attention layer,
+  min(T, sliding_window) in a sliding-window layer (Mistral, Phi-3 and Mixtral with sliding_window set slide
+  in every layer; Gemma 2/3, GPT-OSS, Qwen2 and others say which layers do in config.layer_types), and
+  min(T, attention_chunk_size) in a chunked-attention layer (Llama 4). Layers without softmax attention
+  (config.layer_types "linear_attention" - Qwen3-Next's Gated DeltaNet, Mamba -, "conv", "mlp", "moe")
+  have no T x T term: they add 0 here, their projections being in N_matmul (their recurrent or
+  convolutional state updates are not counted). A layer type not listed here counts as full attention.
+* **Causal masking is NOT halved**: we count the full T x T score matrix (the full T x window band of a
+  sliding layer), like PaLM and nanoGPT, so our MFU is comparable with published figures. A causal
+  FlashAttention kernel does about half that work, so the attention share of MFU is overstated by up to
+  2x (for the 1b preset at T=2048 that term is ~11 % of the total).
 
 MFU is always reported against the GPU's dense **BF16** peak, for every recipe, so a faster FP8 recipe
 shows as higher MFU rather than being normalised away; "effective TFLOP/s" is flops_per_token x tokens/s.
@@ -91,19 +104,93 @@ def matmul_params(model_or_config) -> int:
     return sum(m.fan_in * m.fan_out * m.rows_per_token * m.count for m in matmul_layers(_as_model(model_or_config)))
 
 
+# config.layer_types strings (transformers 5: configuration_utils.ALLOWED_ATTN_LAYER_TYPES, plus the legacy
+# names it remaps). "full_attention" (legacy "attention"; "hybrid" = attention beside a Mamba mixer) and any
+# type not listed below score every key. Softmax attention over a window of keys (type -> config attribute):
+_WINDOWED_ATTENTION = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+# No T x T scores: recurrent / linear attention (Mamba, Gated DeltaNet, lightning), convolution, MLP-only layers.
+_NO_SCORES = frozenset({"linear_attention", "mamba", "conv", "mlp", "moe"})
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _qk_v_head_dims(config) -> tuple[int, int]:
+    """(d_qk, d_v): the head dims Q·Kᵀ and P·V contract over. Multi-head latent attention (DeepSeek-V2/V3 and
+    kin) has qk_head_dim = qk_nope_head_dim + qk_rope_head_dim and v_head_dim, and sets head_dim to the RoPE
+    part only; everything else uses head_dim (or hidden_size / num_attention_heads) for both."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    d_qk = getattr(config, "qk_head_dim", None)
+    if not d_qk:
+        nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+        d_qk = nope + rope if isinstance(nope, int) and isinstance(rope, int) else head_dim
+    d_v = getattr(config, "v_head_dim", None) or head_dim
+    return int(d_qk), int(d_v)
+
+
+def _config_and_layers(model_or_config):
+    """(config, number of decoder layers): a model's config and its blocks (training.model.decoder_blocks, whose
+    i-th block is the one config.layer_types[i] describes), or a config and its num_hidden_layers, not built."""
+    import torch
+    if isinstance(model_or_config, torch.nn.Module):
+        from training.model import decoder_blocks
+        return model_or_config.config, len(decoder_blocks(model_or_config))
+    config = _text_config(model_or_config)
+    return config, config.num_hidden_layers
+
+
+def attention_layer_keys(model_or_config, seq_len: int) -> list[int]:
+    """Per decoder layer, in the order of training.model.decoder_blocks (= config.layer_types' order), the
+    keys T_l each query is scored against under our convention (causal mask not halved): seq_len for full
+    attention, min(seq_len, window) for a sliding or chunked layer, 0 for a layer without softmax attention.
+    A model is read as built (its blocks are counted); a config is read alone (num_hidden_layers blocks)."""
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    config, n_layers = _config_and_layers(model_or_config)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # no per-layer types: a sliding_window set (Mistral, Phi-3, Mixtral) slides everywhere
+        layer_types = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * n_layers
+    layer_types = list(layer_types)
+    if len(layer_types) != n_layers:
+        raise ValueError(f"config.layer_types has {len(layer_types)} entries for {n_layers} decoder layers")
+    keys = []
+    for layer_type in layer_types:
+        if layer_type in _NO_SCORES:
+            keys.append(0)
+        elif layer_type in _WINDOWED_ATTENTION:
+            window = getattr(config, _WINDOWED_ATTENTION[layer_type], None)
+            keys.append(min(seq_len, int(window)) if window else seq_len)  # no window set: the model attends fully
+        else:  # full attention, or a type not listed above (e.g. an indexer's sparse attention): all T keys
+            keys.append(seq_len)
+    return keys
+
+
+def attention_flops_per_layer(model_or_config, seq_len: int) -> list[int]:
+    """Training FLOPs per token of each decoder layer's Q·Kᵀ and P·V (not its projections, which are in
+    matmul_params): 6·T_l·n_heads·(d_qk + d_v), T_l from `attention_layer_keys`, causal masking not halved."""
+    config, _ = _config_and_layers(model_or_config)
+    d_qk, d_v = _qk_v_head_dims(config)
+    return [6 * t * config.num_attention_heads * (d_qk + d_v) for t in attention_layer_keys(model_or_config, seq_len)]
+
+
+def attention_flops_per_token(model_or_config, seq_len: int) -> int:
+    """Training FLOPs per token of attention's score and value matmuls, summed over the decoder layers
+    (`attention_flops_per_layer`); `model_or_config` as for `flops_per_token` (a config is not built)."""
+    return sum(attention_flops_per_layer(model_or_config, seq_len))
+
+
 def flops_per_token(model_or_config, seq_len: int) -> int:
-    """Training FLOPs per token: 6·N_matmul + 12·L·T·(heads·head_dim), causal masking not halved.
+    """Training FLOPs per token: 6·N_matmul + Σ_layers 6·T_l·heads·(d_qk + d_v), causal masking not halved
+    (= 6·N_matmul + 12·L·T·heads·head_dim for full attention in every layer); see the module docstring.
 
     `model_or_config`: a transformers causal LM (counted as built: pass an unconverted one) or its config (any
     architecture; built on the meta device)."""
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
     model = _as_model(model_or_config)
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    from training.model import decoder_blocks
-    attn = 12 * len(decoder_blocks(model)) * seq_len * config.num_attention_heads * head_dim
-    return 6 * matmul_params(model) + attn
+    return 6 * matmul_params(model) + attention_flops_per_token(model, seq_len)
 
 
 def mfu(flops_per_token_: float, tokens_per_s: float, *, device_name: str | None, n_gpus: int = 1) -> float | None:
