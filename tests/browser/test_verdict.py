@@ -102,6 +102,18 @@ def test_bf16_seed_band_is_drawn_on_the_relative_chart_and_decides_the_verdict(s
     }""")
     assert quantiles[:30] == pytest.approx([student_t.ppf(0.975, df) for df in range(1, 31)], abs=1e-6)
     assert quantiles[30] == quantiles[29]
+    # Each replicate's difference is smoothed before the spread is taken (the recipes' curves are smoothed
+    # differences): two replicates whose noise cancels once smoothed (a 2-point mean here) leave no band after
+    # the first point; smoothing the raw band's edges kept it +-4.97 everywhere.
+    lo, hi = page.evaluate("""async () => {
+        const v = await import('/static/js/panels/verdict.js');
+        const smooth = (y) => y.map((a, i) => (i ? (a + y[i - 1]) / 2 : a));
+        const [lo, hi] = v.seedBandTraces([{x: [0, 1, 2, 3], y: [1, -1, 1, -1]}, {x: [0, 1, 2, 3], y: [-1, 1, -1, 1]}],
+                                          smooth);
+        return [lo.y, hi.y];
+    }""")
+    half = student_t.ppf(0.975, 2) * 1.0 * (4 / 3) ** 0.5
+    assert lo == pytest.approx([-half, 0, 0, 0], abs=1e-5) and hi == pytest.approx([half, 0, 0, 0], abs=1e-5)
     assert page.console_log.errors == []
 
 

@@ -243,8 +243,10 @@ function drawRelative() {
       smoothing: state.smoothing, meta: { run_id: run.id, key: "relative" } }, ema);
   }).flat();
   // BF16's seed replicates draw its seed band; with one seed, the experiment's stated tolerance is the band.
-  const replicates = state.runs.filter((r) => r !== base && recipeName(r) === BASELINE
-    && !r.bf16_first_layers && !r.bf16_last_layers);
+  // The experiment's own BF16 runs (a record-only one is a seed only where every BF16 run is: the API's rule).
+  const bf16 = state.runs.filter((r) => recipeName(r) === BASELINE && !r.bf16_first_layers && !r.bf16_last_layers);
+  const own = bf16.filter((r) => !r.external);
+  const replicates = (own.length ? own : bf16).filter((r) => r !== base);
   const smooth = (y) => (state.smoothing > 0 ? ema(y, state.smoothing) : y);
   const band = base ? seedBandTraces(replicates.map(diffOf), smooth) : [];
   const tol = state.experiment?.verdict_tolerance_pct ?? 1;

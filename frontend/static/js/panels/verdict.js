@@ -247,17 +247,21 @@ export function t975(df) {
 // The verdict's rule (training.evaluation.verdict) drawn at each of the reference run's points: BF16's n seeds'
 // relative differences to the reference (its own 0 among them), mean ± t(0.975, n-1) · sd · sqrt(1 + 1/n), the 95%
 // band one more seed of a recipe that trains like BF16 would fall in. Two traces (low, then high filled to it);
-// empty without replicates. `smooth(y)` is the chart's smoothing, applied to the band's edges.
+// empty without replicates. `smooth(y)` is the chart's smoothing: each replicate's difference is smoothed
+// before the spread is taken, as the recipes' differences are drawn smoothed (a band from the raw differences,
+// edges smoothed after, held the raw step-to-step noise: about twice as wide at the default 0.6).
 export function seedBandTraces(diffs, smooth = (y) => y) {
   // diffs: each BF16 replicate's relative difference to the reference run ({x, y} in percent, on the
   // reference's points); the reference itself is 0 everywhere.
   if (!diffs.length) return [];
   const values = new Map();
   for (const diff of diffs) {
-    diff.x.forEach((x, i) => {
-      if (!Number.isFinite(diff.y[i])) return;
+    const keep = diff.x.map((_, i) => Number.isFinite(diff.y[i]));
+    const xs = diff.x.filter((_, i) => keep[i]);
+    const ys = smooth(diff.y.filter((_, i) => keep[i]));
+    xs.forEach((x, i) => {
       if (!values.has(x)) values.set(x, [0]);
-      values.get(x).push(diff.y[i]);
+      values.get(x).push(ys[i]);
     });
   }
   const xs = [...values.keys()].sort((a, b) => a - b);
@@ -275,8 +279,8 @@ export function seedBandTraces(diffs, smooth = (y) => y) {
   const common = { type: "scatter", mode: "lines", x: xs, line: { width: 0 }, hoverinfo: "skip",
     meta: { seed_band: true } };
   return [
-    { ...common, name, y: smooth(lo), showlegend: false },
-    { ...common, name, y: smooth(hi), fill: "tonexty", fillcolor: "rgba(120,120,120,0.25)" },
+    { ...common, name, y: lo, showlegend: false },
+    { ...common, name, y: hi, fill: "tonexty", fillcolor: "rgba(120,120,120,0.25)" },
   ];
 }
 
