@@ -7,10 +7,13 @@ the curves are aligned on the baseline's points (a recipe is judged where the ba
 where R has points on both sides of x_i (no extrapolation). Runs logged on different token grids are therefore
 compared at equal tokens.
 
-Long series are compared through the rollup's bucket means (mean loss at mean tokens of each bucket, at most
-max_points buckets per run) rather than raw points: reading every raw row of every run costs seconds on long
-runs, and a bucket mean is a smoothed loss, which is what a relative difference of two noisy curves wants.
-A run with at most max_points points is compared point by point.
+Long series are compared through the rollup's bucket means (mean loss at mean tokens of each bucket) rather than
+raw points: reading every raw row of every run costs seconds on long runs, and a bucket mean is a smoothed loss,
+which is what a relative difference of two noisy curves wants. Every run of the comparison is bucketed the same
+way - buckets of one width in steps, the finest that gives every run at most max_points of them - because a bucket
+mean of a convex loss curve sits above the curve: a live run compared point by point against a finished baseline's
+16-step means was 0.95% "better" at step 8 with identical curves. When every run has at most max_points points,
+they are compared point by point.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from backend.services import metrics, rollup
 from backend.services.runs import get_experiment
 
 COMPARISON_X = ("tokens", "step")
+LIVE = ("queued", "running")
 
 
 def is_baseline(run: Run, baseline: str) -> bool:
@@ -55,21 +59,30 @@ def baseline_run(runs: list[Run], baseline: str) -> Run | None:
     return min(succeeded or candidates, key=lambda r: r.id)
 
 
-def comparison_points(session: Session, run_id: int, key: str, x: str, max_points: int) -> tuple[list, list]:
-    """(x, loss) of a run's series for comparison, in increasing x: raw points when there are at most
-    max_points, otherwise bucket means from the rollup (at most max_points buckets). Points without a finite
-    value, or without tokens when x is tokens, are left out."""
+def common_shift(extents: list[tuple[int, int, int] | None], max_points: int) -> int:
+    """The bucket width (a shift: 2**shift steps) every run of a comparison is read at: 0 (its raw points) when no
+    run has more than max_points points, else the finest width that gives each run at most max_points buckets."""
+    return max((rollup.shift_for(first, last, max_points) for first, last, total in filter(None, extents)
+                if total > max_points), default=0)
+
+
+def comparison_points(session: Session, run_id: int, key: str, x: str, max_points: int,
+                      shift: int | None = None) -> tuple[list, list]:
+    """(x, loss) of a run's series for comparison, in increasing x: its points (shift 0) or its bucket means of
+    2**shift steps from the rollup; `shift` None: the run's own (`common_shift` of it alone). Points without a
+    finite value, or without tokens when x is tokens, are left out."""
     ext = metrics.series_extent(session, run_id, key)
     if ext is None:
         return [], []
     first, last, total = ext
-    if total <= max_points:
+    if shift is None:
+        shift = common_shift([ext], max_points)
+    if shift == 0:
         rows = session.execute(text(
             f"SELECT {x}, value FROM metric_points WHERE run_id = :r AND key = :k AND value IS NOT NULL "
             f"AND {x} IS NOT NULL ORDER BY step"), {"r": run_id, "k": key}).all()
         xs, ys = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
     else:
-        shift = rollup.shift_for(first, last, max_points)
         buckets = metrics.read_buckets(session, run_id, key, first, last, shift)
         xs, ys = [], []
         for b in sorted(buckets):
@@ -167,7 +180,8 @@ def compare_experiment(session: Session, experiment_id: int, *, key: str = "trai
         raise Conflict(f"experiment {experiment_id} has no {exp.baseline} run yet, and the relative difference is "
                        f"measured against it: add a {exp.baseline} run to the experiment (or submit experiments "
                        f"with {exp.baseline!r} among their recipes)")
-    bx, by = comparison_points(session, base.id, key, x, max_points)
+    shift = common_shift([metrics.series_extent(session, run.id, key) for run in exp.runs], max_points)
+    bx, by = comparison_points(session, base.id, key, x, max_points, shift)
     base_final = final_value(session, base.id, key, final_n)
     tps_of = {run.id: throughput(session, run) for run in exp.runs}
     speed = run_speedups(list(exp.runs), exp.baseline, tps_of)
@@ -181,15 +195,18 @@ def compare_experiment(session: Session, experiment_id: int, *, key: str = "trai
             "run_id": run.id, "recipe": run.recipe, "label": run.label, "status": run.status,
             "is_baseline": is_base, "gemm_backend": run.gemm_backend, "emulated": run.gemm_backend == "emulated",
             "final_loss": final,
+            # Final against final only when both have ended: a run still training is at another point of its curve
+            # (the curves above compare it at equal tokens).
             "final_delta_pct": (100.0 * (final - base_final) / base_final
-                                if final is not None and base_final not in (None, 0) else None),
+                                if final is not None and base_final not in (None, 0)
+                                and run.status not in LIVE and base.status not in LIVE else None),
             "tokens_per_s": tps, "speedup": speed[run.id][0], "speedup_note": speed[run.id][1],
             "device_name": run.device_name, "mfu": _finite(summary.get("mfu")), "peak_mem_gib": _peak_memory(session, run),
         }
         if is_base:
             entry["x"], entry["delta_pct"] = [], []
         else:
-            rx, ry = comparison_points(session, run.id, key, x, max_points)
+            rx, ry = comparison_points(session, run.id, key, x, max_points, shift)
             entry["x"], entry["delta_pct"] = relative_difference(bx, by, rx, ry)
         runs_out.append(entry)
     note = None

@@ -99,6 +99,27 @@ def test_long_runs_are_compared_through_bucket_means_with_the_same_offset(api):
     assert all(abs(d - 3.0) < 1e-9 for d in f["delta_pct"])
 
 
+def test_a_live_run_is_bucketed_like_the_finished_baseline_and_has_no_final_difference_yet(api):
+    """The same curve, the baseline finished (6000 points, read as 32-step means at max_points=200) and the recipe
+    at step 1500 (raw before: its points against the baseline's bucket means, which sit above a convex curve, read
+    -0.9% at the start): both are read at one bucket width, so the difference is 0 wherever it is drawn."""
+    exp = create(api)
+    bf16, fp8, _ = (r["id"] for r in exp["runs"])
+    send(api, bf16, curve(6000, 64))
+    finish(api, bf16, tokens_per_s=1000.0)
+    send(api, fp8, curve(1500, 64))
+    assert api.post(f"/api/v1/runs/{fp8}/status", json={"status": "running"}).status_code == 200
+    body = comparison(api, exp["id"], max_points=200)
+    f = next(r for r in body["runs"] if r["run_id"] == fp8)
+    assert len(f["delta_pct"]) > 30
+    assert max(abs(d) for d in f["delta_pct"]) < 1e-9, f["delta_pct"][:5]
+    # its last 20 points are at step 1500, BF16's at step 6000: no "final" difference while it trains
+    assert f["final_loss"] is not None and f["final_delta_pct"] is None
+    assert api.post(f"/api/v1/runs/{fp8}/status", json={"status": "succeeded"}).status_code == 200
+    f = next(r for r in comparison(api, exp["id"], max_points=200)["runs"] if r["run_id"] == fp8)
+    assert f["final_delta_pct"] is not None
+
+
 def test_unknown_key_gives_empty_curves_and_an_experiment_without_bf16_run_is_a_409(api, database_url):
     exp = create(api)
     bf16 = exp["runs"][0]["id"]
