@@ -235,6 +235,7 @@ def run_spec(config: dict, *, steps: int, batch: int, seq: int, model: str = "1b
 
 # ---------------------------------------------------------------------------------------------------
 # worker side: one config in this process
+from training.flops import mfu  # noqa: E402 (needs the repo root on sys.path)
 from training.sink import MetricSink  # noqa: E402 (needs the repo root on sys.path)
 
 
@@ -535,7 +536,12 @@ def worker(config_json: str, steps: int, warmup: int, batch: int, seq: int, out_
         "data_wait_share": sum(m["perf/data_wait_s"] for m in timed) / total_step_s,
         "sink_log_share": (sum(log_s) / len(log_s)) / step_s,
         "host_issue_share": statistics.median(m.get("perf/host_issue_s", 0.0) for m in timed) / step_s,
-        "mfu": result.summary.get("mfu"), "tflops": tokens_per_step / step_s * result.summary["flops_per_token"] / 1e12,
+        # MFU from the same median step as tokens_per_s and tflops (the training summary's median spans every step
+        # after the first two, gate and warm-up steps included: kept as mfu_run_summary).
+        "mfu": mfu(result.summary["flops_per_token"], tokens_per_step / step_s, device_name=result.device_name,
+                   n_gpus=gpus),
+        "mfu_run_summary": result.summary.get("mfu"),
+        "tflops": tokens_per_step / step_s * result.summary["flops_per_token"] / 1e12,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "allocator": allocator_stats(),
         "gemm_backend": result.gemm_backend,
