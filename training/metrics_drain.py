@@ -141,13 +141,18 @@ class MetricsDrain:
         self.sink.log(step, metrics, tokens=record.tokens, wall_time=record.wall)
 
     def summary(self) -> dict:
-        """Steady-state figures: medians over steps, skipping the first two (compile, allocator warm-up)."""
+        """Steady-state figures: medians over steps, skipping the first two (compile, allocator warm-up) when the
+        run has more than four (a shorter run's median includes them: time runs of a few steps with
+        bench/train_bench.py, which gates its warm-up). `tokens_per_s` and `tflops` are totals over the run's
+        `world` processes (GPUs), as `perf/tokens_per_s` and `perf/tflops` are; `..._per_gpu` divides them."""
         times = self.step_times[2:] if len(self.step_times) > 4 else self.step_times
         if not times:
             return {}
         step_s = statistics.median(times)
         tok_s = self.tokens_per_step / step_s
         out = {"tokens_per_s": tok_s, "step_time_s": step_s, "tflops": self.flops_per_token * tok_s / 1e12,
+               "tokens_per_s_per_gpu": tok_s / self.world,
+               "tflops_per_gpu": self.flops_per_token * tok_s / 1e12 / self.world,
                "data_wait_share": sum(self.data_waits[-len(times):]) / sum(times),
                "mfu": mfu(self.flops_per_token, tok_s, device_name=self.device_name, n_gpus=self.world)}
         if self.cuda:

@@ -83,3 +83,17 @@ def test_summary_takes_medians_past_the_first_two_steps():
     assert summary["step_time_s"] == 2.0 and summary["tokens_per_s"] == TOKENS_PER_STEP / 2.0
     assert summary["data_wait_share"] == pytest.approx(1.5 / 6.0)
     assert summary["tflops"] == pytest.approx(FLOPS_PER_TOKEN * 500.0 / 1e12) and summary["mfu"] is None
+    assert summary["tokens_per_s_per_gpu"] == summary["tokens_per_s"] and summary["tflops_per_gpu"] == summary["tflops"]
+
+
+def test_summary_totals_are_over_every_process_and_per_gpu_figures_divide_them():
+    drain = MetricsDrain(ListSink(), TrainState(), device=torch.device("cpu"), device_name="NVIDIA H100 80GB HBM3",
+                         lag=2, tokens_per_step=TOKENS_PER_STEP, flops_per_token=FLOPS_PER_TOKEN, world=4)
+    drain.start_clock(0.0)
+    for step in range(1, 6):
+        push(drain, step, 5.0, host_end=float(step))   # 1 s a step: 1000 tokens/s over the 4 processes
+    drain.flush()
+    summary = drain.summary()
+    assert summary["tokens_per_s"] == 1000.0 and summary["tokens_per_s_per_gpu"] == 250.0
+    assert summary["tflops_per_gpu"] == pytest.approx(summary["tflops"] / 4)
+    assert summary["mfu"] == pytest.approx(FLOPS_PER_TOKEN * 1000.0 / (4 * 989.4e12))
