@@ -406,7 +406,9 @@ def run_gemm_benchmark(model: Any = None, *, micro_batch: int = 4, seq_len: int 
     its multiplicity; a quant-mode GEMM record is the GEMM training runs on those operands plus its share of
     its tensors' quantization, and is checked with the operands those quantizers produce. `repeats`/`warmup`
     None: do_bench's time-based counts on CUDA (timing.py), 3/1 on CPU. `bf16_step_time_s`, a measured BF16
-    training step of the same config on the same device, turns the GEMM-only speedup into an Amdahl
+    training step of the same config on the same device for one micro-batch of `micro_batch` sequences (the
+    GEMMs timed are one micro-batch's: with gradient accumulation, the step time / the accumulation steps; the
+    dashboard scales the GEMMs by the accumulation instead), turns the GEMM-only speedup into an Amdahl
     prediction of the end-to-end speedup (predict.py), per mode: kernel-only = upper bound, with
     quantization = expected.
     """

@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="untimed calls first; default on CUDA: do_bench's count (25 ms of calls), CPU 1")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--bf16-step-time", type=_positive_float, default=None,
-                   help="measured BF16 training step (s) of this config for the Amdahl prediction")
+                   help="measured BF16 training step (s) of this config on this device for the Amdahl prediction: "
+                        "the step of one micro-batch of --micro-batch sequences, as the GEMMs timed are one "
+                        "micro-batch's (a run with gradient accumulation: its step time / its accumulation steps)")
     p.add_argument("--no-compile-quant", action="store_true",
                    help="run the quantizers of quant mode eagerly (default on CUDA: torch.compile where training "
                         "compiles them)")
