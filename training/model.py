@@ -179,8 +179,9 @@ def matmul_layers(model: torch.nn.Module) -> list[MatmulLayer]:
     """Every weight the forward multiplies activations by, from the model's modules (build it with
     `meta_model`; a recipe's converted modules are not nn.Linear): nn.Linear modules, 2-D weights a module
     applies itself (an MoE router's F.linear), 3-D batched expert weights (each token goes through
-    config.num_experts_per_tok of them), and the LM head; embeddings are lookups, not GEMMs. Grouped by role
-    and shape, in model order."""
+    config.num_experts_per_tok of them; (experts, out, in), or (experts, in, out) for experts transformers marks
+    transposed), and the LM head; embeddings are lookups, not GEMMs, and biases and convolutions' weights are not
+    GEMM weights either. Grouped by role and shape, in model order."""
     blocks = decoder_blocks(model)
     head = model.get_output_embeddings()
     top_k = getattr(model.config, "num_experts_per_tok", None)
@@ -196,12 +197,19 @@ def matmul_layers(model: torch.nn.Module) -> list[MatmulLayer]:
                 key = (role, module.in_features, module.out_features, 1)
                 found[key] = found.get(key, 0) + 1
                 continue
+            if isinstance(module, torch.nn.modules.conv._ConvNd):
+                continue  # a (depthwise) convolution, e.g. a linear-attention layer's: no token x weight GEMM
             for pname, p in module.named_parameters(recurse=False):
+                if "bias" in pname:
+                    continue  # added, not multiplied (GPT-OSS's per-expert biases are 2-D)
                 if p.dim() == 3:
                     if not isinstance(top_k, int):
                         raise ValueError(f"{type(module).__name__}.{pname} holds batched expert weights but "
                                          f"the config has no num_experts_per_tok to count their GEMMs by")
-                    key = (f"{role}.{pname}", p.shape[2], p.shape[1], top_k)
+                    # (experts, out, in), or (experts, in, out) where transformers marks the experts transposed
+                    # (`use_experts_implementation(is_transposed=True)`: GPT-OSS computes x @ W[e])
+                    out_dim, in_dim = (2, 1) if getattr(module, "is_transposed", False) else (1, 2)
+                    key = (f"{role}.{pname}", p.shape[in_dim], p.shape[out_dim], top_k)
                 elif p.dim() == 2:
                     key = (f"{role}.{pname}", p.shape[1], p.shape[0], 1)
                 else:

@@ -197,3 +197,26 @@ def test_mfu_is_against_the_bf16_peak_summed_over_gpus():
     assert mfu(6e9, 130_000, device_name="NVIDIA H100 80GB HBM3", n_gpus=2) == pytest.approx(
         mfu(6e9, 65_000, device_name="NVIDIA H100 80GB HBM3"))
     assert mfu(6e9, 65_000, device_name="cpu") is None
+
+
+def test_gpt_oss_experts_are_read_transposed_and_their_biases_and_a_convolution_are_not_gemms():
+    """GPT-OSS stores its experts as (experts, in, out) and computes x @ W[e] (transformers marks them
+    is_transposed): gate_up is hidden -> 2 x intermediate, down intermediate -> hidden; its per-expert biases are
+    added, not multiplied. Qwen3-Next's depthwise conv1d (a 3-D weight) is not a batched expert GEMM."""
+    from training.model import matmul_layers
+
+    cfg = transformers.GptOssConfig(**TINY, num_hidden_layers=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=8)
+    layers = {m.role: m for m in matmul_layers(meta_model(cfg))}
+    assert (layers["mlp.experts.gate_up_proj"].fan_in, layers["mlp.experts.gate_up_proj"].fan_out) == (64, 256)
+    assert (layers["mlp.experts.down_proj"].fan_in, layers["mlp.experts.down_proj"].fan_out) == (128, 64)
+    assert not [role for role in layers if "bias" in role]
+    # q 64x64, k and v 64x32, o 64x64, router 64x4, top-2 of gate_up 64x256 and down 128x64; LM head 64x512
+    assert matmul_params(cfg) == 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 64 * 4 + 2 * (64 * 256 + 128 * 64)) + 64 * 512
+
+    nxt = transformers.Qwen3NextConfig(**TINY, num_hidden_layers=2, head_dim=16, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                       linear_value_head_dim=16, full_attention_interval=2)
+    roles = [m.role for m in matmul_layers(meta_model(nxt))]
+    assert roles and not [role for role in roles if "conv" in role]
