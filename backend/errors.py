@@ -94,8 +94,26 @@ def _where(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if p not in ("body", "query", "path"))
 
 
+def _body_message(e: dict) -> str | None:
+    """What a request whose body is not a JSON object was told, in words: where the JSON broke, or what to send."""
+    loc = tuple(e.get("loc", ()))
+    if e.get("type") == "json_invalid" and loc[:1] == ("body",):
+        at = loc[1] if len(loc) > 1 else None
+        why = (e.get("ctx") or {}).get("error")
+        return (f"the body is not valid JSON{f' ({why})' if why else ''}"
+                f"{f' at character {at}' if isinstance(at, int) else ''}: send one JSON object, UTF-8 encoded, "
+                f"with Content-Type: application/json")
+    if loc == ("body",) and e.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        return ("the body must be a JSON object ({...}) sent with Content-Type: application/json"
+                if e.get("type") != "missing" else
+                "the request has no body: send a JSON object with Content-Type: application/json")
+    return None
+
+
 def _describe(errors: list[dict]) -> str:
-    parts = []
+    parts = [m for m in (_body_message(e) for e in errors) if m]
+    if parts:
+        return "; ".join(dict.fromkeys(parts))
     for loc, e in _union_branches(errors):
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
@@ -107,8 +125,12 @@ def _error(status: int, message: str, **extra) -> JSONResponse:
 
 
 def _validation_error(exc: RequestValidationError | ValidationError) -> JSONResponse:
-    errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
-    return _error(422, _describe(errors), errors=errors)
+    raw = exc.errors()
+    errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in raw]
+    for e, r in zip(errors, raw):  # the JSON decoder's reason, for the message (not echoed: it may hold input)
+        if e.get("type") == "json_invalid" and isinstance(r.get("ctx"), dict):
+            e["ctx"] = {"error": str(r["ctx"].get("error", ""))[:200]}
+    return _error(422, _describe(errors), errors=[{k: v for k, v in e.items() if k != "ctx"} for e in errors])
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -154,4 +176,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail))
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == "There was an error parsing the body":  # e.g. bytes not UTF-8
+            detail = ("the body could not be parsed: send one JSON object, UTF-8 encoded, with Content-Type: "
+                      "application/json")
+        return _error(exc.status_code, detail)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, exc: Exception):
+        # Served by Starlette's outermost middleware, which logs the traceback after sending this: the client gets
+        # JSON like every other error, without the traceback.
+        return _error(500, f"internal error ({type(exc).__name__}); it is logged on the server - please report it "
+                           f"with the request that caused it")
