@@ -24,6 +24,7 @@ class Base(DeclarativeBase):
 
 class Experiment(Base):
     __tablename__ = "experiments"
+    __table_args__ = {"sqlite_autoincrement": True}  # ids never reused (migration 0008)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
@@ -63,6 +64,7 @@ class Experiment(Base):
 
 class Run(Base):
     __tablename__ = "runs"
+    __table_args__ = {"sqlite_autoincrement": True}  # ids never reused (migration 0008)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     experiment_id: Mapped[int] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
@@ -127,6 +129,7 @@ class MetricPoint(Base):
 
 class Artifact(Base):
     __tablename__ = "artifacts"
+    __table_args__ = {"sqlite_autoincrement": True}  # ids never reused (migration 0008)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
@@ -140,6 +143,7 @@ class Artifact(Base):
 class Evaluation(Base):
     """One lm-eval job on one run's checkpoint."""
     __tablename__ = "evaluations"
+    __table_args__ = {"sqlite_autoincrement": True}  # ids never reused (migration 0008)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
@@ -168,6 +172,7 @@ class EvalResult(Base):
 
 class GemmBenchmark(Base):
     __tablename__ = "gemm_benchmarks"
+    __table_args__ = {"sqlite_autoincrement": True}  # ids never reused (migration 0008)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     experiment_id: Mapped[int | None] = mapped_column(ForeignKey("experiments.id", ondelete="SET NULL"),
@@ -220,6 +225,7 @@ class MetricRollup(Base):
 class ApiToken(Base):
     """A scoped API token (backend/auth.py): only its SHA-256 is kept; `prefix` is what lists show."""
     __tablename__ = "api_tokens"
+    __table_args__ = {"sqlite_autoincrement": True}  # ids never reused (migration 0008)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(100), unique=True)
