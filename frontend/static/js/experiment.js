@@ -305,8 +305,10 @@ function drawSpeed() {
     marker: { color: colors, pattern: emulatedPattern(emulatedBars) },
     hovertemplate: "%{x}<br>%{y:,.0f} tokens/s<br>%{customdata}<extra></extra>",
   }], {
-    title: { text: "Throughput (tokens/s; label: speedup over BF16)", font: { size: 14 } },
-    margin: { l: 70, r: 20, t: 40, b: 90 }, yaxis: { title: { text: "tokens/s" } }, showlegend: false,
+    // Two lines: the whole title stays readable on a phone.
+    title: { text: "Throughput (tokens/s, all GPUs of a run)<br><sub>label: speedup over BF16 on the same device</sub>",
+      font: { size: 14 } },
+    margin: { l: 70, r: 20, t: 55, b: 90 }, yaxis: { title: { text: "tokens/s" } }, showlegend: false,
     xaxis: { automargin: true }, // "nvfp4 (emulated)" whole on a phone
     annotations: emptyNote(tps.some((v) => v != null), "no throughput reported yet"),
   }, PLOT_CONFIG);
