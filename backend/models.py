@@ -123,7 +123,8 @@ class MetricPoint(Base):
     step: Mapped[int] = mapped_column(BigInteger, autoincrement=False)
     tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     wall_time: Mapped[float | None] = mapped_column(Float, nullable=True)
-    # NULL stands for a non-finite value (NaN/Inf): SQLite cannot store NaN and JSON has no spelling for it.
+    # NULL stands for a non-finite value (NaN/Inf), or one beyond +-1e300 (schemas.MAX_METRIC_MAGNITUDE, whose sums
+    # overflow): SQLite cannot store NaN and JSON has no spelling for either.
     value: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 

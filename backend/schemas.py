@@ -133,6 +133,35 @@ NON_BLANK = f"^[^\\u0000]*[^\\u0000{_BLANK}][^\\u0000]*$"
 MAX_SEEDS = 16
 # A recipe's label, leaving room in the runs' 200-character label for " #2" (a repeated label) and " seed=N".
 MAX_RECIPE_LABEL = 160
+
+
+# One line of text a person reads (an experiment's name, a run's label): not blank and no control character (line
+# breaks and tabs, C0, DEL, C1, U+2028/U+2029; NUL is Strict's). The pattern states it in the OpenAPI document; the
+# check before it says in words which rule a refused value broke (a pattern's own message only repeats the pattern).
+_CONTROL = "\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029"
+ONE_LINE = f"^[^{_CONTROL}]*[^{_CONTROL}{_BLANK}][^{_CONTROL}]*$"
+_LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+
+
+def _one_line(value):
+    if isinstance(value, str):
+        bad = next((c for c in value if c < " " or "\x7f" <= c <= "\x9f" or c in "\u2028\u2029"), None)
+        if bad is not None and bad != "\x00":
+            what = "a line break" if bad in _LINE_BREAKS else "a tab" if bad == "\t" else "a control character"
+            raise ValueError(f"contains a control character (U+{ord(bad):04X}, {what}): it is one line of text; "
+                             "remove it")
+        if value and not value.strip():
+            raise ValueError("must not be blank (it holds only white space); give it some visible text")
+    return value
+
+
+def _one_line_text(description: str, max_length: int = 200):
+    # The check before the pattern (it wraps what is left of it): its words, not the pattern's, answer a bad value.
+    return Annotated[str, Field(min_length=1, max_length=max_length, pattern=ONE_LINE,
+                                description=description + ": one line of text, not blank, no control characters"),
+                     BeforeValidator(_one_line)]
+
+
 MAX_RUNS_PER_EXPERIMENT = 256
 
 
@@ -145,9 +174,8 @@ class RecipeRequest(Strict):
         default_factory=list, max_length=256,
         description='glob patterns of block linears kept in BF16, e.g. ["*.mlp.gate"] (names as in the '
                     'conversion report: layers.<block>.<path>)')
-    label: str | None = Field(default=None, max_length=MAX_RECIPE_LABEL,
-                              description="the runs' label (default: made from the settings); a seed replicate's "
-                                          "label adds ' seed=N'")
+    label: _one_line_text("the runs' label (default: made from the settings); a seed replicate's label adds "
+                          "' seed=N'", MAX_RECIPE_LABEL) | None = None
     seeds: list[Seed] | None = Field(
         default=None, min_length=1, max_length=MAX_SEEDS,
         description="train this recipe once per seed (seed replicates); the experiment's `seed` is always one of "
@@ -165,7 +193,7 @@ class RecipeRequest(Strict):
 
 
 class ExperimentCreate(Strict):
-    name: str = Field(min_length=1, max_length=200)
+    name: _one_line_text("the experiment's name")
     description: str = Field(default="", max_length=10_000)
     model: str | dict[str, Any] = Field(default="tiny", description='preset name, custom Llama dimensions, '
                                         '{"config": PATH} (a config.json of any transformers causal LM, random '
@@ -228,7 +256,7 @@ class RunCreate(Strict):
     experiment_id: Annotated[int, Field(ge=1, le=2**31 - 1, description="id of an existing experiment")]
     recipe: str = Field(default=catalog.BASELINE, description=_recipe_field_doc())
     recipe_options: dict[str, Any] = Field(default_factory=dict, description=OPTIONS_DOC)
-    label: str | None = Field(default=None, max_length=200)
+    label: _one_line_text("the run's label (default: the recipe, '(external)')") | None = None
     external: Literal[True] = True
 
     @model_validator(mode="after")
@@ -332,14 +360,14 @@ class Housekeeping(Strict):
 
 
 class ExperimentUpdate(Housekeeping):
-    name: str | None = Field(default=None, min_length=1, max_length=200)
+    name: _one_line_text("the experiment's name") | None = None
     description: str | None = Field(default=None, max_length=10_000, description="Markdown (a safe subset is rendered)")
 
 
 class RunInfoUpdate(Housekeeping):
     """A worker's informational fields (device, GEMM backend, summary, conversion report) and the user's (label,
     tags, notes, archived); none changes the run's status."""
-    label: str | None = Field(default=None, min_length=1, max_length=200)
+    label: _one_line_text("the run's label") | None = None
     device_name: str | None = Field(default=None, max_length=200)
     summary: dict[str, Any] | None = None
     gemm_backend: Literal["real", "emulated", "bf16"] | None = None
@@ -352,18 +380,26 @@ class RunInfoUpdate(Housekeeping):
         return capped_json(v, info.field_name)
 
 
+# A metric value (or wall time) beyond +-MAX_METRIC_MAGNITUDE is stored as NULL, like NaN and +-Infinity: no loss,
+# norm or rate is that large, and sums of such values (a rollup bucket's, a comparison's mean) overflow to
+# infinity, which JSON cannot carry. A rollup bucket holds at most 2**24 points, so its sum stays finite.
+MAX_METRIC_MAGNITUDE = 1e300
+NULL_VALUE_DOC = ("a non-finite value (NaN, +-Infinity) or one beyond +-1e300 is stored as null (no finite value at "
+                  "this step)")
+
+
 class MetricPointIn(Strict):
     key: str = Field(min_length=1, max_length=200, pattern=METRIC_KEY_PATTERN)
     step: int = Field(ge=0, le=2**62)
-    value: float | None
+    value: float | None = Field(description=NULL_VALUE_DOC)
     tokens: int | None = Field(default=None, ge=0, le=2**62)
-    wall_time: float | None = None
+    wall_time: float | None = Field(default=None, description=NULL_VALUE_DOC)
 
     @field_validator("value", "wall_time")
     @classmethod
     def finite_or_null(cls, v: float | None) -> float | None:
-        # Non-finite values are stored as NULL ("no finite value at this step").
-        return v if v is None or math.isfinite(v) else None
+        # Non-finite values, and finite ones past MAX_METRIC_MAGNITUDE, are stored as NULL.
+        return v if v is None or -MAX_METRIC_MAGNITUDE <= v <= MAX_METRIC_MAGNITUDE else None
 
 
 class MetricBatch(Strict):
@@ -374,14 +410,15 @@ class MetricBatch(Strict):
 # A step or a token count: an integer, or a float without a fractional part (JSON Schema's "integer" admits 3.0).
 _Count = Annotated[Annotated[int, Field(strict=True, ge=0, le=2**62)] | Annotated[float, Field(strict=True, ge=0,
                    le=2**62)], WithJsonSchema({"type": "integer", "minimum": 0, "maximum": 2**62})]
-# [step, value, tokens, wall_time]; a non-finite value or wall time is stored as NULL.
+# [step, value, tokens, wall_time]; a non-finite value or wall time, or one beyond +-1e300, is stored as NULL.
 MetricTuple = tuple[_Count, float | None, _Count | None, float | None]
 
 
 # Not a `Strict` model: its NUL walk is not needed (the key's pattern and the numbers cannot hold a NUL) and walking
 # 10,000 points in Python cost more than the rest of the request.
 class MetricSeriesIn(BaseModel):
-    """One key's points, each an array [step, value, tokens, wall_time] (value, tokens, wall_time may be null)."""
+    """One key's points, each an array [step, value, tokens, wall_time] (value, tokens, wall_time may be null; a
+    non-finite value or wall time, or one beyond +-1e300, is stored as null)."""
     model_config = ConfigDict(extra="forbid", strict=True)
     key: str = Field(min_length=1, max_length=200, pattern=METRIC_KEY_PATTERN)
     points: list[MetricTuple] = Field(min_length=1, max_length=MAX_POINTS_PER_BATCH)
@@ -389,7 +426,7 @@ class MetricSeriesIn(BaseModel):
     @field_validator("points")
     @classmethod
     def _normalise(cls, points: list) -> list:
-        finite = math.isfinite
+        lo, hi = -MAX_METRIC_MAGNITUDE, MAX_METRIC_MAGNITUDE  # NaN fails both comparisons
         out = []
         for p in points:
             step, value, tokens, wall = p
@@ -399,9 +436,9 @@ class MetricSeriesIn(BaseModel):
                         raise ValueError(f"{what} must be an integer, got {v!r}")
                 step, tokens = int(step), None if tokens is None else int(tokens)
                 p = (step, value, tokens, wall)
-            if (value is not None and not finite(value)) or (wall is not None and not finite(wall)):
-                p = (step, value if value is None or finite(value) else None, tokens,
-                     wall if wall is None or finite(wall) else None)
+            if (value is not None and not lo <= value <= hi) or (wall is not None and not lo <= wall <= hi):
+                p = (step, value if value is None or lo <= value <= hi else None, tokens,
+                     wall if wall is None or lo <= wall <= hi else None)
             out.append(p)
         return out
 
@@ -581,12 +618,68 @@ class EvaluationStatusUpdate(Strict):
     lm_eval_version: str | None = Field(default=None, max_length=32)
 
 
+_SAMPLE_VALUE = {"type": ["number", "null", "array"], "items": {"type": "number"},
+                 "description": "a document's score, null, or a [loglikelihood, weight] pair (perplexity, bits per "
+                                "byte)"}
 EVAL_RESULT_SCHEMA = {
     "type": "object", "additionalProperties": True,
-    "description": "free-form JSON, but for the fields stored in columns of their own",
+    "description": "free-form JSON, but for the fields stored in columns of their own and those the paired comparison "
+                   "reads (samples, subtasks, aggregation, higher_is_better, weight_by_size, metrics). Rules across "
+                   "fields: every list in `samples` has one entry per `doc_id`; a task's `samples` holds every metric "
+                   "its `aggregation` names; a group's `subtasks` never lead back to the group itself",
     "properties": {"task_hash": {"type": ["string", "null"], "maxLength": 128, "pattern": NO_NUL_PATTERN},
                    "time_s": {"type": ["number", "null"]},
-                   "samples": {"type": ["object", "null"], "additionalProperties": True}}}
+                   "metrics": {"type": ["object", "null"], "additionalProperties": True},
+                   "aggregation": {"type": ["object", "null"], "additionalProperties": {
+                       "type": ["string", "null"], "pattern": NO_NUL_PATTERN}},
+                   "higher_is_better": {"type": ["object", "null"],
+                                        "additionalProperties": {"type": ["boolean", "null"]}},
+                   "weight_by_size": {"type": ["object", "null"],
+                                      "additionalProperties": {"type": ["boolean", "null"]}},
+                   "subtasks": {"type": ["array", "null"], "uniqueItems": True, "items": {
+                       "type": "string", "minLength": 1, "maxLength": 200, "pattern": NO_NUL_PATTERN}},
+                   "samples": {"type": ["object", "null"],
+                               "description": "per-document values: {\"doc_id\": [...], metric: [one per doc_id]}",
+                               "anyOf": [{"maxProperties": 0}, {"required": ["doc_id"]}],
+                               "properties": {"doc_id": {"type": "array", "uniqueItems": True,
+                                                         "items": {"type": "integer"}}},
+                               "additionalProperties": {"type": "array", "items": _SAMPLE_VALUE}}}}
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_samples(samples: dict) -> dict:
+    """`samples` as the paired comparison reads it (training.evaluation.stats): {"doc_id": [distinct integers],
+    metric: [a number, null or [loglikelihood, weight] per document]}; doc_ids given as integral floats become
+    integers. The lists' lengths are compared with the other fields (`check_eval_result`)."""
+    if not samples:
+        return samples
+    doc_id = samples.get("doc_id")
+    if doc_id is None:
+        raise ValueError("result.samples has per-document values but no \"doc_id\" list: give the documents' ids "
+                         "(training.evaluation.evaluate_checkpoint's records carry them)")
+    if not isinstance(doc_id, list) or not all(type(d) is int or (type(d) is float and d.is_integer())
+                                               for d in doc_id):
+        raise ValueError("result.samples.doc_id must be a list of integers (the documents' ids)")
+    doc_id = [int(d) for d in doc_id]
+    seen: set[int] = set()
+    for d in doc_id:
+        if d in seen:
+            raise ValueError(f"result.samples.doc_id lists document {d} twice: each document is scored once")
+        seen.add(d)
+    for metric, values in samples.items():
+        if metric == "doc_id":
+            continue
+        if not isinstance(values, list):
+            raise ValueError(f"result.samples.{metric} must be a list (one value per document), got "
+                             f"{type(values).__name__}")
+        for i, v in enumerate(values):
+            if not (v is None or _is_number(v) or (isinstance(v, list) and all(_is_number(x) for x in v))):
+                raise ValueError(f"result.samples.{metric}[{i}] must be a number, null or a list of numbers "
+                                 f"([loglikelihood, weight]), got {v!r:.60}")
+    return {**samples, "doc_id": doc_id}
 
 
 class EvalTaskResultIn(Strict):
@@ -598,7 +691,8 @@ class EvalTaskResultIn(Strict):
     @field_validator("result")
     @classmethod
     def _capped(cls, v):
-        # The fields stored in columns of their own are typed; the rest is free-form JSON.
+        # The fields stored in columns of their own, and those the paired comparison reads, are typed; the rest is
+        # free-form JSON. Rules across fields are `check_eval_result`'s (after the evaluation is found).
         task_hash, time_s, samples = v.get("task_hash"), v.get("time_s"), v.get("samples")
         if task_hash is not None and (not isinstance(task_hash, str) or len(task_hash) > 128 or "\x00" in task_hash):
             raise ValueError("result.task_hash must be a string of at most 128 characters (no NUL) or null")
@@ -606,7 +700,47 @@ class EvalTaskResultIn(Strict):
             raise ValueError(f"result.time_s must be a number of seconds or null, got {time_s!r}")
         if samples is not None and not isinstance(samples, dict):
             raise ValueError("result.samples must be an object (metric -> per-document values) or null")
+        for name in ("metrics", "aggregation", "higher_is_better", "weight_by_size"):
+            if v.get(name) is not None and not isinstance(v[name], dict):
+                raise ValueError(f"result.{name} must be an object (metric -> ...) or null, got "
+                                 f"{type(v[name]).__name__}")
+        for metric, agg in (v.get("aggregation") or {}).items():
+            if agg is not None and not isinstance(agg, str):
+                raise ValueError(f"result.aggregation.{metric} must be the aggregation's name (a string) or null")
+        for name in ("higher_is_better", "weight_by_size"):
+            for metric, flag in (v.get(name) or {}).items():
+                if flag is not None and not isinstance(flag, bool):
+                    raise ValueError(f"result.{name}.{metric} must be true, false or null, got {flag!r:.60}")
+        subtasks = v.get("subtasks")
+        if subtasks is not None:
+            if not isinstance(subtasks, list) or not all(isinstance(t, str) and 0 < len(t) <= 200 and "\x00" not in t
+                                                         for t in subtasks):
+                raise ValueError("result.subtasks must be a list of task names (1 to 200 characters, no NUL)")
+            if len(set(subtasks)) != len(subtasks):
+                raise ValueError("result.subtasks lists a task twice: name each subtask once")
+        if samples:
+            v = {**v, "samples": _check_samples(samples)}
         return capped_json(v, "result")
+
+
+def check_eval_result(task: str, result: dict) -> None:
+    """ValueError unless `result`'s fields agree with each other (what the document states in words): a group does
+    not list itself among its subtasks, every list of `samples` has one entry per document, a task's samples hold
+    every metric its `aggregation` names."""
+    if task in (result.get("subtasks") or []):
+        raise ValueError(f"result.subtasks of {task} lists {task} itself: a group holds other tasks")
+    samples = result.get("samples") or {}
+    n = len(samples.get("doc_id") or [])
+    for metric, values in samples.items():
+        if len(values) != n:
+            raise ValueError(f"result.samples.{metric} has {len(values)} values for {n} documents (doc_id): give one "
+                             "per document, in doc_id order")
+    if result.get("kind") != "group" and not result.get("subtasks"):
+        missing = [m for m in (result.get("aggregation") or {}) if m not in samples]
+        if missing:
+            raise ValueError(f"result.samples has no per-document values for {', '.join(map(repr, missing))}, which "
+                             "result.aggregation names: the paired comparison needs them (or leave the metric out of "
+                             "aggregation)")
 
 
 class EvalResultOut(BaseModel):

@@ -23,6 +23,7 @@ import httpx
 from pydantic_core import to_json
 
 MAX_BATCH = 10_000
+FINAL_STATUSES = ("succeeded", "failed", "cancelled", "diverged")  # a run's statuses after which it takes no metrics
 
 
 class ApiError(RuntimeError):
@@ -96,8 +97,8 @@ class PlabClient:
     def list_experiments(self, limit: int = 50) -> dict:
         return self._request("GET", "/experiments", params={"limit": limit})
 
-    def get_run(self, run_id: int) -> dict:
-        return self._request("GET", f"/runs/{run_id}")
+    def get_run(self, run_id: int, *, retries: int | None = None) -> dict:
+        return self._request("GET", f"/runs/{run_id}", retries=retries)
 
     def create_external_run(self, experiment_id: int, recipe: str = "bf16", recipe_options: dict | None = None,
                             label: str | None = None) -> dict:
@@ -221,6 +222,9 @@ class MetricStreamer:
 
     `log()` only appends to a queue. The thread flushes every `flush_interval` seconds (or at `max_batch` points).
     A batch the API refuses (4xx: a bug of ours, a deleted run) is dropped and said so (`errors`, the job's log);
+    a 409 because the run has ended (its final status was reported, e.g. the reconciler failed or cancelled it while
+    this job was out of touch) sets `run_ended`, says so once and calls `on_cancel` (nothing the job does can be
+    recorded any more), and later batches are dropped quietly;
     a batch that meets a 5xx or no API is retried briefly (`send_retries`, a few seconds), then written to
     `spill_path` (JSON lines) and replayed, in order, once the API answers again and at `close()` – so `flush()`
     (before every checkpoint) never waits long on the network and no point is lost (ingest is idempotent). Each
@@ -241,6 +245,8 @@ class MetricStreamer:
         self.flush_interval, self.max_batch, self.poll_interval = flush_interval, max_batch, poll_interval
         self.on_cancel = on_cancel
         self.cancel_requested = False
+        self.run_ended = False  # the API refused a batch because the run has ended (409)
+        self._stop_sent = False  # on_cancel is called once, for a cancel or for the run's end
         self.sent = 0
         self.errors: list[str] = []
         self._q: queue.Queue = queue.Queue()
@@ -281,8 +287,16 @@ class MetricStreamer:
         try:
             r = self.client.log_metrics(self.run_id, batch, retries=self.send_retries)
         except ApiError as e:
-            if e.status < 500:  # our own bug or a deleted run: retrying cannot help
+            if e.status < 500:  # our own bug, a deleted or ended run: retrying cannot help
                 self.dropped += len(batch)
+                if self.run_ended:
+                    return True
+                if e.status == 409 and self._has_ended():
+                    self.run_ended = True
+                    self._say(f"run {self.run_id} has ended: the API takes no more of its metric points (this batch "
+                              f"of {len(batch)} and later ones are dropped); the job should stop: {e}")
+                    self._stop_job()
+                    return True
                 self._say(f"metrics batch of {len(batch)} points of run {self.run_id} rejected, dropped: {e}")
                 return True
             self.errors.append(str(e))
@@ -329,11 +343,23 @@ class MetricStreamer:
                     return
             os.remove(self.spill_path)
 
+    def _has_ended(self) -> bool:
+        """Whether the run has a final status (a 409 may have another cause); False when the API cannot say."""
+        try:
+            return self.client.get_run(self.run_id, retries=0).get("status") in FINAL_STATUSES
+        except Exception:  # noqa: BLE001 - unknown: the batch is dropped with its message, as any 4xx
+            return False
+
+    def _stop_job(self) -> None:
+        if not self._stop_sent:
+            self._stop_sent = True
+            if self.on_cancel:
+                self.on_cancel()
+
     def _note_cancel(self, flag: bool) -> None:
         if flag and not self.cancel_requested:
             self.cancel_requested = True
-            if self.on_cancel:
-                self.on_cancel()
+            self._stop_job()
 
     def _loop(self) -> None:
         last_contact = time.monotonic()

@@ -112,8 +112,10 @@ def relative_difference(base_x: list[float], base_y: list[float], x: list[float]
     rx, ry = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     inside = (bx >= rx[0]) & (bx <= rx[-1]) & (by != 0)
     bx, by = bx[inside], by[inside]
-    delta = 100.0 * (np.interp(bx, rx, ry) - by) / by
-    return bx.tolist(), delta.tolist()
+    with np.errstate(over="ignore", invalid="ignore"):
+        delta = 100.0 * (np.interp(bx, rx, ry) - by) / by
+    finite = np.isfinite(delta)  # a ratio of extreme values (1e300 against 1e-300) has no number: left out
+    return bx[finite].tolist(), delta[finite].tolist()
 
 
 def final_value(session: Session, run_id: int, key: str, last_n: int) -> float | None:
@@ -121,7 +123,13 @@ def final_value(session: Session, run_id: int, key: str, last_n: int) -> float |
     rows = session.execute(text(
         "SELECT value FROM metric_points WHERE run_id = :r AND key = :k AND value IS NOT NULL "
         "ORDER BY step DESC LIMIT :n"), {"r": run_id, "k": key, "n": last_n}).all()
-    return statistics.fmean(r[0] for r in rows) if rows else None
+    if not rows:
+        return None
+    try:
+        mean = statistics.fmean(r[0] for r in rows)
+    except OverflowError:  # values near the float range (stored before ingest capped them at 1e300)
+        return None
+    return mean if math.isfinite(mean) else None
 
 
 def throughput(session: Session, run: Run) -> float | None:
@@ -197,9 +205,9 @@ def compare_experiment(session: Session, experiment_id: int, *, key: str = "trai
             "final_loss": final,
             # Final against final only when both have ended: a run still training is at another point of its curve
             # (the curves above compare it at equal tokens).
-            "final_delta_pct": (100.0 * (final - base_final) / base_final
-                                if final is not None and base_final not in (None, 0)
-                                and run.status not in LIVE and base.status not in LIVE else None),
+            "final_delta_pct": _finite(100.0 * (final - base_final) / base_final
+                                       if final is not None and base_final not in (None, 0)
+                                       and run.status not in LIVE and base.status not in LIVE else None),
             "tokens_per_s": tps, "speedup": speed[run.id][0], "speedup_note": speed[run.id][1],
             "device_name": run.device_name, "mfu": _finite(summary.get("mfu")), "peak_mem_gib": _peak_memory(session, run),
         }

@@ -1,18 +1,20 @@
 """lm-eval jobs on run checkpoints, their per-task results, and the paired comparison against BF16."""
 from __future__ import annotations
 
+import hashlib
 import threading
 
-from sqlalchemy import select
+from sqlalchemy import Text, cast, func, select
 from sqlalchemy.orm import Session
 
 from backend.models import Artifact, EvalResult, Evaluation, Run, utcnow
-from backend.schemas import EvalResultOut, EvaluationOut, EvaluationStatusUpdate, EvalTaskResultIn
-from backend.errors import Conflict, NotFound
+from backend.schemas import EvalResultOut, EvaluationOut, EvaluationStatusUpdate, EvalTaskResultIn, check_eval_result
+from backend.errors import Conflict, InvalidInput, NotFound
 from backend.services.comparison import baseline_run
 from backend.services.runs import get_experiment, get_run
 
 EVAL_TRANSITIONS = {"queued": {"running", "failed"}, "running": {"running", "succeeded", "failed"}}
+EVAL_ENDED = ("succeeded", "failed")
 
 
 def checkpoint_of(session: Session, run_id: int) -> str | None:
@@ -85,8 +87,71 @@ def update_status(session: Session, evaluation_id: int, body: EvaluationStatusUp
     return ev
 
 
+def post_result(session: Session, evaluation_id: int, body: EvalTaskResultIn) -> EvalResult:
+    """A worker's result of one task (POST /evaluations/{id}/results): taken while the evaluation is queued or
+    running (re-posting a task replaces it: a retried job must not duplicate); 409 once it has ended, whose results
+    are what the accuracy table and the verdict were computed from. 422 for fields that disagree with each other
+    (`check_eval_result`), 409 for a group that would lead back to itself through the run's stored groups."""
+    ev = session.get(Evaluation, evaluation_id, with_for_update=True)  # a status report waits for this post
+    if ev is None:
+        raise NotFound(f"evaluation {evaluation_id} does not exist")
+    if ev.status in EVAL_ENDED:
+        raise Conflict(f"evaluation {evaluation_id} has already ended ('{ev.status}'): its stored results can no "
+                       "longer change; post results before reporting the final status, or start a new evaluation "
+                       f"(POST /api/v1/runs/{ev.run_id}/evaluations)")
+    try:
+        check_eval_result(body.task, body.result)
+    except ValueError as e:
+        raise InvalidInput(str(e)) from None
+    if body.result.get("subtasks"):
+        _refuse_cycle(session, ev, body.task, list(body.result["subtasks"]))
+    return store_result(session, evaluation_id, body)
+
+
+def _refuse_cycle(session: Session, ev: Evaluation, task: str, subtasks: list[str]) -> None:
+    """Conflict when `task`'s subtasks lead back to it through the groups stored for the run (by the evaluations
+    that have not failed, a later evaluation's definition of a task replacing an earlier one's)."""
+    rows = session.execute(select(EvalResult.task, EvalResult.metrics).join(Evaluation)
+                           .where(EvalResult.run_id == ev.run_id, Evaluation.status != "failed")
+                           .order_by(Evaluation.id)).all()
+    graph = {name: _subtasks_of(metrics) for name, metrics in rows}
+    graph[task] = subtasks
+    cycle = _cycle_through(graph, task)
+    if cycle:
+        raise Conflict(f"group {task} would contain itself: {' -> '.join(cycle)} (subtasks stored for run "
+                       f"{ev.run_id}); a group's subtasks must not lead back to it")
+
+
+def _subtasks_of(entry) -> list[str]:
+    subs = entry.get("subtasks") if isinstance(entry, dict) else None
+    return [s for s in subs if isinstance(s, str)] if isinstance(subs, list) else []
+
+
+def _cycle_through(graph: dict[str, list[str]], start: str) -> list[str] | None:
+    """A path start -> ... -> start along `graph` (task -> its subtasks), or None."""
+    stack, seen = [(start, [start])], set()
+    while stack:
+        node, path = stack.pop()
+        for sub in graph.get(node, []):
+            if sub == start:
+                return path + [start]
+            if sub not in seen:
+                seen.add(sub)
+                stack.append((sub, path + [sub]))
+    return None
+
+
+def _first_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    for task in graph:
+        cycle = _cycle_through(graph, task)
+        if cycle:
+            return cycle
+    return None
+
+
 def store_result(session: Session, evaluation_id: int, body: EvalTaskResultIn) -> EvalResult:
-    """One task's result; re-posting the same task replaces it (a retried job must not duplicate)."""
+    """One task's result stored, whatever the evaluation's status (the API's way in is `post_result`, which refuses
+    an ended evaluation); re-posting the same task replaces it (a retried job must not duplicate)."""
     ev = get_evaluation(session, evaluation_id)
     result = dict(body.result)
     samples = result.pop("samples", None) or {}
@@ -114,24 +179,36 @@ def latest_results(session: Session, run_id: int) -> dict[str, dict]:
 
 
 # Accuracy tables by everything they are computed from (the experiment's baseline, its runs' recipe, label, status
-# and backend, every evaluation and stored result row, the method): a table costs a bootstrap of DEFAULT_N_BOOT
-# resamples per task and run, and the page and the verdict ask for it on every poll.
+# and backend, every evaluation and stored result row with a digest of its content, the method): a table costs a
+# bootstrap of DEFAULT_N_BOOT resamples per task and run, and the page and the verdict ask for it on every poll.
 _TABLES: dict[tuple, dict] = {}
 _TABLES_KEPT = 32
 _TABLES_LOCK = threading.Lock()  # FastAPI runs sync routes on a thread pool
 
 
 def _table_signature(session: Session, exp, method: str) -> tuple:
-    results = session.execute(
-        select(EvalResult.id, EvalResult.evaluation_id).join(Run, Run.id == EvalResult.run_id)
-        .where(Run.experiment_id == exp.id).order_by(EvalResult.id)).all()
+    results = _result_digests(session, exp.id)
     evals = session.execute(
         select(Evaluation.id, Evaluation.status).join(Run, Run.id == Evaluation.run_id)
         .where(Run.experiment_id == exp.id).order_by(Evaluation.id)).all()
     runs = tuple((r.id, r.recipe, r.label, r.status, r.gemm_backend, r.bf16_first_layers, r.bf16_last_layers)
                  for r in exp.runs)
-    return (str(session.get_bind().url), exp.id, exp.baseline, method, runs, tuple(map(tuple, results)),
-            tuple(map(tuple, evals)))
+    return (str(session.get_bind().url), exp.id, exp.baseline, method, runs, results, tuple(map(tuple, evals)))
+
+
+def _result_digests(session: Session, experiment_id: int) -> tuple:
+    """(id, evaluation id, digest of the stored metrics and samples) of every result row of the experiment: a row
+    replaced in place keeps its id, so the id alone served a table computed from its former content. The rows have no
+    updated_at column; the digest is taken from the JSON text as stored (md5 in the database on PostgreSQL, so the
+    samples do not travel; SQLite's text is read without being parsed)."""
+    where = (Run.experiment_id == experiment_id,)
+    base = select(EvalResult.id, EvalResult.evaluation_id).join(Run, Run.id == EvalResult.run_id)
+    if session.get_bind().dialect.name == "postgresql":
+        digest = func.md5(cast(EvalResult.metrics, Text) + cast(EvalResult.samples, Text))
+        return tuple(map(tuple, session.execute(base.add_columns(digest).where(*where).order_by(EvalResult.id))))
+    rows = session.execute(base.add_columns(cast(EvalResult.metrics, Text), cast(EvalResult.samples, Text))
+                           .where(*where).order_by(EvalResult.id))
+    return tuple((rid, eid, hashlib.sha256(f"{m}\x00{s}".encode()).hexdigest()) for rid, eid, m, s in rows)
 
 
 def accuracy_table(session: Session, experiment_id: int, *, method: str = "bootstrap") -> dict:
@@ -143,7 +220,7 @@ def accuracy_table(session: Session, experiment_id: int, *, method: str = "boots
     with _TABLES_LOCK:
         table = _TABLES.get(key)
     if table is None:
-        table = _accuracy_table(session, experiment_id, method)
+        table = _accuracy_table(session, experiment_id, method)  # Conflict (409) for what cannot be compared
         with _TABLES_LOCK:
             if len(_TABLES) >= _TABLES_KEPT:
                 _TABLES.pop(next(iter(_TABLES)))
@@ -159,13 +236,23 @@ def _accuracy_table(session: Session, experiment_id: int, method: str) -> dict:
     per_run = {r.id: latest_results(session, r.id) for r in runs}
     # The reference is the one the loss comparison uses (the baseline's first seed), when it was evaluated.
     base = baseline_run([r for r in runs if per_run[r.id]], exp.baseline)
+    for r in runs:  # stored before groups were checked: the paired test would recurse without end
+        cycle = _first_cycle({t: _subtasks_of(e) for t, e in per_run[r.id].items() if e.get("kind") == "group"})
+        if cycle:
+            raise Conflict(f"run {r.id} ({r.label}) has a stored evaluation group that contains itself "
+                           f"({' -> '.join(cycle)}); evaluate its checkpoint again (POST "
+                           f"/api/v1/runs/{r.id}/evaluations) to replace those results")
     table = []
     for r in runs:
         res = per_run[r.id]
         # Subtasks of a group (BLiMP's 67 paradigms) are stored for the paired test; the table shows what was asked.
         requested = {t for ev in session.scalars(select(Evaluation).where(Evaluation.run_id == r.id)) for t in ev.tasks}
         shown = [t for t in res if t in requested] or list(res)
-        values = {task: dict(res[task].get("metrics") or {}) for task in shown}
+        try:
+            values = {task: dict(res[task].get("metrics") or {}) for task in shown}
+        except (TypeError, ValueError, AttributeError) as e:
+            raise Conflict(f"run {r.id} ({r.label}) has a stored evaluation result whose metrics are not an object "
+                           f"({e}); evaluate its checkpoint again (POST /api/v1/runs/{r.id}/evaluations)") from e
         comparison = []
         if base is not None and r.id != base.id and res:
             shared = [t for t in shown if t in per_run[base.id]]
@@ -176,6 +263,11 @@ def _accuracy_table(session: Session, experiment_id: int, method: str) -> dict:
                 except PairingError as e:
                     raise Conflict(f"run {r.id} ({r.label}) cannot be paired with the {exp.baseline} run {base.id}: "
                                    f"{e}") from e
+                except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as e:
+                    # Results stored before their shape was checked (or that the statistics refuse): say which.
+                    raise Conflict(f"run {r.id} ({r.label}) cannot be compared with the {exp.baseline} run {base.id}: "
+                                   f"{_stored_result_problem(e)}; evaluate both checkpoints again (POST "
+                                   "/api/v1/runs/<id>/evaluations) so that their results can be paired") from e
         table.append({"run_id": r.id, "recipe": r.recipe, "label": r.label, "status": r.status,
                       "gemm_backend": r.gemm_backend, "tasks": values, "vs_bf16": comparison})
     return {"experiment_id": exp.id, "baseline_run_id": base.id if base else None, "method": method,
@@ -184,3 +276,13 @@ def _accuracy_table(session: Session, experiment_id: int, method: str) -> dict:
             "interval_covers": "the sampling of documents for these checkpoints; seed-to-seed variation only where "
                                "the baseline has seed replicates (their spread is shown beside each difference)",
             "runs": table}
+
+
+def _stored_result_problem(e: Exception) -> str:
+    if isinstance(e, KeyError):
+        return f"a stored evaluation result lacks the field {e.args[0]!r} the paired test reads"
+    if isinstance(e, RecursionError):
+        return "a stored evaluation group nests too deeply"
+    if isinstance(e, ValueError):
+        return str(e)
+    return f"a stored evaluation result is malformed ({type(e).__name__}: {e})"

@@ -1,7 +1,9 @@
 """Export of an experiment's metrics at full resolution, whatever the dashboard shows: every stored point of every
 run and key (or of the keys asked for), read from the raw table in (run, key, step) order and streamed, so an
 export of millions of points never sits in memory whole. Non-finite values are stored as NULL and come out empty
-(CSV) or null (JSON)."""
+(CSV) or null (JSON). A CSV text cell that a spreadsheet would run as a formula (it begins with = + - @, a tab or a
+carriage return: a label or a metric key anyone can write) is written with a leading single quote (OWASP's advice on
+CSV injection); numbers are written as they are."""
 from __future__ import annotations
 
 import csv
@@ -19,6 +21,14 @@ from backend.services.runs import get_experiment
 # are not what the format's hardware would give, and an export read without the dashboard must still say so.
 CSV_COLUMNS = ("run_id", "recipe", "label", "key", "step", "tokens", "wall_time", "value", "gemm_backend")
 ROWS_PER_FETCH = 20_000
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value):
+    """`value` as a CSV cell: text starting like a formula gets a leading single quote; anything else is unchanged."""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value
 
 
 def export_plan(session, experiment_id: int) -> dict:
@@ -48,10 +58,14 @@ def csv_stream(sessionmaker, plan: dict, keys: list[str] | None) -> Iterator[str
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
     runs = plan["runs"]
+    # The text of each run once (not per point); the key is checked only when it changes (rows come by run and key).
+    text = {rid: (csv_cell(r["recipe"]), csv_cell(r["label"]), csv_cell(r["gemm_backend"])) for rid, r in runs.items()}
+    last_key, key_cell = None, None
     for n, (run_id, key, step, tokens, wall_time, value) in enumerate(_points(sessionmaker, list(runs), keys), 1):
-        run = runs[run_id]
-        writer.writerow((run_id, run["recipe"], run["label"], key, step, tokens, wall_time, value,
-                         run["gemm_backend"]))
+        recipe, label, gemm_backend = text[run_id]
+        if key != last_key:
+            last_key, key_cell = key, csv_cell(key)
+        writer.writerow((run_id, recipe, label, key_cell, step, tokens, wall_time, value, gemm_backend))
         if n % 5000 == 0:
             yield buf.getvalue()
             buf.seek(0)

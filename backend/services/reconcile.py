@@ -7,6 +7,9 @@ locks the rows it changes) it looks at the runs a worker should be training:
     started PLAB_MAX_ATTEMPTS times, then `failed` with the reason;
   * `queued` for longer than PLAB_REQUEUE_GRACE_S whose message the broker no longer holds (a Redis restart
     without persistence, a job that gave up while the API was down): its job sent again.
+A run whose cancel was requested is not sent again: a job skips such a run, which would then stay `queued` for
+ever (and could not be deleted). `running` with a stale heartbeat, or `queued` with its message gone (or never
+sent), it is marked `cancelled` instead.
 A job claims its run when it reports `running` (refused while another job's heartbeat is fresh), so a message
 sent twice never trains a run twice at once. An API process rather than Celery beat: the API already owns the
 database, and a beat process would be one more service to keep alive for the thing that keeps services alive.
@@ -32,7 +35,8 @@ def _aware(t: datetime | None) -> datetime | None:
 
 
 def reconcile(session: Session, settings, messages_present=None, now: datetime | None = None) -> dict:
-    """One pass; returns what it did ({"requeued": [...], "failed": [...], "resent": [...]}).
+    """One pass; returns what it did ({"requeued": [...], "failed": [...], "resent": [...]}, and "cancelled": [...]
+    when it cancelled runs whose cancel was requested).
 
     No run stays locked while the broker is asked, nor while another run is handled: the candidates are read without
     locks, the broker is asked once about all the queued ones (`plab.broker.messages_present`, or the callable
@@ -56,7 +60,13 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
         if run is None or (last is not None and last >= stale):
             session.commit()
             continue
-        if (run.attempts or 0) >= settings.max_attempts:
+        if run.cancel_requested:
+            # The job would skip it (its cancel was requested): sent again, it would stay queued for ever.
+            _cancel(run, now, f"cancelled: the job's worker stopped heartbeating (last heartbeat "
+                              f"{last:%Y-%m-%d %H:%M:%S} UTC) after the cancel was requested" if last else
+                              "cancelled: the job's worker stopped heartbeating after the cancel was requested")
+            done.setdefault("cancelled", []).append(run.id)
+        elif (run.attempts or 0) >= settings.max_attempts:
             run.status, run.finished_at = "failed", now
             run.error_message = (f"the job's worker stopped heartbeating (last heartbeat {last:%Y-%m-%d %H:%M:%S} "
                                  f"UTC) and the run was started {run.attempts} times (PLAB_MAX_ATTEMPTS)")
@@ -83,9 +93,44 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
             if run is not None and dispatch.resend_run(session, run):
                 done["resent"].append(rid)
             session.commit()
+    _cancel_abandoned(session, messages_present, now, grace, done)
     if any(done.values()):
         log.warning("reconciler: %s", done)
     return done
+
+
+def _cancel(run: Run, now: datetime, message: str) -> None:
+    run.status, run.finished_at = "cancelled", now
+    if not run.error_message:
+        run.error_message = message
+
+
+def _cancel_abandoned(session: Session, messages_present, now: datetime, grace: datetime, done: dict) -> None:
+    """`queued` runs whose cancel was requested and whose job message is gone (a job took it and skipped the run) or
+    was never sent: nothing will start them (left so by this reconciler before 2026-12, which sent such a run again)."""
+    from backend.queue import queue_for
+
+    abandoned = (Run.status == "queued", Run.external.is_(False), Run.cancel_requested.is_(True),
+                 or_(Run.dispatch_id.is_(None), Run.dispatched_at.is_(None), Run.dispatched_at < grace))
+    candidates = session.execute(select(Run.id, Run.dispatch_id, Run.spec).where(*abandoned).order_by(Run.id)).all()
+    session.commit()  # the read's transaction ends before the broker is asked
+    sent = [(rid, d, spec) for rid, d, spec in candidates if d is not None]
+    held: set | None = set()
+    if sent:
+        held = messages_present({d for _, d, _ in sent}, sorted({"default"} | {queue_for(spec) for _, _, spec in sent}))
+    if held is None:  # a broker that cannot be asked: only the runs never sent are certain to be abandoned
+        held = {d for _, d, _ in sent}
+    for rid, dispatch_id, _ in candidates:
+        if dispatch_id is not None and dispatch_id in held:
+            continue  # a worker will take the message and skip the run; the next pass finds it gone
+        same = Run.dispatch_id.is_(None) if dispatch_id is None else Run.dispatch_id == dispatch_id
+        run = session.scalars(select(Run).where(Run.id == rid, same, *abandoned)
+                              .with_for_update(skip_locked=True)).first()
+        if run is not None:
+            _cancel(run, now, "cancelled: the cancel was requested while the run waited for a worker, and its job "
+                              "message is gone")
+            done.setdefault("cancelled", []).append(rid)
+        session.commit()
 
 
 def start_reconciler(app) -> threading.Event | None:

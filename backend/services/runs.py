@@ -8,7 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from backend.errors import Conflict, InvalidInput, NotFound
-from backend.models import BASELINE_RECIPE, FINAL_STATUSES, Artifact, Experiment, Run, utcnow
+from backend.models import BASELINE_RECIPE, FINAL_STATUSES, Artifact, Experiment, MetricPoint, Run, utcnow
 from backend.schemas import (MAX_RECIPE_LABEL, MAX_RUNS_PER_EXPERIMENT, ArtifactIn, ExperimentCreate, MetricBatchResult,
                              RecipeRequest, RunCreate, RunInfoUpdate, Series, SeriesQuery, StatusUpdate)
 from backend.services import metrics
@@ -328,11 +328,21 @@ def list_artifacts(session: Session, run_id: int) -> list[Artifact]:
     return list(session.scalars(select(Artifact).where(Artifact.run_id == run_id).order_by(Artifact.id)))
 
 
-def ingest_metrics(session: Session, run_id: int, series: dict[str, list[tuple]]) -> MetricBatchResult:
+def ingest_metrics(session: Session, run_id: int, series: dict[str, list[tuple]], *,
+                   refuse_ended: bool = False) -> MetricBatchResult:
     """A batch of points ({key: [(step, value, tokens, wall_time)]}, idempotent on run, key, step); the highest
     `train/loss` step seen is the run's progress. The answer carries the run's status and `cancel_requested`,
-    which is how a worker learns of a cancel."""
+    which is how a worker learns of a cancel.
+
+    `refuse_ended` (what the API's POST /runs/{id}/metrics passes, for every writer from outside): a run that has
+    ended (succeeded, failed, cancelled, diverged) takes no new point, its curves being what its verdict was judged
+    on. A batch whose points are all stored already (a retry whose first answer was lost, an old job flushing steps
+    the run's later job stored too) is still answered with every point a duplicate; a batch with a new point is
+    refused whole (Conflict, 409). Without it (in-process writers: a migration's or a test's own history) the status
+    is not looked at."""
     run = lock_run(session, run_id)  # held until the commit: the run cannot be deleted under the insert
+    if refuse_ended and run.status in FINAL_STATUSES:
+        return _ended_run_batch(session, run, series)
     inserted, duplicates = metrics.ingest(session, run_id, series)
     loss_steps = series.get("train/loss")
     if loss_steps:
@@ -343,6 +353,28 @@ def ingest_metrics(session: Session, run_id: int, series: dict[str, list[tuple]]
                    else -1)
         run.progress = {"step": step, "total": total}
     return MetricBatchResult(inserted=inserted, duplicates=duplicates, run_status=run.status,
+                             cancel_requested=run.cancel_requested)
+
+
+def _ended_run_batch(session: Session, run: Run, series: dict[str, list[tuple]]) -> MetricBatchResult:
+    """The answer to a batch for an ended run: 200 (all duplicates) when every point is stored, else Conflict."""
+    wanted = {key: {p[0] for p in pts} for key, pts in series.items() if pts}
+    new: list[tuple[str, int]] = []
+    for key in sorted(wanted):
+        steps = wanted[key]
+        stored = set(session.scalars(select(MetricPoint.step).where(
+            MetricPoint.run_id == run.id, MetricPoint.key == key,
+            MetricPoint.step.between(min(steps), max(steps)))))
+        new += [(key, step) for step in sorted(steps - stored)]
+    received = sum(len(pts) for pts in series.values())
+    if new:
+        key, step = new[0]
+        ended = f" at {_aware(run.finished_at):%Y-%m-%d %H:%M:%S} UTC" if run.finished_at else ""
+        raise Conflict(f"run {run.id} has ended (status '{run.status}'{ended}): its metrics can no longer change, "
+                       f"and {len(new)} of its {received} points are not stored yet (first: {key} step {step}); send "
+                       "metric points before reporting the run's final status (flush or close the metric stream "
+                       "first)")
+    return MetricBatchResult(inserted=0, duplicates=received, run_status=run.status,
                              cancel_requested=run.cancel_requested)
 
 

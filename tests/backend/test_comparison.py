@@ -171,3 +171,17 @@ def test_relative_difference_validates_and_skips_zero_baseline_losses():
     assert x == [2.0, 3.0] and d == pytest.approx([50.0, 25.0])
     with pytest.raises(ValueError, match="as many x as y"):
         relative_difference([1, 2], [1.0], [1], [1.0])
+
+
+def test_extreme_values_leave_no_number_the_json_cannot_carry(api):
+    """Finite values whose ratio is not (BF16 at 1e-300, a recipe at 1e300 - under the 1e300 ingest cap): the
+    comparison leaves those points out instead of failing to encode an infinity (a 500 before)."""
+    exp = create(api)
+    bf16, fp8, _ = (r["id"] for r in exp["runs"])
+    send(api, bf16, [{"key": "train/loss", "step": s, "tokens": 64 * (s + 1), "value": 1e-300} for s in range(30)])
+    send(api, fp8, [{"key": "train/loss", "step": s, "tokens": 64 * (s + 1), "value": 1e300} for s in range(30)])
+    for run in (bf16, fp8):
+        finish(api, run, tokens_per_s=1000.0)
+    for params in ({}, {"max_points": 10, "final_n": 1}):
+        f = next(r for r in comparison(api, exp["id"], **params)["runs"] if r["run_id"] == fp8)
+        assert f["delta_pct"] == [] and f["final_delta_pct"] is None

@@ -143,6 +143,10 @@ def run(run_id: int) -> int:
         print(f"[plab] run {run_id} was given to another job (its lease lapsed); this job stops unreported",
               flush=True)
         return EXIT_SKIPPED
+    if streamer is not None and streamer.run_ended:
+        print(f"[plab] run {run_id} ended while this job trained it (the API refused its metrics); this job stops "
+              "unreported", flush=True)
+        return EXIT_SKIPPED
     if rank == 0:
         _report(client, run_id, result)
     return EXIT_OK

@@ -38,7 +38,11 @@ def update_evaluation_status(evaluation_id: ObjectId, body: EvaluationStatusUpda
 
 @router.post("/evaluations/{evaluation_id}/results", status_code=201, dependencies=WRITE)
 def store_task_result(evaluation_id: ObjectId, body: EvalTaskResultIn, session: SessionDep):
-    row = evaluations.store_result(session, evaluation_id, body)
+    """One task's result, while the evaluation is queued or running (a task posted again replaces its result): 409
+    once the evaluation has ended, and for a group whose subtasks would lead back to it; 422 for a result whose
+    fields disagree (samples without one value per doc_id, a task without per-document values for a metric it
+    aggregates, a group listing itself)."""
+    row = evaluations.post_result(session, evaluation_id, body)
     return {"evaluation_id": evaluation_id, "task": row.task}
 
 

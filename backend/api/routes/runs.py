@@ -9,8 +9,8 @@ from pydantic import ValidationError
 
 from backend.api.deps import WRITE, ObjectId, SessionDep, get_settings
 from backend.schemas import (METRIC_INGEST, X_RANGE_DOC, ArtifactIn, ArtifactOut, HeartbeatOut, MetricBatchResult, Page,
-                             RunCreate, RunDetail, RunInfoUpdate, RunOut, Series, SeriesQuery, StatusUpdate, Tag,
-                             metric_series)
+                             RunCreate, RunDetail, RunInfoUpdate, RunOut, Series, SeriesQuery, Status, StatusUpdate,
+                             Tag, metric_series)
 from backend.services import artifacts, dispatch, housekeeping, runs
 from plab.settings import Settings
 
@@ -19,7 +19,8 @@ router = APIRouter(prefix="/runs", tags=["runs"])
 
 @router.get("", response_model=Page)
 def list_runs(session: SessionDep, experiment_id: int | None = Query(None, ge=1, le=2**31 - 1),
-              status: str | None = Query(None, max_length=16), recipe: str | None = Query(None, max_length=32),
+              status: Status | None = Query(None, description="only runs in this status"),
+              recipe: str | None = Query(None, max_length=32),
               q: str | None = Query(None, max_length=200, description="matches label, experiment name, message, "
                                                                        "recipe or tags"),
               tag: Tag | None = Query(None, description="only runs with this tag"),
@@ -92,9 +93,13 @@ def ingest_metrics(series: Annotated[dict[str, list[tuple]], Depends(metric_batc
                    session: SessionDep):
     """Batch ingest, idempotent on (run, key, step). Two forms: `{"points": [{key, step, value, tokens,
     wall_time}, ...]}` (at most 10,000 points) or `{"series": [{"key": K, "points": [[step, value, tokens,
-    wall_time], ...]}, ...]}` (the compact form the metric client sends; at most 10,000 points per key). The body
-    is read and validated before the session (and SQLite's write lock) is taken."""
-    return runs.ingest_metrics(session, run_id, series)
+    wall_time], ...]}, ...]}` (the compact form the metric client sends; at most 10,000 points per key). A value or
+    wall time that is not finite (NaN, Infinity) or beyond +-1e300 is stored as null. The body is read and validated
+    before the session (and SQLite's write lock) is taken.
+
+    409 once the run has ended (succeeded, failed, cancelled, diverged): send every point before the final status.
+    A re-sent batch whose points are all stored already is still answered 200 (all duplicates)."""
+    return runs.ingest_metrics(session, run_id, series, refuse_ended=True)
 
 
 @router.get("/{run_id}/metrics")
