@@ -162,6 +162,12 @@ def _one_line_text(description: str, max_length: int = 200):
                      BeforeValidator(_one_line)]
 
 
+ExperimentName = _one_line_text("the experiment's name")
+RunLabel = _one_line_text("the run's label")
+RecipeLabel = _one_line_text("the runs' label (default: made from the settings); a seed replicate's label adds "
+                             "' seed=N'", MAX_RECIPE_LABEL)
+ExternalRunLabel = _one_line_text("the run's label (default: the recipe, '(external)')")
+
 MAX_RUNS_PER_EXPERIMENT = 256
 
 
@@ -174,8 +180,7 @@ class RecipeRequest(Strict):
         default_factory=list, max_length=256,
         description='glob patterns of block linears kept in BF16, e.g. ["*.mlp.gate"] (names as in the '
                     'conversion report: layers.<block>.<path>)')
-    label: _one_line_text("the runs' label (default: made from the settings); a seed replicate's label adds "
-                          "' seed=N'", MAX_RECIPE_LABEL) | None = None
+    label: RecipeLabel | None = None
     seeds: list[Seed] | None = Field(
         default=None, min_length=1, max_length=MAX_SEEDS,
         description="train this recipe once per seed (seed replicates); the experiment's `seed` is always one of "
@@ -193,7 +198,7 @@ class RecipeRequest(Strict):
 
 
 class ExperimentCreate(Strict):
-    name: _one_line_text("the experiment's name")
+    name: ExperimentName
     description: str = Field(default="", max_length=10_000)
     model: str | dict[str, Any] = Field(default="tiny", description='preset name, custom Llama dimensions, '
                                         '{"config": PATH} (a config.json of any transformers causal LM, random '
@@ -256,7 +261,7 @@ class RunCreate(Strict):
     experiment_id: Annotated[int, Field(ge=1, le=2**31 - 1, description="id of an existing experiment")]
     recipe: str = Field(default=catalog.BASELINE, description=_recipe_field_doc())
     recipe_options: dict[str, Any] = Field(default_factory=dict, description=OPTIONS_DOC)
-    label: _one_line_text("the run's label (default: the recipe, '(external)')") | None = None
+    label: ExternalRunLabel | None = None
     external: Literal[True] = True
 
     @model_validator(mode="after")
@@ -360,14 +365,14 @@ class Housekeeping(Strict):
 
 
 class ExperimentUpdate(Housekeeping):
-    name: _one_line_text("the experiment's name") | None = None
+    name: ExperimentName | None = None
     description: str | None = Field(default=None, max_length=10_000, description="Markdown (a safe subset is rendered)")
 
 
 class RunInfoUpdate(Housekeeping):
     """A worker's informational fields (device, GEMM backend, summary, conversion report) and the user's (label,
     tags, notes, archived); none changes the run's status."""
-    label: _one_line_text("the run's label") | None = None
+    label: RunLabel | None = None
     device_name: str | None = Field(default=None, max_length=200)
     summary: dict[str, Any] | None = None
     gemm_backend: Literal["real", "emulated", "bf16"] | None = None

@@ -17,7 +17,6 @@ Revises: 0007
 Create Date: 2026-11-30 00:30:00
 """
 from alembic import op
-import sqlalchemy as sa
 
 
 revision = '0008'
