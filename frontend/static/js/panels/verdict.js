@@ -188,7 +188,9 @@ function outcomeOf(verdict, row) {
 function bodyRow(verdict, row, tasks) {
   const backend = gemmBackend(row.run);
   const speed = finite(row.speedup)
-    ? html`${row.speedup.toFixed(2)}×${row.speedup < 1 ? html` <span class="muted">slowdown</span>` : ""}`
+    // A BF16 seed's ratio is its throughput against the seeds' mean (their spread), not a slowdown.
+    ? html`${row.speedup.toFixed(2)}×${row.speedup < 1 && !row.facts.is_baseline
+      ? html` <span class="muted">slowdown</span>` : ""}`
     : row.facts.speedup_note && finite(row.facts.tokens_per_s)
       ? html`<span class="muted" title="${row.facts.speedup_note}">n/a</span>` : "–";
   return html`<tr data-verdict-run-id="${row.run.id}" data-status="${row.status}">
