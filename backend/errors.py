@@ -110,12 +110,27 @@ def _body_message(e: dict) -> str | None:
     return None
 
 
+def _pattern_words() -> dict[str, str]:
+    """The rule behind each pattern a field of the API checks, in words (pydantic's message only repeats the
+    regular expression)."""
+    from backend import schemas
+
+    tag = schemas.Tag.__metadata__[0].metadata
+    tag_pattern = next(m.pattern for m in tag if hasattr(m, "pattern"))
+    return {schemas.METRIC_KEY_PATTERN: "a metric key holds letters, digits and _ . / : - [ ] only, e.g. train/loss",
+            tag_pattern: "a tag is one line of free text up to 64 characters: no comma, no control character, not "
+                         "starting with a blank",
+            schemas.ONE_LINE: "one line of text, not blank, without control characters"}
+
+
 def _describe(errors: list[dict]) -> str:
     parts = [m for m in (_body_message(e) for e in errors) if m]
     if parts:
         return "; ".join(dict.fromkeys(parts))
     for loc, e in _union_branches(errors):
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        if e.get("type") == "string_pattern_mismatch":
+            msg = _pattern_words().get((e.get("ctx") or {}).get("pattern"), msg)
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(dict.fromkeys(parts)) or "invalid request"
 
@@ -127,9 +142,11 @@ def _error(status: int, message: str, **extra) -> JSONResponse:
 def _validation_error(exc: RequestValidationError | ValidationError) -> JSONResponse:
     raw = exc.errors()
     errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in raw]
-    for e, r in zip(errors, raw):  # the JSON decoder's reason, for the message (not echoed: it may hold input)
+    for e, r in zip(errors, raw):  # for the message only (not echoed: the decoder's reason may hold input)
         if e.get("type") == "json_invalid" and isinstance(r.get("ctx"), dict):
             e["ctx"] = {"error": str(r["ctx"].get("error", ""))[:200]}
+        elif e.get("type") == "string_pattern_mismatch" and isinstance(r.get("ctx"), dict):
+            e["ctx"] = {"pattern": r["ctx"].get("pattern")}
     return _error(422, _describe(errors), errors=[{k: v for k, v in e.items() if k != "ctx"} for e in errors])
 
 

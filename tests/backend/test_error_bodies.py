@@ -43,3 +43,19 @@ def test_an_unexpected_error_is_a_json_500_without_the_traceback(api):
     assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
     assert r.json()["detail"].startswith("internal error (KeyError); it is logged on the server")
     assert "secret-internal-detail" not in r.text
+
+
+def test_a_pattern_a_value_breaks_is_said_in_words(api):
+    exp = api.post("/api/v1/experiments", json={"name": "e", "model": "tiny", "data": {"corpus": "tinyshakespeare"},
+                                               "training": {"steps": 30}, "recipes": ["bf16"], "enqueue": False})
+    assert exp.status_code == 201, exp.text
+    exp = exp.json()
+    r = api.patch(f"/api/v1/experiments/{exp['id']}", json={"tags": ["a,b"]})
+    assert r.status_code == 422 and r.json()["detail"] == (
+        "tags.0: a tag is one line of free text up to 64 characters: no comma, no control character, not starting "
+        "with a blank")
+    r = api.post(f"/api/v1/runs/{exp['runs'][0]['id']}/metrics",
+                 json={"points": [{"key": "train loss", "step": 1, "value": 1.0}]})
+    assert r.status_code == 422 and r.json()["detail"] == (
+        "points.0.key: a metric key holds letters, digits and _ . / : - [ ] only, e.g. train/loss")
+    assert "pattern" not in r.json()["detail"]
