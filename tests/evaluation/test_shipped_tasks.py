@@ -249,3 +249,18 @@ def test_standard_lm_eval_task_names_pass_through_to_lm_eval(tiny_checkpoint):
     else:
         assert result["tasks"]["arc_easy"]["n_samples"] == 2
         assert set(result["tasks"]["arc_easy"]["metrics"]) == {"acc", "acc_norm"}
+
+
+def test_the_data_directory_defaults_like_every_other_command_and_a_wrong_one_is_named(monkeypatch, tmp_path):
+    """`plab eval` without PLAB_DATA_DIR used to stop ('PLAB_DATA_DIR ... is not set') where `plab train` found
+    the data beside the checkout; --data-dir's mistake was reported as PLAB_DATA_DIR's."""
+    from training.config import default_data_dir
+    from training.evaluation.taskdirs import TaskConfigError, resolve_data_dir
+
+    monkeypatch.delenv("PLAB_DATA_DIR", raising=False)
+    assert resolve_data_dir() == default_data_dir().resolve()
+    with pytest.raises(TaskConfigError, match=r"^--data-dir '/no/such/dir' is not a directory"):
+        resolve_data_dir("/no/such/dir")
+    monkeypatch.setenv("PLAB_DATA_DIR", str(tmp_path / "missing"))
+    with pytest.raises(TaskConfigError, match=r"^PLAB_DATA_DIR='.*missing' is not a directory"):
+        resolve_data_dir()

@@ -173,3 +173,39 @@ def test_cli_compare_prints_holm_next_to_the_uncorrected_p_and_refuses_different
     assert "p Holm" in out.splitlines()[0] and "Holm's correction over the 1 row (" in out
     assert main(["--compare", str(files["base"]), str(files["other"])]) == 2
     assert "scored different documents or prompts (task hash aaaaaaaaaaaa… vs bbbbbbbbbbbb…)" in capsys.readouterr().err
+
+
+def test_cli_compare_corrects_over_the_requested_tasks_like_the_dashboard_and_names_a_bad_file(tmp_path, capsys):
+    """A group's subtasks are rows of the results but not members of the Holm family (the dashboard passes the
+    requested tasks); a file that is not plab eval's results is named with what is wrong, not a traceback."""
+    import json
+
+    from training.evaluation.cli import main
+
+    def task(acc):
+        return {"kind": "task", "aggregation": {"acc": "mean"}, "higher_is_better": {"acc": True},
+                "task_hash": "a" * 64, "n_samples": len(acc), "samples": {"doc_id": list(range(len(acc))), "acc": acc}}
+
+    def result(acc):
+        # "g" a group of s1 and s2 (requested), "t" a task (requested); s1 and s2 are in the file as subtasks
+        return {"requested": ["g", "t"], "tasks": {
+            "g": {"kind": "group", "subtasks": ["s1", "s2"], "aggregation": {"acc": "mean"},
+                  "higher_is_better": {"acc": True}},
+            "s1": task(acc), "s2": task(acc), "t": task(acc)}}
+
+    base, cand = tmp_path / "base.json", tmp_path / "cand.json"
+    base.write_text(json.dumps(result([0.0, 1.0] * 50)))
+    cand.write_text(json.dumps(result([1.0] * 100)))
+    assert main(["--compare", str(base), str(cand), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["task"] for r in rows} == {"g", "t"} and {r["family_size"] for r in rows} == {2}
+    for bad, message in (("[1, 2]", "not the results of plab eval --output"), ("{", "not JSON"),
+                         ('{"tasks": {"x": 1}}', "not the results of plab eval --output")):
+        (tmp_path / "bad.json").write_text(bad)
+        assert main(["--compare", str(base), str(tmp_path / "bad.json")]) == 2
+        err = capsys.readouterr().err
+        assert f"--compare CANDIDATE {tmp_path / 'bad.json'}: {message}" in err and "Traceback" not in err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"requested": ["u"], "tasks": {"u": task([1.0] * 4)}}))
+    assert main(["--compare", str(base), str(other)]) == 2
+    assert "share no evaluated task" in capsys.readouterr().err

@@ -67,6 +67,16 @@ def test_a_task_with_an_unset_placeholder_is_refused_before_loading_the_model(
         evaluate_checkpoint(tiny_checkpoint, ["needs_var"])
 
 
+def test_a_template_naming_a_field_its_documents_lack_is_an_error_that_names_the_task(user_tasks_dir,
+                                                                                       tiny_checkpoint):
+    """A typo in a user task's template ({{countryy}}) was jinja2's traceback out of `plab eval`."""
+    (user_tasks_dir / "typo.yaml").write_text(
+        USER_TASK_YAML.replace("task: my_capitals", "task: typo_task").replace("{{country}}", "{{countryy}}"))
+    with pytest.raises(EvaluationError, match=r"task 'typo_task': its prompt template failed \(UndefinedError: "
+                                              r"'countryy' is undefined\); check its YAML's doc_to_text"):
+        evaluate_checkpoint(tiny_checkpoint, ["typo_task"], limit=2)
+
+
 def test_a_missing_tasks_dir_is_an_error_not_an_empty_list(tmp_path, monkeypatch):
     monkeypatch.setenv("PLAB_EVAL_TASKS_DIR", str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="PLAB_EVAL_TASKS_DIR names .* not a directory"):

@@ -72,3 +72,23 @@ def test_emulated_formats_time_trainings_gemm_on_trainings_operands_in_quant_mod
         assert quant["gemm_s"] > 0 and quant["timing"] is not kernel["timing"]
         assert "training's quantizers" in quant["note"]
         assert quant["time_s"] == pytest.approx(quant["gemm_s"] + quant["quant_s"])
+
+
+def test_gemm_bench_checks_its_output_before_timing_and_keeps_the_result_if_the_write_fails(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """--output naming a folder was found after the benchmark had run (a traceback, the table lost); a write that
+    fails after all leaves the result in a temporary file, the table printed."""
+    from training.gemm import cli
+
+    timed = []
+    monkeypatch.setattr(cli, "run_gemm_benchmark", lambda *a, **k: timed.append(1) or {"failures": []})
+    monkeypatch.setattr(cli, "format_table", lambda result: "THE TABLE")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--shapes", "64x64x64", "--formats", "bf16", "--device", "cpu", "--output", str(tmp_path)])
+    assert stop.value.code == 2 and timed == []
+    assert f"--output {tmp_path}: {tmp_path} is a folder; give a file name" in capsys.readouterr().err
+    target = tmp_path / "r.json"
+    monkeypatch.setattr(type(target), "write_text", lambda self, text: (_ for _ in ()).throw(OSError("disk full")))
+    assert cli.main(["--shapes", "64x64x64", "--formats", "bf16", "--device", "cpu", "--output", str(target)]) == 0
+    out, err = capsys.readouterr()
+    assert "THE TABLE" in out and f"could not write {target} (disk full); the result is in " in err

@@ -216,6 +216,7 @@ def _evaluate_task(lm, name: str, manager, *, builtin: bool, limit, bootstrap_it
                    offline: bool) -> dict[str, dict]:
     """One requested task (with its subtasks, for a group) on the loaded model: {task name: task_result},
     the requested one timed."""
+    import jinja2  # lm-eval's templates
     import lm_eval
 
     t_task = time.perf_counter()
@@ -228,6 +229,10 @@ def _evaluate_task(lm, name: str, manager, *, builtin: bool, limit, bootstrap_it
             log_samples=True,
             bootstrap_iters=bootstrap_iters,
         )
+    except jinja2.TemplateError as err:  # a user task's template names a field its documents lack, say
+        raise EvaluationError(f"task {name!r}: its prompt template failed ({type(err).__name__}: {err}); check its "
+                              "YAML's doc_to_text / doc_to_target / doc_to_choice against the fields its documents "
+                              "have") from err
     except ConnectionError as err:
         if not builtin:
             raise

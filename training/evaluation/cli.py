@@ -64,8 +64,14 @@ def main(argv: Sequence[str] | None = None, *, resolve_target: Callable[[str], s
             print(",".join(str(p) for p in rendered.include_paths))
             return 0
         if args.compare:
-            base, cand = (json.loads(Path(p).read_text()) for p in args.compare)
-            rows = compare_results(base, cand, method=args.method)
+            base, cand = (_read_results(p, which) for p, which in zip(args.compare, ("BASELINE", "CANDIDATE")))
+            shared = _compared_tasks(base, cand)
+            if not shared:
+                raise ValueError(f"{args.compare[0]} and {args.compare[1]} share no evaluated task: evaluate both "
+                                 "checkpoints on the same tasks")
+            # The Holm family is the tasks that were asked for (a group's subtasks are rows of their own but not
+            # members of the family), as on the dashboard: the same two files give the same corrected p there.
+            rows = compare_results(base, cand, tasks=shared, method=args.method)
             print(json.dumps(rows, indent=2) if args.json else _format_comparison(rows))
             return 0
         if not args.target:
@@ -93,6 +99,29 @@ def main(argv: Sequence[str] | None = None, *, resolve_target: Callable[[str], s
     if args.output:
         return _write_output(args.output, result)
     return 0
+
+
+def _read_results(path: str, which: str) -> dict:
+    """A results file of `plab eval --output`, or a ValueError naming the file and what is wrong with it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise ValueError(f"--compare {which} {path}: cannot read it ({err.strerror or err})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--compare {which} {path}: not JSON ({err}); give a file written by plab eval "
+                         "--output") from None
+    tasks = data.get("tasks") if isinstance(data, dict) else None
+    if not isinstance(tasks, dict) or not tasks or not all(isinstance(t, dict) for t in tasks.values()):
+        raise ValueError(f"--compare {which} {path}: not the results of plab eval --output (an object whose "
+                         "\"tasks\" maps each task to its result)")
+    return data
+
+
+def _compared_tasks(base: dict, cand: dict) -> list[str]:
+    """The tasks both results hold, in the order the baseline's evaluation asked for them (its `requested`; all
+    of its tasks for a file without that list)."""
+    requested = base.get("requested") if isinstance(base.get("requested"), list) else list(base["tasks"])
+    return [t for t in requested if t in base["tasks"] and t in cand["tasks"]]
 
 
 def _check_output(output: str | None) -> None:

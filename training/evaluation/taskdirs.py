@@ -70,15 +70,21 @@ def user_task_dirs(tasks_dir: str | os.PathLike | None = None) -> list[Path]:
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    raw = os.fspath(data_dir) if data_dir is not None else os.environ.get("PLAB_DATA_DIR")
-    if not raw:
-        raise TaskConfigError(
-            "the shipped evaluation tasks read their data from PLAB_DATA_DIR, which is not set; "
-            "set it to the directory holding blimp/, piqa/, lambada/, arc/, hellaswag/, sciq/"
-        )
+    """The data directory: `data_dir` (--data-dir), else PLAB_DATA_DIR, else the default every other command uses
+    (training.config.default_data_dir: `shared/data` beside the checkout, or `data/` in it)."""
+    from training.config import default_data_dir
+
+    if data_dir is not None:
+        raw, named = os.fspath(data_dir), f"--data-dir {os.fspath(data_dir)!r}"
+    elif os.environ.get("PLAB_DATA_DIR"):
+        raw, named = os.environ["PLAB_DATA_DIR"], f"PLAB_DATA_DIR={os.environ['PLAB_DATA_DIR']!r}"
+    else:
+        raw = os.fspath(default_data_dir())
+        named = f"the default data directory {raw!r} (PLAB_DATA_DIR is not set)"
     path = Path(raw).expanduser().resolve()
     if not path.is_dir():
-        raise TaskConfigError(f"PLAB_DATA_DIR={raw!r} is not a directory; point it at the data directory")
+        raise TaskConfigError(f"{named} is not a directory; point --data-dir or PLAB_DATA_DIR at the directory "
+                              "holding blimp/, piqa/, lambada/, arc/, hellaswag/, sciq/")
     return path
 
 
@@ -87,8 +93,9 @@ def resolve_heldout_text(heldout_text: str | os.PathLike | None, data_dir: Path)
     path = Path(raw).expanduser().resolve() if raw else data_dir / DEFAULT_HELDOUT_RELPATH
     if not path.is_file():
         raise TaskConfigError(
-            f"held-out text {str(path)!r} is not a file; pass heldout_text= (or set "
-            "PLAB_EVAL_HELDOUT_TEXT) to the experiment's validation text (plain, .gz or .bz2)"
+            f"held-out text {str(path)!r} is not a file; give --heldout-text (heldout_text= from Python) or set "
+            "PLAB_EVAL_HELDOUT_TEXT to "
+            "the experiment's validation text (plain, .gz or .bz2)"
         )
     return path
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -167,6 +168,12 @@ def main(argv: list[str] | None = None, *, post_result: Callable[[dict], None] |
     if args.warmup is not None and args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     modes = list(MODES) if args.mode == "both" else [args.mode]
+    if args.output is not None:  # before minutes of GPU timing, not after
+        from training.outputs import output_problem
+
+        problem = output_problem(args.output, folder=False)
+        if problem:
+            parser.error(f"--output {args.output}: {problem}")
     try:
         result = run_gemm_benchmark(
             args.model, shapes=args.shapes, micro_batch=args.micro_batch, seq_len=args.seq_len,
@@ -176,12 +183,20 @@ def main(argv: list[str] | None = None, *, post_result: Callable[[dict], None] |
             progress=lambda msg: print(f"  timing {msg}", file=sys.stderr, flush=True))
     except ValueError as exc:
         parser.error(str(exc))
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(result, indent=1))
     print(format_table(result))
     if args.output is not None:
-        print(f"\nresult written to {args.output}")
+        text = json.dumps(result, indent=1)
+        try:
+            args.output.write_text(text)
+            print(f"\nresult written to {args.output}")
+        except OSError as err:  # the table is printed; the result goes to a file that can be written
+            import tempfile
+
+            fd, fallback = tempfile.mkstemp(prefix="plab-gemm-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            print(f"plab gemm-bench: could not write {args.output} ({err}); the result is in {fallback}",
+                  file=sys.stderr)
     if post_result is not None:
         post_result(result)
     return 1 if result["failures"] else 0
