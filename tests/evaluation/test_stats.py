@@ -209,3 +209,24 @@ def test_cli_compare_corrects_over_the_requested_tasks_like_the_dashboard_and_na
     other.write_text(json.dumps({"requested": ["u"], "tasks": {"u": task([1.0] * 4)}}))
     assert main(["--compare", str(base), str(other)]) == 2
     assert "share no evaluated task" in capsys.readouterr().err
+
+
+def test_results_scored_in_different_dtypes_are_not_paired():
+    """The same checkpoint scored in float32 and in bfloat16 differs by itself (PIQA 0.520 against 0.505 on 200
+    documents in a review): a paired "difference" between two such results is refused, with the fix."""
+    from training.evaluation.stats import PairingError
+
+    def result(acc, dtype):
+        return {"tasks": {"t": {"kind": "task", "aggregation": {"acc": "mean"}, "higher_is_better": {"acc": True},
+                                "task_hash": "a" * 64, "n_samples": len(acc), "eval_settings": {"dtype": dtype},
+                                "samples": {"doc_id": list(range(len(acc))), "acc": acc}}}}
+
+    same = compare_results(result([0.0, 1.0] * 10, "float32"), result([1.0] * 20, "float32"))
+    assert len(same) == 1
+    with pytest.raises(PairingError, match=r"task 't': the baseline was scored in float32 and the candidate in "
+                                           r"bfloat16 .* evaluate both in one dtype"):
+        compare_results(result([0.0, 1.0] * 10, "float32"), result([1.0] * 20, "bfloat16"))
+    # results stored before evaluations recorded their dtype are paired as before
+    old = result([1.0] * 20, "bfloat16")
+    del old["tasks"]["t"]["eval_settings"]
+    assert len(compare_results(result([0.0, 1.0] * 10, "float32"), old)) == 1

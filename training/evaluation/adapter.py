@@ -164,9 +164,15 @@ def evaluate_checkpoint(
         load_time = time.perf_counter() - t_load
 
         out_tasks: dict[str, dict] = {}
+        # What each task's scores depend on besides the checkpoint and the documents: the paired comparison
+        # refuses two results scored in different precisions (training.evaluation.stats.check_same_documents).
+        settings = {"dtype": resolved_dtype, "lm_eval_version": lm_eval.__version__}
         for name in requested:
-            out_tasks.update(_evaluate_task(lm, name, manager, builtin=name in needs_builtin, limit=limit,
-                                            bootstrap_iters=bootstrap_iters, offline=offline))
+            scored = _evaluate_task(lm, name, manager, builtin=name in needs_builtin, limit=limit,
+                                    bootstrap_iters=bootstrap_iters, offline=offline)
+            for entry in scored.values():
+                entry["eval_settings"] = dict(settings)
+            out_tasks.update(scored)
             if on_task_done is not None:
                 on_task_done(name, out_tasks[name])
 

@@ -209,13 +209,20 @@ def holm_adjust(p_values: Sequence[float]) -> list[float]:
 
 
 def check_same_documents(name: str, base: dict, cand: dict) -> None:
-    """PairingError unless both runs' results of task `name` come from the same documents: equal lm-eval task
-    hashes (where both have one) and equal document counts."""
+    """PairingError unless both runs' results of task `name` come from the same documents scored the same way:
+    equal lm-eval task hashes (where both have one), equal evaluation dtypes (where both record one) and equal
+    document counts."""
     bh, ch = base.get("task_hash"), cand.get("task_hash")
     if bh and ch and bh != ch:
         raise PairingError(f"task {name!r}: the two runs scored different documents or prompts (task hash "
                            f"{bh[:12]}… vs {ch[:12]}…); evaluate both checkpoints with the same task version and "
                            "the same --limit, then compare")
+    bd, cd = ((r.get("eval_settings") or {}).get("dtype") if isinstance(r.get("eval_settings"), dict) else None
+              for r in (base, cand))
+    if bd and cd and bd != cd:
+        raise PairingError(f"task {name!r}: the baseline was scored in {bd} and the candidate in {cd} (the model's "
+                           "dtype during evaluation moves the scores by itself); evaluate both in one dtype "
+                           "(plab eval --dtype) on the same kind of device, then compare")
     bn, cn = base.get("n_samples"), cand.get("n_samples")
     if bn is not None and cn is not None and bn != cn:
         raise PairingError(f"task {name!r}: the baseline scored {bn} documents and the candidate {cn}; evaluate "
