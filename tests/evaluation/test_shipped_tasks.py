@@ -264,3 +264,15 @@ def test_the_data_directory_defaults_like_every_other_command_and_a_wrong_one_is
     monkeypatch.setenv("PLAB_DATA_DIR", str(tmp_path / "missing"))
     with pytest.raises(TaskConfigError, match=r"^PLAB_DATA_DIR='.*missing' is not a directory"):
         resolve_data_dir()
+
+
+def test_the_default_heldout_text_is_said_not_to_be_held_out(tiny_checkpoint, monkeypatch, capsys):
+    """By hand without --heldout-text, plab_heldout_bpb scores a whole corpus file (the worker passes the run's own
+    validation split): the command says that most of it is training text for a run trained on it."""
+    from training.evaluation import evaluate_checkpoint
+
+    monkeypatch.delenv("PLAB_EVAL_HELDOUT_TEXT", raising=False)
+    evaluate_checkpoint(tiny_checkpoint, ["plab_heldout_bpb"], limit=1, device="cpu")
+    err = capsys.readouterr().err
+    assert "plab_heldout_bpb scores tinyshakespeare/input.txt whole (no --heldout-text)" in err
+    assert "not held out" in err

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .taskdirs import (
+    DEFAULT_HELDOUT_RELPATH,
     SHIPPED_TASKS,
     SHIPPED_TASKS_DIR,
     TaskConfigError,
@@ -151,6 +152,12 @@ def evaluate_checkpoint(
     if on_task_done is not None and not callable(on_task_done):
         raise EvaluationError("on_task_done must be callable as on_task_done(task_name, task_result)")
 
+    if "plab_heldout_bpb" in requested and heldout_text is None and not os.environ.get("PLAB_EVAL_HELDOUT_TEXT"):
+        # The worker passes the run's own validation split; by hand the default is a whole corpus file, which a
+        # run trained on that corpus has mostly seen (Tiny Shakespeare: all but its last ~2%).
+        print(f"plab eval: plab_heldout_bpb scores {DEFAULT_HELDOUT_RELPATH} whole (no --heldout-text): for a run "
+              "trained on that corpus most of it is training text, not held out; give the run's validation text "
+              "(the worker writes it to PLAB_HOME/runs/<id>/validation.txt) for a held-out figure", file=sys.stderr)
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="plab-eval-tasks-") as tmp, _lm_eval_environment(offline):
