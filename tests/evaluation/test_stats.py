@@ -230,3 +230,18 @@ def test_results_scored_in_different_dtypes_are_not_paired():
     old = result([1.0] * 20, "bfloat16")
     del old["tasks"]["t"]["eval_settings"]
     assert len(compare_results(result([0.0, 1.0] * 10, "float32"), old)) == 1
+
+
+def test_plab_eval_refuses_two_commands_at_once_and_a_file_as_the_checkpoint(tmp_path, capsys):
+    from training.evaluation.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--list-tasks", "--compare", "a.json", "b.json"])
+    assert stop.value.code == 2 and "--list-tasks and --compare are separate commands" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["ckpt", "--list-tasks"])
+    assert "--list-tasks takes no checkpoint ('ckpt')" in capsys.readouterr().err
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    assert main([str(weights), "--tasks", "plab_piqa"]) == 2
+    assert f"'{weights}' is a file; give the checkpoint's folder" in capsys.readouterr().err

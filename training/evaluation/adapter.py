@@ -412,6 +412,9 @@ def _check_checkpoint(checkpoint_dir: Any) -> Path:
     if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
         raise EvaluationError(f"checkpoint_dir must be a directory path, got {checkpoint_dir!r}")
     path = Path(checkpoint_dir).expanduser().resolve()
+    if path.is_file():
+        raise EvaluationError(f"{str(path)!r} is a file; give the checkpoint's folder (the one holding config.json, "
+                              f"the weights and the tokenizer), e.g. {str(path.parent)!r}")
     if not path.is_dir():
         raise EvaluationError(f"checkpoint directory {str(path)!r} does not exist")
     if not (path / "config.json").is_file():

@@ -54,6 +54,12 @@ def main(argv: Sequence[str] | None = None, *, resolve_target: Callable[[str], s
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    modes = [flag for flag, on in (("--list-tasks", args.list_tasks), ("--render-tasks", args.render_tasks),
+                                   ("--compare", args.compare)) if on]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)} are separate commands: give one of them")
+    if modes and args.target:
+        parser.error(f"{modes[0]} takes no checkpoint ({args.target!r}): give the checkpoint alone to evaluate it")
     try:
         if args.list_tasks:
             return _print_tasks(list_tasks(args.tasks_dir, include_lm_eval=args.all), as_json=args.json)
