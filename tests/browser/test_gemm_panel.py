@@ -97,6 +97,28 @@ def test_panel_draws_speedup_bars_shapes_and_predicted_next_to_measured_speedup(
     assert page.console_log.errors == []
 
 
+def test_the_measured_speedup_is_against_bf16_on_the_benchmarks_device(server, page, charts, cpu_result):
+    """A BF16 seed that ran on another GPU is not what a recipe's measured speedup on the benchmark's device is
+    against (the first finished BF16 run was, at 500 tokens/s: 3.00x); nor is a recipe's run on another device shown."""
+    device = cpu_result["device"]["name"]
+    exp = server.create_experiment(["bf16", "fp8_tensorwise", "nvfp4"], name="gemm-devices", seeds=[0, 1])
+    placed = {("bf16", 0): (500.0, "another GPU"), ("bf16", 1): (1000.0, device),
+              ("fp8_tensorwise", 0): (1500.0, device), ("nvfp4", 0): (4000.0, "another GPU")}
+    for run in exp["runs"]:
+        tps, where = placed[(run["recipe"], run["seed"])]
+        server.set_status(run["id"], "running", device_name=where)
+        server.set_status(run["id"], "succeeded", gemm_backend="bf16" if run["recipe"] == "bf16" else "real",
+                          summary={"tokens_per_s": tps, "final_loss": 1.6, "step_time_s": 1.0})
+    post_benchmark(server, {"result": cpu_result, "experiment_id": exp["id"], "name": "tiny on cpu"})
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    charts.wait_for_traces("gemm-chart-kernel", 2)
+    fp8 = page.locator("#gemm-prediction-table tr[data-format='fp8_tensorwise'] td.measured")
+    fp8.wait_for()
+    assert fp8.inner_text().strip() == "1.50×"   # 1500 / 1000, BF16's run on the benchmark's device
+    assert page.locator("#gemm-prediction-table tr[data-format='nvfp4'] td.measured").inner_text().strip() == "–"
+    assert page.console_log.errors == []
+
+
 def test_no_panel_without_a_benchmark_and_a_queued_one_appears_when_a_worker_finishes_it(server, page, charts,
                                                                                           cpu_result):
     exp = server.create_experiment(["bf16"], name="gemm-live")

@@ -1,7 +1,8 @@
 // GEMM panel of the experiment page: the experiment's GEMM benchmarks from /api/v1/gemm-benchmarks,
 // drawn as grouped bars of speedup over BF16 per layer × pass × format (kernel-only and with quantization), a
 // table of the shapes, and the predicted end-to-end speedup next to the one the experiment's training runs
-// measured (tokens/s of the recipe's run / BF16's). Formats without hardware support on the benchmark's
+// measured on the benchmark's device (tokens/s of the recipe's run / the mean of BF16's runs' there). Formats
+// without hardware support on the benchmark's
 // device ran emulated: their bars are hatched and their names say so, because their timings are not what
 // the format's hardware would give.
 import { get, items, formatDate, LIVE_STATUSES } from "../api.js";
