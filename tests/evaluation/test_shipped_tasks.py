@@ -89,6 +89,13 @@ def test_hellaswag_loader_reads_all_10042_items_with_four_endings():
     assert all(len(d["choices"]) == 4 and 0 <= d["label"] <= 3 for d in docs)
     last = docs[-1]
     assert [last["query"], str(last["label"]), *last["choices"]] == lines[-7:-1]
+    # lm-eval's own preprocessing of the query and every ending (WikiHow's [markup], double spaces): 14 items change
+    from lm_eval.tasks.hellaswag.utils import preprocess
+
+    raw = lines[:-1]
+    items = [raw[i:i + 6] for i in range(0, len(raw), 6)]
+    assert [[d["query"], *d["choices"]] for d in docs] == [[preprocess(t) for t in (it[0], *it[2:])] for it in items]
+    assert sum([d["query"], *d["choices"]] != [it[0], *it[2:]] for d, it in zip(docs, items)) == 14
 
 
 def test_heldout_documents_concatenate_back_to_the_normalised_text():

@@ -2,10 +2,21 @@
 
 import bz2
 import gzip
+import re
 
 import datasets
 
 LINES_PER_ITEM = 6  # context, gold index, then the four endings
+
+
+def preprocess(text):
+    """lm-eval's hellaswag `preprocess` (lm_eval/tasks/hellaswag/utils.py, applied there to the query and every
+    ending): WikiHow's bracketed markup out, " [title]" as a sentence end, double spaces single."""
+    text = text.strip()
+    text = text.replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    text = text.replace("  ", " ")
+    return text
 
 
 def load_hellaswag_text(text_file, **_metadata):
@@ -27,5 +38,5 @@ def load_hellaswag_text(text_file, **_metadata):
     docs = []
     for start in range(0, len(lines), LINES_PER_ITEM):
         query, gold, *endings = lines[start:start + LINES_PER_ITEM]
-        docs.append({"query": query, "choices": endings, "label": int(gold)})
+        docs.append({"query": preprocess(query), "choices": [preprocess(e) for e in endings], "label": int(gold)})
     return {"validation": datasets.Dataset.from_list(docs)}
