@@ -187,7 +187,13 @@ class Checkpointer:
                             f"output_dir")
         if self.sharded:
             return sc.load_sharded(path, ctx=self.ctx, model=self.model, optimizer=self.optimizer, hooks=self.hooks)
-        return load_checkpoint(path, model=self.model, optimizer=self.optimizer, hooks=self.hooks)
+        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, hooks=self.hooks)
+        per_rank = state.get("rng_per_rank")
+        if per_rank is not None and len(per_rank) == self.ctx.world:
+            # this rank's own generators, not rank 0's (load_checkpoint restored those): a run of N processes
+            # resumed on N continues bit for bit; on another number the ranks' streams start where rank 0's was
+            _set_rng_state(per_rank[self.ctx.rank])
+        return state
 
     def is_saved(self, step: int) -> bool:
         """Whether the newest checkpoint this run knows of is the one of `step`."""
@@ -210,6 +216,15 @@ class Checkpointer:
             self.sink.event("checkpoint", step=step, path=str(path))
             self.last_path = path
             return path
+        if self.ctx.enabled:
+            # Every rank's generators (each rank has its own seed, and NVFP4's stochastic rounding draws from
+            # them): rank 0 writes them all, each rank gets its own back on resume (`_load`). Gathered over the
+            # gloo side group: CPU objects, no wait on the GPU stream.
+            import torch.distributed as dist
+
+            per_rank = [None] * self.ctx.world
+            dist.all_gather_object(per_rank, _rng_state(), group=self.ctx.stop_group)
+            extra["rng_per_rank"] = per_rank
         if self.ctx.is_main:
             path = save_checkpoint(
                 self.output_dir, step, model=self.model, optimizer=self.optimizer, tokenizer=self.tokenizer,

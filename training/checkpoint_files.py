@@ -64,7 +64,7 @@ def _set_rng_state(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         try:
             torch.cuda.set_rng_state_all(state["cuda"])
-        except (RuntimeError, IndexError):  # different GPU count on resume: CUDA RNG is not used by training
+        except (RuntimeError, IndexError):  # another GPU count on resume: NVFP4's stochastic rounding restarts its draws
             pass
 
 

@@ -257,3 +257,20 @@ def test_plab_train_starts_the_processes_itself_and_two_train_like_one(make_spec
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["status"] == "succeeded" and result["world_size"] == 2 and result["parallel"] == "ddp"
     assert result["checkpoint"].endswith("step_00000006") and one.tokens == 6 * 8 * 32
+
+
+def test_ddp_resume_restores_each_ranks_own_generators(make_spec, cache_dir, tmp_path):
+    """Each rank seeds its own generators and NVFP4's stochastic rounding draws from them; a DDP checkpoint kept
+    rank 0's alone and gave it to every rank, so a 2-process nvfp4 run resumed from its step-3 checkpoint moved
+    off the straight run's losses (a review: 5.590352 against 5.590508 at step 10)."""
+    spec = make_spec(recipe="nvfp4", training={"steps": 5, "batch_size": 8, "gpus": 2, "parallel": "ddp",
+                                               "checkpoint_every": 3})
+    _launch(2, [_job(spec, tmp_path, "straight", cache_dir)], tmp_path, "straight")
+    straight = _losses(tmp_path, "straight")
+    shutil.rmtree(tmp_path / "straight" / "checkpoints" / "step_00000005")
+    job = _job(spec, tmp_path, "straight", cache_dir)
+    job["metrics"] = str(tmp_path / "resumed.jsonl")
+    _launch(2, [job], tmp_path, "resume")
+    resumed = _losses(tmp_path, "resumed")
+    assert sorted(resumed) == [4, 5]
+    assert resumed[4] == straight[4] and resumed[5] == straight[5], (resumed, straight)
