@@ -290,3 +290,24 @@ def test_hadamard_along_rows_is_the_transform_of_the_transpose():
         assert torch.allclose(along_last, reference, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="axis must be -1"):
         random_hadamard_transform(dy, rht, axis=1)
+
+
+def test_a_recipe_that_can_convert_no_layer_is_refused_not_run_as_bf16_under_its_name():
+    """hidden 120 / intermediate 360: no linear takes MXFP8's 32-element blocks; the run trained BF16 and was
+    called mxfp8 (a review). Keeping every block in BF16 on purpose stays possible (the report says so)."""
+    import pytest
+    from training.model import build_model, llama_config
+    from training.precision import apply_recipe
+
+    def model(hidden, inter):
+        cfg = llama_config({"hidden_size": hidden, "num_hidden_layers": 2, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "intermediate_size": inter}, 512, 32)
+        return build_model(cfg, seed=0)
+
+    with pytest.raises(ValueError, match=r"^mxfp8 can convert none of the model's 14 block linear layer\(s\) left "
+                                         r"to it \(in_features 120 not a multiple of 32.*\): the run would train "
+                                         r"BF16 under mxfp8's name"):
+        apply_recipe(model(120, 360), "mxfp8")
+    report = apply_recipe(model(128, 384), "mxfp8", bf16_first_layers=1, bf16_last_layers=1).to_dict()
+    assert report["converted_layers"] == 0 and report["total_layers"] >= 14
+    assert apply_recipe(model(128, 384), "mxfp8").to_dict()["converted_layers"] == 14

@@ -226,6 +226,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                           backend_requested=backend, device=str(device), keep_bf16=list(keep))
     real = _real_kernels(recipe, name, backend, device, resolved, report)
     converted: list[tuple[str, nn.Module]] = []
+    unfit: list[dict] = []  # linears the recipe cannot convert (shapes its blocks do not tile, ...)
     shared = 0
     backends_used = set()
     matched = set()
@@ -238,9 +239,12 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
             rule = next((p for p in keep if fnmatch.fnmatchcase(full, p)), None)
             if rule is not None:
                 matched.add(rule)
-            skip = _kept_reason(name, i, n, first, last, rule) or recipe.skip_reason(linear, real)
+            kept = _kept_reason(name, i, n, first, last, rule)
+            skip = kept or recipe.skip_reason(linear, real)
             if skip:
                 entry["reason"] = skip
+                if not kept:
+                    unfit.append(entry)
             else:
                 new, quantizer, how = recipe.convert(linear, full, {**resolved, "fsdp": fsdp}, real)
                 new._plab_converted = True
@@ -255,6 +259,14 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
             report.layers.append(entry)
         report.layers += _unconverted_block_weights(block, i, keep, matched)
         shared += recipe.share_inputs(block, resolved, real) if name != catalog.BASELINE else 0
+    if unfit and not converted:
+        # Not one linear the run left to the recipe can take its format: training would be BF16 under the
+        # recipe's name, and the comparison would call it the recipe. (Keeping every block in BF16 on purpose,
+        # bf16_first_layers + bf16_last_layers = the blocks, stays possible: the report says so.)
+        reasons = sorted({e["reason"] for e in unfit})
+        raise ValueError(f"{name} can convert none of the model's {len(unfit)} block linear layer(s) left to it "
+                         f"({'; '.join(reasons[:3])}): the run would train BF16 under {name}'s name; choose "
+                         f"dimensions the format's blocks divide, or another recipe")
     unmatched = [p for p in keep if p not in matched]
     if unmatched:
         names = [layer["name"] for layer in report.layers if layer["block"] == 0][:4]
