@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from training.checkpoint import Checkpointer, TrainState
-from training.config import RunSpec, plab_home
+from training.config import RunSpec, SpecError, plab_home
 from training.data import BatchLoader
 from training.flops import peak_tflops
 from training.metrics_drain import MetricsDrain, StepRecord
@@ -71,7 +71,13 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     if resume:  # in place: DDP and the compiled step hold these same parameters; their wrapping drew no RNG
         checkpointer.resume(state)
     start_step = state.step
-    validation = ValidationLoss(run.eval_net, run.model, run.dataset.val_windows(t.val_batches * t.batch_size),
+    windows = run.dataset.val_windows(t.val_batches * t.batch_size)
+    if t.val_batches > 0 and len(windows) == 0:
+        # Validation was asked for and cannot happen: the run would end without the loss its verdict is judged on.
+        raise SpecError(f"data: the validation split has {len(run.dataset.val)} tokens, fewer than one window of "
+                        f"data.seq_len + 1 = {spec.data.seq_len + 1}; raise data.val_fraction, give a data.val_corpus, "
+                        f"or lower data.seq_len (training.val_batches = 0 trains without validation)")
+    validation = ValidationLoss(run.eval_net, run.model, windows,
                                 micro_batch=run.micro_batch, device=run.device, ctx=ctx, autocast=run.autocast,
                                 settle=run.settle)
     sink.event("run_info", **run.info(), device_name=run.device_name, micro_batch=run.micro_batch,

@@ -291,7 +291,8 @@ def _summary(out: dict, ref: RunFacts | None, ref_loss: float | None) -> tuple[d
     if ref.status != "succeeded":
         return None, f"BF16 is {ref.status}: the verdict waits for its final validation loss"
     if ref_loss is None:
-        return None, "BF16 has no validation loss: the verdict needs val/loss (set training.val_every)"
+        return None, ("BF16 has no validation loss: the verdict needs val/loss (training.val_batches >= 1, which "
+                      "every run validates at its end with)")
     judged = [e for e in entries if e["outcome"] is not None]
     if not judged:
         return None, "no recipe has finished with a validation loss yet"
