@@ -75,7 +75,7 @@ def test_train_says_what_the_run_found_wrong_with_its_data_in_one_line(tmp_path,
     spec.write_text(f"model: tiny\ndata: {{corpus: {corpus}, vocab_size: 512, seq_len: 64}}\n"
                     "training: {steps: 3, batch_size: 2, warmup_steps: 1}\n")
     assert main(["train", str(spec), "--output", str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err.startswith(f"plab: error: {spec}: data.tokenizer: {corpus}:1: the line has no "
+    assert capsys.readouterr().err.startswith(f"plab: error: {spec}: {corpus}:1: the line has no "
                                               "field 'text' (fields: ['content']); set data.text_field")
 
 

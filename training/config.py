@@ -128,7 +128,12 @@ def _check_keys(section: str, given: dict, allowed) -> None:
         raise SpecError(f"{section} must be an object (dict), got {type(given).__name__}")
     unknown = sorted(set(given) - set(allowed))
     if unknown:
-        raise SpecError(f"unknown key(s) {unknown} in {section}; allowed keys are {sorted(allowed)}")
+        hint = ""
+        if section == "run spec" and {"recipes", "seeds", "replicates", "eval_tasks"} & set(unknown):
+            # an experiment (several recipes) given where one run is expected
+            hint = ("; this looks like an experiment (several recipes): submit it with `plab submit FILE`, or "
+                    "train one run of it with `recipe: NAME` instead of `recipes:`")
+        raise SpecError(f"unknown key(s) {unknown} in {section}; allowed keys are {sorted(allowed)}{hint}")
 
 
 # Upper bounds of every integer in a run spec: far above any model or run the lab can train (a 1T-parameter

@@ -384,6 +384,8 @@ def open_token_dataset(spec: RunSpec, cache_dir: Path, sink: MetricSink | None =
                                        vocab_size=d.vocab_size, cache_dir=cache_dir,
                                        init_from=spec.model.checkpoint_dir() if spec.model.source == "checkpoint"
                                        else None)
+        except CorpusError:
+            raise  # the corpus's own fault (a line without data.text_field, ...), found while training the tokenizer
         except ValueError as exc:  # a folder without a (fast) tokenizer: say so as the spec's error
             raise SpecError(f"data.tokenizer: {exc}") from None
         # Before tokenizing: a token id the model could not embed fails now, not after an hour of tokenizing.

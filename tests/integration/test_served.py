@@ -64,7 +64,7 @@ def test_a_failing_run_is_failed_with_its_message(stack):
     exp = stack.wait_final(exp["id"], timeout=120)
     run = exp["runs"][0]
     assert run["status"] == "failed"
-    assert run["error_message"].startswith(f"SpecError: data.tokenizer: {corpus}:1: the line has no field 'text'")
+    assert run["error_message"].startswith(f"SpecError: {corpus}:1: the line has no field 'text'")
 
 
 def test_a_huge_learning_rate_diverges_with_the_step(stack):

@@ -274,3 +274,19 @@ def test_a_training_run_on_jsonl_reports_progress_and_records_its_data(tmp_path,
     data = result.summary["data"]
     assert data["files"] == 1 and data["documents_train"] + data["documents_val"] == len(docs) * 4
     assert data["tokenizer"] == str(tmp_path / "tok") and data["bad_lines"] == 0
+
+
+def test_a_line_without_the_text_field_is_the_corpus_error_not_the_tokenizers(make_spec, cache_dir, tmp_path):
+    """Found while the tokenizer trains on the corpus, it was reported as `data.tokenizer: ...` (a review)."""
+    import json
+
+    from training.config import SpecError
+    from training.sink import ListSink
+    from training.train import train
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"body": "words " * 30}) + "\n" for _ in range(40)))
+    with pytest.raises(SpecError) as err:
+        train(make_spec(data={"corpus": str(corpus)}), ListSink(), cache_dir=cache_dir)
+    assert str(err.value).startswith(f"{corpus}:1: the line has no field 'text' (fields: ['body']); set "
+                                     "data.text_field")

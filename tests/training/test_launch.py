@@ -75,6 +75,6 @@ def test_a_corpus_problem_found_when_the_run_opens_it_is_one_line_and_status_2(m
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     assert launch.main([str(tmp_path / "spec.json"), "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err == (f"python -m training: error: {tmp_path / 'spec.json'}: data.tokenizer: {corpus}:1: the line has no "
+    assert err == (f"python -m training: error: {tmp_path / 'spec.json'}: {corpus}:1: the line has no "
                    f"field 'text' (fields: ['content']); set data.text_field to the field that holds the text, or "
                    f"fix the line\n")

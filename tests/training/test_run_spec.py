@@ -105,3 +105,11 @@ def test_missing_corpus_can_be_skipped_on_hosts_without_data():
 
 def test_config_knows_the_same_presets_as_the_model_module():
     assert set(config_module.MODEL_PRESET_NAMES) == set(PRESETS)
+
+
+def test_an_experiment_given_as_a_run_spec_is_told_how_to_submit_it():
+    from training.config import RunSpec, SpecError
+
+    with pytest.raises(SpecError, match=r"unknown key\(s\) \['recipes'\] in run spec; .*this looks like an "
+                                        r"experiment \(several recipes\): submit it with `plab submit FILE`"):
+        RunSpec.from_dict({"model": "tiny", "data": {"corpus": "tinyshakespeare"}, "recipes": ["bf16"]})
