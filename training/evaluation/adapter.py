@@ -152,12 +152,7 @@ def evaluate_checkpoint(
     if on_task_done is not None and not callable(on_task_done):
         raise EvaluationError("on_task_done must be callable as on_task_done(task_name, task_result)")
 
-    if "plab_heldout_bpb" in requested and heldout_text is None and not os.environ.get("PLAB_EVAL_HELDOUT_TEXT"):
-        # The worker passes the run's own validation split; by hand the default is a whole corpus file, which a
-        # run trained on that corpus has mostly seen (Tiny Shakespeare: all but its last ~2%).
-        print(f"plab eval: plab_heldout_bpb scores {DEFAULT_HELDOUT_RELPATH} whole (no --heldout-text): for a run "
-              "trained on that corpus most of it is training text, not held out; give the run's validation text "
-              "(the worker writes it to PLAB_HOME/runs/<id>/validation.txt) for a held-out figure", file=sys.stderr)
+    _warn_default_heldout(requested, heldout_text)
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="plab-eval-tasks-") as tmp, _lm_eval_environment(offline):
@@ -171,15 +166,10 @@ def evaluate_checkpoint(
         load_time = time.perf_counter() - t_load
 
         out_tasks: dict[str, dict] = {}
-        # What each task's scores depend on besides the checkpoint and the documents: the paired comparison
-        # refuses two results scored in different precisions (training.evaluation.stats.check_same_documents).
         settings = {"dtype": resolved_dtype, "lm_eval_version": lm_eval.__version__}
         for name in requested:
-            scored = _evaluate_task(lm, name, manager, builtin=name in needs_builtin, limit=limit,
-                                    bootstrap_iters=bootstrap_iters, offline=offline)
-            for entry in scored.values():
-                entry["eval_settings"] = dict(settings)
-            out_tasks.update(scored)
+            out_tasks.update(_evaluate_task(lm, name, manager, builtin=name in needs_builtin, limit=limit,
+                                            bootstrap_iters=bootstrap_iters, offline=offline, settings=settings))
             if on_task_done is not None:
                 on_task_done(name, out_tasks[name])
 
@@ -187,6 +177,15 @@ def evaluate_checkpoint(
             "device": resolved_device, "dtype": resolved_dtype, "batch_size": batch_size, "limit": limit,
             "bootstrap_iters": bootstrap_iters, "started_at": started_at, "load_time_s": load_time,
             "total_time_s": time.perf_counter() - t_start, "requested": requested, "tasks": out_tasks}
+
+
+def _warn_default_heldout(requested: list[str], heldout_text) -> None:
+    """The worker passes the run's own validation split; by hand the default is a whole corpus file, which a run
+    trained on that corpus has mostly seen (Tiny Shakespeare: all but its last ~2%): say so."""
+    if "plab_heldout_bpb" in requested and heldout_text is None and not os.environ.get("PLAB_EVAL_HELDOUT_TEXT"):
+        print(f"plab eval: plab_heldout_bpb scores {DEFAULT_HELDOUT_RELPATH} whole (no --heldout-text): for a run "
+              "trained on that corpus most of it is training text, not held out; give the run's validation text "
+              "(the worker writes it to PLAB_HOME/runs/<id>/validation.txt) for a held-out figure", file=sys.stderr)
 
 
 def _task_manager(requested: list[str], render_dir: Path, *, data_dir, heldout_text, tasks_dir):
@@ -226,9 +225,11 @@ def _load_model(model_args: str, *, batch_size, device: str):
 
 
 def _evaluate_task(lm, name: str, manager, *, builtin: bool, limit, bootstrap_iters: int,
-                   offline: bool) -> dict[str, dict]:
+                   offline: bool, settings: dict) -> dict[str, dict]:
     """One requested task (with its subtasks, for a group) on the loaded model: {task name: task_result},
-    the requested one timed."""
+    the requested one timed, each with `settings` as its eval_settings: what its scores depend on besides the
+    checkpoint and the documents (the paired comparison refuses two results scored in different dtypes:
+    training.evaluation.stats.check_same_documents)."""
     import jinja2  # lm-eval's templates
     import lm_eval
 
@@ -259,6 +260,7 @@ def _evaluate_task(lm, name: str, manager, *, builtin: bool, limit, bootstrap_it
     converted = _convert_results(raw, {g: _group_aggregates(manager, g) for g in raw.get("group_subtasks", {})})
     for task_name, task_result in converted.items():
         task_result["time_s"] = elapsed if task_name == name else None
+        task_result["eval_settings"] = dict(settings)
     return converted
 
 

@@ -259,14 +259,7 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
             report.layers.append(entry)
         report.layers += _unconverted_block_weights(block, i, keep, matched)
         shared += recipe.share_inputs(block, resolved, real) if name != catalog.BASELINE else 0
-    if unfit and not converted:
-        # Not one linear the run left to the recipe can take its format: training would be BF16 under the
-        # recipe's name, and the comparison would call it the recipe. (Keeping every block in BF16 on purpose,
-        # bf16_first_layers + bf16_last_layers = the blocks, stays possible: the report says so.)
-        reasons = sorted({e["reason"] for e in unfit})
-        raise ValueError(f"{name} can convert none of the model's {len(unfit)} block linear layer(s) left to it "
-                         f"({'; '.join(reasons[:3])}): the run would train BF16 under {name}'s name; choose "
-                         f"dimensions the format's blocks divide, or another recipe")
+    _refuse_if_nothing_converts(name, unfit, converted)
     unmatched = [p for p in keep if p not in matched]
     if unmatched:
         names = [layer["name"] for layer in report.layers if layer["block"] == 0][:4]
@@ -280,6 +273,17 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
     report.compile_mode = recipe.compile_mode({**resolved, "fsdp": fsdp}, real) if converted else None
     return report
+
+
+def _refuse_if_nothing_converts(name: str, unfit: list[dict], converted: list) -> None:
+    """Not one linear the run left to the recipe can take its format: training would be BF16 under the recipe's
+    name, and the comparison would call it the recipe. (Keeping every block in BF16 on purpose,
+    bf16_first_layers + bf16_last_layers = the blocks, stays possible: the report says so.)"""
+    if unfit and not converted:
+        reasons = sorted({e["reason"] for e in unfit})
+        raise ValueError(f"{name} can convert none of the model's {len(unfit)} block linear layer(s) left to it "
+                         f"({'; '.join(reasons[:3])}): the run would train BF16 under {name}'s name; choose "
+                         f"dimensions the format's blocks divide, or another recipe")
 
 
 def _real_kernels(recipe: Recipe, name: str, backend: str, device, resolved: dict, report: RecipeReport) -> bool:
