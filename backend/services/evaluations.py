@@ -197,18 +197,18 @@ def _table_signature(session: Session, exp, method: str) -> tuple:
 
 
 def _result_digests(session: Session, experiment_id: int) -> tuple:
-    """(id, evaluation id, digest of the stored metrics and samples) of every result row of the experiment: a row
-    replaced in place keeps its id, so the id alone served a table computed from its former content. The rows have no
-    updated_at column; the digest is taken from the JSON text as stored (md5 in the database on PostgreSQL, so the
-    samples do not travel; SQLite's text is read without being parsed)."""
+    """(id, evaluation id, digest of the stored metrics) of every result row of the experiment: a row replaced in
+    place (a retried task of a running evaluation; an ended one takes no result) keeps its id, so the id alone
+    served a table computed from its former content. The rows have no updated_at column. The metrics - the
+    aggregates of the samples, small - are digested rather than the samples (megabytes for BLiMP, read on every
+    poll of the page otherwise): md5 in the database on PostgreSQL, sha256 of the stored text on SQLite."""
     where = (Run.experiment_id == experiment_id,)
     base = select(EvalResult.id, EvalResult.evaluation_id).join(Run, Run.id == EvalResult.run_id)
     if session.get_bind().dialect.name == "postgresql":
-        digest = func.md5(cast(EvalResult.metrics, Text) + cast(EvalResult.samples, Text))
+        digest = func.md5(cast(EvalResult.metrics, Text))
         return tuple(map(tuple, session.execute(base.add_columns(digest).where(*where).order_by(EvalResult.id))))
-    rows = session.execute(base.add_columns(cast(EvalResult.metrics, Text), cast(EvalResult.samples, Text))
-                           .where(*where).order_by(EvalResult.id))
-    return tuple((rid, eid, hashlib.sha256(f"{m}\x00{s}".encode()).hexdigest()) for rid, eid, m, s in rows)
+    rows = session.execute(base.add_columns(cast(EvalResult.metrics, Text)).where(*where).order_by(EvalResult.id))
+    return tuple((rid, eid, hashlib.sha256(str(m).encode()).hexdigest()) for rid, eid, m in rows)
 
 
 def accuracy_table(session: Session, experiment_id: int, *, method: str = "bootstrap") -> dict:
