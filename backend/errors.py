@@ -5,6 +5,7 @@ can correct, 503 when a service the API depends on (the database, the job queue)
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -110,6 +111,7 @@ def _body_message(e: dict) -> str | None:
     return None
 
 
+@functools.cache
 def _pattern_words() -> dict[str, str]:
     """The rule behind each pattern a field of the API checks, in words (pydantic's message only repeats the
     regular expression)."""

@@ -67,11 +67,12 @@ def common_shift(extents: list[tuple[int, int, int] | None], max_points: int) ->
 
 
 def comparison_points(session: Session, run_id: int, key: str, x: str, max_points: int,
-                      shift: int | None = None) -> tuple[list, list]:
+                      shift: int | None = None, ext: tuple | None = None) -> tuple[list, list]:
     """(x, loss) of a run's series for comparison, in increasing x: its points (shift 0) or its bucket means of
-    2**shift steps from the rollup; `shift` None: the run's own (`common_shift` of it alone). Points without a
-    finite value, or without tokens when x is tokens, are left out."""
-    ext = metrics.series_extent(session, run_id, key)
+    2**shift steps from the rollup; `shift` None: the run's own (`common_shift` of it alone). `ext`: the series'
+    extent when the caller has read it. Points without a finite value, or without tokens when x is tokens, are
+    left out."""
+    ext = ext or metrics.series_extent(session, run_id, key)
     if ext is None:
         return [], []
     first, last, total = ext
@@ -188,8 +189,9 @@ def compare_experiment(session: Session, experiment_id: int, *, key: str = "trai
         raise Conflict(f"experiment {experiment_id} has no {exp.baseline} run yet, and the relative difference is "
                        f"measured against it: add a {exp.baseline} run to the experiment (or submit experiments "
                        f"with {exp.baseline!r} among their recipes)")
-    shift = common_shift([metrics.series_extent(session, run.id, key) for run in exp.runs], max_points)
-    bx, by = comparison_points(session, base.id, key, x, max_points, shift)
+    extents = {run.id: metrics.series_extent(session, run.id, key) for run in exp.runs}
+    shift = common_shift(list(extents.values()), max_points)
+    bx, by = comparison_points(session, base.id, key, x, max_points, shift, extents[base.id])
     base_final = final_value(session, base.id, key, final_n)
     tps_of = {run.id: throughput(session, run) for run in exp.runs}
     speed = run_speedups(list(exp.runs), exp.baseline, tps_of)
@@ -214,7 +216,7 @@ def compare_experiment(session: Session, experiment_id: int, *, key: str = "trai
         if is_base:
             entry["x"], entry["delta_pct"] = [], []
         else:
-            rx, ry = comparison_points(session, run.id, key, x, max_points, shift)
+            rx, ry = comparison_points(session, run.id, key, x, max_points, shift, extents[run.id])
             entry["x"], entry["delta_pct"] = relative_difference(bx, by, rx, ry)
         runs_out.append(entry)
     note = None

@@ -13,6 +13,7 @@ import pytest
 from backend.models import EvalResult, Run, utcnow
 from tests.backend.test_api import EXPERIMENT, create, make_client
 from tests.backend.test_comparison import api, finish, send  # noqa: F401 - `api` is a fixture
+from tests.backend.test_reconcile import broker  # noqa: F401 - a fixture: a Redis database of the test's own
 
 
 def _session(api):
@@ -272,24 +273,6 @@ def test_csv_export_neutralises_text_cells_that_a_spreadsheet_would_run_as_a_for
 
 
 # -- 5. cancelling a run whose worker died ------------------------------------------------------------------------
-@pytest.fixture
-def broker(monkeypatch, tmp_path):
-    import redis
-
-    from tests.integration.conftest import REDIS_URL, _claim_redis_db
-
-    db, lock = _claim_redis_db()
-    url = f"{REDIS_URL}/{db}"
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    monkeypatch.setenv("PLAB_BROKER_URL", url)
-    monkeypatch.setenv("PLAB_HOME", str(tmp_path))
-    yield client
-    client.flushdb()
-    client.close()
-    lock.close()
-
-
 @pytest.fixture
 def rapi(database_url, tmp_path, broker):
     return make_client(database_url, tmp_path, token=None)
