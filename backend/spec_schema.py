@@ -99,6 +99,9 @@ def data_schema(roots: list[Path]) -> dict:
         "val_corpus": val_corpus,
         "num_proc": _int("data", "num_proc", 1, nullable=True),
         "max_bad_fraction": {**_num(0.0, 1.0), "default": _default(d, "max_bad_fraction")},
+        "val_windows": {"type": "string", "enum": list(tc.VAL_WINDOW_RULES), "default": _default(d, "val_windows"),
+                        "description": "where the validation windows lie in the validation split: \"spread\" evenly "
+                                       "over it, or the \"first\" ones in a row (specs stored before this option)"},
     }
     return {"type": "object", "title": "DataSpec", "properties": props, "additionalProperties": False}
 

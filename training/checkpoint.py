@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from training.checkpoint_files import (STATE_FILE, _hf_tensors, _rng_state, _set_rng_state, checkpoints_root,
                                        hf_expected_names, latest_checkpoint, list_checkpoints)
-from training.config import DataSpec, RunSpec, SpecError
+from training.config import LEGACY_VAL_WINDOWS, DataSpec, RunSpec, SpecError
 
 
 
@@ -127,7 +127,8 @@ def numerics_identity(spec_dict: dict) -> dict:
     d = {k: v for k, v in spec_dict.items() if k not in ("training", "data")}
     # Data keys a spec saved before they existed lacks take their defaults (the behaviour it ran with); the number
     # of tokenizer processes and the bad-line threshold do not change the tokens of a cache that was built.
-    data = {**asdict(DataSpec()), **(spec_dict.get("data") or {})}
+    # data.val_windows is the exception: its default changed when it was added, and a spec saved before ran "first".
+    data = {**asdict(DataSpec()), "val_windows": LEGACY_VAL_WINDOWS, **(spec_dict.get("data") or {})}
     d["data"] = {k: v for k, v in data.items() if k not in ("num_proc", "max_bad_fraction")}
     d["training"] = {k: v for k, v in spec_dict["training"].items()
                      if k not in ("perf", "device", "gpus", "nodes", "compile", "checkpoint_every", "queue", "parallel",
@@ -136,6 +137,24 @@ def numerics_identity(spec_dict: dict) -> dict:
     d["training"]["perf.fuse_qkv"] = (spec_dict["training"].get("perf") or {}).get("fuse_qkv")
     d["training"]["perf.fuse_gate_up"] = bool((spec_dict["training"].get("perf") or {}).get("fuse_gate_up"))
     return d
+
+
+def _difference(saved: dict, spec: RunSpec) -> str:
+    """Where the checkpoint's spec and this one differ, in words (the first few fields)."""
+    a, b = numerics_identity(saved), numerics_identity(spec.to_dict())
+    def short(v) -> str:
+        text = repr(v)
+        return text if len(text) <= 60 else text[:59] + "…"
+
+    diffs = [f"{section}.{key}: {short(a[section].get(key))} there, {short(b[section].get(key))} here"
+             for section in ("data", "training") for key in sorted(set(a[section]) | set(b[section]))
+             if a[section].get(key) != b[section].get(key)]
+    diffs += [f"{key}: {short(a.get(key))} there, {short(b.get(key))} here"
+              for key in sorted(set(a) | set(b)) if key not in ("data", "training") and a.get(key) != b.get(key)]
+    hint = ""
+    if a["data"].get("val_windows") != b["data"].get("val_windows"):
+        hint = f" (to resume it, set data.val_windows: {a['data'].get('val_windows')})"
+    return f" ({'; '.join(diffs[:4])}{' ...' if len(diffs) > 4 else ''}){hint}" if diffs else ""
 
 
 class Checkpointer:
@@ -170,8 +189,8 @@ class Checkpointer:
             return None
         saved = self._load(latest)
         if saved.get("spec") is not None and numerics_identity(saved["spec"]) != numerics_identity(self.spec.to_dict()):
-            raise SpecError(f"checkpoint {latest} was written by a different run spec; use another "
-                            f"output_dir or resume=False")
+            raise SpecError(f"checkpoint {latest} was written by a different run spec{_difference(saved['spec'], self.spec)}; "
+                            f"use another output_dir or resume=False")
         state.step, state.tokens = saved["step"], saved["tokens"]
         state.wall_offset = saved.get("wall_time", 0.0)
         state.loss, state.val_loss = saved.get("loss"), saved.get("val_loss")

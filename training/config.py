@@ -9,7 +9,7 @@ Format (docs/INTERFACES.md)::
 
     {"model": "tiny" | {custom dims} | {"config": PATH} | {"init_from": PATH},
      "data": {"corpus", "vocab_size", "seq_len", "val_fraction", "tokenizer", "text_field", "val_corpus",
-              "num_proc", "max_bad_fraction"},
+              "num_proc", "max_bad_fraction", "val_windows"},
      "training": {"steps" | "tokens", "batch_size", "grad_accum", "lr", ..., "perf": {...}},
      "seed", "recipe", "recipe_options", "bf16_first_layers", "bf16_last_layers"}
 
@@ -386,6 +386,11 @@ class ModelSpec:
 
 
 TOKENIZER_SOURCES = ("train", "checkpoint")  # or a local tokenizer folder / tokenizer.json
+# Where the validation windows lie in the validation split (training.data.TokenDataset.val_slots): "spread" evenly
+# over it, or the "first" ones in a row - what every spec stored before data.val_windows existed ran with
+# (training.checkpoint.numerics_identity, migration 0009 of the API's database).
+VAL_WINDOW_RULES = ("spread", "first")
+LEGACY_VAL_WINDOWS = "first"
 
 
 @dataclass
@@ -401,6 +406,7 @@ class DataSpec:
     val_corpus: str | None = None      # the validation documents; None: val_fraction of the corpus held out
     num_proc: int | None = None        # tokenizer processes; None: every core (the tokens do not depend on it)
     max_bad_fraction: float = 0.001    # unreadable lines (bad JSON, not UTF-8) skipped up to this fraction
+    val_windows: str = "spread"        # VAL_WINDOW_RULES: where validation's windows lie in the validation split
 
     def corpus_dir(self) -> Path | None:
         """The corpus path (a folder, a file or a glob), or None for the synthetic "random" corpus."""
@@ -759,6 +765,7 @@ class RunSpec:
             num_proc=_int("data", "num_proc", d.get("num_proc"), minimum=1, allow_none=True),
             max_bad_fraction=_float("data", "max_bad_fraction", d.get("max_bad_fraction", base.max_bad_fraction),
                                     minimum=0.0, maximum=1.0),
+            val_windows=_choice("data", "val_windows", d.get("val_windows", base.val_windows), VAL_WINDOW_RULES),
         )
         if corpus != RANDOM_CORPUS:
             if out.tokenizer == "train" and out.vocab_size < 300:

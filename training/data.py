@@ -11,7 +11,11 @@ run draws exactly what the uninterrupted run would have drawn. A step's global b
 data-parallel ranks and gradient-accumulation micro-steps take disjoint slices of it, so the tokens of a
 step do not depend on the number of GPUs.
 
-Validation: the first `val_batches * batch_size` non-overlapping windows of the validation shard.
+Validation: `val_batches * batch_size` non-overlapping windows of the validation shard, the same for every recipe
+and seed. `data.val_windows = "spread"` (the default) takes them at evenly spaced places over the whole shard, so
+every file's (or document range's) held-out part is represented in proportion to its length; "first" takes the
+first ones in a row (the lab's definition before "spread": one or two books' tails of a multi-file corpus), kept for
+runs stored with it.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 
 from training.corpus import CorpusError
 from training.shards import ShardRequest, build_token_shards, token_dtype
+from training.config import VAL_WINDOW_RULES
 from training.tokenizer import as_corpus
 
 
@@ -76,13 +81,24 @@ class TokenDataset:
         idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
         return torch.from_numpy(self.train[idx].astype(np.int64))
 
-    def val_windows(self, n_windows: int) -> torch.Tensor:
-        """The first `n_windows` non-overlapping windows of the validation shard (fewer if it is short)."""
-        available = (len(self.val) - 1) // self.seq_len
-        n = min(n_windows, available)
-        if n <= 0:
+    def val_slots(self, n_windows: int, how: str = "spread") -> np.ndarray:
+        """Which of the validation shard's non-overlapping windows (slot k: tokens [k*seq_len, (k+1)*seq_len])
+        validation uses: `n_windows` of them (all there are when the shard holds fewer), "spread" evenly over the
+        shard (slot floor(i * available / n)) or the "first" ones."""
+        if how not in VAL_WINDOW_RULES:
+            raise ValueError(f"val windows must be one of {list(VAL_WINDOW_RULES)}, got {how!r}")
+        available = max((len(self.val) - 1) // self.seq_len, 0)
+        n = max(min(n_windows, available), 0)
+        if how == "first" or n == available:
+            return np.arange(n, dtype=np.int64)
+        return np.arange(n, dtype=np.int64) * available // n
+
+    def val_windows(self, n_windows: int, how: str = "spread") -> torch.Tensor:
+        """The validation windows `val_slots` names, [n, seq_len + 1] token ids (fewer if the shard is short)."""
+        slots = self.val_slots(n_windows, how)
+        if len(slots) == 0:
             return torch.empty(0, self.seq_len + 1, dtype=torch.int64)
-        idx = np.arange(n)[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
+        idx = slots[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
         return torch.from_numpy(self.val[idx].astype(np.int64))
 
 

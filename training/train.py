@@ -71,7 +71,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     if resume:  # in place: DDP and the compiled step hold these same parameters; their wrapping drew no RNG
         checkpointer.resume(state)
     start_step = state.step
-    windows = run.dataset.val_windows(t.val_batches * t.batch_size)
+    windows = run.dataset.val_windows(t.val_batches * t.batch_size, spec.data.val_windows)
     if t.val_batches > 0 and len(windows) == 0:
         # Validation was asked for and cannot happen: the run would end without the loss its verdict is judged on.
         raise SpecError(f"data: the validation split has {len(run.dataset.val)} tokens, fewer than one window of "
@@ -80,7 +80,9 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     validation = ValidationLoss(run.eval_net, run.model, windows,
                                 micro_batch=run.micro_batch, device=run.device, ctx=ctx, autocast=run.autocast,
                                 settle=run.settle)
-    sink.event("run_info", **run.info(), device_name=run.device_name, micro_batch=run.micro_batch,
+    val_info = validation_info(run.dataset, len(windows), spec)
+    sink.event("run_info", **run.info(), validation=val_info,
+               device_name=run.device_name, micro_batch=run.micro_batch,
                total_steps=spec.total_steps, start_step=start_step,
                peak_bf16_tflops=peak_tflops(run.device_name, "bf16"))
 
@@ -95,7 +97,7 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
             if checkpointer.enabled and state.step > 0 and not checkpointer.is_saved(state.step):
                 checkpointer.save(state.step, state)
 
-    summary = {**drain.summary(), **run.info(), "wall_time_s": state.wall_time()}
+    summary = {**drain.summary(), **run.info(), "validation": val_info, "wall_time_s": state.wall_time()}
     report = run.report.to_dict()
     result = TrainResult(
         status=status, steps=state.step, tokens=state.tokens, final_loss=state.loss,
@@ -105,6 +107,13 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
         checkpoint_dir=str(checkpointer.last_path) if checkpointer.last_path is not None else None)
     sink.event("result", **{k: v for k, v in result.to_dict().items() if k != "conversion_report"})
     return result
+
+
+def validation_info(dataset, n_windows: int, spec: RunSpec) -> dict:
+    """What the validation loss is the mean over: its windows, their tokens and where they lie in the split."""
+    available = max((len(dataset.val) - 1) // spec.data.seq_len, 0)
+    return {"windows": n_windows, "tokens": n_windows * spec.data.seq_len, "rule": spec.data.val_windows,
+            "split_windows": available, "split_tokens": len(dataset.val)}
 
 
 def _under_inductor_settings(settings: dict):

@@ -99,11 +99,16 @@ def test_the_header_shows_the_model_a_run_built_and_where_it_came_from(server, p
     server.log_loss_curve(run["id"], steps=5, start=4.0)
     model = {"architecture": "Qwen2ForCausalLM", "model_type": "qwen2", "params": 1_234_567,
              "source": "checkpoint", "origin": "models/qwen", "blocks": 2, "vocab_size": 512}
-    server.set_status(run["id"], "succeeded", summary={"final_loss": 1.6, "model": model})
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    charts.wait_for_traces("loss-chart", 1)
+    assert "windows of the held-out split, spread evenly" in page.locator("#experiment-meta").inner_text()
+    validation = {"windows": 32, "tokens": 4096, "rule": "spread", "split_windows": 1400, "split_tokens": 179_201}
+    server.set_status(run["id"], "succeeded", summary={"final_loss": 1.6, "model": model, "validation": validation})
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
     charts.wait_for_traces("loss-chart", 1)
     meta = page.locator("#experiment-meta").inner_text()
     assert f"Qwen2ForCausalLM · 1.2M parameters · from checkpoint {checkpoint}" in meta
+    assert "32 of the held-out split's 1,400 windows (4,096 tokens), spread evenly" in meta
 
 
 def test_run_row_shows_data_preparation_then_what_the_run_was_trained_on(server, page):

@@ -73,8 +73,27 @@ def test_resume_refuses_another_specs_checkpoint_but_not_a_change_of_speed_setti
     faster = RunSpec.from_dict(make_spec(training={"checkpoint_every": 5, "perf": {"prefetch": False}}))
     assert checkpointer(tmp_path, faster, model, optimizer).resume(TrainState()) is not None
     other = RunSpec.from_dict(make_spec(training={"lr": 1e-4}))
-    with pytest.raises(SpecError, match="written by a different run spec; use another output_dir or resume=False"):
+    with pytest.raises(SpecError, match=r"written by a different run spec \(training.lr: 0.003 there, 0.0001 here\); "
+                                         r"use another output_dir or resume=False"):
         checkpointer(tmp_path, other, model, optimizer).resume(TrainState())
+
+
+def test_a_checkpoint_whose_spec_predates_val_windows_resumes_with_the_first_windows_only(make_spec, tmp_path):
+    """A spec saved before data.val_windows existed validated on the first windows: resuming it with today's
+    default ("spread") would change what its val loss means mid-run, so it is refused with the setting to give."""
+    from training.checkpoint_files import STATE_FILE
+
+    model, optimizer = model_and_optimizer(0)
+    legacy = RunSpec.from_dict(make_spec(data={"val_windows": "first"}))
+    path = checkpointer(tmp_path, legacy, model, optimizer).save(2, TrainState(step=2))
+    saved = torch.load(path / STATE_FILE, weights_only=False)
+    del saved["spec"]["data"]["val_windows"]  # as a checkpoint written before the key existed has it
+    torch.save(saved, path / STATE_FILE)
+
+    with pytest.raises(SpecError, match=r"data.val_windows: 'first' there, 'spread' here\) \(to resume it, set "
+                                         r"data.val_windows: first\)"):
+        checkpointer(tmp_path, RunSpec.from_dict(make_spec()), model, optimizer).resume(TrainState())
+    assert checkpointer(tmp_path, legacy, model, optimizer).resume(TrainState()).name == "step_00000002"
 
 
 def test_without_an_output_dir_nothing_is_resumed_or_saved(make_spec, tmp_path):
@@ -101,9 +120,11 @@ def test_every_rank_knows_the_checkpoint_rank_0_wrote(make_spec, tmp_path):
 def test_a_spec_saved_before_the_data_keys_existed_has_the_numerics_of_todays_defaults():
     from training.checkpoint import numerics_identity
 
-    today = RunSpec.from_dict({}).to_dict()
+    today = RunSpec.from_dict({"data": {"val_windows": "first"}}).to_dict()
     before = {**today, "data": {k: today["data"][k] for k in ("corpus", "vocab_size", "seq_len", "val_fraction")}}
     assert numerics_identity(before) == numerics_identity(today)
+    # ... except val_windows, whose default changed when it came: a spec without it validated on the first windows
+    assert numerics_identity(before) != numerics_identity(RunSpec.from_dict({}).to_dict())
     more_processes = {**today, "data": {**today["data"], "num_proc": 16, "max_bad_fraction": 0.01}}
     assert numerics_identity(more_processes) == numerics_identity(today)  # the same tokens
     other_field = {**today, "data": {**today["data"], "text_field": "body"}}

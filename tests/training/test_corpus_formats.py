@@ -274,6 +274,14 @@ def test_a_training_run_on_jsonl_reports_progress_and_records_its_data(tmp_path,
     data = result.summary["data"]
     assert data["files"] == 1 and data["documents_train"] + data["documents_val"] == len(docs) * 4
     assert data["tokenizer"] == str(tmp_path / "tok") and data["bad_lines"] == 0
+    # what the val loss is the mean over: val_batches x batch_size windows spread over the held-out documents
+    t, seq_len = spec["training"], spec["data"].get("seq_len", 128)
+    validation = result.summary["validation"]
+    wanted = t.get("val_batches", 4) * t.get("batch_size", 8)
+    assert validation["windows"] == min(wanted, validation["split_windows"]) > 0 and validation["rule"] == "spread"
+    assert validation["tokens"] == validation["windows"] * seq_len
+    assert validation["split_windows"] == (validation["split_tokens"] - 1) // seq_len
+    assert sink.events_of("run_info")[0]["validation"] == validation
 
 
 def test_a_line_without_the_text_field_is_the_corpus_error_not_the_tokenizers(make_spec, cache_dir, tmp_path):

@@ -74,7 +74,44 @@ def test_ranks_and_micro_batches_partition_the_global_batch(dataset):
 def test_validation_windows_are_fixed_and_disjoint_from_training(dataset):
     v = dataset.val_windows(6)
     assert torch.equal(v, dataset.val_windows(6)) and v.shape == (6, 33)
-    assert torch.equal(v[1, :1], v[0, -1:])  # consecutive windows share one boundary token only
+    first = dataset.val_windows(6, "first")
+    assert torch.equal(first[1, :1], first[0, -1:])  # consecutive windows share one boundary token only
+
+
+def test_validation_windows_spread_over_the_split_and_first_keeps_the_old_windows(dataset):
+    available = (len(dataset.val) - 1) // 32
+    assert available > 12
+    spread = dataset.val_slots(6)
+    assert list(spread) == [k * available // 6 for k in range(6)] and spread[-1] >= available * 5 // 6 - 1
+    assert list(dataset.val_slots(6, "first")) == list(range(6))
+    # as many as there are, or more: every window, in order, either way
+    assert list(dataset.val_slots(available)) == list(dataset.val_slots(available + 5, "first")) == list(range(available))
+    windows = dataset.val_windows(6)
+    for row, slot in zip(windows, spread):
+        assert torch.equal(row, torch.from_numpy(dataset.val[slot * 32: slot * 32 + 33].astype(np.int64)))
+    with pytest.raises(ValueError, match="one of"):
+        dataset.val_slots(6, "random")
+
+
+def test_spread_windows_take_every_files_held_out_tail_first_ones_only_the_first_file(tmp_path, cache_dir):
+    """The held-out split of a folder of books is their tails one after another: the first windows in a row are
+    the first book's; spread windows come from every book, in proportion to its tail."""
+    names = ["alpha", "bravo", "charlie", "delta"]
+    for name in names:
+        (tmp_path / f"{name}.txt").write_text("".join(f"{name} says line {i} of the {name} book.\n"
+                                                      for i in range(1500)))
+    tok = get_tokenizer(tmp_path, 400, cache_dir)
+    ds = TokenDataset.from_corpus(tmp_path, tok, seq_len=16, val_fraction=0.1, cache_dir=cache_dir)
+
+    def books(how: str) -> list[set[str]]:
+        return [{n for n in names if n in tok.decode(w.tolist())} for w in ds.val_windows(8, how)]
+
+    assert set.union(*books("first")) == {"alpha"}
+    spread = books("spread")
+    # each book's tail is in one to three of the eight (about two each; a window may straddle two tails), in order
+    assert all(1 <= sum(n in b for b in spread) <= 3 for n in names), [sorted(b) for b in spread]
+    assert [min(i for i, b in enumerate(spread) if n in b) for n in names] == sorted(
+        min(i for i, b in enumerate(spread) if n in b) for n in names), spread
 
 
 def test_random_corpus_uses_uint32_beyond_65535_tokens():

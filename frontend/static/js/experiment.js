@@ -414,6 +414,18 @@ function describeModel(model, runs = []) {
   return `${built.architecture || "model"}${params} · ${named}`;
 }
 
+// The val loss's windows: how many and where (data.val_windows), as the first run that built its data reported
+// them (summary.validation); before that, the rule alone.
+function describeValidation(data, runs = []) {
+  const how = (rule) => (rule === "first" ? "the first in a row" : "spread evenly");
+  const v = runs.map((run) => runSummary(run).validation).find((x) => x && typeof x === "object");
+  if (!v || !Number.isFinite(v.windows)) return `windows of the held-out split, ${how(data.val_windows || "spread")}`;
+  const n = (x) => x.toLocaleString("en-US");
+  const of = Number.isFinite(v.split_windows) ? ` of the held-out split's ${n(v.split_windows)}` : "";
+  const tokens = Number.isFinite(v.tokens) ? ` (${n(v.tokens)} tokens)` : "";
+  return `${n(v.windows)}${of} windows${tokens}, ${how(v.rule)}`;
+}
+
 function formatParams(n) {
   for (const [div, unit] of [[1e9, "B"], [1e6, "M"], [1e3, "k"]]) {
     if (n >= div) return `${(n / div).toFixed(n >= 10 * div ? 0 : 1)}${unit}`;
@@ -445,6 +457,7 @@ function renderHeader() {
     ["budget", training.steps != null ? `${training.steps} steps` : (training.tokens != null ? `${training.tokens} tokens` : "")],
     ["batch × seq", training.batch_size != null ? `${training.batch_size} × ${data.seq_len ?? "?"}` : ""],
     ["learning rate", training.lr],
+    ["validation", describeValidation(data, state.runs)],
     ["seed", exp.seed],
     ["eval tasks", evalTasks],
     ["created", formatDate(exp.created_at)],
