@@ -124,23 +124,33 @@ class Corpus:
     folder: Path | None = None          # the folder data.corpus names (None: a file or a glob)
     names: list[str] = field(default_factory=list)
     _hash: str | None = field(default=None, repr=False)
+    _file_hashes: list[str] | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.names:
             self.names = [str(p) for p in self.files]
 
     def content_hash(self) -> str:
-        """SHA-256 of the files' names and bytes as stored, in corpus order (computed once)."""
+        """SHA-256 of the files' names and bytes as stored, in corpus order (computed once, in the same read as
+        each file's own `file_hashes`)."""
         if self._hash is None:
-            h = hashlib.sha256()
+            h, per_file = hashlib.sha256(), []
             for p in self.files:
                 h.update(p.name.encode() + b"\0")
+                own = hashlib.sha256()
                 with open(p, "rb") as f:
                     for chunk in iter(lambda: f.read(1 << 20), b""):
                         h.update(chunk)
+                        own.update(chunk)
                 h.update(b"\0")
-            self._hash = h.hexdigest()
+                per_file.append(own.hexdigest())
+            self._hash, self._file_hashes = h.hexdigest(), per_file
         return self._hash
+
+    def file_hashes(self) -> list[str]:
+        """SHA-256 of each file's bytes as stored, in corpus order."""
+        self.content_hash()
+        return list(self._file_hashes)
 
     @property
     def text_only(self) -> bool:
@@ -170,6 +180,29 @@ class Corpus:
                 yield from (t for t in parse_json_lines(unit, self.text_field, self.names)[0] if t)
             else:
                 yield from (t for t in table_texts(unit, self.text_field, self.names) if t)
+
+
+def check_disjoint(corpus: Corpus, val_corpus: Corpus) -> None:
+    """Refuse a validation corpus that shares a file with the training corpus - the same file, or one with the same
+    bytes: its val loss would be measured on text the run trains on. (Documents repeated inside different files
+    are counted while tokenizing: the run's summary's data.val_documents_in_train.)"""
+    where = {}
+    for path, digest in zip(corpus.files, corpus.file_hashes()):
+        where.setdefault(("path", str(Path(path).resolve())), path)
+        where.setdefault(("bytes", digest), path)
+    shared = []
+    for path, digest in zip(val_corpus.files, val_corpus.file_hashes()):
+        same = where.get(("path", str(Path(path).resolve())))
+        if same is not None:
+            shared.append(f"{path}")
+        elif ("bytes", digest) in where:
+            shared.append(f"{path} (the same bytes as {where[('bytes', digest)]})")
+    if shared:
+        listed = "; ".join(shared[:3]) + (f"; and {len(shared) - 3} more" if len(shared) > 3 else "")
+        raise CorpusError(f"data.val_corpus shares {len(shared)} of its {len(val_corpus.files)} file(s) with "
+                          f"data.corpus: {listed}. Its val loss would be measured on text the run trains on; give "
+                          f"data.val_corpus files that are not in data.corpus, or leave it out to hold out "
+                          f"data.val_fraction of the corpus")
 
 
 def _open_stream(path: Path):

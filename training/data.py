@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from training.corpus import CorpusError
+from training.corpus import CorpusError, check_disjoint
 from training.shards import ShardRequest, build_token_shards, token_dtype
 from training.config import VAL_WINDOW_RULES
 from training.tokenizer import as_corpus
@@ -55,6 +55,8 @@ class TokenDataset:
         request = ShardRequest(as_corpus(corpus), tokenizer, tokenizer_source, val_fraction,
                                val_corpus=as_corpus(val_corpus) if val_corpus is not None else None,
                                num_proc=num_proc, max_bad_fraction=max_bad_fraction)
+        if request.val_corpus is not None:
+            check_disjoint(request.corpus, request.val_corpus)
         path, meta, _ = build_token_shards(request, cache_dir, sink)
         dtype = np.dtype(meta["dtype"])
         train = np.memmap(path / "train.bin", dtype=dtype, mode="r", shape=(meta["train_tokens"],))

@@ -86,6 +86,9 @@ class Encoded:
     docs_val: int = 0
     rows: int = 0                               # lines/rows read (documents and bad lines)
     bad: list[str] = field(default_factory=list)
+    # With data.val_corpus: each whole document's content hash (`document_hash`), so validation documents that
+    # the training corpus repeats are counted (ShardWriter.overlap); empty otherwise.
+    hashes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
 
 
 _worker: tuple | None = None  # (tokenizers.Tokenizer, EncoderConfig) of this process
@@ -99,10 +102,14 @@ def init_encoder(config: EncoderConfig, in_pool: bool = True) -> None:
     _worker = (Tokenizer.from_str(config.tokenizer_json), config)
 
 
+def document_hash(text: str) -> int:
+    """A document's content hash, 64 bits."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
 def held_out(text: str, val_fraction: float) -> bool:
     """Whether a document belongs to the validation split: its content's hash, as a fraction of 2**64."""
-    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < val_fraction * 2**64
+    return document_hash(text) < val_fraction * 2**64
 
 
 def encode_unit(unit: Unit) -> Encoded:
@@ -142,8 +149,10 @@ def encode_unit(unit: Unit) -> Encoded:
             out.append(eos)
     n_docs = sum(1 for t in texts if t) if whole_document else int(unit.last)
     empty = np.zeros(0, cfg.dtype)
+    hashes = (np.array([document_hash(t) for t in texts if t], np.uint64) if whole_document and unit.split != "hash"
+              else np.zeros(0, np.uint64))
     return Encoded(np.concatenate(train) if train else empty, np.concatenate(val) if val else empty,
-                   n_docs - docs_val, docs_val, rows, bad)
+                   n_docs - docs_val, docs_val, rows, bad, hashes)
 
 
 class InProcessEncoder:
@@ -213,8 +222,15 @@ class ShardWriter:
         self.n_train = self.n_val = 0
         self.docs_train = self.docs_val = 0
         self._tail_start = 0
+        self._val_hashes: list[np.ndarray] = []
+        self._val_sorted: np.ndarray | None = None
+        self.overlap = 0   # training documents whose content is a validation document's (data.val_corpus)
 
     def add(self, unit: Unit, enc: Encoded) -> None:
+        if unit.split == "val":
+            self._val_hashes.append(enc.hashes)
+        elif unit.split == "train" and len(enc.hashes):
+            self.overlap += self._in_val(enc.hashes)
         if unit.split == "tail" and unit.first:
             self._tail_start = self.n_train
         enc.train.tofile(self.train)
@@ -225,6 +241,16 @@ class ShardWriter:
         self.docs_val += enc.docs_val
         if unit.split == "tail" and unit.last:
             self._hold_out_tail()
+
+    def _in_val(self, hashes: np.ndarray) -> int:
+        """How many of `hashes` are a validation document's (the validation units come first)."""
+        if self._val_sorted is None:
+            self._val_sorted = np.unique(np.concatenate(self._val_hashes)) if self._val_hashes else np.zeros(0, np.uint64)
+            self._val_hashes = []
+        if not len(self._val_sorted):
+            return 0
+        at = np.minimum(np.searchsorted(self._val_sorted, hashes), len(self._val_sorted) - 1)
+        return int(np.count_nonzero(self._val_sorted[at] == hashes))
 
     def _hold_out_tail(self) -> None:
         n_val = int(round((self.n_train - self._tail_start) * self.val_fraction))
@@ -250,7 +276,7 @@ class DataProgress:
     def __init__(self, sink, file_sizes: list[int], every_s: float = PROGRESS_EVERY_S):
         self.sink, self.sizes, self.every_s = sink, file_sizes, every_s
         self.total = max(sum(file_sizes), 1)
-        self.before = [sum(file_sizes[:i]) for i in range(len(file_sizes))]
+        self.file_done = [0.0] * len(file_sizes)   # bytes read of each file (files may come in any order)
         self.started = self.last = time.perf_counter()
         self.documents = self.tokens = 0
         self.done_bytes = 0.0
@@ -258,7 +284,9 @@ class DataProgress:
     def update(self, unit: Unit, enc: Encoded) -> None:
         self.documents += enc.docs_train + enc.docs_val
         self.tokens += len(enc.train) + len(enc.val)
-        self.done_bytes = self.before[unit.file] + unit.position * self.sizes[unit.file]
+        done = unit.position * self.sizes[unit.file]
+        self.done_bytes += done - self.file_done[unit.file]
+        self.file_done[unit.file] = done
         if time.perf_counter() - self.last >= self.every_s:
             self.report()
 
@@ -383,8 +411,8 @@ def _build(request: ShardRequest, folder: Path, sink) -> dict:
     bad = BadLines(request.max_bad_fraction)
     writer = ShardWriter(folder, dtype, request.val_fraction)
     units = corpus.units("train" if val_corpus else "hash")
-    if val_corpus is not None:
-        units = itertools.chain(units, val_corpus.units("val", file_offset=len(corpus.files)))
+    if val_corpus is not None:  # validation first: its documents are known when the training ones are counted
+        units = itertools.chain(val_corpus.units("val", file_offset=len(corpus.files)), units)
     try:
         for unit, enc in encoder.map(units):
             writer.add(unit, enc)
@@ -403,6 +431,7 @@ def _build(request: ShardRequest, folder: Path, sink) -> dict:
                           documents_train=writer.docs_train, documents_val=writer.docs_val,
                           tokens_train=writer.n_train, tokens_val=writer.n_val, bad_lines=bad.count,
                           bad_examples=bad.examples, rows=bad.rows, bos=bos, eos=eos,
+                          **({"val_documents_in_train": writer.overlap} if val_corpus is not None else {}),
                           tokenize_s=final["elapsed_s"], tokens_per_s=final["tokens_per_s"], num_proc=num_proc))
 
 

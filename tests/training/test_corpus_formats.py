@@ -100,6 +100,45 @@ def test_tokens_do_not_depend_on_the_number_of_processes(tmp_path, docs, tok, ca
     assert np.array_equal(one[0], two[0]) and np.array_equal(one[1], two[1])
 
 
+def test_validation_documents_the_training_corpus_repeats_are_counted(tmp_path, docs, tok, cache_dir):
+    """With data.val_corpus the split is the user's: documents of it that the training files also hold are counted
+    (the summary's data.val_documents_in_train), alike for any number of tokenizer processes."""
+    train_path, val_path = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train_path.write_bytes(_jsonl_bytes(docs[:100] + docs[:3]))    # three documents twice in training
+    val_path.write_bytes(_jsonl_bytes(docs[95:110]))                # five of its fifteen are training's
+    for num_proc in (1, 2):
+        train, val, meta = shards(train_path, tok, tmp_path / f"p{num_proc}", val_corpus=Corpus([val_path]),
+                                  num_proc=num_proc)
+        assert meta["data"]["val_documents_in_train"] == 5
+        assert meta["data"]["documents_val"] == 15 and meta["data"]["documents_train"] == 103
+        # validation is read first now: the streams are the corpus's, in order, as before
+        assert train.tolist() == [i for d in docs[:100] + docs[:3] for i in tok(d)["input_ids"] + [tok.eos_token_id]]
+        assert val.tolist() == [i for d in docs[95:110] for i in tok(d)["input_ids"] + [tok.eos_token_id]]
+    _, _, meta = shards(train_path, tok, tmp_path / "held", val_fraction=0.2)
+    assert "val_documents_in_train" not in meta["data"]  # held out by hash: a document is on one side only
+
+
+def test_a_validation_corpus_sharing_a_file_with_the_training_corpus_is_refused(tmp_path, docs, tok, cache_dir):
+    from training.data import TokenDataset
+
+    books = tmp_path / "books"
+    books.mkdir()
+    for i in range(3):
+        (books / f"part{i}.jsonl").write_bytes(_jsonl_bytes(docs[40 * i:40 * (i + 1)]))
+    (tmp_path / "copy.jsonl").write_bytes((books / "part1.jsonl").read_bytes())
+    (tmp_path / "own.jsonl").write_bytes(_jsonl_bytes(docs[120:]))
+    kw = dict(seq_len=16, val_fraction=0.1, cache_dir=cache_dir)
+    with pytest.raises(CorpusError, match=r"data.val_corpus shares 1 of its 1 file\(s\) with data.corpus: "
+                                          r".*books/part2.jsonl. Its val loss would be measured on text the run "
+                                          r"trains on"):
+        TokenDataset.from_corpus(books, tok, val_corpus=books / "part2.jsonl", **kw)
+    with pytest.raises(CorpusError, match=r"shares 1 of its 2 file\(s\) .*copy.jsonl \(the same bytes as "
+                                          r".*books/part1.jsonl\)"):
+        TokenDataset.from_corpus(books, tok, val_corpus=str(tmp_path / "[co]*.jsonl"), **kw)
+    ds = TokenDataset.from_corpus(books, tok, val_corpus=tmp_path / "own.jsonl", **kw)
+    assert ds.info["val_documents_in_train"] == 0 and ds.info["documents_val"] == len(docs) - 120
+
+
 def test_bos_is_packed_where_the_tokenizer_template_adds_one(tmp_path, docs, tok, cache_dir):
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast

@@ -12,7 +12,7 @@ def test_defaults_follow_the_interface_contract():
     assert d["model"] == "tiny" and d["recipe"] == "bf16" and d["seed"] == 0
     assert d["data"] == {"corpus": "tinyshakespeare", "vocab_size": 2048, "seq_len": 128, "val_fraction": 0.02,
                          "tokenizer": "train", "text_field": "text", "val_corpus": None, "num_proc": None,
-                         "max_bad_fraction": 0.001}
+                         "max_bad_fraction": 0.001, "val_windows": "spread"}
     t = d["training"]
     assert (t["steps"], t["tokens"], t["batch_size"], t["lr"], t["warmup_steps"]) == (200, None, 8, 3e-3, 20)
     assert (t["val_every"], t["val_batches"], t["device"], t["gpus"]) == (50, 4, "auto", 1)

@@ -111,6 +111,13 @@ export function dataSummary(run) {
   if (typeof d.tokenizer === "string") parts.push(`tokenizer ${d.tokenizer}`);
   const bad = finite(d.bad_lines);
   if (bad) parts.push(`${bad.toLocaleString()} bad line${bad === 1 ? "" : "s"} skipped`);
+  // data.val_corpus documents the training files hold too: validation partly on trained text
+  const shared = finite(d.val_documents_in_train);
+  if (shared) {
+    const of = finite(d.documents_val);
+    parts.push(`${shared.toLocaleString()}${of ? ` of ${of.toLocaleString()}` : ""} validation document`
+      + `${(of || shared) === 1 ? "" : "s"} also in the training corpus`);
+  }
   return parts.join(" · ");
 }
 
