@@ -249,13 +249,20 @@ def _check_data_paths(data: DataSpec) -> None:
     """The corpus, validation corpus and tokenizer exist and are readable as what they claim to be."""
     from training.corpus import CorpusError
 
+    opened = {}
     for which in ("corpus", "val_corpus"):
         if getattr(data, which) is None:
             continue
         try:
-            data.open_corpus(which)
+            opened[which] = data.open_corpus(which)
         except CorpusError as exc:
             raise SpecError(f"{exc} (data directory: {data_root()}){_close_names(getattr(data, which))}") from None
+    if "val_corpus" in opened and data.corpus != RANDOM_CORPUS:
+        from training.corpus import check_disjoint
+        try:  # the same paths now; the same bytes under other names when the data is read (training.data)
+            check_disjoint(opened["corpus"], opened["val_corpus"], by_bytes=False)
+        except CorpusError as exc:
+            raise SpecError(str(exc)) from None
     path = data.tokenizer_path()
     try:
         usable = path is None or (path.is_file() and path.suffix == ".json") or (

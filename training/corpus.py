@@ -182,20 +182,20 @@ class Corpus:
                 yield from (t for t in table_texts(unit, self.text_field, self.names) if t)
 
 
-def check_disjoint(corpus: Corpus, val_corpus: Corpus) -> None:
-    """Refuse a validation corpus that shares a file with the training corpus - the same file, or one with the same
-    bytes: its val loss would be measured on text the run trains on. (Documents repeated inside different files
-    are counted while tokenizing: the run's summary's data.val_documents_in_train.)"""
+def check_disjoint(corpus: Corpus, val_corpus: Corpus, *, by_bytes: bool = True) -> None:
+    """Refuse a validation corpus that shares a file with the training corpus - the same file, or (`by_bytes`: every
+    byte is read) one with the same bytes: its val loss would be measured on text the run trains on. (Documents
+    repeated inside different files are counted while tokenizing: the summary's data.val_documents_in_train.)"""
     where = {}
-    for path, digest in zip(corpus.files, corpus.file_hashes()):
+    for path, digest in zip(corpus.files, corpus.file_hashes() if by_bytes else [None] * len(corpus.files)):
         where.setdefault(("path", str(Path(path).resolve())), path)
         where.setdefault(("bytes", digest), path)
     shared = []
-    for path, digest in zip(val_corpus.files, val_corpus.file_hashes()):
+    for path, digest in zip(val_corpus.files, val_corpus.file_hashes() if by_bytes else [None] * len(val_corpus.files)):
         same = where.get(("path", str(Path(path).resolve())))
         if same is not None:
             shared.append(f"{path}")
-        elif ("bytes", digest) in where:
+        elif by_bytes and ("bytes", digest) in where:
             shared.append(f"{path} (the same bytes as {where[('bytes', digest)]})")
     if shared:
         listed = "; ".join(shared[:3]) + (f"; and {len(shared) - 3} more" if len(shared) > 3 else "")
