@@ -79,6 +79,35 @@ def test_train_says_what_the_run_found_wrong_with_its_data_in_one_line(tmp_path,
                                               "field 'text' (fields: ['content']); set data.text_field")
 
 
+def test_train_refuses_a_new_run_validating_on_a_training_file_but_resumes_a_stored_one(tmp_path, capsys,
+                                                                                        monkeypatch):
+    from training import launch
+    from training.checkpoint_files import STATE_FILE, checkpoints_root
+
+    spec = tmp_path / "run.yaml"
+    spec.write_text("model: tiny\ndata: {corpus: tinyshakespeare, val_corpus: tinyshakespeare/input.txt}\n")
+    started = []
+    monkeypatch.setattr(launch, "run", lambda *a, **k: started.append(k) or pytest.fail("the run started"))
+    assert main(["train", str(spec), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"plab: error: {spec}: data.val_corpus shares 1 of its 1 file(s) with data.corpus: ")
+    assert err.count("\n") == 1 and not started
+    saved = checkpoints_root(tmp_path / "out") / "step_00000004"  # a run that began before the check
+    saved.mkdir(parents=True)
+    (saved / STATE_FILE).write_bytes(b"")
+
+    class Stop(Exception):
+        pass
+
+    def record(*a, **k):
+        started.append(k)
+        raise Stop
+    monkeypatch.setattr(launch, "run", record)
+    with pytest.raises(Stop):
+        main(["train", str(spec), "--output", str(tmp_path / "out")])
+    assert started and started[0]["resume"] is True
+
+
 def test_a_bad_port_in_the_environment_is_named_when_serving_and_harmless_otherwise(monkeypatch, capsys):
     monkeypatch.setenv("PLAB_PORT", "eighty")
     assert build_parser().parse_args(["serve"]).port is None  # building the parser reads no environment

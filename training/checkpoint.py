@@ -146,15 +146,17 @@ def _difference(saved: dict, spec: RunSpec) -> str:
         text = repr(v)
         return text if len(text) <= 60 else text[:59] + "…"
 
-    diffs = [f"{section}.{key}: {short(a[section].get(key))} there, {short(b[section].get(key))} here"
+    diffs = [f"{section}.{key}: the checkpoint's {short(a[section].get(key))}, this spec's {short(b[section].get(key))}"
              for section in ("data", "training") for key in sorted(set(a[section]) | set(b[section]))
              if a[section].get(key) != b[section].get(key)]
-    diffs += [f"{key}: {short(a.get(key))} there, {short(b.get(key))} here"
+    diffs += [f"{key}: the checkpoint's {short(a.get(key))}, this spec's {short(b.get(key))}"
               for key in sorted(set(a) | set(b)) if key not in ("data", "training") and a.get(key) != b.get(key)]
+    if not diffs:
+        return ""
     hint = ""
     if a["data"].get("val_windows") != b["data"].get("val_windows"):
-        hint = f" (to resume it, set data.val_windows: {a['data'].get('val_windows')})"
-    return f" ({'; '.join(diffs[:4])}{' ...' if len(diffs) > 4 else ''}){hint}" if diffs else ""
+        hint = f"; to resume it, set data.val_windows to {a['data'].get('val_windows')!r}"
+    return f" ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}){hint}"
 
 
 class Checkpointer:

@@ -249,20 +249,13 @@ def _check_data_paths(data: DataSpec) -> None:
     """The corpus, validation corpus and tokenizer exist and are readable as what they claim to be."""
     from training.corpus import CorpusError
 
-    opened = {}
     for which in ("corpus", "val_corpus"):
         if getattr(data, which) is None:
             continue
         try:
-            opened[which] = data.open_corpus(which)
+            data.open_corpus(which)
         except CorpusError as exc:
             raise SpecError(f"{exc} (data directory: {data_root()}){_close_names(getattr(data, which))}") from None
-    if "val_corpus" in opened and data.corpus != RANDOM_CORPUS:
-        from training.corpus import check_disjoint
-        try:  # the same paths now; the same bytes under other names when the data is read (training.data)
-            check_disjoint(opened["corpus"], opened["val_corpus"], by_bytes=False)
-        except CorpusError as exc:
-            raise SpecError(str(exc)) from None
     path = data.tokenizer_path()
     try:
         usable = path is None or (path.is_file() and path.suffix == ".json") or (
@@ -272,6 +265,18 @@ def _check_data_paths(data: DataSpec) -> None:
     if not usable:
         raise SpecError(f"data.tokenizer {str(path)!r} is not a tokenizer folder (with tokenizer.json) or a "
                         f"tokenizer.json file; give one, or 'train' to train a BPE on the corpus")
+
+
+def check_new_run_data(data: "DataSpec") -> None:
+    """What a *new* run's data may not be, beyond what any spec is checked for (stored runs are not refused for
+    it: their tokenizing reports it instead): a data.val_corpus that names a file of data.corpus."""
+    if data.val_corpus is None or data.corpus == RANDOM_CORPUS:
+        return
+    from training.corpus import CorpusError, check_disjoint
+    try:
+        check_disjoint(data.open_corpus(), data.open_corpus("val_corpus"))
+    except CorpusError as exc:
+        raise SpecError(str(exc)) from None
 
 
 @dataclass

@@ -182,21 +182,30 @@ class Corpus:
                 yield from (t for t in table_texts(unit, self.text_field, self.names) if t)
 
 
-def check_disjoint(corpus: Corpus, val_corpus: Corpus, *, by_bytes: bool = True) -> None:
-    """Refuse a validation corpus that shares a file with the training corpus - the same file, or (`by_bytes`: every
-    byte is read) one with the same bytes: its val loss would be measured on text the run trains on. (Documents
-    repeated inside different files are counted while tokenizing: the summary's data.val_documents_in_train.)"""
-    where = {}
-    for path, digest in zip(corpus.files, corpus.file_hashes() if by_bytes else [None] * len(corpus.files)):
-        where.setdefault(("path", str(Path(path).resolve())), path)
-        where.setdefault(("bytes", digest), path)
+def shared_files(corpus: Corpus, val_corpus: Corpus, *, by_bytes: bool = True) -> list[str]:
+    """The validation corpus's files that are also training files: the same file, or (`by_bytes`: every byte is
+    read, once, as for the cache key) one with the same non-empty bytes under another name - each as a phrase
+    naming it. Their val loss is measured on text the run trains on."""
+    def key_bytes(files, hashes):
+        return {digest: path for path, digest in zip(files, hashes) if path.stat().st_size > 0}
+
+    paths = {str(Path(p).resolve()): p for p in corpus.files}
+    same_bytes = key_bytes(corpus.files, corpus.file_hashes()) if by_bytes else {}
+    val_hashes = val_corpus.file_hashes() if by_bytes else [None] * len(val_corpus.files)
     shared = []
-    for path, digest in zip(val_corpus.files, val_corpus.file_hashes() if by_bytes else [None] * len(val_corpus.files)):
-        same = where.get(("path", str(Path(path).resolve())))
-        if same is not None:
-            shared.append(f"{path}")
-        elif by_bytes and ("bytes", digest) in where:
-            shared.append(f"{path} (the same bytes as {where[('bytes', digest)]})")
+    for path, digest in zip(val_corpus.files, val_hashes):
+        if str(Path(path).resolve()) in paths:
+            shared.append(str(path))
+        elif digest in same_bytes and path.stat().st_size > 0:
+            shared.append(f"{path} (the same bytes as {same_bytes[digest]})")
+    return shared
+
+
+def check_disjoint(corpus: Corpus, val_corpus: Corpus) -> None:
+    """Refuse a new run whose validation corpus names a file of its training corpus (paths only: cheap enough for
+    an API request). Runs already stored are not refused: tokenizing counts what they share
+    (training.shards: the summary's data.val_files_in_train and data.val_documents_in_train)."""
+    shared = shared_files(corpus, val_corpus, by_bytes=False)
     if shared:
         listed = "; ".join(shared[:3]) + (f"; and {len(shared) - 3} more" if len(shared) > 3 else "")
         raise CorpusError(f"data.val_corpus shares {len(shared)} of its {len(val_corpus.files)} file(s) with "

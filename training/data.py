@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from training.corpus import CorpusError, check_disjoint
+from training.corpus import CorpusError
 from training.shards import ShardRequest, build_token_shards, token_dtype
 from training.config import VAL_WINDOW_RULES
 from training.tokenizer import as_corpus
@@ -55,8 +55,6 @@ class TokenDataset:
         request = ShardRequest(as_corpus(corpus), tokenizer, tokenizer_source, val_fraction,
                                val_corpus=as_corpus(val_corpus) if val_corpus is not None else None,
                                num_proc=num_proc, max_bad_fraction=max_bad_fraction)
-        if request.val_corpus is not None:
-            check_disjoint(request.corpus, request.val_corpus)
         path, meta, _ = build_token_shards(request, cache_dir, sink)
         dtype = np.dtype(meta["dtype"])
         train = np.memmap(path / "train.bin", dtype=dtype, mode="r", shape=(meta["train_tokens"],))
@@ -86,14 +84,14 @@ class TokenDataset:
     def val_slots(self, n_windows: int, how: str = "spread") -> np.ndarray:
         """Which of the validation shard's non-overlapping windows (slot k: tokens [k*seq_len, (k+1)*seq_len])
         validation uses: `n_windows` of them (all there are when the shard holds fewer), "spread" evenly over the
-        shard (slot floor(i * available / n)) or the "first" ones."""
+        shard (slot floor((2i + 1) * available / 2n): the middle of each of n equal parts) or the "first" ones."""
         if how not in VAL_WINDOW_RULES:
             raise ValueError(f"val windows must be one of {list(VAL_WINDOW_RULES)}, got {how!r}")
         available = max((len(self.val) - 1) // self.seq_len, 0)
         n = max(min(n_windows, available), 0)
         if how == "first" or n == available:
             return np.arange(n, dtype=np.int64)
-        return np.arange(n, dtype=np.int64) * available // n
+        return (2 * np.arange(n, dtype=np.int64) + 1) * available // (2 * n)
 
     def val_windows(self, n_windows: int, how: str = "spread") -> torch.Tensor:
         """The validation windows `val_slots` names, [n, seq_len + 1] token ids (fewer if the shard is short)."""

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.corpus import Corpus, CorpusError, Unit, parse_json_lines, table_texts, text_pieces
+from training.corpus import Corpus, CorpusError, Unit, parse_json_lines, shared_files, table_texts, text_pieces
 
 SHARD_FORMAT_VERSION = 2
 LEGACY_FORMAT_VERSION = 1  # text folders with the corpus-trained BPE keep their cache keys and bytes
@@ -223,14 +223,15 @@ class ShardWriter:
         self.docs_train = self.docs_val = 0
         self._tail_start = 0
         self._val_hashes: list[np.ndarray] = []
-        self._val_sorted: np.ndarray | None = None
-        self.overlap = 0   # training documents whose content is a validation document's (data.val_corpus)
+        self._val_sorted: np.ndarray | None = None   # the validation documents' distinct hashes, sorted
+        self._val_counts: np.ndarray | None = None   # how many validation documents have each
+        self._val_seen: np.ndarray | None = None     # which of them a training document repeats
 
     def add(self, unit: Unit, enc: Encoded) -> None:
         if unit.split == "val":
             self._val_hashes.append(enc.hashes)
         elif unit.split == "train" and len(enc.hashes):
-            self.overlap += self._in_val(enc.hashes)
+            self._mark_in_val(enc.hashes)
         if unit.split == "tail" and unit.first:
             self._tail_start = self.n_train
         enc.train.tofile(self.train)
@@ -242,15 +243,23 @@ class ShardWriter:
         if unit.split == "tail" and unit.last:
             self._hold_out_tail()
 
-    def _in_val(self, hashes: np.ndarray) -> int:
-        """How many of `hashes` are a validation document's (the validation units come first)."""
+    def _mark_in_val(self, hashes: np.ndarray) -> None:
+        """Mark the validation documents (read first) that these training documents' hashes repeat."""
         if self._val_sorted is None:
-            self._val_sorted = np.unique(np.concatenate(self._val_hashes)) if self._val_hashes else np.zeros(0, np.uint64)
+            joined = np.concatenate(self._val_hashes) if self._val_hashes else np.zeros(0, np.uint64)
+            self._val_sorted, self._val_counts = np.unique(joined, return_counts=True)
+            self._val_seen = np.zeros(len(self._val_sorted), bool)
             self._val_hashes = []
         if not len(self._val_sorted):
-            return 0
+            return
         at = np.minimum(np.searchsorted(self._val_sorted, hashes), len(self._val_sorted) - 1)
-        return int(np.count_nonzero(self._val_sorted[at] == hashes))
+        self._val_seen[at[self._val_sorted[at] == hashes]] = True
+
+    @property
+    def val_documents_in_train(self) -> int:
+        """Validation documents (each copy counted, as documents_val counts them) whose content the training
+        documents repeat."""
+        return 0 if self._val_seen is None else int(self._val_counts[self._val_seen].sum())
 
     def _hold_out_tail(self) -> None:
         n_val = int(round((self.n_train - self._tail_start) * self.val_fraction))
@@ -431,8 +440,20 @@ def _build(request: ShardRequest, folder: Path, sink) -> dict:
                           documents_train=writer.docs_train, documents_val=writer.docs_val,
                           tokens_train=writer.n_train, tokens_val=writer.n_val, bad_lines=bad.count,
                           bad_examples=bad.examples, rows=bad.rows, bos=bos, eos=eos,
-                          **({"val_documents_in_train": writer.overlap} if val_corpus is not None else {}),
+                          **_overlap(request, writer),
                           tokenize_s=final["elapsed_s"], tokens_per_s=final["tokens_per_s"], num_proc=num_proc))
+
+
+def _overlap(request: ShardRequest, writer: ShardWriter) -> dict:
+    """With data.val_corpus: its files that are training files (path or bytes), and - where both corpora hold
+    documents of JSON lines or tables, compared by content hash - its documents the training documents repeat."""
+    if request.val_corpus is None:
+        return {}
+    shared = shared_files(request.corpus, request.val_corpus)
+    out = {"val_files_in_train": len(shared), "val_files_in_train_examples": shared[:3]}
+    if not request.corpus.text_only and not request.val_corpus.text_only:
+        out["val_documents_in_train"] = writer.val_documents_in_train
+    return out
 
 
 def _split_rule(request: ShardRequest) -> str:

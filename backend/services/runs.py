@@ -45,14 +45,14 @@ def build_spec(body: ExperimentCreate, recipe: RecipeRequest, seed: int | None =
             "recipe": recipe.name, "recipe_options": recipe.options,
             "bf16_first_layers": recipe.bf16_first_layers, "bf16_last_layers": recipe.bf16_last_layers,
             "keep_bf16": list(recipe.keep_bf16)}
-    from training.config import RunSpec, SpecError, confine_spec_paths
+    from training.config import RunSpec, SpecError, check_new_run_data, confine_spec_paths
 
     try:
         parsed = RunSpec.from_dict(spec, check_paths=False).to_dict()
         roots = spec_roots()
         confine_spec_paths(parsed, roots)
         if check_files and _paths_are_here(parsed, roots):
-            RunSpec.from_dict(spec, check_paths=True)
+            check_new_run_data(RunSpec.from_dict(spec, check_paths=True).data)
         return parsed
     except SpecError as e:
         raise InvalidInput(f"{recipe.name}: {e}") from e

@@ -47,7 +47,8 @@ class ProgressPrinter(MetricSink):
 
 
 def cmd_train(args) -> int:
-    from training.config import RunSpec, SpecError
+    from training.checkpoint import latest_checkpoint
+    from training.config import RunSpec, SpecError, check_new_run_data
     from training.sink import JsonlSink
     from training import launch
 
@@ -56,6 +57,8 @@ def cmd_train(args) -> int:
         data["recipe"] = args.recipe
     try:
         spec = RunSpec.from_dict(data)
+        if args.no_resume or latest_checkpoint(Path(args.output)) is None:  # a new run, not one resumed
+            check_new_run_data(spec.data)
     except SpecError as e:
         raise UsageError(f"{args.file}: {e}") from e
     problem = outputs_problem((("--output", args.output, True), ("--metrics", args.metrics, False),

@@ -111,6 +111,19 @@ def test_the_api_confines_the_validation_corpus_and_the_tokenizer_path_too(tmp_p
     assert f"data.{key} must be a name or path inside the data directory" in r.json()["detail"]
 
 
+def test_the_api_refuses_a_validation_corpus_naming_a_training_file(tmp_path, data):
+    root, _ = data
+    (root / "held").mkdir()
+    (root / "held" / "b.txt").write_text("other words")
+    api = make_client(f"sqlite:///{tmp_path / 'plab.sqlite'}", tmp_path)
+    r = api.post("/api/v1/experiments", json={**EXPERIMENT, "data": {"corpus": "corpus", "val_corpus": "corpus/a.txt"}})
+    assert r.status_code == 422, r.text
+    assert "data.val_corpus shares 1 of its 1 file(s) with data.corpus: " in r.json()["detail"]
+    assert "leave it out to hold out data.val_fraction" in r.json()["detail"]
+    r = api.post("/api/v1/experiments", json={**EXPERIMENT, "data": {"corpus": "corpus", "val_corpus": "held"}})
+    assert r.status_code == 201, r.text
+
+
 def test_a_workers_job_confines_every_file_a_glob_matches(data, monkeypatch):
     root, _ = data
     monkeypatch.setenv(CONFINE_ENV, "1")

@@ -123,7 +123,7 @@ def test_run_row_shows_data_preparation_then_what_the_run_was_trained_on(server,
     server.set_status(other["id"], "running", device_name="cpu (test)")
     server.set_status(other["id"], "succeeded", summary={"final_loss": 1.5, "data": {
         "files": 3, "documents_train": 1900, "documents_val": 100, "tokens_train": 2_500_000,
-        "tokenizer": "checkpoint", "bad_lines": 2, "val_documents_in_train": 7}})
+        "tokenizer": "checkpoint", "bad_lines": 2, "val_files_in_train": 1, "val_documents_in_train": 7}})
 
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
     preparing = page.locator(f"#runs-table tr[data-run-id='{base['id']}'] .data-progress")
@@ -133,5 +133,6 @@ def test_run_row_shows_data_preparation_then_what_the_run_was_trained_on(server,
     assert bar == "25%"
     trained_on = page.locator(f"#runs-table tr[data-run-id='{other['id']}'] .run-data").inner_text()
     assert trained_on == ("3 files · 2.0k documents · 2.5M training tokens · tokenizer checkpoint · 2 bad lines skipped"
-                          " · 7 of 100 validation documents also in the training corpus")
+                          " · 1 validation file is a training file · 7 of 100 validation documents also in the "
+                          "training corpus")
     assert page.console_log.errors == []

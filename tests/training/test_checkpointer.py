@@ -73,8 +73,8 @@ def test_resume_refuses_another_specs_checkpoint_but_not_a_change_of_speed_setti
     faster = RunSpec.from_dict(make_spec(training={"checkpoint_every": 5, "perf": {"prefetch": False}}))
     assert checkpointer(tmp_path, faster, model, optimizer).resume(TrainState()) is not None
     other = RunSpec.from_dict(make_spec(training={"lr": 1e-4}))
-    with pytest.raises(SpecError, match=r"written by a different run spec \(training.lr: 0.003 there, 0.0001 here\); "
-                                         r"use another output_dir or resume=False"):
+    with pytest.raises(SpecError, match=r"written by a different run spec \(training.lr: the checkpoint's 0.003, this "
+                                         r"spec's 0.0001\); use another output_dir or resume=False"):
         checkpointer(tmp_path, other, model, optimizer).resume(TrainState())
 
 
@@ -90,8 +90,8 @@ def test_a_checkpoint_whose_spec_predates_val_windows_resumes_with_the_first_win
     del saved["spec"]["data"]["val_windows"]  # as a checkpoint written before the key existed has it
     torch.save(saved, path / STATE_FILE)
 
-    with pytest.raises(SpecError, match=r"data.val_windows: 'first' there, 'spread' here\) \(to resume it, set "
-                                         r"data.val_windows: first\)"):
+    with pytest.raises(SpecError, match=r"\(data.val_windows: the checkpoint's 'first', this spec's 'spread'\); to "
+                                         r"resume it, set data.val_windows to 'first'; use another output_dir"):
         checkpointer(tmp_path, RunSpec.from_dict(make_spec()), model, optimizer).resume(TrainState())
     assert checkpointer(tmp_path, legacy, model, optimizer).resume(TrainState()).name == "step_00000002"
 

@@ -101,42 +101,57 @@ def test_tokens_do_not_depend_on_the_number_of_processes(tmp_path, docs, tok, ca
 
 
 def test_validation_documents_the_training_corpus_repeats_are_counted(tmp_path, docs, tok, cache_dir):
-    """With data.val_corpus the split is the user's: documents of it that the training files also hold are counted
-    (the summary's data.val_documents_in_train), alike for any number of tokenizer processes."""
+    """With data.val_corpus the split is the user's: its documents whose content a training document repeats are
+    counted (the summary's data.val_documents_in_train: validation documents, each copy, however often training
+    repeats them), alike for any number of tokenizer processes."""
     train_path, val_path = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
-    train_path.write_bytes(_jsonl_bytes(docs[:100] + docs[:3]))    # three documents twice in training
-    val_path.write_bytes(_jsonl_bytes(docs[95:110]))                # five of its fifteen are training's
+    train_path.write_bytes(_jsonl_bytes(docs[:100] + docs[:3] + [docs[99]] * 9))  # docs[99] ten times in training
+    val_path.write_bytes(_jsonl_bytes(docs[95:110] + [docs[96]]))  # five of these are training's, one twice
     for num_proc in (1, 2):
         train, val, meta = shards(train_path, tok, tmp_path / f"p{num_proc}", val_corpus=Corpus([val_path]),
                                   num_proc=num_proc)
-        assert meta["data"]["val_documents_in_train"] == 5
-        assert meta["data"]["documents_val"] == 15 and meta["data"]["documents_train"] == 103
+        assert meta["data"]["val_documents_in_train"] == 6 and meta["data"]["documents_val"] == 16
+        assert meta["data"]["val_files_in_train"] == 0 and meta["data"]["documents_train"] == 112
         # validation is read first now: the streams are the corpus's, in order, as before
-        assert train.tolist() == [i for d in docs[:100] + docs[:3] for i in tok(d)["input_ids"] + [tok.eos_token_id]]
-        assert val.tolist() == [i for d in docs[95:110] for i in tok(d)["input_ids"] + [tok.eos_token_id]]
+        assert train.tolist() == [i for d in docs[:100] + docs[:3] + [docs[99]] * 9
+                                  for i in tok(d)["input_ids"] + [tok.eos_token_id]]
+        assert val.tolist() == [i for d in docs[95:110] + [docs[96]] for i in tok(d)["input_ids"] + [tok.eos_token_id]]
     _, _, meta = shards(train_path, tok, tmp_path / "held", val_fraction=0.2)
     assert "val_documents_in_train" not in meta["data"]  # held out by hash: a document is on one side only
 
 
-def test_a_validation_corpus_sharing_a_file_with_the_training_corpus_is_refused(tmp_path, docs, tok, cache_dir):
+def test_validation_files_that_are_training_files_are_counted_and_new_runs_naming_one_refused(tmp_path, docs, tok,
+                                                                                            cache_dir, monkeypatch):
+    from training.config import DataSpec, SpecError, check_new_run_data
     from training.data import TokenDataset
 
-    books = tmp_path / "books"
+    books, other = tmp_path / "books", tmp_path / "other"
     books.mkdir()
+    other.mkdir()
     for i in range(3):
         (books / f"part{i}.jsonl").write_bytes(_jsonl_bytes(docs[40 * i:40 * (i + 1)]))
-    (tmp_path / "copy.jsonl").write_bytes((books / "part1.jsonl").read_bytes())
-    (tmp_path / "own.jsonl").write_bytes(_jsonl_bytes(docs[120:]))
+    (books / "empty.jsonl").write_bytes(b"")
+    (other / "copy.jsonl").write_bytes((books / "part1.jsonl").read_bytes())
+    (other / "own.jsonl").write_bytes(_jsonl_bytes(docs[120:]))
+    (other / "zzz.jsonl").write_bytes(b"")  # empty, like books/empty.jsonl: not "the same text"
     kw = dict(seq_len=16, val_fraction=0.1, cache_dir=cache_dir)
-    with pytest.raises(CorpusError, match=r"data.val_corpus shares 1 of its 1 file\(s\) with data.corpus: "
-                                          r".*books/part2.jsonl. Its val loss would be measured on text the run "
-                                          r"trains on"):
-        TokenDataset.from_corpus(books, tok, val_corpus=books / "part2.jsonl", **kw)
-    with pytest.raises(CorpusError, match=r"shares 1 of its 2 file\(s\) .*copy.jsonl \(the same bytes as "
-                                          r".*books/part1.jsonl\)"):
-        TokenDataset.from_corpus(books, tok, val_corpus=str(tmp_path / "[co]*.jsonl"), **kw)
-    ds = TokenDataset.from_corpus(books, tok, val_corpus=tmp_path / "own.jsonl", **kw)
-    assert ds.info["val_documents_in_train"] == 0 and ds.info["documents_val"] == len(docs) - 120
+    # stored runs are not refused: what they share is counted (a file, and its documents)
+    ds = TokenDataset.from_corpus(books, tok, val_corpus=other, **kw)
+    assert ds.info["val_files_in_train"] == 1 and ds.info["val_documents_in_train"] == 40
+    assert ds.info["val_files_in_train_examples"] == [f"{other / 'copy.jsonl'} (the same bytes as "
+                                                      f"{books / 'part1.jsonl'})"]
+    same = TokenDataset.from_corpus(books, tok, val_corpus=books / "part2.jsonl", **kw)
+    assert same.info["val_files_in_train"] == 1 and same.info["val_documents_in_train"] == 40
+    # a text validation corpus: files compared, documents not (one document per file; pieces are not compared)
+    (other / "t.txt").write_text("some held-out words\n" * 50)
+    text_val = TokenDataset.from_corpus(books, tok, val_corpus=other / "t.txt", **kw)
+    assert text_val.info["val_files_in_train"] == 0 and "val_documents_in_train" not in text_val.info
+
+    monkeypatch.setenv("PLAB_DATA_DIR", str(tmp_path))
+    with pytest.raises(SpecError, match=r"data.val_corpus shares 1 of its 1 file\(s\) with data.corpus: "
+                                        r".*books/part2.jsonl. Its val loss would be measured on text the run trains"):
+        check_new_run_data(DataSpec(corpus="books", val_corpus="books/part2.jsonl"))
+    check_new_run_data(DataSpec(corpus="books", val_corpus="other"))  # the copy's bytes are read when tokenizing
 
 
 def test_bos_is_packed_where_the_tokenizer_template_adds_one(tmp_path, docs, tok, cache_dir):

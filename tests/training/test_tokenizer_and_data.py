@@ -82,7 +82,8 @@ def test_validation_windows_spread_over_the_split_and_first_keeps_the_old_window
     available = (len(dataset.val) - 1) // 32
     assert available > 12
     spread = dataset.val_slots(6)
-    assert list(spread) == [k * available // 6 for k in range(6)] and spread[-1] >= available * 5 // 6 - 1
+    assert list(spread) == [(2 * k + 1) * available // 12 for k in range(6)]  # the middle of each sixth
+    assert spread[0] >= available // 12 - 1 and spread[-1] >= available * 11 // 12 - 1
     assert list(dataset.val_slots(6, "first")) == list(range(6))
     # as many as there are, or more: every window, in order, either way
     assert list(dataset.val_slots(available)) == list(dataset.val_slots(available + 5, "first")) == list(range(available))

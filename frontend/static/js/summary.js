@@ -111,7 +111,12 @@ export function dataSummary(run) {
   if (typeof d.tokenizer === "string") parts.push(`tokenizer ${d.tokenizer}`);
   const bad = finite(d.bad_lines);
   if (bad) parts.push(`${bad.toLocaleString()} bad line${bad === 1 ? "" : "s"} skipped`);
-  // data.val_corpus documents the training files hold too: validation partly on trained text
+  // data.val_corpus files and documents the training corpus holds too: validation partly on trained text
+  const valFiles = finite(d.val_files_in_train);
+  if (valFiles) {
+    parts.push(valFiles === 1 ? "1 validation file is a training file"
+      : `${valFiles.toLocaleString()} validation files are training files`);
+  }
   const shared = finite(d.val_documents_in_train);
   if (shared) {
     const of = finite(d.documents_val);
