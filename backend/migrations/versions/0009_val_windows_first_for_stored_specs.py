@@ -6,8 +6,9 @@ first book's held-out tail, perhaps the second's); its default is now "spread" (
 without the key would be read with the new default when it is dispatched again (a queued run, the reconciler's
 re-send, a resume after a lost worker), and its val loss - the verdict's measure - would change meaning mid-run or
 between the recipes of one experiment. This migration writes the definition those specs ran with into them: every
-training run's `spec.data` and every experiment's `data_config` that lacks the key gets "first". External runs
-(recorded, no spec of ours) are left as they are.
+training run's `spec.data` that lacks the key gets "first", and so does the `data_config` of an experiment whose
+runs now say "first" (what the dashboard shows; an experiment whose runs say "spread" keeps the user's words). External
+runs (recorded, no spec of ours) are left as they are.
 
 Downgrade takes the key out where it is "first" (the code before it did exactly that). A run created after the
 upgrade with "spread" keeps its key: the code before this revision refuses such a spec (unknown key
@@ -41,8 +42,9 @@ def _as_dict(value):
     return value if isinstance(value, dict) else None
 
 
-def _rewrite(table: str, column: str, change) -> None:
-    """Apply `change(dict) -> dict | None` (None: leave the row) to `column` of every row of `table`, in id order."""
+def _rewrite(table: str, column: str, change, only=None) -> None:
+    """Apply `change(dict) -> dict | None` (None: leave the row) to `column` of every row of `table` (of the ids in
+    `only`, when given), in id order."""
     bind = op.get_bind()
     t = sa.table(table, sa.column("id", sa.Integer), sa.column(column, sa.JSON))
     last = 0
@@ -51,10 +53,22 @@ def _rewrite(table: str, column: str, change) -> None:
         if not rows:
             return
         for row_id, value in rows:
+            if only is not None and row_id not in only:
+                continue
             new = change(_as_dict(value))
             if new is not None:
                 bind.execute(t.update().where(t.c.id == row_id).values({column: new}))
         last = rows[-1][0]
+
+
+def _experiments_whose_runs_say(value: str) -> set:
+    runs = sa.table("runs", sa.column("experiment_id", sa.Integer), sa.column("spec", sa.JSON))
+    found = set()
+    for experiment_id, spec in op.get_bind().execute(sa.select(runs.c.experiment_id, runs.c.spec)):
+        spec = _as_dict(spec)
+        if spec is not None and isinstance(spec.get("data"), dict) and spec["data"].get(KEY) == value:
+            found.add(experiment_id)
+    return found
 
 
 def _add_to_data(data):
@@ -85,7 +99,7 @@ def _spec_without(spec):
 
 def upgrade() -> None:
     _rewrite("runs", "spec", _spec_with)
-    _rewrite("experiments", "data_config", _add_to_data)
+    _rewrite("experiments", "data_config", _add_to_data, only=_experiments_whose_runs_say(LEGACY))
 
 
 def downgrade() -> None:
