@@ -1,4 +1,4 @@
-"""The training job's sink against a real API: tokenization progress lands in the run's summary."""
+"""The training job's sink against a real API: tokenization progress and what the run is land in its summary."""
 from __future__ import annotations
 
 from tests.workers.conftest import new_run
@@ -20,3 +20,24 @@ def test_data_progress_events_reach_the_run_summary_and_the_last_one_wins(client
     summary = client.get_run(run["id"])["summary"]
     assert summary["data_progress"] == {"phase": "tokenizing", "documents": 40, "tokens": 4000, "tokens_per_s": 5000,
                                         "fraction": 1.0, "eta_s": 0.0, "done": True}
+
+
+def test_what_the_run_is_reaches_its_summary_when_it_starts(client):
+    run = new_run(client)
+    client.set_status(run["id"], "running", worker_host="test-host")
+    streamer = MetricStreamer(client, run["id"])
+    model = {"architecture": "LlamaForCausalLM", "params": 1234, "blocks": 2}
+    validation = {"windows": 8, "tokens": 256, "rule": "spread", "split_windows": 90, "split_tokens": 2881}
+    try:
+        sink = ApiSink(client, run["id"], streamer)
+        sink.event("data_progress", phase="tokenizing", documents=1, tokens=10, tokens_per_s=5, fraction=1.0,
+                   eta_s=0.0, done=True)
+        sink.event("run_info", params=1234, model=model, data={"files": 1}, validation=validation, world_size=1,
+                   inductor_settings={"x": 1}, device_name="cpu", total_steps=10, start_step=0)
+    finally:
+        streamer.close()
+    summary = client.get_run(run["id"])["summary"]
+    assert summary["model"] == model and summary["validation"] == validation and summary["params"] == 1234
+    assert summary["data"] == {"files": 1} and summary["world_size"] == 1
+    assert "inductor_settings" not in summary and "total_steps" not in summary  # the result's, not the start's
+    assert summary["data_progress"]["done"] is True  # merged, not replaced

@@ -19,6 +19,10 @@ from workers.jobs import EXIT_OK, EXIT_SKIPPED, UNREPORTED, child_command, child
 
 KIND = "training"
 MODULE = "workers.jobs.train"
+# The run_info event's fields the run's summary gets as soon as the run starts (the model it built, its data and
+# validation windows, how it is spread over devices), so the dashboard shows them during a long run, not after it.
+RUN_INFO_FIELDS = ("params", "model", "data", "validation", "world_size", "param_dtype", "parallel",
+                   "activation_checkpointing", "micro_batch", "flops_per_token")
 
 
 class ApiSink(MetricSink):
@@ -41,6 +45,8 @@ class ApiSink(MetricSink):
                                        gemm_backend=report.get("gemm_backend"))
             elif kind == "data_progress":  # tokenizing before the first step: the run row shows it
                 self.client.update_run(self.run_id, summary={"data_progress": fields})
+            elif kind == "run_info":  # what the run is, while it trains (the result's summary repeats it)
+                self.client.update_run(self.run_id, summary={k: fields[k] for k in RUN_INFO_FIELDS if k in fields})
             elif kind == "checkpoint":
                 self.client.add_artifact(self.run_id, "checkpoint", _portable(fields.get("path")), step=fields.get("step"),
                                          meta={k: v for k, v in fields.items() if k not in ("path", "step")})

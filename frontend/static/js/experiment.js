@@ -414,8 +414,8 @@ function describeModel(model, runs = []) {
   return `${built.architecture || "model"}${params} · ${named}`;
 }
 
-// The val loss's windows: how many and where (data.val_windows), as the first finished run's summary reports them
-// (summary.validation, sent with the result); before any run has finished, the rule alone.
+// The val loss's windows: how many and where (data.val_windows), as a run reports them when it starts
+// (summary.validation, from its run_info); before any run has started, the rule alone.
 function describeValidation(data, runs = []) {
   const how = (rule) => (rule === "first" ? "the first in a row" : "spread evenly");
   const v = runs.map((run) => runSummary(run).validation).find((x) => x && typeof x === "object");

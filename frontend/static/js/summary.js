@@ -96,7 +96,7 @@ export function dataPreparation(run) {
   return {fraction: fraction == null ? null : Math.min(1, Math.max(0, fraction)), text: parts.join(" · ")};
 }
 
-// What a finished run was trained on (training.shards' meta, in the run summary's `data`), one line.
+// What a run trains on (training.shards' meta, in the run summary's `data` from its start), one line.
 export function dataSummary(run) {
   const d = runSummary(run).data;
   if (!d || typeof d !== "object") return "";
