@@ -29,6 +29,12 @@ PRESETS = MODEL_PRESETS  # defined in training.config so spec validation stays i
 # Plain RoPE does not depend on max_position_embeddings, but lm-eval takes it as the longest context it may
 # feed: a model trained on short windows must still accept a multiple-choice ending longer than them.
 EVAL_MIN_CONTEXT = 2048
+# The longest context a model was trained on, recorded in its config (config.json of every checkpoint): the
+# evaluation windows perplexity-type tasks (plab_heldout_bpb) at it, so their bits per byte are measured on the
+# positions the model learned, as its validation loss is (training.evaluation.adapter). Set for a model trained
+# from random weights (data.seq_len) and carried on by continued training (the larger of the two); a pretrained
+# checkpoint without it keeps its own context.
+TRAINED_CONTEXT_ATTR = "plab_trained_context"
 
 def llama_config(model: str | dict | ModelSpec, vocab_size: int, seq_len: int) -> LlamaConfig:
     """LlamaConfig for a preset name, a custom-dims dict or a ModelSpec.
@@ -66,7 +72,9 @@ def model_config(model: ModelSpec, vocab_size: int, seq_len: int):
     config.json that `model.config` or `model.init_from` names (any causal-LM architecture transformers
     knows), set up for training (no KV cache, SDPA attention where the architecture has it)."""
     if model.source == "preset":
-        return llama_config(model, vocab_size, seq_len)
+        config = llama_config(model, vocab_size, seq_len)
+        setattr(config, TRAINED_CONTEXT_ATTR, seq_len)
+        return config
     from transformers import AutoConfig
     path = model.config_file() if model.source == "config" else model.checkpoint_dir() / "config.json"
     try:
@@ -79,6 +87,11 @@ def model_config(model: ModelSpec, vocab_size: int, seq_len: int):
     if isinstance(limit, int) and seq_len > limit:
         raise SpecError(f"data.seq_len ({seq_len}) exceeds the model's max_position_embeddings ({limit}) from "
                         f"{str(path)!r}; lower data.seq_len")
+    before = getattr(config, TRAINED_CONTEXT_ATTR, None)
+    if model.source == "config":
+        setattr(config, TRAINED_CONTEXT_ATTR, seq_len)
+    elif isinstance(before, int) and before > 0:
+        setattr(config, TRAINED_CONTEXT_ATTR, max(before, seq_len))
     return config
 
 

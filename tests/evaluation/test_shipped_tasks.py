@@ -283,3 +283,34 @@ def test_the_default_heldout_text_is_said_not_to_be_held_out(tiny_checkpoint, mo
     err = capsys.readouterr().err
     assert "plab_heldout_bpb scores tinyshakespeare/input.txt whole (no --heldout-text)" in err
     assert "not held out" in err
+
+
+def test_perplexity_tasks_are_windowed_at_the_trained_context_and_multiple_choice_is_not(tiny_checkpoint, tmp_path):
+    """A checkpoint that records the context it was trained on (training.model.TRAINED_CONTEXT_ATTR, 32 here)
+    has its held-out text scored in windows of that length - exactly lm-eval's own scoring of a model whose
+    max_length is 32 - while PIQA's contexts keep lm-eval's max_length (256, the config's positions)."""
+    import shutil
+
+    from training.model import TRAINED_CONTEXT_ATTR
+
+    def copy(name, **config):
+        dest = tmp_path / name
+        shutil.copytree(tiny_checkpoint, dest)
+        data = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps({**data, **config}))
+        return dest
+
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text((DATA_DIR / "tinyshakespeare" / "input.txt").read_text()[-6000:])
+    kw = dict(limit=4, device="cpu", batch_size=8, heldout_text=heldout, bootstrap_iters=0)
+    trained = evaluate_checkpoint(copy("trained", **{TRAINED_CONTEXT_ATTR: 32}), ["plab_heldout_bpb", "plab_piqa"], **kw)
+    short = evaluate_checkpoint(copy("short", max_position_embeddings=32), ["plab_heldout_bpb"], **kw)
+    plain = evaluate_checkpoint(tiny_checkpoint, ["plab_heldout_bpb", "plab_piqa"], **kw)
+
+    def bpb(r):
+        return r["tasks"]["plab_heldout_bpb"]["metrics"]["bits_per_byte"]["value"]
+
+    assert bpb(trained) == bpb(short) != bpb(plain)
+    assert trained["tasks"]["plab_heldout_bpb"]["eval_settings"]["rolling_context"] == 32
+    assert plain["tasks"]["plab_heldout_bpb"]["eval_settings"]["rolling_context"] == 256
+    assert trained["tasks"]["plab_piqa"]["samples"] == plain["tasks"]["plab_piqa"]["samples"]

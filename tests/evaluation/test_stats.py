@@ -232,6 +232,36 @@ def test_results_scored_in_different_dtypes_are_not_paired():
     assert len(compare_results(result([0.0, 1.0] * 10, "float32"), old)) == 1
 
 
+def test_perplexity_results_windowed_differently_are_not_paired_accuracies_are():
+    """Bits per byte depends on the window length the text was scored in (the trained context since it is recorded,
+    lm-eval's max_length before): two such results are not paired; a multiple-choice task's are, whatever the
+    window length its result records."""
+    from training.evaluation.stats import PairingError
+
+    def bpb(window):
+        settings = {"dtype": "float32", **({"rolling_context": window} if window != "unrecorded" else {})}
+        return {"tasks": {"h": {"kind": "task", "aggregation": {"bits_per_byte": "bits_per_byte"},
+                                "higher_is_better": {"bits_per_byte": False}, "metrics": {"bits_per_byte": {}},
+                                "task_hash": "b" * 64, "n_samples": 3, "eval_settings": settings,
+                                "samples": {"doc_id": [0, 1, 2], "bits_per_byte": [[-300.0, 100], [-290.0, 90],
+                                                                                  [-310.0, 120]]}}}}
+
+    def acc(window):
+        return {"tasks": {"t": {"kind": "task", "aggregation": {"acc": "mean"}, "higher_is_better": {"acc": True},
+                                "metrics": {"acc": {}}, "task_hash": "a" * 64, "n_samples": 20,
+                                "eval_settings": {"dtype": "float32", "rolling_context": window},
+                                "samples": {"doc_id": list(range(20)), "acc": [1.0] * 20}}}}
+
+    assert len(compare_results(bpb(128), bpb(128))) == 1
+    with pytest.raises(PairingError, match=r"task 'h': the baseline's text was scored in windows of 128 tokens and "
+                                           r"the candidate's in 2048 tokens .* evaluate both checkpoints again"):
+        compare_results(bpb(128), bpb(2048))
+    with pytest.raises(PairingError, match=r"windows of the model's max_length \(not recorded: an older evaluation\) "
+                                           r"and the candidate's in 128 tokens"):
+        compare_results(bpb("unrecorded"), bpb(128))
+    assert len(compare_results(acc(128), acc(2048))) == 1
+
+
 def test_plab_eval_refuses_two_commands_at_once_and_a_file_as_the_checkpoint(tmp_path, capsys):
     from training.evaluation.cli import main
 

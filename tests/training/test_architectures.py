@@ -3,6 +3,7 @@ here, nothing downloaded): training under every recipe, the conversion report, F
 count of the matmuls actually run, HF export and reload, continued pre-training from a checkpoint."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -249,6 +250,21 @@ def test_init_from_a_checkpoint_starts_every_recipe_from_its_weights_and_its_val
                     cache_dir=cache_dir)
     assert resumed.status == "succeeded" and resumed.summary["model"]["source"] == "checkpoint"
     assert resumed.final_val_loss < first.final_val_loss + 0.5
+    # The context each was trained on, for the evaluation's windows: the run's seq_len from random weights, the
+    # longer of the two when training continues, nothing for a pretrained checkpoint that does not say
+    from training.model import TRAINED_CONTEXT_ATTR, model_config
+
+    def context(folder, seq_len):
+        spec = RunSpec.from_dict({**arch_spec({"init_from": str(folder)}), "data": {"seq_len": seq_len}})
+        return getattr(model_config(spec.model, VOCAB, seq_len), TRAINED_CONTEXT_ATTR, None)
+
+    for folder in (first.checkpoint_dir, sharded):
+        assert json.loads((Path(folder) / "config.json").read_text())[TRAINED_CONTEXT_ATTR] == 16
+    assert (context(first.checkpoint_dir, 8), context(first.checkpoint_dir, 64)) == (16, 64)
+    config = json.loads((sharded / "config.json").read_text())
+    del config[TRAINED_CONTEXT_ATTR]
+    (sharded / "config.json").write_text(json.dumps(config))
+    assert context(sharded, 64) is None
 
 
 # ----------------------------------------------------------------------------------------- refusals

@@ -71,8 +71,9 @@ def test_finished_run_checkpoint_loads_with_plain_transformers_and_gives_the_sam
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
     assert len(tok) == 512 and tok.eos_token == "<|endoftext|>"
-    assert json.loads((tmp_path / "checkpoints" / "step_00000006" / "config.json").read_text())[
-        "architectures"] == ["LlamaForCausalLM"]
+    config = json.loads((tmp_path / "checkpoints" / "step_00000006" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["plab_trained_context"] == 32  # data.seq_len: where evaluation windows perplexity tasks
     # The trainer's final validation loss, recomputed from the checkpoint with HF's own forward.
     spec = RunSpec.from_dict(make_spec())
     ds = TokenDataset.from_corpus(spec.data.corpus_dir(), get_tokenizer(spec.data.corpus_dir(), 512, cache_dir),

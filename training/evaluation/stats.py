@@ -210,8 +210,9 @@ def holm_adjust(p_values: Sequence[float]) -> list[float]:
 
 def check_same_documents(name: str, base: dict, cand: dict) -> None:
     """PairingError unless both runs' results of task `name` come from the same documents scored the same way:
-    equal lm-eval task hashes (where both have one), equal evaluation dtypes (where both record one) and equal
-    document counts."""
+    equal lm-eval task hashes (where both have one), equal evaluation dtypes (where both record one), for a
+    perplexity-type task (bits per byte) the same window length (a result that records none was windowed at
+    lm-eval's max_length, before the trained context was), and equal document counts."""
     bh, ch = base.get("task_hash"), cand.get("task_hash")
     if bh and ch and bh != ch:
         raise PairingError(f"task {name!r}: the two runs scored different documents or prompts (task hash "
@@ -223,6 +224,12 @@ def check_same_documents(name: str, base: dict, cand: dict) -> None:
         raise PairingError(f"task {name!r}: the baseline was scored in {bd} and the candidate in {cd} (the model's "
                            "dtype during evaluation moves the scores by itself); evaluate both in one dtype "
                            "(plab eval --dtype) on the same kind of device, then compare")
+    if _rolling(base) or _rolling(cand):
+        bw, cw = (_settings(r).get("rolling_context") for r in (base, cand))
+        if bw != cw:
+            raise PairingError(f"task {name!r}: the baseline's text was scored in windows of {_windows(bw)} and the "
+                               f"candidate's in {_windows(cw)} (the window length moves bits per byte by itself); "
+                               "evaluate both checkpoints again with this version, then compare")
     bn, cn = base.get("n_samples"), cand.get("n_samples")
     if bn is not None and cn is not None and bn != cn:
         raise PairingError(f"task {name!r}: the baseline scored {bn} documents and the candidate {cn}; evaluate "
@@ -230,6 +237,23 @@ def check_same_documents(name: str, base: dict, cand: dict) -> None:
 
 
 # --------------------------------------------------------------------------- internals
+ROLLING_METRICS = ("bits_per_byte", "byte_perplexity", "word_perplexity")
+
+
+def _settings(result: dict) -> dict:
+    settings = result.get("eval_settings")
+    return settings if isinstance(settings, dict) else {}
+
+
+def _rolling(result: dict) -> bool:
+    """Whether a task result is a perplexity-type (loglikelihood_rolling) task's: scored in windows of text."""
+    metrics = result.get("metrics")
+    return isinstance(metrics, dict) and any(m in metrics for m in ROLLING_METRICS)
+
+
+def _windows(length) -> str:
+    return f"{length} tokens" if length is not None else "the model's max_length (not recorded: an older evaluation)"
+
 
 
 def _aligned(name, metric, base, cand, base_tasks, cand_tasks):
