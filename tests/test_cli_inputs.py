@@ -32,6 +32,8 @@ def closed_port() -> int:
     (["demo", "--port", "70000"], "argument --port: must be a port number from 1 to 65535, got '70000'"),
     (["train", "x.yaml", "--print-every", "0"], "argument --print-every: expected a whole number >= 1, got '0'"),
     (["eval", "3", "--tasks", "plab_blimp", "--limit", "0"], "argument --limit: expected a whole number >= 1"),
+    (["eval", "/tmp", "--rolling-context", "1"], "argument --rolling-context: --rolling-context wants a whole number "
+                                                 "of tokens >= 2 (e.g. the run's data.seq_len), got '1'"),
 ])
 def test_a_bad_flag_is_refused_by_the_parser(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -314,3 +314,17 @@ def test_perplexity_tasks_are_windowed_at_the_trained_context_and_multiple_choic
     assert trained["tasks"]["plab_heldout_bpb"]["eval_settings"]["rolling_context"] == 32
     assert plain["tasks"]["plab_heldout_bpb"]["eval_settings"]["rolling_context"] == 256
     assert trained["tasks"]["plab_piqa"]["samples"] == plain["tasks"]["plab_piqa"]["samples"]
+    assert "rolling_context" not in trained["tasks"]["plab_piqa"]["eval_settings"]  # scored at max_length, not windowed
+    # a checkpoint written before it recorded its context: the caller says it (the worker: the run's data.seq_len)
+    told = evaluate_checkpoint(tiny_checkpoint, ["plab_heldout_bpb"], rolling_context=32, **kw)
+    assert bpb(told) == bpb(trained) and told["tasks"]["plab_heldout_bpb"]["eval_settings"]["rolling_context"] == 32
+    with pytest.raises(EvaluationError, match="rolling_context must be a whole number of tokens >= 2"):
+        evaluate_checkpoint(tiny_checkpoint, ["plab_heldout_bpb"], rolling_context=1, **kw)
+
+
+def test_the_worker_takes_the_trained_context_from_the_runs_spec():
+    from workers.jobs.evaluate import trained_context
+
+    assert trained_context({"model": "tiny", "data": {"seq_len": 96}}) == 96
+    assert trained_context({"model": {"init_from": "models/x"}, "data": {"seq_len": 96}}) is None  # the checkpoint's
+    assert trained_context({"external": True, "recipe": "bf16"}) is None

@@ -254,7 +254,8 @@ def test_perplexity_results_windowed_differently_are_not_paired_accuracies_are()
 
     assert len(compare_results(bpb(128), bpb(128))) == 1
     with pytest.raises(PairingError, match=r"task 'h': the baseline's text was scored in windows of 128 tokens and "
-                                           r"the candidate's in 2048 tokens .* evaluate both checkpoints again"):
+                                           r"the candidate's in 2048 tokens .* evaluate both at one window length \(plab eval "
+                                           r"--rolling-context N; the worker uses the run's data.seq_len\)"):
         compare_results(bpb(128), bpb(2048))
     with pytest.raises(PairingError, match=r"windows of the model's max_length \(not recorded: an older evaluation\) "
                                            r"and the candidate's in 128 tokens"):

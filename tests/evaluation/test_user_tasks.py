@@ -50,9 +50,7 @@ def test_a_dropped_in_task_runs_through_plab_eval_with_a_custom_heldout_text(
     assert 0.0 <= mine["metrics"]["acc"]["value"] <= 1.0
     assert mine["metrics"]["acc"]["value"] == sum(mine["samples"]["acc"]) / 4
     # each task says how it was scored: a comparison refuses two scored in different dtypes (test_stats)
-    # the tiny checkpoint records no trained context: rolling tasks use lm-eval's max_length (its 256 positions)
-    assert mine["eval_settings"] == {"dtype": "float32", "lm_eval_version": result["lm_eval_version"],
-                                     "rolling_context": 256}
+    assert mine["eval_settings"] == {"dtype": "float32", "lm_eval_version": result["lm_eval_version"]}
     bpb = result["tasks"]["plab_heldout_bpb"]
     assert bpb["n_docs"] == 4  # 300 lines of 53 bytes, cut into documents of >= 4,096 characters
     assert math.isfinite(bpb["metrics"]["bits_per_byte"]["value"])

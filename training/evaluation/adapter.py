@@ -113,6 +113,7 @@ def evaluate_checkpoint(
     offline: bool = True,
     bootstrap_iters: int = 100_000,
     on_task_done: Callable[[str, dict], None] | None = None,
+    rolling_context: int | None = None,
 ) -> dict:
     """Evaluate the HF checkpoint in ``checkpoint_dir`` (model + its own tokenizer) with lm-eval.
 
@@ -124,7 +125,9 @@ def evaluate_checkpoint(
     ``batch_size``: an int or ``"auto"``; default 64 on CUDA, 8 on CPU. ``bootstrap_iters``:
     lm-eval's (its CLI uses 100,000; only perplexity-type stderrs use it). ``on_task_done``
     is called as ``on_task_done(name, task_result)`` after each requested task, e.g. to
-    store results as they arrive.
+    store results as they arrive. ``rolling_context``: the window length of perplexity-type tasks
+    (``loglikelihood_rolling``: ``plab_heldout_bpb``); default: the context the checkpoint records it was trained
+    on (``plab_trained_context`` in its config.json), else lm-eval's max_length.
 
     Each requested task runs as its own ``simple_evaluate`` call on one loaded model, which
     is what gives a wall time per task; lm-eval computes each request independently of
@@ -151,6 +154,10 @@ def evaluate_checkpoint(
         raise EvaluationError(f"bootstrap_iters must be an integer >= 0 (0 skips stderrs), got {bootstrap_iters!r}")
     if on_task_done is not None and not callable(on_task_done):
         raise EvaluationError("on_task_done must be callable as on_task_done(task_name, task_result)")
+    if rolling_context is not None and (isinstance(rolling_context, bool) or not isinstance(rolling_context, int)
+                                        or rolling_context < 2):
+        raise EvaluationError(f"rolling_context must be a whole number of tokens >= 2 (the window of perplexity "
+                              f"tasks), got {rolling_context!r}")
 
     _warn_default_heldout(requested, heldout_text)
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat()
@@ -163,7 +170,7 @@ def evaluate_checkpoint(
         model_args = f"pretrained={checkpoint},tokenizer={checkpoint},dtype={resolved_dtype}"
         t_load = time.perf_counter()
         lm = _load_model(model_args, batch_size=batch_size, device=resolved_device)
-        rolling_context = _window_rolling_tasks_at_trained_context(lm, checkpoint)
+        rolling_context = _window_rolling_tasks(lm, rolling_context or trained_context(checkpoint))
         load_time = time.perf_counter() - t_load
 
         out_tasks: dict[str, dict] = {}
@@ -237,14 +244,13 @@ def trained_context(checkpoint: Path) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _window_rolling_tasks_at_trained_context(lm, checkpoint: Path) -> int:
+def _window_rolling_tasks(lm, context: int | None) -> int:
     """Perplexity-type tasks (lm-eval's loglikelihood_rolling: plab_heldout_bpb, wikitext, ...) score a text in
     windows of the model's max_length; for a model trained on shorter sequences that put most tokens at positions
     it never learned (bits per byte 2.5% worse at 2048 than at its 128 for the demo's model). Their windows are
-    the trained context when the checkpoint records one; multiple-choice and loglikelihood tasks keep lm-eval's
+    `context` (the trained context) when known; multiple-choice and loglikelihood tasks keep lm-eval's
     max_length (an ending longer than the trained context must still be scored whole). Returns the rolling
     tasks' window length."""
-    context = trained_context(checkpoint)
     if context is None or context >= lm.max_length:
         return lm.max_length
     rolling = lm.loglikelihood_rolling
@@ -294,9 +300,13 @@ def _evaluate_task(lm, name: str, manager, *, builtin: bool, limit, bootstrap_it
         ) from err
     elapsed = time.perf_counter() - t_task
     converted = _convert_results(raw, {g: _group_aggregates(manager, g) for g in raw.get("group_subtasks", {})})
+    from .stats import ROLLING_METRICS
+
     for task_name, task_result in converted.items():
         task_result["time_s"] = elapsed if task_name == name else None
-        task_result["eval_settings"] = dict(settings)
+        rolling = any(m in (task_result.get("metrics") or {}) for m in ROLLING_METRICS)
+        # the window length only where texts were scored in windows (a multiple-choice task used max_length)
+        task_result["eval_settings"] = {k: v for k, v in settings.items() if rolling or k != "rolling_context"}
     return converted
 
 

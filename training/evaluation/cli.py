@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tasks-dir", default=None, help="user task directory (default: $PLAB_EVAL_TASKS_DIR)")
     parser.add_argument("--data-dir", default=None, help="data directory (default: $PLAB_DATA_DIR)")
     parser.add_argument("--heldout-text", default=None, help="validation text for plab_heldout_bpb (default: $PLAB_EVAL_HELDOUT_TEXT)")
+    parser.add_argument("--rolling-context", type=_tokens, default=None, metavar="N",
+                        help="window length (tokens) of perplexity tasks such as plab_heldout_bpb (default: the "
+                             "context the checkpoint records it was trained on, else the model's max length)")
     parser.add_argument("--online", action="store_true", help="allow Hugging Face downloads (lm-eval's own tasks)")
     parser.add_argument("--output", default=None, help="write the full results (with per-sample scores) as JSON here")
     parser.add_argument("--render-tasks", metavar="DIR", default=None, help="write resolved task YAMLs into DIR and exit")
@@ -97,6 +100,7 @@ def main(argv: Sequence[str] | None = None, *, resolve_target: Callable[[str], s
             data_dir=args.data_dir,
             heldout_text=args.heldout_text,
             offline=not args.online,
+            rolling_context=args.rolling_context,
         )
     except (EvaluationError, TaskConfigError, ValueError, OSError) as err:
         print(f"plab eval: error: {err}", file=sys.stderr)
@@ -166,6 +170,13 @@ def _limit(text: str) -> int | float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--limit wants a number, got {text!r}") from None
     return int(value) if value.is_integer() else value
+
+
+def _tokens(text: str) -> int:
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"--rolling-context wants a whole number of tokens >= 2 (e.g. the run's "
+                                         f"data.seq_len), got {text!r}")
+    return int(text)
 
 
 def _batch_size(text: str) -> int | str:

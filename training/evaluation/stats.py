@@ -229,7 +229,8 @@ def check_same_documents(name: str, base: dict, cand: dict) -> None:
         if bw != cw:
             raise PairingError(f"task {name!r}: the baseline's text was scored in windows of {_windows(bw)} and the "
                                f"candidate's in {_windows(cw)} (the window length moves bits per byte by itself); "
-                               "evaluate both checkpoints again with this version, then compare")
+                               "evaluate both at one window length (plab eval --rolling-context N; the worker uses "
+                               "the run's data.seq_len), then compare")
     bn, cn = base.get("n_samples"), cand.get("n_samples")
     if bn is not None and cn is not None and bn != cn:
         raise PairingError(f"task {name!r}: the baseline scored {bn} documents and the candidate {cn}; evaluate "

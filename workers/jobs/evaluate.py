@@ -50,6 +50,19 @@ def validation_text(spec: dict, out: os.PathLike, max_tokens: int = 400_000) -> 
     return str(out)
 
 
+def trained_context(spec: dict) -> int | None:
+    """The context a run trained its model on, from its spec, for checkpoints that do not record it (written before
+    they did): data.seq_len for a model trained from random weights; None (the checkpoint's own record, else
+    lm-eval's max length) for a run continued from a checkpoint, whose model may have learned longer contexts."""
+    from training.config import RunSpec, SpecError
+
+    try:
+        rs = RunSpec.from_dict(spec, check_paths=False)
+    except (SpecError, TypeError, KeyError):
+        return None
+    return rs.data.seq_len if rs.model.source != "checkpoint" else None
+
+
 def run(evaluation_id: int) -> int:
     client = PlabClient.from_env()
     job = client.get_evaluation_job(evaluation_id)
@@ -81,7 +94,7 @@ def _evaluate(client: PlabClient, evaluation_id: int, job: dict) -> dict:
     from plab.settings import home_path
 
     result = evaluate_checkpoint(str(home_path(job["checkpoint"], get_settings().home)), job["tasks"], limit=job["limit"], heldout_text=heldout,
-                                 on_task_done=post_once)
+                                 on_task_done=post_once, rolling_context=trained_context(job["spec"]))
     # A group (e.g. plab_blimp) carries no per-document scores itself: its subtasks do, and the paired
     # comparison with BF16 needs them, so they are stored too.
     for task, entry in (result.get("tasks") or {}).items():
