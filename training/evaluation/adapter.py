@@ -193,7 +193,8 @@ def _warn_default_heldout(requested: list[str], heldout_text) -> None:
     if "plab_heldout_bpb" in requested and heldout_text is None and not os.environ.get("PLAB_EVAL_HELDOUT_TEXT"):
         print(f"plab eval: plab_heldout_bpb scores {DEFAULT_HELDOUT_RELPATH} whole (no --heldout-text): for a run "
               "trained on that corpus most of it is training text, not held out; give the run's validation text "
-              "(the worker writes it to PLAB_HOME/runs/<id>/validation.txt) for a held-out figure", file=sys.stderr)
+              "(the worker writes it to PLAB_HOME/runs/<id>/validation_spread.txt, validation.txt for runs stored "
+              "before data.val_windows) for a held-out figure", file=sys.stderr)
 
 
 def _task_manager(requested: list[str], render_dir: Path, *, data_dir, heldout_text, tasks_dir):
