@@ -150,14 +150,7 @@ def evaluate_checkpoint(
     resolved_device = _resolve_device(device)
     resolved_dtype = _resolve_dtype(dtype, resolved_device)
     batch_size = _resolve_batch_size(batch_size, resolved_device)
-    if not isinstance(bootstrap_iters, int) or bootstrap_iters < 0:
-        raise EvaluationError(f"bootstrap_iters must be an integer >= 0 (0 skips stderrs), got {bootstrap_iters!r}")
-    if on_task_done is not None and not callable(on_task_done):
-        raise EvaluationError("on_task_done must be callable as on_task_done(task_name, task_result)")
-    if rolling_context is not None and (isinstance(rolling_context, bool) or not isinstance(rolling_context, int)
-                                        or rolling_context < 2):
-        raise EvaluationError(f"rolling_context must be a whole number of tokens >= 2 (the window of perplexity "
-                              f"tasks), got {rolling_context!r}")
+    _check_options(bootstrap_iters, on_task_done, rolling_context)
 
     _warn_default_heldout(requested, heldout_text)
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat()
@@ -185,6 +178,17 @@ def evaluate_checkpoint(
             "device": resolved_device, "dtype": resolved_dtype, "batch_size": batch_size, "limit": limit,
             "bootstrap_iters": bootstrap_iters, "started_at": started_at, "load_time_s": load_time,
             "total_time_s": time.perf_counter() - t_start, "requested": requested, "tasks": out_tasks}
+
+
+def _check_options(bootstrap_iters, on_task_done, rolling_context) -> None:
+    if not isinstance(bootstrap_iters, int) or bootstrap_iters < 0:
+        raise EvaluationError(f"bootstrap_iters must be an integer >= 0 (0 skips stderrs), got {bootstrap_iters!r}")
+    if on_task_done is not None and not callable(on_task_done):
+        raise EvaluationError("on_task_done must be callable as on_task_done(task_name, task_result)")
+    if rolling_context is not None and (isinstance(rolling_context, bool) or not isinstance(rolling_context, int)
+                                        or rolling_context < 2):
+        raise EvaluationError(f"rolling_context must be a whole number of tokens >= 2 (the window of perplexity "
+                              f"tasks), got {rolling_context!r}")
 
 
 def _warn_default_heldout(requested: list[str], heldout_text) -> None:
