@@ -121,9 +121,10 @@ class PlabClient:
     def heartbeat(self, run_id: int) -> dict:
         return self._request("POST", f"/runs/{run_id}/heartbeat")
 
-    def update_run(self, run_id: int, **fields) -> dict:
+    def update_run(self, run_id: int, *, retries: int | None = None, **fields) -> dict:
         """Informational fields of a run (conversion report, GEMM backend, summary) without a status change."""
-        return self._request("PATCH", f"/runs/{run_id}", json={k: v for k, v in fields.items() if v is not None})
+        return self._request("PATCH", f"/runs/{run_id}", json={k: v for k, v in fields.items() if v is not None},
+                             retries=retries)
 
     def log_metrics(self, run_id: int, points: list[dict], *, retries: int | None = None) -> dict:
         """Send points ({key, step, value, tokens?, wall_time?} dicts) in batches of at most 10,000; safe to

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tests.workers.conftest import new_run
-from workers.client import MetricStreamer
+from workers.client import MetricStreamer, PlabClient
 from workers.jobs.train import ApiSink
 
 
@@ -41,3 +41,24 @@ def test_what_the_run_is_reaches_its_summary_when_it_starts(client):
     assert summary["data"] == {"files": 1} and summary["world_size"] == 1
     assert "inductor_settings" not in summary and "total_steps" not in summary  # the result's, not the start's
     assert summary["data_progress"]["done"] is True  # merged, not replaced
+
+
+def test_an_api_that_is_away_never_stops_training_and_progress_waits_only_briefly(capsys):
+    """Reporting must never kill a training job: an unreachable API raised httpx's own errors (not OSError) out of the
+    sink into the training loop once the client's retries ran out. Progress and the run's description give up after
+    a few retries (about 1.5 s), not the job client's ten minutes; the conversion report keeps the client's."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    client = PlabClient(f"http://127.0.0.1:{port}", retries=1)
+    sink = ApiSink(client, 1, streamer=object())  # any streamer: events are sent only when there is one
+    started = time.perf_counter()
+    sink.event("data_progress", phase="tokenizing", documents=1, done=False)
+    sink.event("run_info", params=10, model={"architecture": "x"})
+    sink.event("conversion_report", report={"layers": [], "gemm_backend": "real"})
+    assert time.perf_counter() - started < 10
+    err = capsys.readouterr().err
+    assert err.count("[plab] could not report") == 3 and "run_info" in err and "conversion_report" in err

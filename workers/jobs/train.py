@@ -12,6 +12,8 @@ import socket
 import sys
 import threading
 
+import httpx
+
 from plab.settings import get_settings
 from training.sink import MetricSink
 from workers.client import ApiError, MetricStreamer, PlabClient
@@ -21,6 +23,10 @@ KIND = "training"
 MODULE = "workers.jobs.train"
 # The run_info event's fields the run's summary gets as soon as the run starts (the model it built, its data and
 # validation windows, how it is spread over devices), so the dashboard shows them during a long run, not after it.
+# Progress and description updates are superseded by the next one or repeated by the result: a few retries (about
+# 1.5 s), not the job client's patient ones - rank 0 waiting minutes for an API that is away would hold every other
+# rank at its next collective. The conversion report and checkpoints, sent once, keep the patient retries.
+BRIEF_RETRIES = 2
 RUN_INFO_FIELDS = ("params", "model", "data", "validation", "world_size", "param_dtype", "parallel",
                    "activation_checkpointing", "micro_batch", "flops_per_token")
 
@@ -44,13 +50,14 @@ class ApiSink(MetricSink):
                 self.client.update_run(self.run_id, conversion_report=report,
                                        gemm_backend=report.get("gemm_backend"))
             elif kind == "data_progress":  # tokenizing before the first step: the run row shows it
-                self.client.update_run(self.run_id, summary={"data_progress": fields})
+                self.client.update_run(self.run_id, summary={"data_progress": fields}, retries=BRIEF_RETRIES)
             elif kind == "run_info":  # what the run is, while it trains (the result's summary repeats it)
-                self.client.update_run(self.run_id, summary={k: fields[k] for k in RUN_INFO_FIELDS if k in fields})
+                self.client.update_run(self.run_id, summary={k: fields[k] for k in RUN_INFO_FIELDS if k in fields},
+                                       retries=BRIEF_RETRIES)
             elif kind == "checkpoint":
                 self.client.add_artifact(self.run_id, "checkpoint", _portable(fields.get("path")), step=fields.get("step"),
                                          meta={k: v for k, v in fields.items() if k not in ("path", "step")})
-        except (ApiError, OSError) as e:  # reporting must never kill a training job
+        except (ApiError, OSError, httpx.HTTPError) as e:  # reporting must never kill a training job
             print(f"[plab] could not report {kind}: {e}", file=sys.stderr)
 
     def flush(self) -> None:
