@@ -866,6 +866,9 @@ class VerdictOut(BaseModel):
     best: VerdictBest | None
     summary: str = Field(description="the one-line verdict")
     accuracy_error: str | None = Field(description="why accuracy was not paired (different documents), if so")
+    validation: dict[str, Any] | None = Field(
+        default=None, description="what the reference run's val loss is the mean over (windows, tokens, rule, the "
+                                  "split's windows and tokens), from its summary; null when it does not say")
 
 
 # -- GEMM benchmarks --------------------------------------------------------------------------------------------------

@@ -89,5 +89,29 @@ def experiment_verdict(session: Session, experiment_id: int) -> dict:
             device=run.device_name))
     out = judge(facts, reference_run_id=reference.id if reference else None,
                 tolerance_pct=exp.verdict_tolerance_pct)
+    validation = _validation(reference)
+    if validation is not None and any(e.get("outcome") for e in out["recipes"]):
+        out["summary"] += _validation_clause(validation, runs, reference, names)
     return {"experiment_id": exp.id, "baseline_recipe": exp.baseline, "metric": VAL_KEY,
-            "accuracy_error": accuracy_error, **out}
+            "accuracy_error": accuracy_error, "validation": validation, **out}
+
+
+def _validation(run: Run | None) -> dict | None:
+    """What a run's val loss is the mean over (its summary's `validation`: windows, tokens, rule), if it says."""
+    v = ((run.summary or {}).get("validation") if run is not None else None)
+    if not isinstance(v, dict) or not isinstance(v.get("tokens"), int) or not isinstance(v.get("windows"), int):
+        return None
+    return {k: v.get(k) for k in ("windows", "tokens", "rule", "split_windows", "split_tokens")}
+
+
+def _validation_clause(validation: dict, runs: list[Run], reference: Run, names: dict[int, str]) -> str:
+    """The verdict's last words: how much held-out text its val losses are measured on - a +1% on 4,096 tokens is not
+    one on 4 million - and which runs, if any, were measured on other windows than the reference."""
+    where = "spread over the split" if validation.get("rule") == "spread" else "in a row at the split's start"
+    clause = f"; val loss over {validation['tokens']:,} held-out tokens ({validation['windows']} windows {where})"
+    others = [names[r.id] for r in runs if r.id != reference.id and _validation(r) is not None
+              and (_validation(r)["tokens"], _validation(r)["rule"]) != (validation["tokens"], validation["rule"])]
+    if others:
+        clause += (f"; {', '.join(sorted(set(others)))} validated on other windows than the reference: "
+                   "not like for like")
+    return clause

@@ -202,6 +202,26 @@ def test_compare_results_corrects_across_tasks_and_keeps_the_uncorrected_p():
     assert all(r["family_size"] == 3 for r in rows.values())
 
 
+def test_the_verdict_says_how_much_held_out_text_its_val_losses_are_measured_on(api):
+    exp = create(api)
+    bf16, fp8, nvfp4 = (r["id"] for r in exp["runs"])
+    spread = {"windows": 32, "tokens": 4096, "rule": "spread", "split_windows": 71, "split_tokens": 9198}
+    for run, loss in ((bf16, 2.0), (fp8, 2.006), (nvfp4, 2.05)):
+        send(api, run, val_and_noisy_train(loss))
+    v = verdict(api, exp["id"])
+    assert v["validation"] is None and "held-out tokens" not in v["summary"]  # runs that do not say (yet)
+    finish(api, bf16, gemm_backend="bf16", tokens_per_s=1000.0, validation=spread)
+    finish(api, fp8, tokens_per_s=700.0, validation=spread)
+    finish(api, nvfp4, gemm_backend="emulated", tokens_per_s=500.0, validation={**spread, "rule": "first"})
+    v = verdict(api, exp["id"])
+    assert v["validation"] == spread
+    assert v["summary"].endswith("; val loss over 4,096 held-out tokens (32 windows spread over the split); nvfp4 "
+                                 "bf16_last=1 validated on other windows than the reference: not like for like"), v["summary"]
+    r = api.patch(f"/api/v1/runs/{nvfp4}", json={"summary": {"validation": spread}})
+    assert r.status_code == 200, r.text
+    assert verdict(api, exp["id"])["summary"].endswith("(32 windows spread over the split)")
+
+
 def test_the_pure_verdict_without_validation_loss_says_what_is_missing():
     facts = [RunFacts(1, "bf16", "bf16", "succeeded", 0, True, tokens_per_s=10.0),
              RunFacts(2, "mxfp8", "mxfp8", "succeeded", 0, False, tokens_per_s=20.0)]
