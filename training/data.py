@@ -32,6 +32,12 @@ from training.config import VAL_WINDOW_RULES
 from training.tokenizer import as_corpus
 
 
+def spread_slots(available: int, n: int) -> np.ndarray:
+    """`n` of `available` equal slots (n <= available), one in the middle of each of n equal parts: slot
+    floor((2i + 1) * available / 2n) - what data.val_windows "spread" takes, for windows and held-out text alike."""
+    return (2 * np.arange(n, dtype=np.int64) + 1) * available // (2 * n)
+
+
 class TokenDataset:
     """Train/val token streams as numpy memmaps (cached by corpus content, tokenizer and settings)."""
 
@@ -87,11 +93,16 @@ class TokenDataset:
         shard (slot floor((2i + 1) * available / 2n): the middle of each of n equal parts) or the "first" ones."""
         if how not in VAL_WINDOW_RULES:
             raise ValueError(f"val windows must be one of {list(VAL_WINDOW_RULES)}, got {how!r}")
-        available = max((len(self.val) - 1) // self.seq_len, 0)
+        available = self.val_window_count
         n = max(min(n_windows, available), 0)
         if how == "first" or n == available:
             return np.arange(n, dtype=np.int64)
-        return (2 * np.arange(n, dtype=np.int64) + 1) * available // (2 * n)
+        return spread_slots(available, n)
+
+    @property
+    def val_window_count(self) -> int:
+        """How many non-overlapping windows of seq_len + 1 tokens the validation shard holds."""
+        return max((len(self.val) - 1) // self.seq_len, 0)
 
     def val_windows(self, n_windows: int, how: str = "spread") -> torch.Tensor:
         """The validation windows `val_slots` names, [n, seq_len + 1] token ids (fewer if the shard is short)."""

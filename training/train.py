@@ -111,9 +111,8 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
 
 def validation_info(dataset, n_windows: int, spec: RunSpec) -> dict:
     """What the validation loss is the mean over: its windows, their tokens and where they lie in the split."""
-    available = max((len(dataset.val) - 1) // spec.data.seq_len, 0)
     return {"windows": n_windows, "tokens": n_windows * spec.data.seq_len, "rule": spec.data.val_windows,
-            "split_windows": available, "split_tokens": len(dataset.val)}
+            "split_windows": dataset.val_window_count, "split_tokens": len(dataset.val)}
 
 
 def _under_inductor_settings(settings: dict):

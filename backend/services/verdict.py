@@ -109,8 +109,9 @@ def _validation_clause(validation: dict, runs: list[Run], reference: Run, names:
     one on 4 million - and which runs, if any, were measured on other windows than the reference."""
     where = "spread over the split" if validation.get("rule") == "spread" else "in a row at the split's start"
     clause = f"; val loss over {validation['tokens']:,} held-out tokens ({validation['windows']} windows {where})"
-    others = [names[r.id] for r in runs if r.id != reference.id and _validation(r) is not None
-              and (_validation(r)["tokens"], _validation(r)["rule"]) != (validation["tokens"], validation["rule"])]
+    measured = {r.id: _validation(r) for r in runs if r.id != reference.id}
+    others = [names[i] for i, v in measured.items()
+              if v is not None and (v["tokens"], v["rule"]) != (validation["tokens"], validation["rule"])]
     if others:
         clause += (f"; {', '.join(sorted(set(others)))} validated on other windows than the reference: "
                    "not like for like")

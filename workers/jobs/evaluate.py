@@ -41,10 +41,11 @@ def heldout_slices(n_val: int, max_tokens: int, rule: str) -> list[slice]:
         return [slice(0, n_val)]
     if rule == "first":
         return [slice(0, max_tokens)]
+    from training.data import spread_slots
+
     size = HELDOUT_CHUNK_TOKENS
-    available, n = n_val // size, max(max_tokens // size, 1)
-    starts = [(2 * i + 1) * available // (2 * n) * size for i in range(n)]
-    return [slice(start, start + size) for start in starts]
+    slots = spread_slots(n_val // size, max(max_tokens // size, 1))
+    return [slice(int(slot) * size, (int(slot) + 1) * size) for slot in slots]
 
 
 def validation_file(home, run_id: int, spec: dict):
