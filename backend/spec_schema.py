@@ -102,6 +102,10 @@ def data_schema(roots: list[Path]) -> dict:
         "val_windows": {"type": "string", "enum": list(tc.VAL_WINDOW_RULES), "default": _default(d, "val_windows"),
                         "description": "where the validation windows lie in the validation split: \"spread\" evenly "
                                        "over it, or the \"first\" ones in a row (specs stored before this option)"},
+        "eos_at_split": {**_bool(_default(d, "eos_at_split")),
+                         "description": "a text file whose last val_fraction is held out: its training part ends "
+                                        "with EOS (true), or runs on into the next file's first token (false: "
+                                        "specs stored before this option)"},
     }
     return {"type": "object", "title": "DataSpec", "properties": props, "additionalProperties": False}
 

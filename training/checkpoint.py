@@ -16,6 +16,7 @@ durable in the sink first) and resumes a run from its newest checkpoint.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from training.checkpoint_files import (STATE_FILE, _hf_tensors, _rng_state, _set_rng_state, checkpoints_root,
                                        hf_expected_names, latest_checkpoint, list_checkpoints)
-from training.config import LEGACY_VAL_WINDOWS, DataSpec, RunSpec, SpecError
+from training.config import LEGACY_DATA, DataSpec, RunSpec, SpecError
 
 
 
@@ -127,8 +128,9 @@ def numerics_identity(spec_dict: dict) -> dict:
     d = {k: v for k, v in spec_dict.items() if k not in ("training", "data")}
     # Data keys a spec saved before they existed lacks take their defaults (the behaviour it ran with); the number
     # of tokenizer processes and the bad-line threshold do not change the tokens of a cache that was built.
-    # data.val_windows is the exception: its default changed when it was added, and a spec saved before ran "first".
-    data = {**asdict(DataSpec()), "val_windows": LEGACY_VAL_WINDOWS, **(spec_dict.get("data") or {})}
+    # The exceptions are LEGACY_DATA's keys: their default changed when they were added, and a spec saved before ran
+    # with the legacy value (val_windows "first", eos_at_split false).
+    data = {**asdict(DataSpec()), **LEGACY_DATA, **(spec_dict.get("data") or {})}
     d["data"] = {k: v for k, v in data.items() if k not in ("num_proc", "max_bad_fraction")}
     d["training"] = {k: v for k, v in spec_dict["training"].items()
                      if k not in ("perf", "device", "gpus", "nodes", "compile", "checkpoint_every", "queue", "parallel",
@@ -137,6 +139,11 @@ def numerics_identity(spec_dict: dict) -> dict:
     d["training"]["perf.fuse_qkv"] = (spec_dict["training"].get("perf") or {}).get("fuse_qkv")
     d["training"]["perf.fuse_gate_up"] = bool((spec_dict["training"].get("perf") or {}).get("fuse_gate_up"))
     return d
+
+
+def _as_spec_value(value) -> str:
+    """A value as a spec (JSON/YAML) spells it: 'first', true, false."""
+    return json.dumps(value) if isinstance(value, bool) else repr(value)
 
 
 def _difference(saved: dict, spec: RunSpec) -> str:
@@ -153,9 +160,9 @@ def _difference(saved: dict, spec: RunSpec) -> str:
               for key in sorted(set(a) | set(b)) if key not in ("data", "training") and a.get(key) != b.get(key)]
     if not diffs:
         return ""
-    hint = ""
-    if a["data"].get("val_windows") != b["data"].get("val_windows"):
-        hint = f"; to resume it, set data.val_windows to {a['data'].get('val_windows')!r}"
+    settings = [f"data.{key} to {_as_spec_value(a['data'].get(key))}" for key in LEGACY_DATA
+                if a["data"].get(key) != b["data"].get(key)]
+    hint = f"; to resume it, set {' and '.join(settings)}" if settings else ""
     return f" ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}){hint}"
 
 

@@ -9,7 +9,7 @@ Format (docs/INTERFACES.md)::
 
     {"model": "tiny" | {custom dims} | {"config": PATH} | {"init_from": PATH},
      "data": {"corpus", "vocab_size", "seq_len", "val_fraction", "tokenizer", "text_field", "val_corpus",
-              "num_proc", "max_bad_fraction", "val_windows"},
+              "num_proc", "max_bad_fraction", "val_windows", "eos_at_split"},
      "training": {"steps" | "tokens", "batch_size", "grad_accum", "lr", ..., "perf": {...}},
      "seed", "recipe", "recipe_options", "bf16_first_layers", "bf16_last_layers"}
 
@@ -403,6 +403,9 @@ TOKENIZER_SOURCES = ("train", "checkpoint")  # or a local tokenizer folder / tok
 # (training.checkpoint.numerics_identity, migration 0009 of the API's database).
 VAL_WINDOW_RULES = ("spread", "first")
 LEGACY_VAL_WINDOWS = "first"
+# Data keys whose default changed when they were added: the value every spec stored before the key existed ran
+# with (training.checkpoint.numerics_identity; migrations 0009 and 0010 of the API's database write them in).
+LEGACY_DATA = {"val_windows": LEGACY_VAL_WINDOWS, "eos_at_split": False}
 
 
 @dataclass
@@ -419,6 +422,9 @@ class DataSpec:
     num_proc: int | None = None        # tokenizer processes; None: every core (the tokens do not depend on it)
     max_bad_fraction: float = 0.001    # unreadable lines (bad JSON, not UTF-8) skipped up to this fraction
     val_windows: str = "spread"        # VAL_WINDOW_RULES: where validation's windows lie in the validation split
+    # A text file whose last val_fraction is held out: its training part ends with EOS (true), or runs on into the
+    # next file's first token (false: how every spec stored before this key was tokenized; training.shards).
+    eos_at_split: bool = True
 
     def corpus_dir(self) -> Path | None:
         """The corpus path (a folder, a file or a glob), or None for the synthetic "random" corpus."""
@@ -778,6 +784,7 @@ class RunSpec:
             max_bad_fraction=_float("data", "max_bad_fraction", d.get("max_bad_fraction", base.max_bad_fraction),
                                     minimum=0.0, maximum=1.0),
             val_windows=_choice("data", "val_windows", d.get("val_windows", base.val_windows), VAL_WINDOW_RULES),
+            eos_at_split=_bool("data", "eos_at_split", d.get("eos_at_split", base.eos_at_split)),
         )
         if corpus != RANDOM_CORPUS:
             if out.tokenizer == "train" and out.vocab_size < 300:

@@ -53,14 +53,14 @@ class TokenDataset:
     @classmethod
     def from_corpus(cls, corpus, tokenizer, *, seq_len: int, val_fraction: float, cache_dir,
                     tokenizer_source: str = "train", val_corpus=None, num_proc: int | None = None,
-                    max_bad_fraction: float = 0.001, sink=None) -> "TokenDataset":
+                    max_bad_fraction: float = 0.001, eos_at_split: bool = True, sink=None) -> "TokenDataset":
         """The shards of `corpus` (a Corpus, or a corpus folder/file/glob path) tokenized by `tokenizer`,
         built on first use (training.shards) and memory-mapped."""
         if not 0.0 < val_fraction <= 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5], got {val_fraction}")
         request = ShardRequest(as_corpus(corpus), tokenizer, tokenizer_source, val_fraction,
                                val_corpus=as_corpus(val_corpus) if val_corpus is not None else None,
-                               num_proc=num_proc, max_bad_fraction=max_bad_fraction)
+                               num_proc=num_proc, max_bad_fraction=max_bad_fraction, eos_at_split=eos_at_split)
         path, meta, _ = build_token_shards(request, cache_dir, sink)
         dtype = np.dtype(meta["dtype"])
         train = np.memmap(path / "train.bin", dtype=dtype, mode="r", shape=(meta["train_tokens"],))

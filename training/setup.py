@@ -392,7 +392,8 @@ def open_token_dataset(spec: RunSpec, cache_dir: Path, sink: MetricSink | None =
         check_vocabulary(spec, config or model_config(spec.model, spec.vocab_size, spec.data.seq_len), tokenizer)
         dataset = TokenDataset.from_corpus(corpus, tokenizer, seq_len=d.seq_len, val_fraction=d.val_fraction,
                                            cache_dir=cache_dir, tokenizer_source=d.tokenizer, val_corpus=val_corpus,
-                                           num_proc=d.num_proc, max_bad_fraction=d.max_bad_fraction, sink=sink)
+                                           num_proc=d.num_proc, max_bad_fraction=d.max_bad_fraction,
+                                           eos_at_split=d.eos_at_split, sink=sink)
     except CorpusError as exc:
         raise SpecError(str(exc)) from None
     dataset.info["tokenizer"] = d.tokenizer if path is None else str(path)

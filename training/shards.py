@@ -10,7 +10,9 @@ Packing: every document is `[BOS] tokens EOS` (BOS only where the tokenizer's ow
 documents back to back in corpus order. Held out for validation: a given `val_corpus`, else for document
 formats (JSONL, Parquet, Arrow) the documents whose content hash falls below `val_fraction` - whole
 documents, the same ones in any format and any file order, and duplicates on one side - and for text files
-(one document each) the last `val_fraction` of each file's tokens, as the lab always did.
+(one document each) the last `val_fraction` of each file's tokens, as the lab always did. With
+`eos_at_split` (data.eos_at_split, the default for new runs) a text file's training part ends with EOS where
+its tail was cut off; without it (every run before the key existed) it runs on into the next file's first token.
 
 Parallel: `num_proc` processes each encode a unit (about 1 MB of text) at a time; the reading process only
 moves bytes, keeps at most `2 * num_proc + 2` units in flight and writes results in order, so memory does not
@@ -33,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from training.corpus import Corpus, CorpusError, Unit, parse_json_lines, shared_files, table_texts, text_pieces
+from training.corpus import (Corpus, CorpusError, Unit, file_format, parse_json_lines, shared_files, table_texts,
+                             text_pieces)
 
 SHARD_FORMAT_VERSION = 2
 LEGACY_FORMAT_VERSION = 1  # text folders with the corpus-trained BPE keep their cache keys and bytes
@@ -211,12 +214,14 @@ class PoolEncoder:
 # ---- the writing side ---------------------------------------------------------------------------------------
 class ShardWriter:
     """Appends encoded units to train.bin / val.bin; moves the last `val_fraction` of a text file's tokens to
-    val.bin once the file is done (copied in bounded chunks)."""
+    val.bin once the file is done (copied in bounded chunks). With `eos_at_split` (an EOS id) the training part
+    left ends with that EOS, so it does not run on into the next file's first token."""
 
     COPY_TOKENS = 1 << 24
 
-    def __init__(self, folder: Path, dtype, val_fraction: float):
+    def __init__(self, folder: Path, dtype, val_fraction: float, eos_at_split: int | None = None):
         self.folder, self.dtype, self.val_fraction = folder, np.dtype(dtype), val_fraction
+        self.eos_at_split = eos_at_split
         self.train = open(folder / "train.bin", "wb")
         self.val = open(folder / "val.bin", "wb")
         self.n_train = self.n_val = 0
@@ -272,6 +277,9 @@ class ShardWriter:
         self.train.seek(cut * self.dtype.itemsize)
         self.train.truncate()
         self.n_train, self.n_val = cut, self.n_val + n_val
+        if n_val and self.eos_at_split is not None:  # the file's own EOS went with its tail
+            np.array([self.eos_at_split], self.dtype).tofile(self.train)
+            self.n_train += 1
 
     def close(self) -> None:
         self.train.close()
@@ -347,6 +355,11 @@ class ShardRequest:
     val_corpus: Corpus | None = None
     num_proc: int | None = None          # None: every core
     max_bad_fraction: float = 0.001
+    eos_at_split: bool = True            # data.eos_at_split: a text file's training part ends with EOS
+
+    def splits_text_files(self) -> bool:
+        """Whether a text file's tail is held out (the only split eos_at_split changes)."""
+        return self.val_corpus is None and any(file_format(p) == "text" for p in self.corpus.files)
 
     def legacy(self) -> bool:
         """A folder of text files with its own BPE and the held-out tail: the cache key (and bytes) of
@@ -356,14 +369,18 @@ class ShardRequest:
 
     def key(self) -> str:
         vocab = len(self.tokenizer)
+        # Keys as they were without eos_at_split (its legacy value): caches built before it existed stay valid.
+        cut = "-eos" if self.eos_at_split and self.splits_text_files() else ""
         if self.legacy():
             return (f"{self.corpus.content_hash()[:20]}-v{vocab}-val{self.val_fraction:g}"
-                    f"-f{LEGACY_FORMAT_VERSION}")
+                    f"-f{LEGACY_FORMAT_VERSION}{cut}")
         bos, eos = special_token_ids(self.tokenizer)
         settings = dict(corpus=self.corpus.content_hash(), text_field=self.corpus.text_field,
                         val_corpus=self.val_corpus.content_hash() if self.val_corpus else None,
                         val_fraction=None if self.val_corpus else self.val_fraction,
                         tokenizer=tokenizer_fingerprint(self.tokenizer), bos=bos, eos=eos, vocab=vocab)
+        if cut:
+            settings["eos_at_split"] = True
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
         return f"d{digest[:24]}-v{vocab}-f{SHARD_FORMAT_VERSION}"
 
@@ -418,7 +435,7 @@ def _build(request: ShardRequest, folder: Path, sink) -> dict:
     files = corpus.files + (val_corpus.files if val_corpus else [])
     progress = DataProgress(sink, [p.stat().st_size for p in files])
     bad = BadLines(request.max_bad_fraction)
-    writer = ShardWriter(folder, dtype, request.val_fraction)
+    writer = ShardWriter(folder, dtype, request.val_fraction, eos if request.eos_at_split else None)
     units = corpus.units("train" if val_corpus else "hash")
     if val_corpus is not None:  # validation first: its documents are known when the training ones are counted
         units = itertools.chain(val_corpus.units("val", file_offset=len(corpus.files)), units)
@@ -436,6 +453,7 @@ def _build(request: ShardRequest, folder: Path, sink) -> dict:
     _check_not_empty(request, writer)
     return dict(dtype=dtype.name, train_tokens=writer.n_train, val_tokens=writer.n_val, vocab_size=len(tok),
                 val_fraction=request.val_fraction, split=_split_rule(request), format_version=SHARD_FORMAT_VERSION,
+                eos_at_split=request.eos_at_split and request.splits_text_files(),
                 data=dict(files=len(files), file_names=[str(p) for p in files[:20]], bytes=final["bytes_total"],
                           documents_train=writer.docs_train, documents_val=writer.docs_val,
                           tokens_train=writer.n_train, tokens_val=writer.n_val, bad_lines=bad.count,
@@ -459,9 +477,10 @@ def _overlap(request: ShardRequest, writer: ShardWriter) -> dict:
 def _split_rule(request: ShardRequest) -> str:
     if request.val_corpus is not None:
         return "data.val_corpus"
+    eos = " (the training part ends with EOS)" if request.eos_at_split else ""
     if request.corpus.text_only:
-        return "last val_fraction of each file's tokens"
-    return "documents whose content hash < val_fraction (text files: last val_fraction of their tokens)"
+        return f"last val_fraction of each file's tokens{eos}"
+    return f"documents whose content hash < val_fraction (text files: last val_fraction of their tokens{eos})"
 
 
 def _check_not_empty(request: ShardRequest, writer: ShardWriter) -> None:

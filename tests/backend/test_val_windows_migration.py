@@ -23,14 +23,14 @@ def _specs(url: str) -> tuple[dict[int, dict], dict[int, dict]]:
         eng.dispose()
 
 
-def _strip_key(url: str, run_ids: list[int]) -> None:
+def _strip_key(url: str, run_ids: list[int], key: str = "val_windows") -> None:
     """What a spec stored before the key existed looks like: the same spec without it."""
     eng = sa.create_engine(url)
     runs = sa.table("runs", sa.column("id"), sa.column("spec", sa.JSON))
     try:
         with eng.begin() as c:
             for run_id, spec in c.execute(sa.select(runs.c.id, runs.c.spec).where(runs.c.id.in_(run_ids))).all():
-                data = {k: v for k, v in spec["data"].items() if k != "val_windows"}
+                data = {k: v for k, v in spec["data"].items() if k != key}
                 c.execute(runs.update().where(runs.c.id == run_id).values(spec={**spec, "data": data}))
     finally:
         eng.dispose()

@@ -96,6 +96,26 @@ def test_a_checkpoint_whose_spec_predates_val_windows_resumes_with_the_first_win
     assert checkpointer(tmp_path, legacy, model, optimizer).resume(TrainState()).name == "step_00000002"
 
 
+def test_a_checkpoint_whose_spec_predates_eos_at_split_resumes_with_the_joined_tokens_only(make_spec, tmp_path):
+    """A spec saved before data.eos_at_split existed was tokenized without EOS at a text file's held-out tail:
+    resuming it with today's default would train on other tokens mid-run; the refusal names both keys' settings."""
+    from training.checkpoint_files import STATE_FILE
+
+    model, optimizer = model_and_optimizer(0)
+    legacy = RunSpec.from_dict(make_spec(data={"val_windows": "first", "eos_at_split": False}))
+    path = checkpointer(tmp_path, legacy, model, optimizer).save(2, TrainState(step=2))
+    saved = torch.load(path / STATE_FILE, weights_only=False)
+    for key in ("val_windows", "eos_at_split"):  # as a checkpoint written before the keys existed has it
+        del saved["spec"]["data"][key]
+    torch.save(saved, path / STATE_FILE)
+
+    with pytest.raises(SpecError, match=r"\(data.eos_at_split: the checkpoint's False, this spec's True; "
+                                         r"data.val_windows: .*\); to resume it, set data.val_windows to 'first' and "
+                                         r"data.eos_at_split to false; use another output_dir"):
+        checkpointer(tmp_path, RunSpec.from_dict(make_spec()), model, optimizer).resume(TrainState())
+    assert checkpointer(tmp_path, legacy, model, optimizer).resume(TrainState()).name == "step_00000002"
+
+
 def test_without_an_output_dir_nothing_is_resumed_or_saved(make_spec, tmp_path):
     model, optimizer = model_and_optimizer(0)
     saver = checkpointer(None, RunSpec.from_dict(make_spec()), model, optimizer)
@@ -120,11 +140,13 @@ def test_every_rank_knows_the_checkpoint_rank_0_wrote(make_spec, tmp_path):
 def test_a_spec_saved_before_the_data_keys_existed_has_the_numerics_of_todays_defaults():
     from training.checkpoint import numerics_identity
 
-    today = RunSpec.from_dict({"data": {"val_windows": "first"}}).to_dict()
+    today = RunSpec.from_dict({"data": {"val_windows": "first", "eos_at_split": False}}).to_dict()
     before = {**today, "data": {k: today["data"][k] for k in ("corpus", "vocab_size", "seq_len", "val_fraction")}}
     assert numerics_identity(before) == numerics_identity(today)
-    # ... except val_windows, whose default changed when it came: a spec without it validated on the first windows
-    assert numerics_identity(before) != numerics_identity(RunSpec.from_dict({}).to_dict())
+    # ... except val_windows and eos_at_split, whose defaults changed when they came: a spec without them validated
+    # on the first windows, and its text files' training parts ran on into the next file
+    for key, value in (("val_windows", "spread"), ("eos_at_split", True)):
+        assert numerics_identity(before) != numerics_identity({**today, "data": {**today["data"], key: value}})
     more_processes = {**today, "data": {**today["data"], "num_proc": 16, "max_bad_fraction": 0.01}}
     assert numerics_identity(more_processes) == numerics_identity(today)  # the same tokens
     other_field = {**today, "data": {**today["data"], "text_field": "body"}}

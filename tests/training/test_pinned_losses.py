@@ -86,10 +86,11 @@ def test_six_steps_of_a_tiny_run_reproduce_the_recorded_losses_bit_for_bit(make_
     if capability not in PINNED:
         pytest.skip(f"no losses recorded for CPU capability {capability} (recorded: {', '.join(PINNED)})")
     override = OVERRIDES[case]
-    # Recorded when validation took the first windows in a row (data.val_windows "first", still offered): the loop is
-    # pinned on those; where "spread" puts its windows is tested against the shard itself (test_tokenizer_and_data,
-    # and test_checkpoint_resume recomputes the final val loss from the checkpoint on them).
-    override = {**override, "data": {"val_windows": "first"},
+    # Recorded when validation took the first windows in a row (data.val_windows "first", still offered) and before a
+    # text file's training part ended with EOS (data.eos_at_split false: one token fewer, so other batch starts): the
+    # loop is pinned on those; where "spread" puts its windows and where the EOS goes are tested against the shard
+    # itself (test_tokenizer_and_data; test_checkpoint_resume recomputes the final val loss from the checkpoint).
+    override = {**override, "data": {"val_windows": "first", "eos_at_split": False},
                 "training": {"steps": 6, "val_every": 3, "val_batches": 2, **override.get("training", {})}}
     sink = ListSink()
     result = train(make_spec(**override), sink, cache_dir=cache_dir)

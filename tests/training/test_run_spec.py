@@ -12,7 +12,7 @@ def test_defaults_follow_the_interface_contract():
     assert d["model"] == "tiny" and d["recipe"] == "bf16" and d["seed"] == 0
     assert d["data"] == {"corpus": "tinyshakespeare", "vocab_size": 2048, "seq_len": 128, "val_fraction": 0.02,
                          "tokenizer": "train", "text_field": "text", "val_corpus": None, "num_proc": None,
-                         "max_bad_fraction": 0.001, "val_windows": "spread"}
+                         "max_bad_fraction": 0.001, "val_windows": "spread", "eos_at_split": True}
     t = d["training"]
     assert (t["steps"], t["tokens"], t["batch_size"], t["lr"], t["warmup_steps"]) == (200, None, 8, 3e-3, 20)
     assert (t["val_every"], t["val_batches"], t["device"], t["gpus"]) == (50, 4, "auto", 1)
@@ -50,6 +50,7 @@ def test_tokens_budget_becomes_steps_rounded_up():
     ({"data": {"corpus": "no_such_corpus_here/*.jsonl"}}, "matches no corpus files"),
     ({"data": {"val_corpus": "no_such_val_corpus"}}, "data.val_corpus"),
     ({"data": {"val_windows": "last"}}, "data.val_windows must be one of ['spread', 'first'], got 'last'"),
+    ({"data": {"eos_at_split": "yes"}}, "data.eos_at_split must be true or false, got 'yes'"),
     ({"data": {"tokenizer": "checkpoint"}}, "model.init_from, which is not set"),
     ({"data": {"tokenizer": "tinyshakespeare"}}, "is not a tokenizer folder"),
     ({"data": {"tokenizer": 3}}, "data.tokenizer must be"),

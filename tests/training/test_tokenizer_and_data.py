@@ -48,12 +48,59 @@ def test_cache_key_includes_the_vocab_size(cache_dir):
 
 def test_shards_are_uint16_with_the_last_fraction_of_each_file_held_out(dataset, tok):
     assert dataset.train.dtype == np.uint16 and dataset.val.dtype == np.uint16
-    n = len(dataset.train) + len(dataset.val)
+    n = len(dataset.train) - 1 + len(dataset.val)  # the file's tokens, and an EOS that ends its training part
     assert len(dataset.val) == round(n * 0.05)
     text = (CORPUS / "input.txt").read_text()
     tail = tok.decode(dataset.val[:-1].tolist())  # last token is the file's EOS
     assert text.endswith(tail) and len(tail) > 1000
-    assert dataset.val[-1] == tok.eos_token_id
+    assert dataset.val[-1] == tok.eos_token_id and dataset.train[-1] == tok.eos_token_id
+    assert text.startswith(tok.decode(dataset.train[:-1].tolist()) + tail)
+
+
+def _books(folder, names, lines=400):
+    for name in names:
+        (folder / f"{name}.txt").write_text("".join(f"{name} says line {i} of the {name} book.\n"
+                                                    for i in range(lines)))
+
+
+def test_a_text_files_training_part_ends_with_eos_where_its_tail_is_cut_off(tmp_path, cache_dir):
+    """data.eos_at_split: two books' training parts are two documents (EOS between them), as every document of
+    the corpus is; without it (specs stored before the key) the first book's training part runs on into the
+    second's first token, in the cache it always had."""
+    _books(tmp_path, ["alpha", "bravo"])
+    tok = get_tokenizer(tmp_path, 400, cache_dir)
+    eos = tok.eos_token_id
+    new = TokenDataset.from_corpus(tmp_path, tok, seq_len=16, val_fraction=0.1, cache_dir=cache_dir)
+    old = TokenDataset.from_corpus(tmp_path, tok, seq_len=16, val_fraction=0.1, cache_dir=cache_dir,
+                                   eos_at_split=False)
+    assert new.info["cache"] != old.info["cache"] and old.info["cache"].endswith("-f1")  # the legacy key, unchanged
+    assert np.array_equal(new.val, old.val)  # the held-out tails do not change
+    assert list(np.flatnonzero(old.train == eos)) == []
+    at = np.flatnonzero(new.train == eos)
+    assert len(at) == 2 and at[1] == len(new.train) - 1 and len(new.train) == len(old.train) + 2
+    first, second = tok.decode(new.train[:at[0]].tolist()), tok.decode(new.train[at[0] + 1:-1].tolist())
+    assert first.startswith("alpha") and "bravo" not in first and second.startswith("bravo") and "alpha" not in second
+    assert np.array_equal(np.delete(new.train, at), old.train)
+    assert tok.decode(old.train.tolist()) == first + second  # no separator: alpha's part ran on into bravo
+
+
+def test_eos_at_split_changes_no_cache_without_a_text_files_tail(tmp_path, cache_dir):
+    """Documents of JSON lines are held out whole (each already ends with EOS), and so are the text files of a
+    corpus with data.val_corpus: the option changes nothing there, so the caches stay shared."""
+    import json as _json
+    from training.corpus import Corpus
+    from training.shards import ShardRequest
+    (tmp_path / "docs.jsonl").write_text("".join(_json.dumps({"text": f"document {i} here"}) + "\n"
+                                                 for i in range(300)))
+    _books(tmp_path, ["alpha", "bravo"], lines=50)
+    tok = get_tokenizer(CORPUS, 512, cache_dir)
+    docs = Corpus([tmp_path / "docs.jsonl"])
+    text, val = Corpus([tmp_path / "alpha.txt"]), Corpus([tmp_path / "bravo.txt"])
+    for corpus, val_corpus in ((docs, None), (text, val)):
+        keys = {ShardRequest(corpus, tok, "train", 0.1, val_corpus=val_corpus, eos_at_split=flag).key()
+                for flag in (True, False)}
+        assert len(keys) == 1
+    assert len({ShardRequest(text, tok, "train", 0.1, eos_at_split=flag).key() for flag in (True, False)}) == 2
 
 
 def test_batches_depend_only_on_seed_and_step(dataset):
