@@ -60,5 +60,48 @@ def test_an_api_that_is_away_never_stops_training_and_progress_waits_only_briefl
     sink.event("run_info", params=10, model={"architecture": "x"})
     sink.event("conversion_report", report={"layers": [], "gemm_backend": "real"})
     assert time.perf_counter() - started < 10
+    assert sink.close(timeout=30)
     err = capsys.readouterr().err
     assert err.count("[plab] could not report") == 3 and "run_info" in err and "conversion_report" in err
+
+
+def test_reports_sent_once_wait_for_the_api_on_their_own_thread_not_the_training_one(capsys, tmp_path):
+    """The conversion report and a checkpoint's artifact keep the client's patient retries, but on the reporter's
+    thread: rank 0 hands them over and trains on (waiting there held every other rank at its next collective);
+    the job waits for them only when it ends, before it reports its result."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = PlabClient(f"http://127.0.0.1:{port}", retries=3)  # 0.5 + 1 + 2 s of back-off per report
+    sink = ApiSink(client, 1, streamer=object())
+    started = time.perf_counter()
+    sink.event("conversion_report", report={"layers": [], "gemm_backend": "real"})
+    sink.event("checkpoint", path=str(tmp_path / "step_00000002"), step=2, format="native")
+    assert time.perf_counter() - started < 0.5
+    assert not sink.close(timeout=0.2)  # still retrying: a failed job stops waiting after FAILED_DRAIN_S
+    assert "report(s) still waiting for the API" in capsys.readouterr().err
+    assert sink.close(timeout=30)
+    err = capsys.readouterr().err
+    assert "could not report conversion_report" in err and "could not report checkpoint" in err
+
+
+def test_the_conversion_report_and_checkpoints_reach_the_run_in_order_once_closed(client, tmp_path):
+    run = new_run(client)
+    client.set_status(run["id"], "running", worker_host="test-host")
+    streamer = MetricStreamer(client, run["id"])
+    report = {"layers": [{"name": "layers.0.mlp", "converted": True}], "gemm_backend": "emulated"}
+    try:
+        sink = ApiSink(client, run["id"], streamer)
+        sink.event("conversion_report", report=report)
+        for step in (2, 4):
+            sink.event("checkpoint", path=str(tmp_path / f"step_{step:08d}"), step=step, format="native")
+        assert sink.close()
+    finally:
+        streamer.close()
+    record = client.get_run(run["id"])
+    assert record["conversion_report"] == report and record["gemm_backend"] == "emulated"
+    artifacts = [a for a in client._request("GET", f"/runs/{run['id']}/artifacts") if a["kind"] == "checkpoint"]
+    assert [a["step"] for a in artifacts] == [2, 4] and all(a["meta"] == {"format": "native"} for a in artifacts)

@@ -8,6 +8,7 @@ a background thread, and reports the final status (rank 0 reports; every rank tr
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import sys
 import threading
@@ -25,17 +26,58 @@ MODULE = "workers.jobs.train"
 # validation windows, how it is spread over devices), so the dashboard shows them during a long run, not after it.
 # Progress and description updates are superseded by the next one or repeated by the result: a few retries (about
 # 1.5 s), not the job client's patient ones - rank 0 waiting minutes for an API that is away would hold every other
-# rank at its next collective. The conversion report and checkpoints, sent once, keep the patient retries.
+# rank at its next collective. The conversion report and checkpoints, sent once, keep the patient retries, from
+# their own thread (Reporter): the training thread hands them over and goes on.
 BRIEF_RETRIES = 2
+FAILED_DRAIN_S = 60.0  # a failed job waits at most this long for reports still queued before it says it failed
 RUN_INFO_FIELDS = ("params", "model", "data", "validation", "world_size", "param_dtype", "parallel",
                    "activation_checkpointing", "micro_batch", "flops_per_token")
 
 
+class Reporter:
+    """Sends reports that are sent once (the conversion report, each checkpoint's artifact) in order from its own
+    thread, with the client's patient retries, so an API that is away holds neither rank 0's training thread nor,
+    through it, the other ranks at their next collective. `close` waits for what is queued (the job's result is
+    reported after its checkpoints, so an evaluation dispatched on success finds them)."""
+
+    def __init__(self, name: str = "plab-reporter"):
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
+        self._thread.start()
+
+    def submit(self, kind: str, send) -> None:
+        self._queue.put((kind, send))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, send = item
+            try:
+                send()
+            except (ApiError, OSError, httpx.HTTPError) as e:  # reporting must never kill a training job
+                print(f"[plab] could not report {kind}: {e}", file=sys.stderr, flush=True)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Sends what is queued (waits at most `timeout` s; None: until done); True when nothing is left."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            print(f"[plab] {self._queue.qsize()} report(s) still waiting for the API after {timeout:g} s; not "
+                  f"waiting longer", file=sys.stderr, flush=True)
+            return False
+        return True
+
+
 class ApiSink(MetricSink):
-    """training.sink.MetricSink that forwards to the API (non-blocking: the streamer's thread does the I/O)."""
+    """training.sink.MetricSink that forwards to the API (non-blocking: the streamer's thread sends the metrics, the
+    reporter's the conversion report and checkpoints; progress and description are sent with brief retries)."""
 
     def __init__(self, client: PlabClient, run_id: int, streamer: MetricStreamer | None):
         self.client, self.run_id, self.streamer = client, run_id, streamer
+        self.reporter = Reporter(f"plab-reporter-{run_id}") if streamer is not None else None
 
     def log(self, step: int, metrics: dict, *, tokens: int, wall_time: float) -> None:
         if self.streamer is not None:
@@ -47,16 +89,18 @@ class ApiSink(MetricSink):
         try:
             if kind == "conversion_report":
                 report = fields.get("report") or {}
-                self.client.update_run(self.run_id, conversion_report=report,
-                                       gemm_backend=report.get("gemm_backend"))
+                self.reporter.submit(kind, lambda: self.client.update_run(
+                    self.run_id, conversion_report=report, gemm_backend=report.get("gemm_backend")))
             elif kind == "data_progress":  # tokenizing before the first step: the run row shows it
                 self.client.update_run(self.run_id, summary={"data_progress": fields}, retries=BRIEF_RETRIES)
             elif kind == "run_info":  # what the run is, while it trains (the result's summary repeats it)
                 self.client.update_run(self.run_id, summary={k: fields[k] for k in RUN_INFO_FIELDS if k in fields},
                                        retries=BRIEF_RETRIES)
             elif kind == "checkpoint":
-                self.client.add_artifact(self.run_id, "checkpoint", _portable(fields.get("path")), step=fields.get("step"),
-                                         meta={k: v for k, v in fields.items() if k not in ("path", "step")})
+                path, step = _portable(fields.get("path")), fields.get("step")
+                meta = {k: v for k, v in fields.items() if k not in ("path", "step")}
+                self.reporter.submit(kind, lambda: self.client.add_artifact(self.run_id, "checkpoint", path,
+                                                                            step=step, meta=meta))
         except (ApiError, OSError, httpx.HTTPError) as e:  # reporting must never kill a training job
             print(f"[plab] could not report {kind}: {e}", file=sys.stderr)
 
@@ -64,8 +108,9 @@ class ApiSink(MetricSink):
         if self.streamer is not None:
             self.streamer.flush()
 
-    def close(self) -> None:
-        pass
+    def close(self, timeout: float | None = None) -> bool:
+        """Waits for the reports still queued (at most `timeout` s); True when every one was sent or given up."""
+        return self.reporter.close(timeout) if self.reporter is not None else True
 
 
 def holder() -> str:
@@ -141,6 +186,7 @@ def run(run_id: int) -> int:
         spec = RunSpec.from_dict(record["spec"])
         result = launch.run(spec, sink, should_stop=stop.is_set, output_dir=output_dir, resume=True)
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit code
+        sink.close(FAILED_DRAIN_S)
         if beat is not None:
             beat.stop()
         if streamer is not None:
@@ -148,6 +194,7 @@ def run(run_id: int) -> int:
         if rank == 0:
             client.set_status(run_id, "failed", error_message=error_message(e))
         raise
+    sink.close()  # the conversion report and checkpoints before the result: an evaluation may start on success
     if beat is not None:
         beat.stop()
     if streamer is not None:
