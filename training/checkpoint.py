@@ -131,6 +131,8 @@ def numerics_identity(spec_dict: dict) -> dict:
     # The exceptions are LEGACY_DATA's keys: their default changed when they were added, and a spec saved before ran
     # with the legacy value (val_windows "first", eos_at_split false).
     data = {**asdict(DataSpec()), **LEGACY_DATA, **(spec_dict.get("data") or {})}
+    if not _splits_text_files(data):
+        data["eos_at_split"] = False  # no text file's tail is cut off: the key changes no token
     d["data"] = {k: v for k, v in data.items() if k not in ("num_proc", "max_bad_fraction")}
     d["training"] = {k: v for k, v in spec_dict["training"].items()
                      if k not in ("perf", "device", "gpus", "nodes", "compile", "checkpoint_every", "queue", "parallel",
@@ -141,9 +143,25 @@ def numerics_identity(spec_dict: dict) -> dict:
     return d
 
 
+def _splits_text_files(data: dict) -> bool:
+    """Whether the corpus of a spec's `data` holds text files whose tails are held out (what data.eos_at_split
+    changes): not with data.val_corpus, not for the random corpus nor one of JSON lines/tables only. A corpus that
+    cannot be listed here counts as one that does."""
+    from training.corpus import file_format
+    from training.config import RANDOM_CORPUS
+
+    if data.get("val_corpus") or data.get("corpus") == RANDOM_CORPUS:
+        return False
+    try:
+        corpus = DataSpec(corpus=data["corpus"], text_field=data.get("text_field") or "text").open_corpus()
+    except Exception:  # noqa: BLE001 - moved or unreadable: compare the key as written
+        return True
+    return any(file_format(p) == "text" for p in corpus.files)
+
+
 def _as_spec_value(value) -> str:
-    """A value as a spec (JSON/YAML) spells it: 'first', true, false."""
-    return json.dumps(value) if isinstance(value, bool) else repr(value)
+    """A value as a spec (JSON/YAML) spells it: "first", true, false."""
+    return json.dumps(value)
 
 
 def _difference(saved: dict, spec: RunSpec) -> str:
@@ -162,7 +180,7 @@ def _difference(saved: dict, spec: RunSpec) -> str:
         return ""
     settings = [f"data.{key} to {_as_spec_value(a['data'].get(key))}" for key in LEGACY_DATA
                 if a["data"].get(key) != b["data"].get(key)]
-    hint = f"; to resume it, set {' and '.join(settings)}" if settings else ""
+    hint = f"; to resume it, set {' and '.join(settings)}" if settings and len(settings) == len(diffs) else ""
     return f" ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}){hint}"
 
 

@@ -28,7 +28,11 @@ which for a plain transformer (every layer full softmax attention, d_qk = d_v = 
 * **Causal masking is NOT halved**: we count the full T x T score matrix (the full T x window band of a
   sliding layer), like PaLM and nanoGPT, so our MFU is comparable with published figures. A causal
   FlashAttention kernel does about half that work, so the attention share of MFU is overstated by up to
-  2x (for the 1b preset at T=2048 that term is ~11 % of the total).
+  2x (for the 1b preset at T=2048 that term is ~11 % of the total). Megatron-LM's count halves it: our
+  figures are ~6 % above a Megatron-style count for the 1b preset at 2048, ~13 % for 8B at 8192.
+* **Recomputation is not counted**: activation checkpointing re-runs a block's forward, but flops_per_token
+  counts the model's work once, so this is model FLOPs utilisation (PaLM's MFU), not hardware FLOPs
+  utilisation: with full checkpointing the GPU does ~4/3 of these FLOPs.
 
 MFU is always reported against the GPU's dense **BF16** peak, for every recipe, so a faster FP8 recipe
 shows as higher MFU rather than being normalised away; "effective TFLOP/s" is flops_per_token x tokens/s.

@@ -188,13 +188,19 @@ def meta_model(config) -> torch.nn.Module:
         return causal_lm_class(config)(config)
 
 
+# A state-space layer's own matrices: Mamba-1's A_log is (d_inner, d_state), but the selective scan multiplies it
+# element-wise with each token's step size - no token x weight GEMM (its projections are nn.Linear, counted).
+SSM_STATE_PARAMS = frozenset({"A_log", "A", "D", "dt_bias"})
+
+
 def matmul_layers(model: torch.nn.Module) -> list[MatmulLayer]:
     """Every weight the forward multiplies activations by, from the model's modules (build it with
     `meta_model`; a recipe's converted modules are not nn.Linear): nn.Linear modules, 2-D weights a module
     applies itself (an MoE router's F.linear), 3-D batched expert weights (each token goes through
     config.num_experts_per_tok of them; (experts, out, in), or (experts, in, out) for experts transformers marks
-    transposed), and the LM head; embeddings are lookups, not GEMMs, and biases and convolutions' weights are not
-    GEMM weights either. Grouped by role and shape, in model order."""
+    transposed), and the LM head; embeddings are lookups, not GEMMs, and biases, convolutions' weights and a
+    state-space scan's matrices (SSM_STATE_PARAMS) are not GEMM weights either. Grouped by role and shape, in
+    model order."""
     blocks = decoder_blocks(model)
     head = model.get_output_embeddings()
     top_k = getattr(model.config, "num_experts_per_tok", None)
@@ -213,8 +219,8 @@ def matmul_layers(model: torch.nn.Module) -> list[MatmulLayer]:
             if isinstance(module, torch.nn.modules.conv._ConvNd):
                 continue  # a (depthwise) convolution, e.g. a linear-attention layer's: no token x weight GEMM
             for pname, p in module.named_parameters(recurse=False):
-                if "bias" in pname:
-                    continue  # added, not multiplied (GPT-OSS's per-expert biases are 2-D)
+                if "bias" in pname or pname in SSM_STATE_PARAMS:
+                    continue  # added, not multiplied (GPT-OSS's per-expert biases are 2-D); a scan's state matrix
                 if p.dim() == 3:
                     if not isinstance(top_k, int):
                         raise ValueError(f"{type(module).__name__}.{pname} holds batched expert weights but "

@@ -477,7 +477,7 @@ def _overlap(request: ShardRequest, writer: ShardWriter) -> dict:
 def _split_rule(request: ShardRequest) -> str:
     if request.val_corpus is not None:
         return "data.val_corpus"
-    eos = " (the training part ends with EOS)" if request.eos_at_split else ""
+    eos = " (the training part ends with EOS)" if request.eos_at_split and request.splits_text_files() else ""
     if request.corpus.text_only:
         return f"last val_fraction of each file's tokens{eos}"
     return f"documents whose content hash < val_fraction (text files: last val_fraction of their tokens{eos})"

@@ -91,7 +91,7 @@ def test_a_checkpoint_whose_spec_predates_val_windows_resumes_with_the_first_win
     torch.save(saved, path / STATE_FILE)
 
     with pytest.raises(SpecError, match=r"\(data.val_windows: the checkpoint's 'first', this spec's 'spread'\); to "
-                                         r"resume it, set data.val_windows to 'first'; use another output_dir"):
+                                         r'resume it, set data.val_windows to "first"; use another output_dir'):
         checkpointer(tmp_path, RunSpec.from_dict(make_spec()), model, optimizer).resume(TrainState())
     assert checkpointer(tmp_path, legacy, model, optimizer).resume(TrainState()).name == "step_00000002"
 
@@ -110,7 +110,7 @@ def test_a_checkpoint_whose_spec_predates_eos_at_split_resumes_with_the_joined_t
     torch.save(saved, path / STATE_FILE)
 
     with pytest.raises(SpecError, match=r"\(data.eos_at_split: the checkpoint's False, this spec's True; "
-                                         r"data.val_windows: .*\); to resume it, set data.val_windows to 'first' and "
+                                         r"data.val_windows: .*\); to resume it, set data.val_windows to \"first\" and "
                                          r"data.eos_at_split to false; use another output_dir"):
         checkpointer(tmp_path, RunSpec.from_dict(make_spec()), model, optimizer).resume(TrainState())
     assert checkpointer(tmp_path, legacy, model, optimizer).resume(TrainState()).name == "step_00000002"
@@ -151,3 +151,23 @@ def test_a_spec_saved_before_the_data_keys_existed_has_the_numerics_of_todays_de
     assert numerics_identity(more_processes) == numerics_identity(today)  # the same tokens
     other_field = {**today, "data": {**today["data"], "text_field": "body"}}
     assert numerics_identity(other_field) != numerics_identity(today)
+
+
+def test_eos_at_split_counts_only_where_a_text_files_tail_is_cut_off(tmp_path, monkeypatch):
+    """A corpus of JSON lines, a run with data.val_corpus and the random corpus tokenize the same with either value:
+    a checkpoint of theirs resumes under either; a folder of text files does not."""
+    from training.checkpoint import numerics_identity
+
+    (tmp_path / "docs.jsonl").write_text('{"text": "a document"}\n')
+    (tmp_path / "book.txt").write_text("a book\n")
+    cases = {"jsonl": {"corpus": str(tmp_path / "docs.jsonl")},
+             "val_corpus": {"corpus": str(tmp_path / "book.txt"), "val_corpus": str(tmp_path / "docs.jsonl")},
+             "random": {"corpus": "random", "vocab_size": 512}}
+    for name, data in cases.items():
+        ids = [numerics_identity(RunSpec.from_dict({"data": {**data, "eos_at_split": v}}).to_dict())
+               for v in (True, False)]
+        assert ids[0] == ids[1], name
+    text = [numerics_identity(RunSpec.from_dict({"data": {"corpus": str(tmp_path / "book.txt"), "eos_at_split": v}})
+                              .to_dict()) for v in (True, False)]
+    assert text[0] != text[1]
+

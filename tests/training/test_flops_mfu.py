@@ -220,3 +220,21 @@ def test_gpt_oss_experts_are_read_transposed_and_their_biases_and_a_convolution_
                                        linear_value_head_dim=16, full_attention_interval=2)
     roles = [m.role for m in matmul_layers(meta_model(nxt))]
     assert roles and not [role for role in roles if "conv" in role]
+
+
+def test_a_mamba_layers_state_matrix_is_not_counted_as_a_gemm_weight():
+    """Jamba's and Mamba's A_log is 2-D (d_inner, d_state) and held by the mixer itself, like a router's weight, but
+    the selective scan multiplies it element-wise with each token's step size: not a token x weight GEMM. The
+    mixer's projections (in, x, dt, out) are."""
+    from training.model import matmul_layers
+
+    cfg = transformers.JambaConfig(**TINY, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1,
+                                   expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+                                   mamba_d_state=8, mamba_expand=2, mamba_d_conv=4)
+    roles = {m.role: (m.fan_in, m.fan_out) for m in matmul_layers(meta_model(cfg))}
+    assert [r for r in roles if r.startswith("mamba.")] == ["mamba.in_proj", "mamba.x_proj", "mamba.dt_proj",
+                                                            "mamba.out_proj"]
+    assert roles["mamba.in_proj"] == (64, 256) and roles["mamba.out_proj"] == (128, 64)
+    mamba = transformers.MambaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, state_size=8)
+    assert not [m.role for m in matmul_layers(meta_model(mamba)) if "A_log" in m.role]
+

@@ -49,7 +49,8 @@ export function peakMemory(run) {
 export const MFU_CONVENTION = "Model FLOPs utilization: model FLOPs per token (6 x matmul weights, LM head included, "
   + "+ attention with the causal T x T matrix counted whole - T x window in a sliding-window layer, none in a "
   + "linear-attention layer - PaLM's and nanoGPT's convention) x tokens/s, over the GPU's dense BF16 peak - for "
-  + "every recipe, FP8 and emulated ones too, so a faster format shows as a higher MFU";
+  + "every recipe, FP8 and emulated ones too, so a faster format shows as a higher MFU; activation checkpointing's "
+  + "recomputed forwards are not counted (model, not hardware, FLOPs)";
 
 // MFU is a fraction of the peak (the API's summary.mfu, perf/mfu); above 1 is possible for a format faster than
 // BF16's peak, so it is never read as a percentage.
