@@ -318,7 +318,7 @@ class StatusUpdate(Strict):
     diverged_step: int | None = Field(default=None, ge=0, le=INT32_MAX)
     summary: dict[str, Any] | None = None
     progress: Progress | None = None
-    gemm_backend: Literal["real", "emulated", "bf16"] | None = None
+    gemm_backend: Literal["real", "emulated", "bf16", "fp32"] | None = None
     conversion_report: dict[str, Any] | None = None
     free_json: ClassVar[frozenset[str]] = frozenset({"summary", "conversion_report"})
 
@@ -375,7 +375,7 @@ class RunInfoUpdate(Housekeeping):
     label: RunLabel | None = None
     device_name: str | None = Field(default=None, max_length=200)
     summary: dict[str, Any] | None = None
-    gemm_backend: Literal["real", "emulated", "bf16"] | None = None
+    gemm_backend: Literal["real", "emulated", "bf16", "fp32"] | None = None
     conversion_report: dict[str, Any] | None = None
     free_json: ClassVar[frozenset[str]] = frozenset({"summary", "conversion_report"})
 

@@ -426,6 +426,8 @@ def _model_with_recipe(spec: RunSpec, config, device: torch.device, param_dtype:
                               **spec.recipe_options)
     except ValueError as exc:  # a layer count or keep_bf16 rule the model's blocks do not satisfy
         raise SpecError(str(exc)) from None
+    if report.gemm_backend == "bf16" and not on_cuda and param_dtype == "fp32":
+        report.gemm_backend = "fp32"  # FP32 parameters without autocast: the baseline's GEMMs are FP32 on a CPU
     sink.event("conversion_report", report=report.to_dict())
     rope_backward = set_rope_backward(model, t.perf.rope_backward, on_cuda)
     if rope_backward is None and t.perf.rope_backward == "one_pass":

@@ -38,7 +38,7 @@ class TrainResult:
     final_val_loss: float | None
     diverged_step: int | None
     device_name: str
-    gemm_backend: str                # real | emulated | bf16
+    gemm_backend: str                # real | emulated | bf16 | fp32 (no converted layer, FP32 compute: a CPU's)
     conversion_report: list = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     checkpoint_dir: str | None = None

@@ -17,7 +17,7 @@ from backend.db import transaction
 from backend.models import MetricPoint
 from backend.services.runs import get_experiment
 
-# gemm_backend (real | emulated | bf16, empty before the run reported it) last: an emulated run's perf/* figures
+# gemm_backend (real | emulated | bf16 | fp32, empty before the run reported it) last: an emulated run's perf/* figures
 # are not what the format's hardware would give, and an export read without the dashboard must still say so.
 CSV_COLUMNS = ("run_id", "recipe", "label", "key", "step", "tokens", "wall_time", "value", "gemm_backend")
 ROWS_PER_FETCH = 20_000

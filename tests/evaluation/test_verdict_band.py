@@ -86,3 +86,23 @@ def test_each_recipe_is_judged_by_the_band_for_its_own_seeds():
     # One BF16 seed: the tolerance rule, and no band anywhere.
     one = experiment_verdict([runs[0], runs[3]], reference_run_id=1)
     assert one["rule"] == "tolerance" and one["band_pct"] is None and one["recipes"][0]["band_pct"] is None
+
+
+def test_the_headline_ranks_real_gemm_speed_not_emulated_throughput():
+    """Among the recipes within the rule the summary names the fastest on real GEMMs; an emulated recipe's
+    throughput (BF16/FP32 GEMMs on dequantized values, perhaps sharing the CPU with other runs) ranks as unmeasured,
+    so between emulated ones the lower validation loss is named - and the others within the rule are listed."""
+    def run(run_id, recipe, loss, tps, emulated, baseline=False):
+        return RunFacts(run_id=run_id, variant=recipe, recipe=recipe, status="succeeded", seed=0,
+                        is_baseline=baseline, final_val_loss=loss, tokens_per_s=tps, emulated=emulated)
+
+    base = run(1, "bf16", 2.0, 1000.0, False, baseline=True)
+    fast_emulated, better_emulated = run(2, "mxfp8", 2.015, 900.0, True), run(3, "nvfp4", 2.005, 400.0, True)
+    v = experiment_verdict([base, fast_emulated, better_emulated], reference_run_id=1)
+    assert v["summary"].startswith("nvfp4 matches BF16 at +0.25% final validation loss, 0.40× BF16's throughput "
+                                   "(slowdown) on emulated GEMMs, not the format's hardware speed")
+    assert "; also within the rule: mxfp8; rule:" in v["summary"]
+    real = run(4, "fp8_tensorwise", 2.018, 1300.0, False)
+    v = experiment_verdict([base, fast_emulated, better_emulated, real], reference_run_id=1)
+    assert v["summary"].startswith("fp8_tensorwise matches BF16 at +0.90% final validation loss, 1.30× BF16's")
+    assert "also within the rule: mxfp8, nvfp4" in v["summary"]

@@ -299,17 +299,26 @@ def _summary(out: dict, ref: RunFacts | None, ref_loss: float | None) -> tuple[d
     good = [e for e in judged if e["matches"]]
     if not good:
         return None, f"no recipe matches BF16's validation loss ({out['rule_text']})"
-    # The fastest of the matching recipes, preferring one whose accuracy is not significantly worse anywhere.
-    best = max(good, key=lambda e: (not _worse_tasks(e["accuracy"]),
-                                    e["speedup"] if e["speedup"] is not None else -1.0))
+    best = max(good, key=_headline_rank)
     speed = ("speed not measured" if best["speedup"] is None
              else f"{best['speedup']:.2f}× BF16's throughput ({best['speed_word']})")
     if best["emulated"] and best["speedup"] is not None:
         speed += " on emulated GEMMs, not the format's hardware speed"
     word = "beats" if best["outcome"] == "better" else "matches"
+    others = [e["variant"] for e in good if e is not best]
+    also = f"; also within the rule: {', '.join(others)}" if others else ""
     return ({"variant": best["variant"], "run_ids": best["run_ids"]},
             f"{best['variant']} {word} BF16 at {best['val_delta_pct']:+.2f}% final validation loss, {speed}"
-            f"{_accuracy_clause(best['accuracy'])}; rule: {out['rule_text']}")
+            f"{_accuracy_clause(best['accuracy'])}{also}; rule: {out['rule_text']}")
+
+
+def _headline_rank(entry: dict) -> tuple:
+    """Which matching recipe the summary names: one whose accuracy is not significantly worse anywhere, then the
+    fastest on real GEMMs (an emulated recipe's throughput says nothing of its format's hardware speed, so it
+    ranks as unmeasured), then the lowest validation loss."""
+    real_speed = entry["speedup"] if entry["speedup"] is not None and not entry["emulated"] else -1.0
+    delta = entry["val_delta_pct"] if entry["val_delta_pct"] is not None else math.inf
+    return (not _worse_tasks(entry["accuracy"]), real_speed, -delta)
 
 
 def _worse_tasks(rows: Sequence[dict]) -> list[str]:

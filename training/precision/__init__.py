@@ -14,7 +14,7 @@ converts the nn.Linear layers inside the decoder blocks of any transformers caus
 structure, linears by type); embeddings, norms and the LM head stay high precision. Blocks
 `i < bf16_first_layers` and `i >= n - bf16_last_layers` stay BF16 (the NVFP4 paper keeps the last 4).
 It returns a `RecipeReport`: `.layers` (every block linear, converted or skipped and why), `.gemm_backend`
-("real", "emulated" or "bf16"), `.hooks` (call `post_optimizer_step(model)` after each optimizer step and, where a hook has it,
+("real", "emulated" or "bf16"; the run's setup says "fp32" for a baseline computing in FP32 on a CPU), `.hooks` (call `post_optimizer_step(model)` after each optimizer step and, where a hook has it,
 `post_backward(model)` after each micro-batch's backward when accumulating gradients;
 `state_dict()` / `load_state_dict()` go into checkpoints), `.to_dict()` (JSON-able),
 `.set_numerics_sampling(on)` / `.collect_numerics()` (see numerics.py).
