@@ -118,6 +118,17 @@ def test_a_bad_port_in_the_environment_is_named_when_serving_and_harmless_otherw
                                        "unset it or give --port\n")
 
 
+def test_a_port_in_use_is_named_before_the_server_starts(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"plab: error: port {port} on 127.0.0.1 cannot be used (") and err.count("\n") == 1
+    assert "choose another port with --port or PLAB_PORT" in err
+
+
 @pytest.mark.parametrize("argv", [["submit", "{file}"], ["eval", "3", "--tasks", "plab_blimp"]])
 def test_an_api_that_is_down_is_named_with_how_to_start_it(argv, tmp_path, capsys):
     body = tmp_path / "e.yaml"

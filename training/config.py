@@ -128,7 +128,14 @@ def _check_keys(section: str, given: dict, allowed) -> None:
         raise SpecError(f"{section} must be an object (dict), got {type(given).__name__}")
     unknown = sorted(set(given) - set(allowed))
     if unknown:
-        hint = ""
+        import difflib
+
+        close = [(k, m[0]) for k in unknown if isinstance(k, str)
+                 for m in [difflib.get_close_matches(k, sorted(map(str, allowed)), n=1, cutoff=0.75)] if m]
+        if len(unknown) == 1 and close:
+            hint = f"; did you mean {close[0][1]!r}?"
+        else:
+            hint = f"; did you mean {', '.join(f'{m!r} (for {k!r})' for k, m in close)}?" if close else ""
         if section == "run spec" and {"recipes", "seeds", "replicates", "eval_tasks"} & set(unknown):
             # an experiment (several recipes) given where one run is expected
             hint = ("; this looks like an experiment (several recipes): submit it with `plab submit FILE`, or "
@@ -916,8 +923,10 @@ class RunSpec:
             raise SpecError(f"training.batch_size ({t.batch_size}) must be divisible by grad_accum x gpus{nodes} "
                             f"({per_step_split}): it is the global batch")
         if self.training.warmup_steps > self.total_steps:
-            raise SpecError(f"training.warmup_steps ({t.warmup_steps}) exceeds the run length "
-                            f"({self.total_steps} steps); lower warmup_steps")
+            default = ", the default" if t.warmup_steps == TrainingSpec.warmup_steps else ""
+            raise SpecError(f"training.warmup_steps ({t.warmup_steps}{default}) exceeds the run length "
+                            f"({self.total_steps} steps); set training.warmup_steps to at most {self.total_steps} "
+                            f"(e.g. {max(1, self.total_steps // 10)}, a tenth of the run)")
         if self.model.preset is None:
             layers = self.model.num_hidden_layers
         else:

@@ -99,7 +99,9 @@ def submit_experiment(session: Session, body: ExperimentCreate) -> Experiment:
 
 
 def start_evaluation(session: Session, run_id: int, body: EvaluationCreate) -> Evaluation:
-    """An lm-eval job on the run's final checkpoint, sent to a worker."""
+    """An lm-eval job on the run's final checkpoint, sent to a worker (its tasks checked first, as an
+    experiment's eval_tasks are)."""
+    runs.check_eval_tasks(body.tasks, "tasks")
     ev = evaluations.create_evaluation(session, run_id, body.tasks, body.limit)
     failed, error = _send(session, [_eval_job(session, ev)])
     if failed:

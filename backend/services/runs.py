@@ -55,7 +55,7 @@ def build_spec(body: ExperimentCreate, recipe: RecipeRequest, seed: int | None =
             check_new_run_data(RunSpec.from_dict(spec, check_paths=True).data)
         return parsed
     except SpecError as e:
-        raise InvalidInput(f"{recipe.name}: {e}") from e
+        raise InvalidInput(f"the run spec of recipe {recipe.name}: {e}") from e
 
 
 def _paths_are_here(spec: dict, roots: list) -> bool:
@@ -84,9 +84,9 @@ def spec_roots() -> list:
     return [p.resolve() for p in (settings.data_dir, *settings.allowed_paths)]
 
 
-def check_eval_tasks(names: list[str]) -> None:
-    """An experiment's `eval_tasks` must be tasks lm-eval can find (shipped, PLAB_EVAL_TASKS_DIR, lm-eval's own):
-    a typo is refused now, not after training."""
+def check_eval_tasks(names: list[str], field: str = "eval_tasks") -> None:
+    """An experiment's `eval_tasks` (an evaluation's `tasks`: `field`) must be tasks lm-eval can find (shipped,
+    PLAB_EVAL_TASKS_DIR, lm-eval's own): a typo is refused now, not after training or in a worker's job."""
     if not names:
         return
     import difflib
@@ -98,7 +98,7 @@ def check_eval_tasks(names: list[str]) -> None:
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise InvalidInput(f"eval_tasks: unknown task {name!r}{hint} (plab eval --list-tasks lists them; your own "
+            raise InvalidInput(f"{field}: unknown task {name!r}{hint} (plab eval --list-tasks lists them; your own "
                                "YAML tasks need PLAB_EVAL_TASKS_DIR)")
 
 

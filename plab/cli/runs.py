@@ -115,8 +115,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sm.add_argument("--api-url", help="default: $PLAB_API_URL or http://127.0.0.1:8000")
     sm.set_defaults(func=cmd_submit)
 
-    t = sub.add_parser("train", help="train one run from a run-spec file, no server")
-    t.add_argument("file")
+    t = sub.add_parser("train", help="train one run from a run-spec file, no server",
+                       description="Train one run from a run-spec file (YAML or JSON) in this process (torchrun's "
+                                   "processes for training.gpus > 1), without a server.",
+                       epilog="A run spec is one recipe's run (docs/INTERFACES.md has every key), e.g.\n"
+                              "  model: tiny\n"
+                              "  data: {corpus: tinyshakespeare, vocab_size: 1024, seq_len: 128}\n"
+                              "  training: {steps: 100, batch_size: 8, lr: 0.003, warmup_steps: 10}\n"
+                              "  recipe: fp8_tensorwise\n"
+                              "  seed: 0\n"
+                              "An experiment (name, several recipes, seeds) is submitted with `plab submit FILE`.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("file", help="the run spec (YAML or JSON)")
     t.add_argument("--recipe", help="override the file's recipe")
     t.add_argument("--output", default="plab-data/train", help="checkpoint folder")
     t.add_argument("--metrics", help="also write metrics to this JSONL file")

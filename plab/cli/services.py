@@ -22,9 +22,27 @@ def cmd_serve(args) -> int:
                          "could create and cancel runs. Set PLAB_API_TOKEN to a long random secret (e.g. `openssl "
                          "rand -hex 32`), or bind 127.0.0.1, or pass --insecure-no-token on a trusted network")
     port = args.port if args.port is not None else port_from_env("PLAB_PORT", 8000)
+    check_port_free(args.host, port, "--port or PLAB_PORT")
     app = create_app(migrate=False if args.no_migrate else None)
     uvicorn.run(app, host=args.host, port=port, log_level=args.log_level)
     return 0
+
+
+def check_port_free(host: str, port: int, how: str) -> None:
+    """A port another process listens on is named before the server starts (uvicorn would start the app, log the
+    bind error over several lines and exit with status 3)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise UsageError(f"--host {host}: {e.strerror or e}; give an address of this machine, e.g. 127.0.0.1") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise UsageError(f"port {port} on {host} cannot be used ({e.strerror or e}: another server - an earlier "
+                             f"`plab serve`? - may hold it); stop it or choose another port with {how}") from None
 
 
 def parse_gpus(spec: str | None) -> list[str]:

@@ -126,6 +126,19 @@ def test_eval_task_names_are_checked_at_creation(api):
                     ).status_code == 201
 
 
+def test_eval_task_names_are_checked_when_an_existing_run_is_evaluated(api):
+    """POST /runs/{id}/evaluations (and `plab eval RUN_ID`, which calls it) checks its tasks as an experiment's
+    eval_tasks are: a typo was queued as an evaluation that could only fail in the worker. Nothing is stored."""
+    run = create(api)["runs"][0]
+    for body in ({"status": "running", "worker_host": "h"}, {"status": "succeeded"}):
+        assert api.post(f"/api/v1/runs/{run['id']}/status", json=body).status_code == 200
+    assert api.post(f"/api/v1/runs/{run['id']}/artifacts", json={"kind": "checkpoint", "path": "/tmp/x"}
+                    ).status_code == 201
+    r = api.post(f"/api/v1/runs/{run['id']}/evaluations", json={"tasks": ["plab_blimpp"]})
+    assert r.status_code == 422 and "tasks: unknown task 'plab_blimpp'; did you mean plab_blimp" in _detail(r)
+    assert api.get(f"/api/v1/runs/{run['id']}/evaluations").json() == []
+
+
 def test_training_queue_is_accepted_and_checked(api):
     ok = api.post("/api/v1/experiments", json={**EXPERIMENT, "training": {"steps": 40, "queue": "h100"}})
     assert ok.status_code == 201, ok.text

@@ -50,6 +50,11 @@ def test_tokens_budget_becomes_steps_rounded_up():
     ({"data": {"corpus": "no_such_corpus_here/*.jsonl"}}, "matches no corpus files"),
     ({"data": {"val_corpus": "no_such_val_corpus"}}, "data.val_corpus"),
     ({"data": {"val_windows": "last"}}, "data.val_windows must be one of ['spread', 'first'], got 'last'"),
+    ({"training": {"steps": 10}}, "training.warmup_steps (20, the default) exceeds the run length (10 steps); set "
+                                 "training.warmup_steps to at most 10 (e.g. 1, a tenth of the run)"),
+    ({"training": {"warmpu_steps": 3}}, "unknown key(s) ['warmpu_steps'] in training; allowed keys are ['activation_"),
+    ({"training": {"warmpu_steps": 3}}, "'weight_decay']; did you mean 'warmup_steps'?"),
+    ({"data": {"seq_lenn": 3, "vocab_sise": 9}}, "did you mean 'seq_len' (for 'seq_lenn'), 'vocab_size' (for 'vocab_sise')?"),
     ({"data": {"eos_at_split": "yes"}}, "data.eos_at_split must be true or false, got 'yes'"),
     ({"data": {"tokenizer": "checkpoint"}}, "model.init_from, which is not set"),
     ({"data": {"tokenizer": "tinyshakespeare"}}, "is not a tokenizer folder"),

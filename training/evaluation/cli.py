@@ -25,8 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="plab eval",
         description="Evaluate an HF-format checkpoint with lm-evaluation-harness on plab and user tasks.",
+        epilog="A run of the lab instead of a folder: `plab eval RUN_ID --tasks a,b [--limit N] [--wait] "
+               "[--api-url URL]` queues the evaluation of the run's final checkpoint as a worker job through the "
+               "API (its results land on the experiment's page); --wait prints them when the job ends.",
     )
-    parser.add_argument("target", nargs="?", help="checkpoint directory (config.json + weights + tokenizer)")
+    parser.add_argument("target", nargs="?", help="checkpoint directory (config.json + weights + tokenizer), or a "
+                                                  "run id (see below)")
     parser.add_argument("--list-tasks", action="store_true", help="list the available tasks and exit")
     parser.add_argument("--all", action="store_true", help="with --list-tasks: include lm-eval's built-in tasks")
     parser.add_argument("--json", action="store_true", help="with --list-tasks/--compare: print JSON")
