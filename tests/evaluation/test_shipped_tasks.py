@@ -323,7 +323,7 @@ def test_perplexity_tasks_are_windowed_at_the_trained_context_and_multiple_choic
 
 
 def test_the_worker_takes_the_trained_context_from_the_runs_spec():
-    from workers.jobs.evaluate import trained_context
+    from training.evaluation.heldout import trained_context
 
     assert trained_context({"model": "tiny", "data": {"seq_len": 96}}) == 96
     assert trained_context({"model": {"init_from": "models/x"}, "data": {"seq_len": 96}}) is None  # the checkpoint's

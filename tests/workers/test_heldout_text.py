@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from training.evaluation import heldout
 from workers.jobs import evaluate
 
 
 def test_slices_are_the_whole_split_the_first_tokens_or_chunks_in_the_middle_of_equal_parts():
-    size = evaluate.HELDOUT_CHUNK_TOKENS
-    assert evaluate.heldout_slices(1000, 400_000, "spread") == [slice(0, 1000)]
-    assert evaluate.heldout_slices(10**6, 400_000, "first") == [slice(0, 400_000)]
-    spread = evaluate.heldout_slices(10**6, 400_000, "spread")
+    size = heldout.HELDOUT_CHUNK_TOKENS
+    assert heldout.heldout_slices(1000, 400_000, "spread") == [slice(0, 1000)]
+    assert heldout.heldout_slices(10**6, 400_000, "first") == [slice(0, 400_000)]
+    spread = heldout.heldout_slices(10**6, 400_000, "spread")
     n, available = 400_000 // size, 10**6 // size
     assert len(spread) == n and all(s.stop - s.start == size for s in spread)
     assert [s.start for s in spread] == [(2 * i + 1) * available // (2 * n) * size for i in range(n)]
@@ -25,7 +26,7 @@ def test_a_folder_of_books_is_scored_on_every_books_held_out_tail(tmp_path, monk
     books.mkdir()
     for name in names:
         (books / f"{name}.txt").write_text("".join(f"{name} says line {i} of the {name} book.\n" for i in range(1500)))
-    monkeypatch.setattr(evaluate, "HELDOUT_CHUNK_TOKENS", 64)
+    monkeypatch.setattr(heldout, "HELDOUT_CHUNK_TOKENS", 64)
 
     def text(rule):
         spec = {"model": "tiny", "data": {"corpus": str(books), "vocab_size": 400, "seq_len": 32, "val_fraction": 0.1,

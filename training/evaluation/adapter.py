@@ -117,17 +117,16 @@ def evaluate_checkpoint(
 ) -> dict:
     """Evaluate the HF checkpoint in ``checkpoint_dir`` (model + its own tokenizer) with lm-eval.
 
-    ``tasks``: task or group names (a list, or one comma-separated string): the shipped
-    ``plab_*`` tasks, tasks in ``tasks_dir``/``PLAB_EVAL_TASKS_DIR``, or lm-eval's own (those
-    need their dataset in the HF cache when ``offline``). ``limit``: documents per task (an
-    int, or a fraction in (0, 1)), for tests. ``device``: ``auto`` (CUDA when present), ``cpu``,
-    ``cuda`` or ``cuda:N``. ``dtype``: ``auto`` is bfloat16 on CUDA and float32 on CPU.
-    ``batch_size``: an int or ``"auto"``; default 64 on CUDA, 8 on CPU. ``bootstrap_iters``:
-    lm-eval's (its CLI uses 100,000; only perplexity-type stderrs use it). ``on_task_done``
-    is called as ``on_task_done(name, task_result)`` after each requested task, e.g. to
-    store results as they arrive. ``rolling_context``: the window length of perplexity-type tasks
+    ``tasks``: task or group names (a list, or one comma-separated string): the shipped ``plab_*`` tasks, tasks in
+    ``tasks_dir``/``PLAB_EVAL_TASKS_DIR``, or lm-eval's own (those need their dataset in the HF cache when
+    ``offline``). ``limit``: documents per task (an int, or a fraction in (0, 1)), for tests. ``device``: ``auto``
+    (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``. ``dtype``: ``auto`` is bfloat16 on CUDA and float32 on CPU.
+    ``batch_size``: an int or ``"auto"``; default 64 on CUDA, 8 on CPU. ``bootstrap_iters``: lm-eval's (its CLI uses
+    100,000; only perplexity-type stderrs use it). ``on_task_done`` is called as ``on_task_done(name, task_result)``
+    after each requested task, e.g. to store results as they arrive. ``rolling_context``: the window length of perplexity-type tasks
     (``loglikelihood_rolling``: ``plab_heldout_bpb``); default: the context the checkpoint records it was trained
-    on (``plab_trained_context`` in its config.json), else lm-eval's max_length.
+    on (config.json's ``plab_trained_context``), else lm-eval's max_length. ``heldout_text``: ``plab_heldout_bpb``'s
+    text; default ``PLAB_EVAL_HELDOUT_TEXT``, else the run's own validation text (``_from_run_spec``).
 
     Each requested task runs as its own ``simple_evaluate`` call on one loaded model, which
     is what gives a wall time per task; lm-eval computes each request independently of
@@ -152,6 +151,7 @@ def evaluate_checkpoint(
     batch_size = _resolve_batch_size(batch_size, resolved_device)
     _check_options(bootstrap_iters, on_task_done, rolling_context)
 
+    heldout_text, rolling_context = _from_run_spec(checkpoint, requested, heldout_text, rolling_context)
     _warn_default_heldout(requested, heldout_text)
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat()
     t_start = time.perf_counter()
@@ -191,14 +191,49 @@ def _check_options(bootstrap_iters, on_task_done, rolling_context) -> None:
                               f"tasks), got {rolling_context!r}")
 
 
+def _from_run_spec(checkpoint: Path, requested: list[str], heldout_text, rolling_context) -> tuple:
+    """(heldout_text, rolling_context) for plab_heldout_bpb where the caller gave neither: what the run spec of a
+    checkpoint folder of the lab (its training_state.pt) says - the run's validation text, and the context it trained
+    on for a checkpoint written before config.json recorded it. Unchanged for any other folder."""
+    needs_text = heldout_text is None and not os.environ.get("PLAB_EVAL_HELDOUT_TEXT")
+    needs_context = rolling_context is None and trained_context(checkpoint) is None
+    if "plab_heldout_bpb" not in requested or not (needs_text or needs_context):
+        return heldout_text, rolling_context
+    from .heldout import checkpoint_spec, trained_context as spec_context
+
+    spec = checkpoint_spec(checkpoint)
+    if spec is None:
+        return heldout_text, rolling_context
+    return (_heldout_of_run(spec) if needs_text else heldout_text,
+            spec_context(spec) if needs_context else rolling_context)
+
+
+def _heldout_of_run(spec: dict) -> str | None:
+    """The run's own validation text (as the worker scores it), made from its token shards into PLAB_HOME's cache;
+    None (the default text, with its warning) where the run's data cannot be opened here."""
+    from .heldout import heldout_cache_file, validation_text
+
+    try:
+        path = validation_text(spec, heldout_cache_file(spec))
+    except Exception as e:  # noqa: BLE001 - a corpus moved or missing here: say so and keep the default
+        print(f"plab eval: the checkpoint's run spec names data this machine cannot open ({e}); plab_heldout_bpb "
+              f"falls back to the default text", file=sys.stderr)
+        return None
+    if path is not None:
+        print(f"plab eval: plab_heldout_bpb scores the run's own validation text (the checkpoint's run spec, "
+              f"data.val_windows as it trained): {path}", file=sys.stderr)
+    return path
+
+
 def _warn_default_heldout(requested: list[str], heldout_text) -> None:
     """The worker passes the run's own validation split; by hand the default is a whole corpus file, which a run
     trained on that corpus has mostly seen (Tiny Shakespeare: all but its last ~2%): say so."""
     if "plab_heldout_bpb" in requested and heldout_text is None and not os.environ.get("PLAB_EVAL_HELDOUT_TEXT"):
         print(f"plab eval: plab_heldout_bpb scores {DEFAULT_HELDOUT_RELPATH} whole (no --heldout-text): for a run "
               "trained on that corpus most of it is training text, not held out; give the run's validation text "
-              "(the worker writes it to PLAB_HOME/runs/<id>/validation_spread.txt, validation.txt for runs stored "
-              "before data.val_windows) for a held-out figure", file=sys.stderr)
+              "with --heldout-text for a held-out figure (a checkpoint folder of the lab - with its "
+              "training_state.pt - gets it made from the run's spec; the worker keeps it in "
+              "PLAB_HOME/runs/<id>/validation_spread.txt)", file=sys.stderr)
 
 
 def _task_manager(requested: list[str], render_dir: Path, *, data_dir, heldout_text, tasks_dir):
