@@ -207,7 +207,7 @@ function lossTraces(key, smoothing) {
 let zoomAttached = false;
 function drawLoss() {
   const traces = lossTraces("train/loss", state.smoothing);
-  const layout = lossLayout("Training loss", "train/loss");
+  const layout = lossLayout("Training loss", "train/loss (nats/token)");
   layout.annotations = emptyNote(traces.some((t) => t.x.length), !state.runs.length ? "this experiment has no runs"
     : isLive() ? "no train/loss points yet: curves appear as runs report them"
       : "no train/loss points: the runs ended without reporting any");
@@ -219,7 +219,7 @@ function drawLoss() {
   valDiv.hidden = !hasVal;
   if (hasVal) {
     const traces = lossTraces("val/loss", 0).map((t) => ({ ...t, mode: "lines+markers", marker: { size: 4 } }));
-    Plotly.react(valDiv, traces, lossLayout("Validation loss", "val/loss"), PLOT_CONFIG);
+    Plotly.react(valDiv, traces, lossLayout("Validation loss", "val/loss (nats/token)"), PLOT_CONFIG);
   }
 }
 
@@ -306,7 +306,7 @@ function drawSpeed() {
     hovertemplate: "%{x}<br>%{y:,.0f} tokens/s<br>%{customdata}<extra></extra>",
   }], {
     // Two lines: the whole title stays readable on a phone.
-    title: { text: "Throughput (tokens/s, all GPUs of a run)<br><sub>label: speedup over BF16 on the same device</sub>",
+    title: { text: "Throughput (tokens/s of a run, all its devices)<br><sub>label: speedup over BF16 on the same device</sub>",
       font: { size: 14 } },
     margin: { l: 70, r: 20, t: 55, b: 90 }, yaxis: { title: { text: "tokens/s" } }, showlegend: false,
     xaxis: { automargin: true }, // "nvfp4 (emulated)" whole on a phone

@@ -225,7 +225,7 @@ export function render() {
     && (!view.recipe || r.run.recipe === view.recipe)), view.sort, view.dir);
   const tasks = taskColumns(verdict);
   setHTML(panel.querySelector("thead"), html`<tr>${header("label", "Run", view)}${header("status", "Status", view)}${
-    header("val_loss", "Val loss", view, "final validation loss")}${
+    header("val_loss", "Val loss", view, "final validation loss: mean cross-entropy over the held-out windows, nats per token")}${
     header("val_delta", "Δ vs BF16", view, "final validation loss vs the BF16 reference run, percent")}${
     header("speedup", "Speedup", view, "tokens/s over BF16's on the same device")}${header("mfu", "MFU", view, MFU_CONVENTION)}${
     header("peak_mem", "Peak mem (GiB)", view)}${
