@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from training.checkpoint_files import (STATE_FILE, _hf_tensors, _rng_state, _set_rng_state, checkpoints_root,
-                                       hf_expected_names, latest_checkpoint, list_checkpoints)
+                                       hf_expected_names, latest_checkpoint, list_checkpoints, write_run_spec)
 from training.config import LEGACY_DATA, DataSpec, RunSpec, SpecError
 
 
@@ -74,6 +74,7 @@ def save_checkpoint(output_dir, step: int, *, model, optimizer, tokenizer=None, 
             **(extra or {}),
         }
         torch.save(state, tmp / STATE_FILE)
+        write_run_spec(tmp, extra)
         if final.exists():  # re-saving the same step (e.g. final == periodic): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)

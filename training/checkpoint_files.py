@@ -11,6 +11,17 @@ import numpy as np
 import torch
 
 STATE_FILE = "training_state.pt"
+# The run spec a checkpoint was trained with, as JSON beside the weights: what `plab eval` reads of a folder (the
+# state file is a pickle, loaded only from a run's own output folder when it resumes).
+RUN_SPEC_FILE = "run_spec.json"
+
+
+def write_run_spec(folder: Path, extra: dict | None) -> None:
+    """The checkpoint's run spec (`extra["spec"]`, when the checkpointer gave one) as RUN_SPEC_FILE."""
+    spec = (extra or {}).get("spec")
+    if isinstance(spec, dict):
+        import json
+        (Path(folder) / RUN_SPEC_FILE).write_text(json.dumps(spec, indent=1, sort_keys=True))
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 

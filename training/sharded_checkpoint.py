@@ -40,7 +40,7 @@ def save_sharded(root: Path, step: int, *, ctx, model, optimizer, tokenizer=None
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from training.checkpoint_files import STATE_FILE, _rng_state, list_checkpoints
+    from training.checkpoint_files import STATE_FILE, _rng_state, list_checkpoints, write_run_spec
 
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}"
@@ -63,6 +63,7 @@ def save_sharded(root: Path, step: int, *, ctx, model, optimizer, tokenizer=None
             state = {"step": step, "sharded": {"world": ctx.world}, "rng": _rng_state(),
                      "hooks": [h.state_dict() if hasattr(h, "state_dict") else None for h in hooks], **(extra or {})}
             torch.save(state, tmp / STATE_FILE)
+            write_run_spec(tmp, extra)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)

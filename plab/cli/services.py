@@ -30,19 +30,28 @@ def cmd_serve(args) -> int:
 
 def check_port_free(host: str, port: int, how: str) -> None:
     """A port another process listens on is named before the server starts (uvicorn would start the app, log the
-    bind error over several lines and exit with status 3)."""
+    bind error over several lines and exit with status 3). Binds as asyncio's create_server, which uvicorn serves
+    with, does: every address `host` resolves to, SO_REUSEADDR, IPv6 sockets IPv6-only, families this machine
+    lacks skipped."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as e:
         raise UsageError(f"--host {host}: {e.strerror or e}; give an address of this machine, e.g. 127.0.0.1") from None
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
+    for family, kind, proto, _, address in dict.fromkeys(infos):
         try:
-            s.bind(address)
-        except OSError as e:
-            raise UsageError(f"port {port} on {host} cannot be used ({e.strerror or e}: another server - an earlier "
-                             f"`plab serve`? - may hold it); stop it or choose another port with {how}") from None
+            s = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # e.g. no IPv6 here: asyncio skips it too
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                raise UsageError(f"port {port} on {host} cannot be used ({e.strerror or e}: another server - an "
+                                 f"earlier `plab serve`? - may hold it); stop it or choose another port with {how}"
+                                 ) from None
 
 
 def parse_gpus(spec: str | None) -> list[str]:

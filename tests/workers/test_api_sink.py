@@ -82,7 +82,7 @@ def test_reports_sent_once_wait_for_the_api_on_their_own_thread_not_the_training
     sink.event("checkpoint", path=str(tmp_path / "step_00000002"), step=2, format="native")
     assert time.perf_counter() - started < 0.5
     assert not sink.close(timeout=0.2)  # still retrying: a failed job stops waiting after FAILED_DRAIN_S
-    assert "report(s) still waiting for the API" in capsys.readouterr().err
+    assert "reports still waiting for the API" in capsys.readouterr().err
     assert sink.close(timeout=30)
     err = capsys.readouterr().err
     assert "could not report conversion_report" in err and "could not report checkpoint" in err
@@ -105,3 +105,25 @@ def test_the_conversion_report_and_checkpoints_reach_the_run_in_order_once_close
     assert record["conversion_report"] == report and record["gemm_backend"] == "emulated"
     artifacts = [a for a in client._request("GET", f"/runs/{run['id']}/artifacts") if a["kind"] == "checkpoint"]
     assert [a["step"] for a in artifacts] == [2, 4] and all(a["meta"] == {"format": "native"} for a in artifacts)
+
+
+def test_a_report_the_api_client_cannot_encode_does_not_stop_the_later_ones(capsys, tmp_path):
+    """A value JSON cannot carry (a NaN in a checkpoint's meta: httpx refuses it with ValueError) is reported as not
+    sent; the reporter's thread goes on with the next report, and one submitted after close says it is not sent."""
+    sent = []
+
+    class Client:
+        def add_artifact(self, run_id, kind, path, step=None, meta=None):
+            if meta.get("loss") != meta.get("loss"):
+                raise ValueError("Out of range float values are not JSON compliant")
+            sent.append(step)
+
+    sink = ApiSink(Client(), 1, streamer=object())
+    sink.event("checkpoint", path=str(tmp_path / "a"), step=2, loss=float("nan"))
+    sink.event("checkpoint", path=str(tmp_path / "b"), step=4, loss=1.5)
+    assert sink.close(timeout=30) and sent == [4]
+    sink.event("checkpoint", path=str(tmp_path / "c"), step=6, loss=1.4)
+    err = capsys.readouterr().err
+    assert "could not report checkpoint: ValueError" in err and "checkpoint not reported: the job's reports" in err
+    assert sent == [4]
+

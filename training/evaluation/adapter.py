@@ -193,7 +193,7 @@ def _check_options(bootstrap_iters, on_task_done, rolling_context) -> None:
 
 def _from_run_spec(checkpoint: Path, requested: list[str], heldout_text, rolling_context) -> tuple:
     """(heldout_text, rolling_context) for plab_heldout_bpb where the caller gave neither: what the run spec of a
-    checkpoint folder of the lab (its training_state.pt) says - the run's validation text, and the context it trained
+    checkpoint folder of the lab (its run_spec.json) says - the run's validation text, and the context it trained
     on for a checkpoint written before config.json recorded it. Unchanged for any other folder."""
     needs_text = heldout_text is None and not os.environ.get("PLAB_EVAL_HELDOUT_TEXT")
     needs_context = rolling_context is None and trained_context(checkpoint) is None
@@ -211,16 +211,19 @@ def _from_run_spec(checkpoint: Path, requested: list[str], heldout_text, rolling
 def _heldout_of_run(spec: dict) -> str | None:
     """The run's own validation text (as the worker scores it), made from its token shards into PLAB_HOME's cache;
     None (the default text, with its warning) where the run's data cannot be opened here."""
-    from .heldout import heldout_cache_file, validation_text
+    from .heldout import cached_validation_text
 
+    print(f"plab eval: plab_heldout_bpb scores the run's own validation text: reading the run's data "
+          f"({spec['data'].get('corpus')}; tokenized first where this machine has no token cache of it)",
+          file=sys.stderr, flush=True)
     try:
-        path = validation_text(spec, heldout_cache_file(spec))
+        path = cached_validation_text(spec)
     except Exception as e:  # noqa: BLE001 - a corpus moved or missing here: say so and keep the default
         print(f"plab eval: the checkpoint's run spec names data this machine cannot open ({e}); plab_heldout_bpb "
               f"falls back to the default text", file=sys.stderr)
         return None
     if path is not None:
-        print(f"plab eval: plab_heldout_bpb scores the run's own validation text (the checkpoint's run spec, "
+        print(f"plab eval: plab_heldout_bpb scores the run's own validation text (the checkpoint's run_spec.json, "
               f"data.val_windows as it trained): {path}", file=sys.stderr)
     return path
 
@@ -232,7 +235,7 @@ def _warn_default_heldout(requested: list[str], heldout_text) -> None:
         print(f"plab eval: plab_heldout_bpb scores {DEFAULT_HELDOUT_RELPATH} whole (no --heldout-text): for a run "
               "trained on that corpus most of it is training text, not held out; give the run's validation text "
               "with --heldout-text for a held-out figure (a checkpoint folder of the lab - with its "
-              "training_state.pt - gets it made from the run's spec; the worker keeps it in "
+              "run_spec.json - gets it made from the run's spec; the worker keeps it in "
               "PLAB_HOME/runs/<id>/validation_spread.txt)", file=sys.stderr)
 
 

@@ -1,9 +1,8 @@
 """A run's held-out text for the held-out bits-per-byte task (plab_heldout_bpb), made from its own validation split,
 and the context it trained its model on: from the run spec, which the worker has from the API and `plab eval` finds in
-a checkpoint folder of the lab (its training_state.pt), so a figure by hand is the worker's figure."""
+a checkpoint folder of the lab (its run_spec.json), so a figure by hand is the worker's figure."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -44,12 +43,10 @@ def documents_text(tok, ids: list[int]) -> str:
 
 def validation_text(spec: dict, out: os.PathLike, max_tokens: int = 400_000) -> str | None:
     """The experiment's held-out text (the validation split the loop reports val/loss on), decoded from its
-    token shard, for the held-out bits-per-byte task: under data.val_windows "spread", `heldout_slices` of it, its
-    pieces and documents joined by a blank line; under "first" (runs stored before the rule existed), its first
-    `max_tokens` decoded as they always were (separators' text included), so their results stay paired with earlier
-    ones. None for synthetic corpora."""
-    from pathlib import Path
-
+    token shard, for the held-out bits-per-byte task, into the file `out` (kept: made once): under data.val_windows
+    "spread", `heldout_slices` of it, its pieces and documents joined by a blank line; under "first" (runs stored
+    before the rule existed), its first `max_tokens` decoded as they always were (separators' text included), so
+    their results stay paired with earlier ones. None for synthetic corpora."""
     from training.config import RANDOM_CORPUS, RunSpec, plab_home
     from training.setup import open_token_dataset
 
@@ -59,15 +56,47 @@ def validation_text(spec: dict, out: os.PathLike, max_tokens: int = 400_000) -> 
     out = Path(out)
     if not out.is_file():
         tok, ds = open_token_dataset(rs, plab_home() / "cache")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        if rs.data.val_windows == "first":  # the text as it always was, byte for byte: results stay paired
-            tmp.write_text(tok.decode(ds.val[:max_tokens].tolist()))
-        else:
-            pieces = heldout_slices(len(ds.val), max_tokens, rs.data.val_windows)
-            tmp.write_text("\n\n".join(documents_text(tok, ds.val[piece].tolist()) for piece in pieces))
-        tmp.replace(out)
+        _write_text(tok, ds, rs.data.val_windows, out, max_tokens)
     return str(out)
+
+
+def cached_validation_text(spec: dict, max_tokens: int = 400_000) -> str | None:
+    """`validation_text` kept in PLAB_HOME/cache/heldout under the name of the token cache it is decoded from (whose
+    key names the corpus's content, the tokenizer and the split) and the window rule: a changed corpus or tokenizer
+    gets a text of its own, never an older one. Opening the data tokenizes the corpus where this machine has no
+    token cache of it yet."""
+    from training.config import RANDOM_CORPUS, RunSpec, plab_home
+    from training.setup import open_token_dataset
+
+    rs = RunSpec.from_dict(spec)
+    if rs.data.corpus == RANDOM_CORPUS:
+        return None
+    tok, ds = open_token_dataset(rs, plab_home() / "cache")
+    out = plab_home() / "cache" / "heldout" / f"{ds.info['cache']}-{rs.data.val_windows}-{max_tokens}.txt"
+    if not out.is_file():
+        _write_text(tok, ds, rs.data.val_windows, out, max_tokens)
+    return str(out)
+
+
+def _write_text(tok, ds, rule: str, out: Path, max_tokens: int) -> None:
+    """The text into `out` through a temporary file of its own (two evaluations making it at once each rename a
+    whole file into place)."""
+    import tempfile
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if rule == "first":  # the text as it always was, byte for byte: results stay paired
+        text = tok.decode(ds.val[:max_tokens].tolist())
+    else:
+        pieces = heldout_slices(len(ds.val), max_tokens, rule)
+        text = "\n\n".join(documents_text(tok, ds.val[piece].tolist()) for piece in pieces)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def trained_context(spec: dict) -> int | None:
@@ -84,29 +113,14 @@ def trained_context(spec: dict) -> int | None:
 
 
 def checkpoint_spec(checkpoint_dir: os.PathLike) -> dict | None:
-    """The run spec a checkpoint folder of the lab was trained with (its training_state.pt, memory-mapped: the
-    optimizer state is not read); None for any other folder (an exported or downloaded model)."""
-    import torch
+    """The run spec a checkpoint folder of the lab was trained with (its run_spec.json, written beside the weights
+    since 2026-11-30); None for any other folder, and for older checkpoints of the lab: their spec is only in the
+    pickled training_state.pt, which is not unpickled for an evaluation (a folder from elsewhere could run code)."""
+    from training.checkpoint_files import RUN_SPEC_FILE
 
-    from training.checkpoint_files import STATE_FILE
-
-    state = Path(checkpoint_dir) / STATE_FILE
-    if not state.is_file():
-        return None
+    path = Path(checkpoint_dir) / RUN_SPEC_FILE
     try:
-        saved = torch.load(state, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # noqa: BLE001 - not a state file of ours, or one torch cannot map: no spec
+        spec = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
         return None
-    spec = saved.get("spec") if isinstance(saved, dict) else None
     return spec if isinstance(spec, dict) and isinstance(spec.get("data"), dict) else None
-
-
-def heldout_cache_file(spec: dict) -> Path:
-    """Where `plab eval` keeps a run's held-out text: PLAB_HOME/cache/heldout, named by what makes its tokens (the
-    spec's data and model: the tokenizer may be the model's) and the window rule."""
-    from training.config import RunSpec, plab_home
-
-    rule = RunSpec.from_dict(spec, check_paths=False).data.val_windows
-    key = hashlib.sha256(json.dumps({"data": spec.get("data"), "model": spec.get("model")}, sort_keys=True,
-                                    default=str).encode()).hexdigest()[:24]
-    return plab_home() / "cache" / "heldout" / f"{key}-{rule}.txt"

@@ -13,8 +13,6 @@ import socket
 import sys
 import threading
 
-import httpx
-
 from plab.settings import get_settings
 from training.sink import MetricSink
 from workers.client import ApiError, MetricStreamer, PlabClient
@@ -29,7 +27,10 @@ MODULE = "workers.jobs.train"
 # rank at its next collective. The conversion report and checkpoints, sent once, keep the patient retries, from
 # their own thread (Reporter): the training thread hands them over and goes on.
 BRIEF_RETRIES = 2
-FAILED_DRAIN_S = 60.0  # a failed job waits at most this long for reports still queued before it says it failed
+# How long a job waits, when it ends, for reports still queued (an API outage): a succeeded one before it reports its
+# result (the final checkpoint is sent again with the result), a failed one after it has said it failed.
+DRAIN_S = 600.0
+FAILED_DRAIN_S = 60.0
 RUN_INFO_FIELDS = ("params", "model", "data", "validation", "world_size", "param_dtype", "parallel",
                    "activation_checkpointing", "micro_batch", "flops_per_token")
 
@@ -42,10 +43,14 @@ class Reporter:
 
     def __init__(self, name: str = "plab-reporter"):
         self._queue: queue.Queue = queue.Queue()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
         self._thread.start()
 
     def submit(self, kind: str, send) -> None:
+        if self._closed:  # the job has ended its reporting: say what is not sent
+            print(f"[plab] {kind} not reported: the job's reports were already closed", file=sys.stderr, flush=True)
+            return
         self._queue.put((kind, send))
 
     def _loop(self) -> None:
@@ -56,17 +61,19 @@ class Reporter:
             kind, send = item
             try:
                 send()
-            except (ApiError, OSError, httpx.HTTPError) as e:  # reporting must never kill a training job
-                print(f"[plab] could not report {kind}: {e}", file=sys.stderr, flush=True)
+            except Exception as e:  # noqa: BLE001 - reporting must never kill a training job, nor this thread
+                print(f"[plab] could not report {kind}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def close(self, timeout: float | None = None) -> bool:
-        """Sends what is queued (waits at most `timeout` s; None: until done); True when nothing is left."""
-        if self._thread.is_alive():
+        """Sends what is queued (waits at most `timeout` s; None: until done); True when every report was sent or
+        given up on, False when some are still waiting for the API."""
+        if not self._closed:
+            self._closed = True
             self._queue.put(None)
-            self._thread.join(timeout)
+        self._thread.join(timeout)
         if self._thread.is_alive():
-            print(f"[plab] {self._queue.qsize()} report(s) still waiting for the API after {timeout:g} s; not "
-                  f"waiting longer", file=sys.stderr, flush=True)
+            print(f"[plab] reports still waiting for the API after {timeout:g} s; not waiting longer",
+                  file=sys.stderr, flush=True)
             return False
         return True
 
@@ -101,7 +108,7 @@ class ApiSink(MetricSink):
                 meta = {k: v for k, v in fields.items() if k not in ("path", "step")}
                 self.reporter.submit(kind, lambda: self.client.add_artifact(self.run_id, "checkpoint", path,
                                                                             step=step, meta=meta))
-        except (ApiError, OSError, httpx.HTTPError) as e:  # reporting must never kill a training job
+        except Exception as e:  # noqa: BLE001 - reporting must never kill a training job (a NaN in JSON: ValueError)
             print(f"[plab] could not report {kind}: {e}", file=sys.stderr)
 
     def flush(self) -> None:
@@ -186,15 +193,15 @@ def run(run_id: int) -> int:
         spec = RunSpec.from_dict(record["spec"])
         result = launch.run(spec, sink, should_stop=stop.is_set, output_dir=output_dir, resume=True)
     except BaseException as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit code
-        sink.close(FAILED_DRAIN_S)
         if beat is not None:
             beat.stop()
         if streamer is not None:
             streamer.close()
         if rank == 0:
             client.set_status(run_id, "failed", error_message=error_message(e))
+        sink.close(FAILED_DRAIN_S)  # after the failure is known: a supervisor's kill meanwhile loses no message
         raise
-    sink.close()  # the conversion report and checkpoints before the result: an evaluation may start on success
+    sink.close(DRAIN_S)  # the conversion report and checkpoints before the result: an evaluation may start on success
     if beat is not None:
         beat.stop()
     if streamer is not None:
