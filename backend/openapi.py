@@ -117,6 +117,10 @@ def _request_schemas(app, components: dict) -> None:
     props["eval_tasks"]["items"] = {"type": "string", "enum": sorted(known_task_names()),
                                     "description": "a task lm-eval finds (shipped, PLAB_EVAL_TASKS_DIR, lm-eval's)"}
     props["seeds"]["anyOf"][0]["uniqueItems"] = True
+    # an evaluation of a run names its tasks as an experiment's eval_tasks do (checked alike: 422 otherwise)
+    evaluation = components["EvaluationCreate"]["properties"]["tasks"]
+    evaluation["items"] = {**evaluation["items"], "enum": sorted(known_task_names()),
+                           "description": "a task lm-eval finds (shipped, PLAB_EVAL_TASKS_DIR, lm-eval's)"}
     exp["allOf"] = [
         # seeds (a list) or replicates (a count), not both
         {"not": {"properties": {"seeds": {"type": "array"}, "replicates": {"type": "integer"}},
