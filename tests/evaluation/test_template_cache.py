@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 from training.evaluation import SHIPPED_TASKS, render_task_dirs
 from training.evaluation.adapter import _compile_templates_once, _lm_eval_environment
 
