@@ -227,8 +227,9 @@ class ExperimentCreate(Strict):
         default="baseline", description="which recipes `seeds`/`replicates` apply to")
     verdict_tolerance_pct: float = Field(
         default=1.0, gt=0, le=100,
-        description="with one BF16 seed, a recipe matches BF16 when its final validation loss is within this many "
-                    "percent of BF16's (with seed replicates, BF16's own seed band is used instead)")
+        description="the difference that matters, in percent of BF16's final validation loss: with one BF16 seed, a "
+                    "recipe matches BF16 when within it; with seed replicates BF16's own seed band decides, and a "
+                    "'matches' inside a band wider than this tolerance is not conclusive (resolved: false)")
 
     @field_validator("recipes", mode="before")
     @classmethod
@@ -814,6 +815,9 @@ class VerdictRecipe(BaseModel):
     outcome: Literal["matches", "better", "worse", "diverged"] | None = Field(
         description="null until it has finished with a validation loss")
     matches: bool | None = Field(description="outcome is matches or better")
+    resolved: bool | None = Field(
+        default=None, description="false for 'matches' inside a seed band wider than the experiment's tolerance: the "
+                                  "runs cannot tell this recipe from BF16 at that precision")
     accuracy: list[VerdictAccuracyRow]
 
 

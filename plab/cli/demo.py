@@ -74,7 +74,8 @@ def _summary_table(exp: dict, verdict: dict) -> str:
     """One line per run from the experiment's verdict (GET /experiments/{id}/verdict, the dashboard's verdict):
     final validation loss, its difference to BF16, speedup (a value < 1 is a slowdown), then the verdict line."""
     facts = {r["run_id"]: r for r in verdict["runs"]}
-    outcome = {rid: e["outcome"] for e in verdict["recipes"] for rid in e["run_ids"]}
+    outcome = {rid: ("inside BF16's noise" if e["outcome"] == "matches" and e.get("resolved") is False else e["outcome"])
+               for e in verdict["recipes"] for rid in e["run_ids"]}
     lines = [f"{'run':<28} {'status':<10} {'GEMMs':<9} {'val loss':>9} {'vs bf16':>8} {'tok/s':>9} {'speed':>14} "
              "verdict"]
     for r in exp["runs"]:

@@ -235,7 +235,8 @@ def test_the_pure_verdict_without_validation_loss_says_what_is_missing():
 def test_accuracy_deltas_come_with_bf16s_seed_to_seed_spread(api, database_url):
     exp = create(api, replicates=2)
     b0, b1, fp8, _ = (r["id"] for r in exp["runs"])
-    for run, loss in ((b0, 2.0), (b1, 2.01), (fp8, 2.005)):
+    # BF16's seeds close enough for a band (±0.28%) inside the 1% tolerance: a verdict that names a recipe
+    for run, loss in ((b0, 2.0), (b1, 2.0005), (fp8, 2.005)):
         send(api, run, val_and_noisy_train(loss))
         finish(api, run)
         assert api.post(f"/api/v1/runs/{run}/artifacts", json={"kind": "checkpoint", "path": f"/c/{run}"}).status_code == 201

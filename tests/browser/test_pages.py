@@ -83,7 +83,7 @@ def test_run_page_shows_spec_diff_conversion_report_errors_and_a_downloadable_ch
 
     summary = page.locator("#conversion-summary").inner_text()
     assert "2 of 4" in summary and "emulated" in summary
-    assert "2 kept in BF16: kept in BF16: block 1 is among the last bf16_last_layers=1" in page.locator(
+    assert "2 kept in BF16: block 1 is among the last bf16_last_layers=1" in page.locator(
         "#conversion-report .kept-reasons").inner_text()
     assert page.locator("#conversion-layers tbody tr.converted").count() == 2
 

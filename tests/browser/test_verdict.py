@@ -65,7 +65,10 @@ def test_the_verdict_follows_validation_loss_where_the_last_train_loss_sample_di
 
 
 def test_bf16_seed_band_is_drawn_on_the_relative_chart_and_decides_the_verdict(server, page, charts):
-    exp = server.create_experiment(["bf16", "fp8_tensorwise"], name="verdict-seeds", seeds=[0, 1, 2])
+    # A stated tolerance of 6%: the band below (±5.2%) resolves it, so the band's "matches" is a verdict; at the
+    # default 1% the same runs are "not conclusive" (the test after this one).
+    exp = server.create_experiment(["bf16", "fp8_tensorwise"], name="verdict-seeds", seeds=[0, 1, 2],
+                                   verdict_tolerance_pct=6)
     bf16 = [r for r in exp["runs"] if r["recipe"] == "bf16"]
     assert [r["seed"] for r in bf16] == [0, 1, 2]
     fp8 = next(r["id"] for r in exp["runs"] if r["recipe"] == "fp8_tensorwise")
@@ -114,6 +117,30 @@ def test_bf16_seed_band_is_drawn_on_the_relative_chart_and_decides_the_verdict(s
     }""")
     half = student_t.ppf(0.975, 2) * 1.0 * (4 / 3) ** 0.5
     assert lo == pytest.approx([-half, 0, 0, 0], abs=1e-5) and hi == pytest.approx([half, 0, 0, 0], abs=1e-5)
+    assert page.console_log.errors == []
+
+
+
+def test_a_seed_band_wider_than_the_tolerance_is_not_conclusive(server, page):
+    """The same runs at the default 1% tolerance: fp8 lies inside BF16's ±5.2% band, which cannot tell a 1%
+    difference: no recipe is named, and its row says "inside BF16's noise", not a green "matches BF16"."""
+    exp = server.create_experiment(["bf16", "fp8_tensorwise"], name="verdict-seeds-wide", seeds=[0, 1, 2])
+    bf16 = [r for r in exp["runs"] if r["recipe"] == "bf16"]
+    fp8 = next(r["id"] for r in exp["runs"] if r["recipe"] == "fp8_tensorwise")
+    for run, factor in zip(bf16, (1.0, 0.995, 1.015)):
+        plant(server, run["id"], train=2.0 * factor, val=2.1 * factor)
+        finish(server, run["id"], 1000.0, "bf16")
+    plant(server, fp8, train=2.0 * 1.012, val=2.1 * 1.012)
+    finish(server, fp8, 1400.0)
+
+    page.goto(f"{server.base_url}/experiments/{exp['id']}")
+    page.wait_for_function("() => document.getElementById('experiment-summary').textContent.length > 0")
+    text = page.locator("#experiment-summary").inner_text()
+    assert text.startswith("not conclusive at the experiment's ±1% tolerance: fp8_tensorwise lies inside BF16's seed "
+                           "band [-4.84%, +5.50%], wider than that")
+    cell = page.locator(f"#decision-table tr[data-verdict-run-id='{fp8}'] .outcome-unresolved")
+    assert cell.inner_text() == "inside BF16's noise" and "±1% tolerance" in cell.get_attribute("title")
+    assert page.locator(f"#decision-table tr[data-verdict-run-id='{fp8}'] .outcome-matches").count() == 0
     assert page.console_log.errors == []
 
 

@@ -106,3 +106,25 @@ def test_the_headline_ranks_real_gemm_speed_not_emulated_throughput():
     v = experiment_verdict([base, fast_emulated, better_emulated, real], reference_run_id=1)
     assert v["summary"].startswith("fp8_tensorwise matches BF16 at +0.90% final validation loss, 1.30× BF16's")
     assert "also within the rule: mxfp8, nvfp4" in v["summary"]
+
+
+def test_a_band_wider_than_the_tolerance_names_no_recipe():
+    """The demo's case: three BF16 seeds of a short CPU run spread by 3%, so the band is about ±9% and every recipe
+    "matches". That is not an equivalence at the experiment's 1% tolerance: the summary says the runs cannot tell,
+    names no recipe to take, and each entry carries resolved=False (the dashboard shows "inside BF16's noise")."""
+    def run(run_id, recipe, seed, loss, baseline=False):
+        return RunFacts(run_id=run_id, variant=recipe, recipe=recipe, status="succeeded", seed=seed,
+                        is_baseline=baseline, final_val_loss=loss, tokens_per_s=1000.0, emulated=not baseline)
+
+    wide = [run(1, "bf16", 0, 5.0285, True), run(2, "bf16", 1, 5.0526, True), run(3, "bf16", 2, 5.1986, True),
+            run(4, "fp8_tensorwise", 0, 4.9320), run(5, "mxfp8", 0, 4.9186), run(6, "nvfp4", 0, 5.9)]
+    v = experiment_verdict(wide, reference_run_id=1)
+    by = {e["recipe"]: e for e in v["recipes"]}
+    assert [by[r]["outcome"] for r in ("fp8_tensorwise", "mxfp8", "nvfp4")] == ["matches", "matches", "worse"]
+    assert by["fp8_tensorwise"]["resolved"] is False and by["nvfp4"]["resolved"] is True and v["best"] is None
+    assert v["summary"].startswith("not conclusive at the experiment's ±1% tolerance: fp8_tensorwise, mxfp8 lie "
+                                   "inside BF16's seed band [-7.81%, +10.38%], wider than that")
+    assert "; worse than BF16: nvfp4; rule:" in v["summary"]
+    # the same seeds at a stated tolerance of 10%: resolved, and a recipe is named
+    loose = experiment_verdict(wide, reference_run_id=1, tolerance_pct=10)
+    assert loose["best"]["variant"] in ("fp8_tensorwise", "mxfp8") and "matches BF16 at" in loose["summary"]

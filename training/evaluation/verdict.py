@@ -30,6 +30,11 @@ The rule that says "matches BF16":
 - ``tolerance`` otherwise: a recipe matches when ``|val_delta_pct| <= tolerance_pct`` (the experiment's stated
   tolerance, 1% unless set), better below ``-tolerance_pct``, worse above ``+tolerance_pct``.
 
+A "matches" by the seed band is ``resolved`` only when the band's half-width is within the stated tolerance (as an
+equivalence test claims equivalence only when its interval lies inside the margin): inside a wider band the runs
+cannot tell a difference of the size asked about, the summary says so and names no recipe, and the dashboard shows
+"inside BF16's noise" instead of "matches BF16".
+
 This module is pure (plain data in, plain data out): the API's verdict service feeds it from the database, and
 anything else (a script on exported JSON) can call it the same way.
 """
@@ -225,6 +230,9 @@ def _variant_entry(name: str, members: list[RunFacts], ref_loss, ref_lowest, ref
     diverged = [r.run_id for r in members if r.status == "diverged"]
     band = seed_band(base_deltas, _deltas(_one_per_seed(done), ref_loss))
     outcome = "diverged" if diverged else classify(delta, band, tol)
+    # "matches" inside a seed band wider than the stated tolerance: the runs cannot tell the recipe from BF16 at the
+    # precision the experiment asked for (more seeds or steps narrow the band)
+    resolved = outcome != "matches" or band is None or (band[1] - band[0]) / 2 <= tol + 1e-9
     # Its accuracy is the run paired with the reference: the same seed (initial weights and batch order).
     first = next((r for r in members if r.seed == ref_seed), min(members, key=lambda r: r.run_id))
     return {
@@ -236,6 +244,7 @@ def _variant_entry(name: str, members: list[RunFacts], ref_loss, ref_lowest, ref
         "tokens_per_s": tps, "speedup": speedup, "speedup_note": speedup_note,
         "speed_word": None if speedup is None else ("speedup" if speedup >= 1 else "slowdown"),
         "outcome": outcome, "matches": None if outcome is None else outcome in ("matches", "better"),
+        "resolved": resolved if outcome is not None else None,
         "accuracy": [_accuracy_row(row) for row in first.accuracy],
     }
 
@@ -299,7 +308,9 @@ def _summary(out: dict, ref: RunFacts | None, ref_loss: float | None) -> tuple[d
     good = [e for e in judged if e["matches"]]
     if not good:
         return None, f"no recipe matches BF16's validation loss ({out['rule_text']})"
-    best = max(good, key=_headline_rank)
+    if not any(e["resolved"] for e in good):
+        return None, _unresolved_summary(out, good, judged)
+    best = max((e for e in good if e["resolved"]), key=_headline_rank)
     speed = ("speed not measured" if best["speedup"] is None
              else f"{best['speedup']:.2f}× BF16's throughput ({best['speed_word']})")
     if best["emulated"] and best["speedup"] is not None:
@@ -310,6 +321,20 @@ def _summary(out: dict, ref: RunFacts | None, ref_loss: float | None) -> tuple[d
     return ({"variant": best["variant"], "run_ids": best["run_ids"]},
             f"{best['variant']} {word} BF16 at {best['val_delta_pct']:+.2f}% final validation loss, {speed}"
             f"{_accuracy_clause(best['accuracy'])}{also}; rule: {out['rule_text']}")
+
+
+def _unresolved_summary(out: dict, good: list[dict], judged: list[dict]) -> str:
+    """The summary when every recipe that matches lies inside a seed band wider than the experiment's tolerance: no
+    recipe is named as the one to take, since these runs cannot tell them from BF16 (or from each other)."""
+    band, tol = out["band_pct"], out["tolerance_pct"]
+    names = [e["variant"] for e in good]
+    worse = [e["variant"] for e in judged if e["outcome"] in ("worse", "diverged")]
+    accuracy = [f"{e['variant']} on {', '.join(_worse_tasks(e['accuracy']))}" for e in good if _worse_tasks(e["accuracy"])]
+    return (f"not conclusive at the experiment's ±{tol:g}% tolerance: {', '.join(names)} "
+            f"{'lies' if len(names) == 1 else 'lie'} inside BF16's seed band [{band[0]:+.2f}%, {band[1]:+.2f}%], "
+            f"wider than that - more BF16 seeds or longer runs narrow it"
+            + (f"; accuracy significantly worse: {'; '.join(accuracy)}" if accuracy else "")
+            + (f"; worse than BF16: {', '.join(worse)}" if worse else "") + f"; rule: {out['rule_text']}")
 
 
 def _headline_rank(entry: dict) -> tuple:

@@ -161,8 +161,13 @@ function baselineRun() {
   return base.find((r) => r.status === "succeeded") || base.find((r) => r.status === "running") || base[0] || null;
 }
 
+// BF16's seed replicates in shades of grey (the first, the reference, black): one colour made three seeds one line.
+const BASELINE_SHADES = [BASELINE_COLOR, "#5c5c5c", "#8f8f8f", "#b4b4b4"];
+
 function colorOf(run, index) {
-  return recipeName(run) === BASELINE ? BASELINE_COLOR : colorAt(index);
+  if (recipeName(run) !== BASELINE) return colorAt(index);
+  const k = state.runs.filter((r) => recipeName(r) === BASELINE).findIndex((r) => r.id === run.id);
+  return BASELINE_SHADES[Math.max(k, 0) % BASELINE_SHADES.length];
 }
 
 function pointsOf(run, key, source = state.series) {

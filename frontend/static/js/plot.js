@@ -3,9 +3,10 @@
 export const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf", "#8c564b", "#e377c2",
   "#bcbd22", "#7f7f7f"];
 export const BASELINE_COLOR = "#111111";
-// No "Edit in Chart Studio"/"Share" (a cloud upload) and no Plotly logo on any chart.
+// No "Edit in Chart Studio"/"Share" (a cloud upload) and no Plotly logo on any chart; the mode bar shows on hover
+// only (always shown, it covered the titles of the run page's small charts).
 export const PLOT_CONFIG = {
-  responsive: true, displaylogo: false, showSendToCloud: false, showEditInChartStudio: false,
+  responsive: true, displaylogo: false, showSendToCloud: false, showEditInChartStudio: false, displayModeBar: "hover",
   modeBarButtonsToRemove: ["sendDataToCloud", "editInChartStudio"],
 };
 
@@ -37,9 +38,13 @@ const MIN_SMOOTHED_POINTS = 10;
 
 // One series as drawn on every line chart: the smoothed curve, and behind it the raw one, faint and in the same
 // legend group (hiding one hides both). With smoothing 0 only the raw curve, at full strength.
+const SCHEDULE_KEY = /(^|\/)(lr|learning_rate)$/;
+
 export function smoothedTraces({ name, x, y, color, smoothing: weight, width = 1.6, meta = {} }, ema) {
-  // A handful of points (validation every N steps) is drawn as it is: an EMA over them would only lag.
-  const smoothing = (y || []).length >= MIN_SMOOTHED_POINTS ? weight : 0;
+  // A handful of points (validation every N steps) is drawn as it is: an EMA over them would only lag. So is a
+  // schedule (the learning rate): it is exact, and an EMA would move its warm-up peak.
+  const schedule = SCHEDULE_KEY.test(meta.key ?? "");
+  const smoothing = (y || []).length >= MIN_SMOOTHED_POINTS && !schedule ? weight : 0;
   const group = `${meta.run_id ?? name}|${meta.key ?? ""}`;
   const main = { type: "scatter", mode: "lines", name, x, y: smoothing > 0 ? ema(y, smoothing) : y,
     line: { color, width }, legendgroup: group, meta: { ...meta, smoothed: smoothing > 0 } };

@@ -68,7 +68,8 @@ function renderConversion() {
   setHTML(el, html`
     <p id="conversion-summary"><strong>${converted} of ${layers.length}</strong> linear layers converted
       (${report.gemm_backend || gemmBackend(state.run) || "?"} GEMMs${report.device ? `, ${report.device}` : ""}).</p>
-    ${kept.size > 0 && html`<ul class="kept-reasons">${[...kept].map(([reason, n]) => html`<li>${n} kept in BF16: ${reason}</li>`)}</ul>`}
+    ${kept.size > 0 && html`<ul class="kept-reasons">${[...kept].map(([reason, n]) => html`<li>${n} ${
+      /^kept in BF16\b/.test(reason) ? reason : `kept in BF16: ${reason}`}</li>`)}</ul>`}
     ${(report.notes || []).length > 0 && html`<p class="hint">${(report.notes || []).join("; ")}</p>`}
     <details><summary>Every layer</summary><div class="table-scroll"><table class="data-table" id="conversion-layers">
       <thead><tr><th>Layer</th><th>Shape (in → out)</th><th>Converted</th><th>Backend</th><th>Why</th></tr></thead>

@@ -117,6 +117,7 @@ function ensureLayout() {
       #decision-table th[aria-sort="descending"]::after { content: " ▼"; }
       #decision-table .outcome-matches, #decision-table .outcome-better { color: #067647; font-weight: 600; }
       #decision-table .outcome-worse, #decision-table .outcome-diverged { color: var(--error); font-weight: 600; }
+      #decision-table .outcome-unresolved { color: var(--muted, #667085); font-weight: 600; }
       #decision-table .spread { display: block; font-size: 11px; }
       #decision-table-wrap { overflow-x: auto; }
     </style>
@@ -182,6 +183,13 @@ function outcomeOf(verdict, row) {
   const entry = (verdict.recipes || []).find((e) => e.run_ids.includes(row.run.id));
   if (row.run.id === verdict.reference_run_id) return html`<span class="muted">reference</span>`;
   if (!entry) return row.facts.is_baseline ? html`<span class="muted">BF16 seed replicate</span>` : "";
+  if (entry.outcome === "matches" && entry.resolved === false) {
+    // inside a seed band wider than the experiment's tolerance: not a claim of equivalence
+    const band = entry.band_pct ? ` [${signed(entry.band_pct[0])}, ${signed(entry.band_pct[1])}]` : "";
+    return html`<span class="outcome-unresolved" title="${`inside BF16's seed band${band}, wider than the ${""
+      }experiment's ±${verdict.tolerance_pct}% tolerance: more BF16 seeds or longer runs narrow it`}">${""
+      }inside BF16's noise</span>`;
+  }
   return entry.outcome ? html`<span class="outcome-${entry.outcome}">${OUTCOME_TEXT[entry.outcome]}</span>` : "";
 }
 
@@ -226,7 +234,7 @@ export function render() {
   const tasks = taskColumns(verdict);
   setHTML(panel.querySelector("thead"), html`<tr>${header("label", "Run", view)}${header("status", "Status", view)}${
     header("val_loss", "Val loss", view, "final validation loss: mean cross-entropy over the held-out windows, nats per token")}${
-    header("val_delta", "Δ vs BF16", view, "final validation loss vs the BF16 reference run, percent")}${
+    header("val_delta", "Δ vs BF16", view, "final validation loss vs the BF16 reference run (its first seed), percent")}${
     header("speedup", "Speedup", view, "tokens/s over BF16's on the same device")}${header("mfu", "MFU", view, MFU_CONVENTION)}${
     header("peak_mem", "Peak mem (GiB)", view)}${
     tasks.map((c) => header(`acc:${c.task}|${c.metric}`, `${c.task} Δ`, view, `${c.metric}, recipe − BF16`))}${""
