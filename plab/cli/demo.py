@@ -81,7 +81,8 @@ def _summary_table(exp: dict, verdict: dict) -> str:
     for r in exp["runs"]:
         f = facts.get(r["id"], {})
         loss, tps, sp = f.get("final_val_loss"), f.get("tokens_per_s"), f.get("speedup")
-        speed = "-" if sp is None else f"{sp:.2f}x" + (" slowdown" if sp < 1 else "")
+        # a BF16 seed's ratio is its throughput against the seeds' mean (their spread), not a slowdown
+        speed = "-" if sp is None else f"{sp:.2f}x" + (" slowdown" if sp < 1 and not f.get("is_baseline") else "")
         word = "reference" if r["id"] == verdict["reference_run_id"] else (outcome.get(r["id"]) or "-")
         lines.append(f"{r['label'][:28]:<28} {r['status']:<10} {(r.get('gemm_backend') or '-'):<9} "
                      f"{(f'{loss:.4f}' if loss is not None else '-'):>9} {_pct(f.get('val_delta_pct')):>8} "
