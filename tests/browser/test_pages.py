@@ -99,6 +99,11 @@ def test_run_page_shows_spec_diff_conversion_report_errors_and_a_downloadable_ch
     # Every logged metric has its chart (numerics none here), the smoothed curve over the faint raw one.
     page.wait_for_function("() => ['train/loss', 'train/grad_norm', 'train/lr', 'val/loss', 'perf/tokens_per_s']"
                            ".every(k => document.querySelector(`[data-key='${k}'] .main-svg`))")
+    # each y axis says its unit; an emulated run's speed says it is no speed claim
+    axis = {k: page.evaluate(f"() => document.querySelector(\"[data-key='{k}']\").layout.yaxis.title.text")
+            for k in ("train/loss", "val/loss", "perf/tokens_per_s", "train/lr")}
+    assert axis == {"train/loss": "nats/token", "val/loss": "nats/token", "train/lr": "learning rate",
+                    "perf/tokens_per_s": "tokens/s - emulated GEMMs, not a speed claim"}
     events = page.locator("#run-events").inner_text()
     assert "started" in events and "checkpoint at step 120" in events and "succeeded" in events
     assert page.console_log.errors == []

@@ -173,12 +173,29 @@ async function drawMetrics() {
   }));
 }
 
+// The unit of each metric the training loop logs (training/train.py, training/metrics_drain.py), for its y axis.
+const METRIC_UNITS = {
+  "train/loss": "nats/token", "val/loss": "nats/token", "train/lr": "learning rate", "train/grad_norm": "L2 norm",
+  "perf/step_time_s": "s", "perf/data_wait_s": "s", "perf/host_issue_s": "s", "perf/tokens_per_s": "tokens/s",
+  "perf/tflops": "TFLOP/s", "perf/mfu": "fraction of dense BF16 peak", "perf/peak_mem_gib": "GiB",
+};
+
+export function metricAxisTitle(key, gemm) {
+  const unit = METRIC_UNITS[key] || (key.endsWith("_s") ? "s" : "");
+  // an emulated run's speed figures time BF16/FP32 GEMMs on dequantized values, not the format's kernels
+  const caveat = gemm === "emulated" && key.startsWith("perf/") && key !== "perf/peak_mem_gib"
+    ? " - emulated GEMMs, not a speed claim" : "";
+  return `${unit}${caveat}`;
+}
+
 function plotMetric(key, s) {
   const traces = smoothedTraces({ name: plotText(key), x: s.step, y: s.value, color: "#2457c5",
     smoothing: state.smoothing, meta: { run_id: Number(runId), key } }, ema);
+  const axis = metricAxisTitle(key, gemmBackend(state.run));
   window.Plotly.react(chartId(key), traces, {
     title: { text: plotText(key), font: { size: 13 } }, margin: { l: 55, r: 10, t: 32, b: 36 },
-    xaxis: { title: { text: "step" } }, showlegend: false, uirevision: key,
+    xaxis: { title: { text: "step" } }, yaxis: { title: { text: plotText(axis), font: { size: 11 } } },
+    showlegend: false, uirevision: key,
   }, PLOT_CONFIG);
 }
 

@@ -207,8 +207,10 @@ function bodyRow(verdict, row, tasks) {
     <td class="num" data-col="val_loss">${finite(row.val_loss) ? row.val_loss.toFixed(4) : "–"}</td>
     <td class="num" data-col="val_delta">${row.run.id === verdict.reference_run_id ? "reference" : signed(row.val_delta)}</td>
     <td class="num" data-col="speedup">${speed}</td>
-    <td class="num" data-col="mfu">${finite(row.mfu) ? `${row.mfu.toFixed(1)}%` : "–"}</td>
-    <td class="num">${finite(row.peak_mem) ? row.peak_mem.toFixed(2) : "–"}</td>
+    <td class="num" data-col="mfu">${finite(row.mfu) ? `${row.mfu.toFixed(1)}%` : html`<span class="muted" ${""
+      }title="no dense BF16 peak is known for this device (a CPU, or a GPU not in the peak table)">–</span>`}</td>
+    <td class="num">${finite(row.peak_mem) ? row.peak_mem.toFixed(2) : html`<span class="muted" ${""
+      }title="not measured: GPU memory only">–</span>`}</td>
     ${tasks.map((c) => accuracyCell(row, c))}
     <td>${outcomeOf(verdict, row)}</td>
   </tr>`;
