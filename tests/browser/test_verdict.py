@@ -64,21 +64,25 @@ def test_the_verdict_follows_validation_loss_where_the_last_train_loss_sample_di
     assert page.console_log.errors == []
 
 
-def test_bf16_seed_band_is_drawn_on_the_relative_chart_and_decides_the_verdict(server, page, charts):
-    # A stated tolerance of 6%: the band below (±5.2%) resolves it, so the band's "matches" is a verdict; at the
-    # default 1% the same runs are "not conclusive" (the test after this one).
-    exp = server.create_experiment(["bf16", "fp8_tensorwise"], name="verdict-seeds", seeds=[0, 1, 2],
-                                   verdict_tolerance_pct=6)
+def three_bf16_seeds_and_fp8(server, name: str, **extra) -> tuple[list[dict], int, dict]:
+    """BF16 at seeds 0, 1, 2 landing at 0, -0.5% and +1.5%; fp8 at +1.2%: outside a ±1% tolerance, inside BF16's own
+    spread (1/3 ± 4.3027 · 1.0408 · sqrt(4/3): [-4.84%, +5.50%], the 95% t band for one more seed)."""
+    exp = server.create_experiment(["bf16", "fp8_tensorwise"], name=name, seeds=[0, 1, 2], **extra)
     bf16 = [r for r in exp["runs"] if r["recipe"] == "bf16"]
     assert [r["seed"] for r in bf16] == [0, 1, 2]
     fp8 = next(r["id"] for r in exp["runs"] if r["recipe"] == "fp8_tensorwise")
-    # BF16's seeds land at 0, -0.5% and +1.5%; fp8 at +1.2%: outside a ±1% tolerance, inside BF16's own spread
-    # (1/3 ± 4.3027 · 1.0408 · sqrt(4/3): [-4.84%, +5.50%], the 95% t band for one more seed).
     for run, factor in zip(bf16, (1.0, 0.995, 1.015)):
         plant(server, run["id"], train=2.0 * factor, val=2.1 * factor)
         finish(server, run["id"], 1000.0, "bf16")
     plant(server, fp8, train=2.0 * 1.012, val=2.1 * 1.012)
     finish(server, fp8, 1400.0)
+    return bf16, fp8, exp
+
+
+def test_bf16_seed_band_is_drawn_on_the_relative_chart_and_decides_the_verdict(server, page, charts):
+    # A stated tolerance of 6%: the band (±5.2%) resolves it, so the band's "matches" is a verdict; at the default 1%
+    # the same runs are "not conclusive" (the test after this one).
+    bf16, fp8, exp = three_bf16_seeds_and_fp8(server, "verdict-seeds", verdict_tolerance_pct=6)
 
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
     charts.wait_for_traces("relative-chart", 3)  # the band's two edges and fp8
@@ -124,14 +128,7 @@ def test_bf16_seed_band_is_drawn_on_the_relative_chart_and_decides_the_verdict(s
 def test_a_seed_band_wider_than_the_tolerance_is_not_conclusive(server, page):
     """The same runs at the default 1% tolerance: fp8 lies inside BF16's ±5.2% band, which cannot tell a 1%
     difference: no recipe is named, and its row says "inside BF16's noise", not a green "matches BF16"."""
-    exp = server.create_experiment(["bf16", "fp8_tensorwise"], name="verdict-seeds-wide", seeds=[0, 1, 2])
-    bf16 = [r for r in exp["runs"] if r["recipe"] == "bf16"]
-    fp8 = next(r["id"] for r in exp["runs"] if r["recipe"] == "fp8_tensorwise")
-    for run, factor in zip(bf16, (1.0, 0.995, 1.015)):
-        plant(server, run["id"], train=2.0 * factor, val=2.1 * factor)
-        finish(server, run["id"], 1000.0, "bf16")
-    plant(server, fp8, train=2.0 * 1.012, val=2.1 * 1.012)
-    finish(server, fp8, 1400.0)
+    _, fp8, exp = three_bf16_seeds_and_fp8(server, "verdict-seeds-wide")
 
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
     page.wait_for_function("() => document.getElementById('experiment-summary').textContent.length > 0")
