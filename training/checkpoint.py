@@ -148,8 +148,8 @@ def _splits_text_files(data: dict) -> bool:
     """Whether the corpus of a spec's `data` holds text files whose tails are held out (what data.eos_at_split
     changes): not with data.val_corpus, not for the random corpus nor one of JSON lines/tables only. A corpus that
     cannot be listed here counts as one that does."""
-    from training.corpus import file_format
     from training.config import RANDOM_CORPUS
+    from training.shards import splits_text_files
 
     if data.get("val_corpus") or data.get("corpus") == RANDOM_CORPUS:
         return False
@@ -157,12 +157,7 @@ def _splits_text_files(data: dict) -> bool:
         corpus = DataSpec(corpus=data["corpus"], text_field=data.get("text_field") or "text").open_corpus()
     except Exception:  # noqa: BLE001 - moved or unreadable: compare the key as written
         return True
-    return any(file_format(p) == "text" for p in corpus.files)
-
-
-def _as_spec_value(value) -> str:
-    """A value as a spec (JSON/YAML) spells it: "first", true, false."""
-    return json.dumps(value)
+    return splits_text_files(corpus, has_val_corpus=False)
 
 
 def _difference(saved: dict, spec: RunSpec) -> str:
@@ -179,7 +174,7 @@ def _difference(saved: dict, spec: RunSpec) -> str:
               for key in sorted(set(a) | set(b)) if key not in ("data", "training") and a.get(key) != b.get(key)]
     if not diffs:
         return ""
-    settings = [f"data.{key} to {_as_spec_value(a['data'].get(key))}" for key in LEGACY_DATA
+    settings = [f"data.{key} to {json.dumps(a['data'].get(key))}" for key in LEGACY_DATA  # as a spec spells it
                 if a["data"].get(key) != b["data"].get(key)]
     hint = f"; to resume it, set {' and '.join(settings)}" if settings and len(settings) == len(diffs) else ""
     return f" ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}){hint}"

@@ -345,6 +345,12 @@ class BadLines:
 
 
 # ---- building and caching -----------------------------------------------------------------------------------
+def splits_text_files(corpus: Corpus, *, has_val_corpus: bool) -> bool:
+    """Whether a text file's tail is held out (the only split data.eos_at_split changes): not with a val_corpus,
+    nor for a corpus of JSON lines/tables only."""
+    return not has_val_corpus and any(file_format(p) == "text" for p in corpus.files)
+
+
 @dataclass
 class ShardRequest:
     """What a token cache is built from; `key()` names it."""
@@ -358,8 +364,7 @@ class ShardRequest:
     eos_at_split: bool = True            # data.eos_at_split: a text file's training part ends with EOS
 
     def splits_text_files(self) -> bool:
-        """Whether a text file's tail is held out (the only split eos_at_split changes)."""
-        return self.val_corpus is None and any(file_format(p) == "text" for p in self.corpus.files)
+        return splits_text_files(self.corpus, has_val_corpus=self.val_corpus is not None)
 
     def legacy(self) -> bool:
         """A folder of text files with its own BPE and the held-out tail: the cache key (and bytes) of

@@ -211,13 +211,13 @@ def _from_run_spec(checkpoint: Path, requested: list[str], heldout_text, rolling
 def _heldout_of_run(spec: dict) -> str | None:
     """The run's own validation text (as the worker scores it), made from its token shards into PLAB_HOME's cache;
     None (the default text, with its warning) where the run's data cannot be opened here."""
-    from .heldout import cached_validation_text
+    from .heldout import validation_text
 
     print(f"plab eval: plab_heldout_bpb scores the run's own validation text: reading the run's data "
           f"({spec['data'].get('corpus')}; tokenized first where this machine has no token cache of it)",
           file=sys.stderr, flush=True)
     try:
-        path = cached_validation_text(spec)
+        path = validation_text(spec)
     except Exception as e:  # noqa: BLE001 - a corpus moved or missing here: say so and keep the default
         print(f"plab eval: the checkpoint's run spec names data this machine cannot open ({e}); plab_heldout_bpb "
               f"falls back to the default text", file=sys.stderr)

@@ -41,38 +41,29 @@ def documents_text(tok, ids: list[int]) -> str:
     return "\n\n".join(text for text in (tok.decode(d) for d in documents if d) if text.strip())
 
 
-def validation_text(spec: dict, out: os.PathLike, max_tokens: int = 400_000) -> str | None:
+def validation_text(spec: dict, out: os.PathLike | None = None, max_tokens: int = 400_000) -> str | None:
     """The experiment's held-out text (the validation split the loop reports val/loss on), decoded from its
     token shard, for the held-out bits-per-byte task, into the file `out` (kept: made once): under data.val_windows
     "spread", `heldout_slices` of it, its pieces and documents joined by a blank line; under "first" (runs stored
     before the rule existed), its first `max_tokens` decoded as they always were (separators' text included), so
-    their results stay paired with earlier ones. None for synthetic corpora."""
+    their results stay paired with earlier ones. None for synthetic corpora.
+
+    Without `out` (`plab eval`), the text is kept in PLAB_HOME/cache/heldout under the name of the token cache it is
+    decoded from (whose key names the corpus's content, the tokenizer and the split) and the window rule: a changed
+    corpus or tokenizer gets a text of its own, never an older one. Opening the data tokenizes the corpus where this
+    machine has no token cache of it yet."""
     from training.config import RANDOM_CORPUS, RunSpec, plab_home
     from training.setup import open_token_dataset
 
     rs = RunSpec.from_dict(spec)
     if rs.data.corpus == RANDOM_CORPUS:
         return None
-    out = Path(out)
-    if not out.is_file():
-        tok, ds = open_token_dataset(rs, plab_home() / "cache")
-        _write_text(tok, ds, rs.data.val_windows, out, max_tokens)
-    return str(out)
-
-
-def cached_validation_text(spec: dict, max_tokens: int = 400_000) -> str | None:
-    """`validation_text` kept in PLAB_HOME/cache/heldout under the name of the token cache it is decoded from (whose
-    key names the corpus's content, the tokenizer and the split) and the window rule: a changed corpus or tokenizer
-    gets a text of its own, never an older one. Opening the data tokenizes the corpus where this machine has no
-    token cache of it yet."""
-    from training.config import RANDOM_CORPUS, RunSpec, plab_home
-    from training.setup import open_token_dataset
-
-    rs = RunSpec.from_dict(spec)
-    if rs.data.corpus == RANDOM_CORPUS:
-        return None
+    if out is not None and Path(out).is_file():
+        return str(out)
     tok, ds = open_token_dataset(rs, plab_home() / "cache")
-    out = plab_home() / "cache" / "heldout" / f"{ds.info['cache']}-{rs.data.val_windows}-{max_tokens}.txt"
+    if out is None:
+        out = plab_home() / "cache" / "heldout" / f"{ds.info['cache']}-{rs.data.val_windows}-{max_tokens}.txt"
+    out = Path(out)
     if not out.is_file():
         _write_text(tok, ds, rs.data.val_windows, out, max_tokens)
     return str(out)
