@@ -30,8 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# (elements per program, warps, programs per SM or None for one program per block); the H100's 2048 x 8 first (the
-# step's until 436fb00), then the sizes the first H200 run tried
+# (elements per program, warps, programs per SM or None for one program per block), after the step's own tile
+# (training.optim_kernels: BLOCK x NUM_WARPS, or SHARD_BLOCK x SHARD_NUM_WARPS with --shard), the default every variant
+# is checked against and timed beside: the H100's first choice 2048 x 8 (the step's until 436fb00), then the sizes the
+# first H200 run tried
 TILES = ((2048, 8, None), (1024, 4, None), (2048, 4, None), (4096, 8, None), (4096, 16, None), (8192, 16, None),
          (8192, 8, None), (2048, 8, 8), (4096, 8, 4), (4096, 16, 2), (8192, 16, 2))
 
@@ -40,6 +42,13 @@ TILES = ((2048, 8, None), (1024, 4, None), (2048, 4, None), (4096, 8, None), (40
 # neighbours
 SHARD_TILES = ((2048, 8, None), (512, 4, None), (1024, 4, None), (256, 2, None), (512, 2, None), (1024, 8, None),
                (4096, 8, None))
+
+
+def default_tiles(shard: bool) -> tuple:
+    """The step's own tile (training.optim_kernels) first, then the list's others."""
+    from training import optim_kernels as ok
+    own = (ok.SHARD_BLOCK, ok.SHARD_NUM_WARPS, None) if shard else (ok.BLOCK, ok.NUM_WARPS, None)
+    return (own,) + tuple(t for t in (SHARD_TILES if shard else TILES) if t != own)
 
 
 def tile_arg(text: str) -> tuple:
@@ -82,11 +91,11 @@ def flat_state(params, dev):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiles", nargs="+", type=tile_arg, default=None, metavar="BLOCK:WARPS[:PER_SM]",
-                    help="tiles to time (the first is the reference for the bit comparison); default: TILES")
+                    help="tiles to time (the first is the reference for the bit comparison); default: the step's own tile, then TILES or SHARD_TILES")
     ap.add_argument("--shard", action="store_true",
                     help="time FSDP2's shard update (FP32 parameters, BF16 gradients and copies) instead")
     a = ap.parse_args(argv)
-    tiles = (SHARD_TILES if a.shard else TILES) if a.tiles is None else a.tiles
+    tiles = default_tiles(a.shard) if a.tiles is None else a.tiles
     if a.shard and any(per_sm is not None for _, _, per_sm in tiles):
         ap.error("--shard: the shard update has one program per block; give tiles as BLOCK:WARPS")
 

@@ -84,6 +84,23 @@ def test_the_adamw_tile_probe_times_the_shard_update_with_plain_tiles_only(capsy
     assert exc.value.code == 2 and "BLOCK:WARPS" in capsys.readouterr().err
 
 
+def test_the_adamw_tile_probe_times_the_steps_own_tile_first_and_once(monkeypatch):
+    # the first tile is the one every other is checked against bit for bit, and the one a reader compares with: it
+    # must be what the step runs, whatever the step's tile becomes
+    from bench.adamw_tile_probe import default_tiles
+    from training import optim_kernels as ok
+
+    monkeypatch.setattr(ok, "BLOCK", 256)
+    monkeypatch.setattr(ok, "NUM_WARPS", 2)
+    tiles = default_tiles(shard=False)
+    assert tiles[0] == (256, 2, None) and tiles.count((256, 2, None)) == 1
+    shard = default_tiles(shard=True)
+    assert shard[0] == (ok.SHARD_BLOCK, ok.SHARD_NUM_WARPS, None) and shard.count(shard[0]) == 1
+    monkeypatch.setattr(ok, "BLOCK", 2048)
+    monkeypatch.setattr(ok, "NUM_WARPS", 8)
+    assert default_tiles(shard=False).count((2048, 8, None)) == 1
+
+
 def test_the_nvfp4_quant_probe_parses_its_tiles_and_names_a_malformed_one(capsys, tmp_path):
     from bench.nvfp4_quant_probe import amax_tile_arg, config_arg, main
 
