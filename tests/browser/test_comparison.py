@@ -169,6 +169,8 @@ def test_throughput_bars_show_speedup_over_bf16_and_mark_emulated_runs(server, p
     assert bars["text"][:3] == ["1.00×", "1.40×", "0.90×"]
     assert bars["pattern"] == ["", "", "/", ""]
     assert page.locator(f"#runs-table tr[data-run-id='{runs['mxfp8']['id']}'] .gemm-emulated").count() == 1
+    # No run reported an MFU (as on a CPU): neither the memory/MFU chart nor the paragraph on how MFU is computed.
+    assert page.locator("#memory-chart").is_hidden() and page.locator("#mfu-convention").is_hidden()
     assert page.console_log.errors == []
 
 

@@ -336,6 +336,8 @@ function drawSpeed() {
     legend: { orientation: "h", y: 1.12 },
   }, PLOT_CONFIG);
   if (hasMem && wasHidden) Plotly.Plots.resize(memDiv);
+  // How MFU is computed is said only where an MFU is shown (a CPU-only experiment has none).
+  document.getElementById("mfu-convention").hidden = !mfus.some((v) => v != null);
   const anySpeed = tps.some((v) => v != null) || mem.some((v) => v != null) || mfus.some((v) => v != null);
   collapsePanel("throughput-chart", anySpeed ? "" : "No throughput, memory or MFU reported yet.");
 }
@@ -664,7 +666,9 @@ function attachZoom() {
 }
 
 // ---------------------------------------------------------------- start
-document.getElementById("mfu-convention").textContent = `MFU: ${MFU_CONVENTION.replace(/^Model FLOPs utilization: /, "")}.`;
+const mfuConvention = document.getElementById("mfu-convention");
+mfuConvention.textContent = `MFU: ${MFU_CONVENTION.replace(/^Model FLOPs utilization: /, "")}.`;
+mfuConvention.hidden = true; // until a run with an MFU is drawn (drawSpeed)
 register({ name: "runs", refresh: refreshRuns, live: () => !state.gone && (isLive() || state.failed) });
 mountVerdict();
 mountGemm();
