@@ -829,6 +829,15 @@ def main(argv=None) -> int:
             print(json.dumps(res), flush=True)
         return 0
 
+    if not a.no_api:
+        # Before the reference's minute on the device: every worker streams through the API client, so a machine
+        # without its dependencies would run the reference and then fail every config.
+        try:
+            import workers.client  # noqa: F401
+        except ImportError as e:
+            ap.error(f"the workers' API client does not import here ({e}): install the project's dependencies "
+                     f"(on a device machine, carry the wheel of the module named), or pass --no-api to log "
+                     f"metrics to a local list only")
     t_begin = time.perf_counter()
     os.environ["PLAB_BLOCKWISE_AUTOTUNE"] = a.blockwise_autotune  # inherited by the config workers
     out_env = os.environ.get("OUT")

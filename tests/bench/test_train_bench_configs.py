@@ -168,3 +168,26 @@ def test_inductor_diagnostics_reach_the_triton_sub_config(bench):
         assert inductor_config.triton.mix_order_reduction is False
     assert inductor_config.triton.mix_order_reduction_split_size is None
     assert inductor_config.triton.mix_order_reduction is True
+
+
+def test_a_machine_without_the_api_clients_dependencies_is_told_before_the_reference_runs(bench, capsys,
+                                                                                          monkeypatch):
+    """On a device machine without a wheel the API client needs, every worker used to fail after the reference had
+    run for a minute: the bench now stops first and says which module is missing, or to pass --no-api."""
+    import builtins
+    import sys
+
+    real_import = builtins.__import__
+
+    def no_pydantic_core(name, *args, **kwargs):
+        if name == "pydantic_core" or name.startswith("pydantic_core."):
+            raise ModuleNotFoundError("No module named 'pydantic_core'", name="pydantic_core")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "workers.client", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_pydantic_core)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--configs", "bf16", "--model", "tiny", "--device", "cpu", "--no-anchor"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "pydantic_core" in err and "--no-api" in err
