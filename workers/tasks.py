@@ -13,11 +13,12 @@ from celery import Task
 from celery.signals import worker_process_init
 from celery.utils.log import get_task_logger
 
+from plab import run_folder
 from plab.broker import EVALUATE_TASK, GEMM_TASK, TRAIN_TASK
 from plab.settings import get_settings
 from workers.celery_app import app
 from workers.client import PlabClient
-from workers.jobs import EXIT_OK, EXIT_SKIPPED, UNREPORTED, Job, evaluate, gemm, train
+from workers.jobs import EXIT_OK, EXIT_SKIPPED, JOB_ATTEMPT_ENV, UNREPORTED, Job, evaluate, gemm, train
 
 log = get_task_logger(__name__)
 SLOT_ENV = "PLAB_SLOT_DEVICES"  # set per pool process: the CUDA_VISIBLE_DEVICES value of that slot
@@ -116,13 +117,19 @@ def run_job(task: Task, job: Job, job_id: int, **options) -> int:
     """Run `job` in a child process and make sure its row ends with an outcome. Returns the child's exit code."""
     log.info("%s %s: starting job, attempt %s", job.KIND, job_id, task.request.retries + 1)
     sent_at = options.pop("dispatched_at", None)  # training messages since dispatch times travel with them
-    if sent_at is not None and job.KIND == train.KIND:
+    if job.KIND == train.KIND:
         # As patient as the job itself (workers.jobs.train.run): a job that arrives while the API is away waits.
         with PlabClient.from_env(retries=60) as client:
-            stale = superseded(client.get_run(job_id), sent_at)
+            record = client.get_run(job_id)
+        stale = superseded(record, sent_at) if sent_at is not None else None
         if stale is not None:
             log.warning("%s %s: skipped: %s", job.KIND, job_id, stale)
             return EXIT_SKIPPED
+        if record["status"] in UNREPORTED and not record.get("external"):
+            # runs/<id> may hold another database's run <id> (PLAB_HOME outlived a database): never resumed
+            run_folder.claim(get_settings().home, run_folder.identity(job_id, record["experiment_id"],
+                                                                      record["created_at"]),
+                             started_before=(record.get("attempts") or 0) > 0)
     if job is train and os.environ.get("PLAB_LAUNCHER") == "slurm":
         from workers.slurm import run_train
 
@@ -135,7 +142,11 @@ def run_job(task: Task, job: Job, job_id: int, **options) -> int:
             if job.status(client, job_id) in UNREPORTED:
                 job.mark_failed(client, job_id, problem)
         return EXIT_SKIPPED
-    proc = subprocess.run(job.command(job_id, **options), env=job_env(), preexec_fn=_die_with_parent)
+    env = job_env()
+    # Which delivery and attempt of the message the child is: a later attempt of the same message may take over
+    # the run from an earlier one, which ended (a kill) before this retry (backend.services.runs._claim).
+    env[JOB_ATTEMPT_ENV] = f"{task.request.id} attempt {task.request.retries + 1}"
+    proc = subprocess.run(job.command(job_id, **options), env=env, preexec_fn=_die_with_parent)
     if proc.returncode in (EXIT_OK, EXIT_SKIPPED):
         return proc.returncode
     if proc.returncode < 0 and task.request.retries < task.max_retries:

@@ -5,7 +5,6 @@ the user's own and are left alone."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from sqlalchemy import String, cast, delete, func, or_, select
@@ -15,6 +14,7 @@ from backend.errors import Conflict
 from backend.models import Evaluation, Experiment, MetricPoint, MetricRollup, Run, utcnow
 from backend.schemas import ExperimentUpdate, Housekeeping, RunInfoUpdate
 from backend.services.runs import get_experiment, lock_run, update_info
+from plab import run_folder as plab_run_folder
 
 LIVE = ("queued", "running")
 
@@ -112,7 +112,17 @@ def runs_filter(stmt, *, q: str | None, tag: str | None, archived: bool):
 
 def run_folder(home: Path, run_id: int) -> Path:
     """Where a run's files live (workers write checkpoints and logs there): PLAB_HOME/runs/<id>."""
-    return (Path(home) / "runs" / str(int(run_id))).resolve()
+    return plab_run_folder.folder_of(home, run_id).resolve()
+
+
+def _remove_folder(home: Path, run: dict) -> None:
+    """The run's folder, if it is the run's (`plab.run_folder`: another database's run <id> may hold it)."""
+    plab_run_folder.remove(home, run["identity"], started_before=run["started_before"])
+
+
+def _folder_owner(run: Run) -> dict:
+    return {"identity": plab_run_folder.identity(run.id, run.experiment_id, run.created_at),
+            "started_before": (run.attempts or 0) > 0}
 
 
 def _delete_run_rows(session: Session, run: Run) -> None:
@@ -142,9 +152,10 @@ def delete_run(session: Session, run_id: int, home: Path) -> None:
     """The run, its metrics, artifacts and evaluations, then its folder (after the rows, which can roll back)."""
     run = lock_run(session, run_id, delete=True)  # an ingest in flight finishes first; later ones get 404
     _refuse_live(session, [run], f"run {run_id}")
+    owner = _folder_owner(run)
     _delete_run_rows(session, run)
     session.flush()
-    shutil.rmtree(run_folder(home, run_id), ignore_errors=True)
+    _remove_folder(home, owner)
 
 
 def delete_experiment(session: Session, experiment_id: int, home: Path) -> None:
@@ -152,7 +163,7 @@ def delete_experiment(session: Session, experiment_id: int, home: Path) -> None:
     for run_id in sorted(r.id for r in exp.runs):  # locked in id order, as every deletion locks them
         lock_run(session, run_id, delete=True)
     _refuse_live(session, list(exp.runs), f"experiment {experiment_id}")
-    run_ids = [r.id for r in exp.runs]
+    owners = [_folder_owner(r) for r in sorted(exp.runs, key=lambda r: r.id)]
     # One flush for every run and the experiment: an autoflush between runs deleted a run that the experiment's
     # cascade then deleted again (SQLAlchemy warned: "expected to delete 2 row(s); 1 were matched").
     with session.no_autoflush:
@@ -160,6 +171,6 @@ def delete_experiment(session: Session, experiment_id: int, home: Path) -> None:
             _delete_run_rows(session, run)
         session.delete(exp)
     session.flush()
-    for run_id in run_ids:
-        shutil.rmtree(run_folder(home, run_id), ignore_errors=True)
+    for owner in owners:
+        _remove_folder(home, owner)
 

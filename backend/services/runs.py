@@ -234,13 +234,27 @@ def _slurm_job(holder: str | None) -> str | None:
     return None
 
 
+_TASK_ATTEMPT = re.compile(r"\(task (\S+) attempt (\d+)\)$")
+
+
+def _later_attempt(claimant: str | None, holder: str | None) -> bool:
+    """Whether `claimant` is a later attempt of the job message whose earlier attempt holds the run (worker_host
+    "host (task <id> attempt <n>)", workers.jobs.train.holder): a worker retries a message only after its child
+    ended (killed: the OOM killer, a preempted host), so that child's lease is not another job's. A second
+    delivery of the same attempt (a broker's redelivery while the first still runs) is not later."""
+    mine, theirs = (_TASK_ATTEMPT.search(h or "") for h in (claimant, holder))
+    return (mine is not None and theirs is not None and mine.group(1) == theirs.group(1)
+            and int(mine.group(2)) > int(theirs.group(2)))
+
+
 def _claim(run: Run, stale_s: float, claimant: str | None = None) -> None:
     """A job starts a run by reporting `running`: refused while another job holds the run (a heartbeat younger
     than `stale_s`), so a duplicate or late-delivered message never trains a run twice at once. A record-only
     (external) run is reported by its owner's own process, which may repeat `running`; so may the same Slurm job
     restarted after a requeue (Slurm runs one incarnation of a job at a time)."""
     same_slurm_job = _slurm_job(claimant) is not None and _slurm_job(claimant) == _slurm_job(run.worker_host)
-    if run.status == "running" and run.heartbeat_at is not None and not run.external and not same_slurm_job:
+    if run.status == "running" and run.heartbeat_at is not None and not run.external and not same_slurm_job \
+            and not _later_attempt(claimant, run.worker_host):
         age = (utcnow() - _aware(run.heartbeat_at)).total_seconds()
         if age < stale_s:
             raise Conflict(f"run {run.id} is being trained by another job (last heartbeat {age:.0f} s ago)")

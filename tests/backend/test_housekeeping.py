@@ -109,8 +109,16 @@ def test_delete_needs_a_write_token_and_removes_metrics_and_files(api):
     base, other = exp["runs"]
     for run in exp["runs"]:
         assert api.post(f"/api/v1/runs/{run['id']}/metrics", json=_points(50), headers=_bearer(ADMIN)).status_code == 200
+    from plab import run_folder
+
     folder = api.home / "runs" / str(other["id"])
+    run_folder.claim(api.home, run_folder.identity(other["id"], exp["id"], other["created_at"]),
+                     started_before=False)  # as a worker does before it trains the run
     (folder / "checkpoints" / "step_00000010").mkdir(parents=True)
+    # runs/<base> holds another database's run of that id (PLAB_HOME outlived a database): never this run's to delete
+    foreign = api.home / "runs" / str(base["id"])
+    (foreign / "checkpoints").mkdir(parents=True)
+    (foreign / "run.json").write_text(json.dumps(run_folder.identity(base["id"], 999, "2026-01-01T00:00:00+00:00")))
     (folder / "checkpoints" / "step_00000010" / "model.safetensors").write_bytes(b"w" * 100)
 
     # Queued runs are live: deleting them would orphan a worker's job.
@@ -148,6 +156,7 @@ def test_delete_needs_a_write_token_and_removes_metrics_and_files(api):
     assert api.delete(f"/api/v1/experiments/{exp['id']}", headers=_bearer(write["token"])).status_code == 204
     assert api.get(f"/api/v1/experiments/{exp['id']}").status_code == 404
     assert api.get(f"/api/v1/runs/{base['id']}").status_code == 404
+    assert (foreign / "checkpoints").exists()
     assert api.delete(f"/api/v1/experiments/{exp['id']}", headers=_bearer(write["token"])).status_code == 404
 
 

@@ -193,3 +193,34 @@ def test_the_training_command_uses_torchrun_for_several_gpus_and_asks_the_api_wh
                                                      "--nproc_per_node=2"]
     # A message queued before the count was sent: the run's spec (gpus 1 here) decides.
     assert train.command(run["id"]) == train.command(run["id"], gpus=1)
+
+
+def test_a_retried_child_takes_over_the_run_its_killed_attempt_held(client, tmp_path):
+    """A child that claimed the run and was then killed (the OOM killer) left a fresh lease; the worker's retry of
+    the same message may take the run over at once (it used to be refused as "being trained by another job" until
+    the lease went stale, and after three kills the run failed without the signal). A second delivery of the same
+    attempt, or another message, is still refused while the lease is fresh."""
+    run = new_run(client)
+    counter = tmp_path / "starts"
+    claim_then = ("from workers.client import PlabClient\n"
+                  "from workers.jobs.train import holder\n"
+                  "c = PlabClient.from_env()\n"
+                  f"c.set_status({run['id']}, 'running', worker_host=holder())\n"
+                  "if n == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
+                  f"c.set_status({run['id']}, 'succeeded')\n")
+    task = job_task(train, lambda _id: counting_child(counter, claim_then), max_retries=2)
+    assert task.apply(args=[run["id"]]).get() == 0
+    stored = client.get_run(run["id"])
+    assert starts(counter) == 2 and stored["status"] == "succeeded" and stored["attempts"] == 2
+    assert stored["worker_host"].endswith(" attempt 2)") and "(task " in stored["worker_host"]
+
+
+def test_only_a_later_attempt_of_the_same_message_may_take_over_a_fresh_lease():
+    from backend.services.runs import _later_attempt
+
+    held = "gpu-host-1 (task 5f1c2d attempt 1)"
+    assert _later_attempt("gpu-host-2 (task 5f1c2d attempt 2)", held)
+    assert not _later_attempt("gpu-host-1 (task 5f1c2d attempt 1)", held)  # the same attempt delivered twice
+    assert not _later_attempt("gpu-host-1 (task 9a8b7c attempt 2)", held)  # another message
+    assert not _later_attempt("gpu-host-1", held) and not _later_attempt(held, "gpu-host-1")
+    assert not _later_attempt("slurm job 12 (node1)", held)

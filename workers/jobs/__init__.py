@@ -18,6 +18,8 @@ from workers.client import PlabClient
 EXIT_OK, EXIT_SKIPPED = 0, 3
 # The row of a job in one of these has not been told the outcome yet.
 UNREPORTED = ("queued", "running")
+# The job message's id and attempt number, set by the worker for its child (workers.tasks.run_job)
+JOB_ATTEMPT_ENV = "PLAB_JOB_ATTEMPT"
 
 
 class Job(Protocol):

@@ -16,7 +16,8 @@ import threading
 from plab.settings import get_settings
 from training.sink import MetricSink
 from workers.client import ApiError, MetricStreamer, PlabClient
-from workers.jobs import EXIT_OK, EXIT_SKIPPED, UNREPORTED, child_command, child_main, error_message
+from workers.jobs import (EXIT_OK, EXIT_SKIPPED, JOB_ATTEMPT_ENV, UNREPORTED, child_command, child_main,
+                          error_message)
 
 KIND = "training"
 MODULE = "workers.jobs.train"
@@ -122,9 +123,14 @@ class ApiSink(MetricSink):
 
 def holder() -> str:
     """Who trains the run (its worker_host): this host, or the Slurm job (the same Slurm job restarted after a
-    requeue may claim the run again: Slurm runs one incarnation of a job at a time)."""
+    requeue may claim the run again: Slurm runs one incarnation of a job at a time), with the job message's
+    attempt where a worker started the job ("host (task <id> attempt 2)": a later attempt of the same message may
+    take over from an earlier one that was killed)."""
     job = os.environ.get("SLURM_JOB_ID")
-    return f"slurm job {job} ({socket.gethostname()})" if job else socket.gethostname()
+    if job:
+        return f"slurm job {job} ({socket.gethostname()})"
+    attempt = os.environ.get(JOB_ATTEMPT_ENV)
+    return f"{socket.gethostname()} (task {attempt})" if attempt else socket.gethostname()
 
 
 def device_name() -> str:
