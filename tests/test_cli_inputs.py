@@ -202,9 +202,34 @@ def test_ctrl_c_ends_a_command_with_status_130_and_no_traceback(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
-    assert err.endswith("plab: interrupted (the same command resumes the run from its last checkpoint)\n")
+    last = sorted((tmp_path / "out" / "checkpoints").iterdir())[-1]
+    assert err.endswith(f"plab: interrupted (the same command resumes the run from its last checkpoint, "
+                        f"{tmp_path / 'out' / last.name})\n"), err[-500:]
     assert "Traceback" not in err
-    assert any((tmp_path / "out" / "checkpoints").iterdir())
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_the_steps_are_lost(tmp_path):
+    """checkpoint_every 0 (the default) writes a checkpoint at the end only: an interrupted run has none, and the
+    message said the same command would resume it."""
+    import signal
+
+    spec = tmp_path / "run.yaml"
+    spec.write_text("model: tiny\ndata: {corpus: tinyshakespeare, vocab_size: 512, seq_len: 64}\n"
+                    "training: {steps: 100000, batch_size: 2, warmup_steps: 1}\n")
+    env = dict(os.environ, PLAB_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "plab.cli", "train", str(spec), "--output", str(tmp_path / "out"),
+                             "--print-every", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step      2"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.endswith("plab: interrupted before the run wrote a checkpoint (training.checkpoint_every: 0, one at "
+                        "the end only): the same command starts it again from its first step; set "
+                        "training.checkpoint_every to keep the steps a run has trained\n"), err[-500:]
+    assert "Traceback" not in err
 
 
 def test_a_home_that_cannot_be_made_is_named_not_a_traceback(tmp_path, monkeypatch, capsys):
@@ -219,3 +244,46 @@ def test_a_home_that_cannot_be_made_is_named_not_a_traceback(tmp_path, monkeypat
     assert capsys.readouterr().err == (f"plab: error: cannot create the folder of the SQLite database "
                                        f"{blocker}/home/plab.sqlite (Not a directory): set PLAB_HOME (or "
                                        f"PLAB_DATABASE_URL) to a place this user can write\n")
+
+
+def test_a_learning_rate_written_3e_4_in_yaml_is_a_number(tmp_path):
+    """YAML 1.1 reads 3e-4 as a string (a float needs a dot there), so `lr: 3e-4` was refused as "must be a
+    number, got '3e-4'": the plab commands read YAML 1.2's floats. Quoted, it stays text."""
+    from plab.cli.common import load_file
+
+    spec = tmp_path / "run.yaml"
+    spec.write_text("training:\n  lr: 3e-4\n  weight_decay: 1E-5\n  steps: 100\nname: '1e5'\nversion: 2.5\n")
+    data = load_file(str(spec))
+    assert data["training"] == {"lr": 3e-4, "weight_decay": 1e-5, "steps": 100}
+    assert data["name"] == "1e5" and data["version"] == 2.5
+    from training.config import RunSpec
+
+    assert RunSpec.from_dict({"model": "tiny", "data": {"corpus": "tinyshakespeare"},
+                              "training": data["training"]}).training.lr == 3e-4
+
+
+def test_ctrl_c_while_the_demo_trains_ends_it_with_status_130(tmp_path):
+    """The demo's server and worker are stopped, and the status is the shell's for SIGINT (it was 0, as if the
+    demo had finished)."""
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PLAB_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "plab.cli", "demo", "--no-serve", "--steps", "100000", "--recipes",
+                             "bf16", "--slots", "1", "--port", str(port)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("[plab] experiment"):
+                break
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.endswith("plab: interrupted before the demo's runs finished\n"), err[-500:]
+    assert "Traceback" not in err

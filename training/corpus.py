@@ -389,7 +389,8 @@ def parse_json_lines(unit: Unit, text_field: str, names: list[str]) -> tuple[lis
         value = obj.get(text_field) if isinstance(obj, dict) else None
         if not isinstance(value, str):
             what = ("is not a JSON object" if not isinstance(obj, dict) else f"has no field {text_field!r}"
-                    if value is None else f"has {text_field!r} of type {type(value).__name__}, not a string")
+                    if text_field not in obj else f"has {text_field!r}: null (no text)" if value is None
+                    else f"has {text_field!r} of type {type(value).__name__}, not a string")
             keys = f" (fields: {sorted(obj)[:10]})" if isinstance(obj, dict) else ""
             raise CorpusError(f"{names[unit.file]}:{row}: the line {what}{keys}; set data.text_field to the "
                               f"field that holds the text, or fix the line")

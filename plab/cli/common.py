@@ -12,6 +12,23 @@ class UsageError(Exception):
     """A problem with what the user typed or wrote in a file; printed without a traceback."""
 
 
+# YAML 1.1 (PyYAML) reads 3e-4 or 1e5 as strings: a float needs a dot there ("3.0e-4"), which is not how learning
+# rates are written. YAML 1.2's float, which takes them as numbers, added to the safe loader's resolvers.
+_YAML12_FLOAT = r"""^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"""
+
+
+def _yaml_loader():
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_YAML12_FLOAT), list("-+0123456789"))
+    return Loader
+
+
 def load_file(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
@@ -21,7 +38,7 @@ def load_file(path: str) -> dict:
         if p.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
         else:
             data = json.loads(text)
     except Exception as e:  # noqa: BLE001 - any parse error is the user's file

@@ -180,6 +180,7 @@ def cmd_demo(args) -> int:
                     logs / "server.log")
     worker = _spawn([py, "-m", "plab.cli", "worker", "--slots", str(args.slots), "--log-level", "warning"], env,
                     logs / "worker.log")
+    serving, ok = False, False
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_for_server(url, server, logs / "server.log")
@@ -194,11 +195,15 @@ def cmd_demo(args) -> int:
         if args.no_serve:
             return 0 if ok else 1
         print(f"[plab] dashboard: {page}   (Ctrl-C to stop)", flush=True)
+        serving = True
         while server.poll() is None:
             time.sleep(1)
         return 0 if ok else 1
-    except KeyboardInterrupt:
-        return 0
+    except KeyboardInterrupt:  # stopping the dashboard after the runs is how serving ends; before, an interruption
+        if serving:
+            return 0 if ok else 1
+        print("plab: interrupted before the demo's runs finished", file=sys.stderr, flush=True)
+        return 130
     finally:
         for p in (server, worker):
             _stop(p)

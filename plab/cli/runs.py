@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from plab.cli.common import UsageError, api_call, load_file, whole_number
@@ -74,6 +75,10 @@ def cmd_train(args) -> int:
         result = launch.run(spec, sink, output_dir=Path(args.output), resume=not args.no_resume)
     except launch.INPUT_ERRORS as e:
         raise UsageError(f"{args.file}: {e}") from e
+    except KeyboardInterrupt:
+        if rank0:
+            print(f"plab: {_interrupted(spec, Path(args.output))}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None  # the shell's status for SIGINT, without a traceback
     finally:
         sink.close()
     if not rank0:
@@ -86,6 +91,20 @@ def cmd_train(args) -> int:
         Path(args.result_json).write_text(json.dumps(summary))
     print(json.dumps(summary, indent=2))
     return 0 if result.status == "succeeded" else 1
+
+
+def _interrupted(spec, output: Path) -> str:
+    """What Ctrl-C during training left: the checkpoint the same command resumes from, or none (every step
+    since the start is lost: say so, and how to keep them next time)."""
+    from training.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(output)
+    if last is not None:
+        return f"interrupted (the same command resumes the run from its last checkpoint, {output / last.name})"
+    every = spec.training.checkpoint_every
+    return (f"interrupted before the run wrote a checkpoint (training.checkpoint_every: "
+            f"{every or '0, one at the end only'}): the same command starts it again from its first step; set "
+            f"training.checkpoint_every to keep the steps a run has trained")
 
 
 def _torchrun(args, spec) -> int:

@@ -175,6 +175,14 @@ def test_a_line_without_the_text_field_names_the_file_and_row(tmp_path, tok, cac
         shards(path, tok, cache_dir)
 
 
+def test_a_null_text_is_called_null_not_a_missing_field(tmp_path, tok, cache_dir):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "one"}\n{"text": null, "id": 1}\n')
+    with pytest.raises(CorpusError, match=r"c\.jsonl:2: the line has 'text': null \(no text\) \(fields: \['id', "
+                                          r"'text'\]\)"):
+        shards(path, tok, cache_dir)
+
+
 def test_a_null_in_a_parquet_column_names_the_row(tmp_path, tok, cache_dir):
     import pyarrow as pa
     import pyarrow.parquet as pq

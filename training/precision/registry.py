@@ -257,7 +257,11 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                 converted.append((full, new))
                 report.probe.add_layer(full, new, quantizer)
             report.layers.append(entry)
-        report.layers += _unconverted_block_weights(block, i, keep, matched)
+        others = _unconverted_block_weights(block, i, keep, matched)
+        report.layers += others
+        if name != catalog.BASELINE and first <= i < n - last:  # a block left to the recipe
+            unfit += [e for e in others if not any(fnmatch.fnmatchcase(e["name"].rpartition(".")[0], p)
+                                                   or fnmatch.fnmatchcase(e["name"], p) for p in keep)]
         shared += recipe.share_inputs(block, resolved, real) if name != catalog.BASELINE else 0
     _refuse_if_nothing_converts(name, unfit, converted)
     unmatched = [p for p in keep if p not in matched]
@@ -276,14 +280,16 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
 
 
 def _refuse_if_nothing_converts(name: str, unfit: list[dict], converted: list) -> None:
-    """Not one linear the run left to the recipe can take its format: training would be BF16 under the recipe's
-    name, and the comparison would call it the recipe. (Keeping every block in BF16 on purpose,
-    bf16_first_layers + bf16_last_layers = the blocks, stays possible: the report says so.)"""
+    """Not one matmul weight the run left to the recipe can take its format: training would be BF16 under the
+    recipe's name, and the comparison would call it the recipe. `unfit`: the blocks' nn.Linear layers the format
+    cannot tile and their other matmul weights (GPT-2's Conv1D, batched experts), which no recipe converts.
+    (Keeping every block in BF16 on purpose, bf16_first_layers + bf16_last_layers = the blocks, stays possible:
+    the report says so.)"""
     if unfit and not converted:
         reasons = sorted({e["reason"] for e in unfit})
-        raise ValueError(f"{name} can convert none of the model's {len(unfit)} block linear layer(s) left to it "
+        raise ValueError(f"{name} can convert none of the model's {len(unfit)} block matmul weight(s) left to it "
                          f"({'; '.join(reasons[:3])}): the run would train BF16 under {name}'s name; choose "
-                         f"dimensions the format's blocks divide, or another recipe")
+                         f"dimensions the format's blocks divide, a model whose blocks use nn.Linear, or another recipe")
 
 
 def _real_kernels(recipe: Recipe, name: str, backend: str, device, resolved: dict, report: RecipeReport) -> bool:
