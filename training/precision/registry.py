@@ -257,11 +257,9 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                 converted.append((full, new))
                 report.probe.add_layer(full, new, quantizer)
             report.layers.append(entry)
-        others = _unconverted_block_weights(block, i, keep, matched)
-        report.layers += others
+        report.layers += (others := _unconverted_block_weights(block, i, keep, matched))
         if name != catalog.BASELINE and first <= i < n - last:  # a block left to the recipe
-            unfit += [e for e in others if not any(fnmatch.fnmatchcase(e["name"].rpartition(".")[0], p)
-                                                   or fnmatch.fnmatchcase(e["name"], p) for p in keep)]
+            unfit += _not_kept(others, keep)
         shared += recipe.share_inputs(block, resolved, real) if name != catalog.BASELINE else 0
     _refuse_if_nothing_converts(name, unfit, converted)
     unmatched = [p for p in keep if p not in matched]
@@ -277,6 +275,12 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
     report.compile_mode = recipe.compile_mode({**resolved, "fsdp": fsdp}, real) if converted else None
     return report
+
+
+def _not_kept(entries: list[dict], keep: list[str]) -> list[dict]:
+    """The report entries no keep_bf16 rule names (by the weight's module or the weight itself)."""
+    return [e for e in entries if not any(fnmatch.fnmatchcase(e["name"].rpartition(".")[0], p)
+                                          or fnmatch.fnmatchcase(e["name"], p) for p in keep)]
 
 
 def _refuse_if_nothing_converts(name: str, unfit: list[dict], converted: list) -> None:
