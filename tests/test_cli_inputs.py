@@ -287,3 +287,33 @@ def test_ctrl_c_while_the_demo_trains_ends_it_with_status_130(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert err.endswith("plab: interrupted before the demo's runs finished\n"), err[-500:]
     assert "Traceback" not in err
+
+
+def test_no_resume_sets_an_earlier_runs_checkpoints_aside_instead_of_mixing_with_them(tmp_path, capsys):
+    """A new run with --no-resume in a folder holding another run's later checkpoints: the newest two by step
+    were kept, so the new run's own step 2 and 4 were pruned and the summary named a checkpoint that no longer
+    existed (a review). The earlier ones are moved aside; the new run's stay and resuming it works."""
+    import json
+
+    from plab.cli import main
+
+    def spec(name, steps, lr):
+        path = tmp_path / name
+        path.write_text("model: tiny\ndata: {corpus: tinyshakespeare, vocab_size: 512, seq_len: 32}\n"
+                        f"training: {{steps: {steps}, batch_size: 2, warmup_steps: 1, checkpoint_every: 2, "
+                        f"lr: {lr}, val_batches: 1}}\n")
+        return str(path)
+
+    out = tmp_path / "out"
+    assert main(["train", spec("long.yaml", 8, "3e-3"), "--output", str(out)]) == 0
+    assert main(["train", spec("short.yaml", 4, "1e-3"), "--output", str(out)]) == 2
+    assert "use another output_dir, or resume=False to start a new run there" in capsys.readouterr().err
+    assert main(["train", spec("short.yaml", 4, "1e-3"), "--output", str(out), "--no-resume"]) == 0
+    printed = capsys.readouterr().out
+    aside = [p for p in out.iterdir() if p.name.startswith("checkpoints.before-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step_00000006", "step_00000008"]
+    assert f"the earlier checkpoints in this output folder were moved to {aside[0]}" in printed
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert json.loads(printed[printed.index("{"):])["checkpoint"].endswith("step_00000004")
+    assert main(["train", spec("short.yaml", 4, "1e-3"), "--output", str(out)]) == 0  # its own: resumed (done)
+    assert f"resumed from {out / 'checkpoints' / 'step_00000004'} (step 4)" in capsys.readouterr().out

@@ -180,6 +180,39 @@ def _difference(saved: dict, spec: RunSpec) -> str:
     return f" ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}){hint}"
 
 
+def _data_part(cache: str) -> str:
+    """A token cache's name without its format version ("-f<n>..."): a new release's format is the same data."""
+    return cache.rsplit("-f", 1)[0]
+
+
+def _refuse_other_data(path: Path, saved: str | None, now: str | None) -> None:
+    """The same spec names a corpus by its path; the files there may have changed since the checkpoint (a file
+    added, removed or edited): the tokenizer is then trained again and the token order differs, and a resumed run
+    would go on with another tokenizer's ids under weights trained on the first one's. Checkpoints from before the
+    token cache was recorded are not checked."""
+    if saved and now and _data_part(saved) != _data_part(now):
+        raise SpecError(f"checkpoint {path} was trained on other data: the corpus the spec names now gives token "
+                        f"cache {now}, the checkpoint's was {saved} (a file of data.corpus was added, removed or "
+                        f"changed since, which retrains the tokenizer and reorders the tokens, or the tokenizer "
+                        f"itself changed); restore the corpus as it was, or start a new run in another output_dir (plab train --output) or with "
+                        f"resume=False (--no-resume)")
+
+
+def set_aside_checkpoints(output_dir) -> Path | None:
+    """A new run (resume=False) in a folder that holds an earlier run's checkpoints: they are moved to
+    checkpoints.before-<UTC time> beside, not mixed with the new run's (the newest two by step number are kept,
+    so an earlier run's later steps pruned the new run's own, and a step of the same number counted as saved).
+    Returns where they went; None when there were none."""
+    root = checkpoints_root(output_dir)
+    if latest_checkpoint(output_dir) is None:
+        return None
+    import datetime as dt
+
+    aside = root.with_name(f"checkpoints.before-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S%fZ}")
+    root.rename(aside)
+    return aside
+
+
 class Checkpointer:
     """Saves a run at step boundaries and resumes it from its newest checkpoint under `output_dir`
     (None: never saves, always starts fresh).
@@ -191,8 +224,9 @@ class Checkpointer:
 
     def __init__(self, output_dir, *, spec: RunSpec, ctx, sink, model, optimizer, tokenizer=None, hooks=(),
                  settle: Callable[[], None] = lambda: None, flush_metrics: Callable[[], None] = lambda: None,
-                 sharded: bool = False):
+                 sharded: bool = False, data_cache: str | None = None):
         self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.data_cache = data_cache  # the token cache the run trains on (its name hashes the corpus, tokenizer)
         self.sharded = sharded  # FSDP2: every rank saves its shards (training.sharded_checkpoint)
         self.spec, self.ctx, self.sink = spec, ctx, sink
         self.model, self.optimizer, self.tokenizer, self.hooks = model, optimizer, tokenizer, list(hooks)
@@ -213,7 +247,9 @@ class Checkpointer:
         saved = self._load(latest)
         if saved.get("spec") is not None and numerics_identity(saved["spec"]) != numerics_identity(self.spec.to_dict()):
             raise SpecError(f"checkpoint {latest} was written by a different run spec{_difference(saved['spec'], self.spec)}; "
-                            f"use another output_dir or resume=False")
+                            f"use another output_dir, or resume=False to start a new run there (plab train --no-resume: "
+                            f"the earlier checkpoints are moved aside)")
+        _refuse_other_data(latest, saved.get("data_cache"), self.data_cache)
         state.step, state.tokens = saved["step"], saved["tokens"]
         state.wall_offset = saved.get("wall_time", 0.0)
         state.loss, state.val_loss = saved.get("loss"), saved.get("val_loss")
@@ -250,7 +286,7 @@ class Checkpointer:
         self.sink.flush()     # ...and are durable there
         path = checkpoints_root(self.output_dir) / f"step_{step:08d}"
         extra = {"tokens": state.tokens, "wall_time": state.wall_time(), "loss": state.loss,
-                 "val_loss": state.val_loss, "spec": self.spec.to_dict()}
+                 "val_loss": state.val_loss, "spec": self.spec.to_dict(), "data_cache": self.data_cache}
         if self.sharded:
             from training.sharded_checkpoint import save_sharded
             path = save_sharded(checkpoints_root(self.output_dir), step, ctx=self.ctx, model=self.model,

@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-dir", required=True, help="checkpoints go to DIR/checkpoints; a run resumes from there")
     ap.add_argument("--metrics-jsonl", default=None, help="rank 0 appends metrics/events here")
     ap.add_argument("--result-json", default=None, help="rank 0 writes the TrainResult here")
-    ap.add_argument("--no-resume", action="store_true", help="start from step 0 even if DIR holds checkpoints")
+    ap.add_argument("--no-resume", action="store_true",
+                    help="start from step 0 even if DIR holds checkpoints (they are moved to "
+                         "DIR/checkpoints.before-<time>)")
     a = ap.parse_args(argv)
     spec = _read_spec(ap, a.spec)
     problem = outputs_problem((("--output-dir", a.output_dir, True), ("--metrics-jsonl", a.metrics_jsonl, False),

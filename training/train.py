@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from training.checkpoint import Checkpointer, TrainState
+from training.checkpoint import Checkpointer, TrainState, set_aside_checkpoints
 from training.config import RunSpec, SpecError, plab_home
 from training.data import BatchLoader
 from training.flops import peak_tflops
@@ -62,12 +62,18 @@ def train(spec: RunSpec | dict, sink: MetricSink | None = None, *, should_stop=N
     run = setup_run(spec, ctx, sink, cache_dir=Path(cache_dir) if cache_dir is not None else plab_home() / "cache")
     t = spec.training
 
+    if not resume and output_dir is not None:
+        aside = set_aside_checkpoints(output_dir) if ctx.is_main else None
+        ctx.barrier()  # every rank's Checkpointer looks for the newest checkpoint after the move
+        if aside is not None:
+            sink.event("checkpoints_set_aside", path=str(aside))
     state = TrainState()
     drain = MetricsDrain(sink, state, device=run.device, device_name=run.device_name, lag=t.perf.metrics_lag,
                          tokens_per_step=spec.tokens_per_step, flops_per_token=run.flops_per_token, world=ctx.world)
     checkpointer = Checkpointer(output_dir, spec=spec, ctx=ctx, sink=sink, model=run.model, optimizer=run.optimizer,
                                 tokenizer=run.tokenizer, hooks=run.hooks, settle=run.settle,
-                                flush_metrics=drain.flush, sharded=run.sharded)
+                                flush_metrics=drain.flush, sharded=run.sharded,
+                                data_cache=run.dataset.info.get("cache"))
     if resume:  # in place: DDP and the compiled step hold these same parameters; their wrapping drew no RNG
         checkpointer.resume(state)
     start_step = state.step

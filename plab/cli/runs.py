@@ -41,6 +41,11 @@ class ProgressPrinter(MetricSink):
     def event(self, kind, **fields):
         if self.inner:
             self.inner.event(kind, **fields)
+        if kind == "resumed":
+            print(f"resumed from {fields.get('path')} (step {fields.get('step')})", flush=True)
+        elif kind == "checkpoints_set_aside":
+            print(f"--no-resume: the earlier checkpoints in this output folder were moved to {fields.get('path')}",
+                  flush=True)
 
     def close(self):
         if self.inner:
@@ -147,9 +152,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("file", help="the run spec (YAML or JSON)")
     t.add_argument("--recipe", help="override the file's recipe")
-    t.add_argument("--output", default="plab-data/train", help="checkpoint folder")
+    t.add_argument("--output", default="plab-data/train",
+                   help="checkpoint folder; the same command resumes the run from its newest checkpoint there "
+                        "(default: plab-data/train in the current folder: give each run its own)")
     t.add_argument("--metrics", help="also write metrics to this JSONL file")
-    t.add_argument("--no-resume", action="store_true")
+    t.add_argument("--no-resume", action="store_true",
+                   help="start a new run from step 0; checkpoints of an earlier run in --output are moved to "
+                        "checkpoints.before-<time> beside")
     t.add_argument("--print-every", type=whole_number(1), default=10, help="print the loss every N steps (N >= 1)")
     t.add_argument("--result-json", help="also write the result summary to this file")
     t.set_defaults(func=cmd_train)

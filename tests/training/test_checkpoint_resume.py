@@ -128,3 +128,35 @@ def test_resuming_under_a_different_spec_is_refused(make_spec, cache_dir, tmp_pa
     train(make_spec(training={"steps": 2}), ListSink(), output_dir=tmp_path, cache_dir=cache_dir)
     with pytest.raises(SpecError, match="different run spec"):
         train(make_spec(training={"steps": 2}, seed=1), ListSink(), output_dir=tmp_path, cache_dir=cache_dir)
+
+
+def test_resuming_after_the_corpus_changed_is_refused(make_spec, cache_dir, tmp_path):
+    """The spec names a folder; a file added to it since the checkpoint retrains the tokenizer and reorders the
+    tokens (a review: 234 of 512 ids changed meaning and the run went on, its loss jumping). Refused, with what
+    changed; the same data resumes as before."""
+    from training.config import SpecError, data_root
+
+    source = (data_root() / "tinyshakespeare" / "input.txt").read_text()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(source[:300_000])
+    (corpus / "b.txt").write_text(source[300_000:600_000])
+    spec = make_spec(data={"corpus": str(corpus)}, training={"steps": 4, "checkpoint_every": 2})
+    calls = []
+
+    def crash_during_step_3():
+        calls.append(1)
+        if len(calls) == 3:
+            raise Crash("killed")
+        return False
+    with pytest.raises(Crash):
+        train(spec, ListSink(), output_dir=tmp_path / "out", cache_dir=cache_dir, should_stop=crash_during_step_3)
+    assert ckpt.latest_checkpoint(tmp_path / "out").name == "step_00000002"
+    (corpus / "c.txt").write_text(source[600_000:900_000])
+    with pytest.raises(SpecError, match=r"was trained on other data: the corpus the spec names now gives token cache "
+                                        r"\w+-v512\S*, the checkpoint's was \w+-v512\S* \(a file of data.corpus"):
+        train(spec, ListSink(), output_dir=tmp_path / "out", cache_dir=cache_dir)
+    (corpus / "c.txt").unlink()
+    resumed = ListSink()
+    train(spec, resumed, output_dir=tmp_path / "out", cache_dir=cache_dir)
+    assert sorted(_losses(resumed)) == [3, 4]  # resumed after step 2

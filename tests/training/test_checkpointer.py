@@ -74,7 +74,8 @@ def test_resume_refuses_another_specs_checkpoint_but_not_a_change_of_speed_setti
     assert checkpointer(tmp_path, faster, model, optimizer).resume(TrainState()) is not None
     other = RunSpec.from_dict(make_spec(training={"lr": 1e-4}))
     with pytest.raises(SpecError, match=r"written by a different run spec \(training.lr: the checkpoint's 0.003, this "
-                                         r"spec's 0.0001\); use another output_dir or resume=False"):
+                                         r"spec's 0.0001\); use another output_dir, or resume=False to start a new "
+                                         r"run there"):
         checkpointer(tmp_path, other, model, optimizer).resume(TrainState())
 
 
