@@ -180,17 +180,14 @@ def _difference(saved: dict, spec: RunSpec) -> str:
     return f" ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}){hint}"
 
 
-def _data_part(cache: str) -> str:
-    """A token cache's name without its format version ("-f<n>..."): a new release's format is the same data."""
-    return cache.rsplit("-f", 1)[0]
-
-
 def _refuse_other_data(path: Path, saved: str | None, now: str | None) -> None:
     """The same spec names a corpus by its path; the files there may have changed since the checkpoint (a file
     added, removed or edited): the tokenizer is then trained again and the token order differs, and a resumed run
     would go on with another tokenizer's ids under weights trained on the first one's. Checkpoints from before the
     token cache was recorded are not checked."""
-    if saved and now and _data_part(saved) != _data_part(now):
+    from training.shards import same_token_data
+
+    if saved and now and not same_token_data(saved, now):
         raise SpecError(f"checkpoint {path} was trained on other data: the corpus the spec names now gives token "
                         f"cache {now}, the checkpoint's was {saved} (a file of data.corpus was added, removed or "
                         f"changed since, which retrains the tokenizer and reorders the tokens, or the tokenizer "

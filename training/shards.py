@@ -390,6 +390,12 @@ class ShardRequest:
         return f"d{digest[:24]}-v{vocab}-f{SHARD_FORMAT_VERSION}"
 
 
+def same_token_data(a: str, b: str) -> bool:
+    """Whether two token caches (`ShardRequest.key`, a run's `data.cache`) hold the same tokens: their names
+    without the format version ("-f<n>..."), which a new release may change for the same corpus and tokenizer."""
+    return a.rsplit("-f", 1)[0] == b.rsplit("-f", 1)[0]
+
+
 def build_token_shards(request: ShardRequest, cache_dir, sink=None) -> tuple[Path, dict, bool]:
     """(folder, meta, built here): the cached shards, built first when missing (under the lock)."""
     if sink is not None:  # the key hashes every byte of the corpus: seconds per GB

@@ -92,8 +92,32 @@ def experiment_verdict(session: Session, experiment_id: int) -> dict:
     validation = _validation(reference)
     if validation is not None and any(e.get("outcome") for e in out["recipes"]):
         out["summary"] += _validation_clause(validation, runs, reference, names)
+    if reference is not None and any(e.get("outcome") for e in out["recipes"]):
+        out["summary"] += _data_clause(runs, reference, names)
     return {"experiment_id": exp.id, "baseline_recipe": exp.baseline, "metric": VAL_KEY,
             "accuracy_error": accuracy_error, "validation": validation, **out}
+
+
+def _token_cache(run: Run) -> str | None:
+    cache = ((run.summary or {}).get("data") or {}).get("cache")
+    return cache if isinstance(cache, str) and cache else None
+
+
+def _data_clause(runs: list[Run], reference: Run, names: dict[int, str]) -> str:
+    """Which runs, if any, trained on other tokens than the reference: an experiment's runs read the corpus when
+    each one starts, so a file added to data.corpus between them gives a later run another tokenizer and token
+    order (a review: a recipe "beat" BF16 on a third more text). Their runs' `data.cache` differ."""
+    from training.shards import same_token_data
+
+    ref = _token_cache(reference)
+    if ref is None:
+        return ""
+    others = [names[r.id] for r in runs if r.id != reference.id and (c := _token_cache(r)) is not None
+              and not same_token_data(c, ref)]
+    if not others:
+        return ""
+    return (f"; {', '.join(sorted(set(others)))} trained on other data than the reference (another token cache: "
+            f"the corpus or the tokenizer changed between the runs): not like for like")
 
 
 def _validation(run: Run | None) -> dict | None:

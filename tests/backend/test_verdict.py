@@ -222,6 +222,26 @@ def test_the_verdict_says_how_much_held_out_text_its_val_losses_are_measured_on(
     assert verdict(api, exp["id"])["summary"].endswith("(32 windows spread over the split)")
 
 
+def test_a_run_trained_on_other_tokens_than_the_reference_is_named_not_like_for_like(api):
+    """An experiment's runs read data.corpus when each starts: a file added in between gave a later recipe another
+    tokenizer and a third more text, and the verdict named it the winner (a review). Their token caches differ; a
+    new release's cache format alone (-f<n>) is the same data."""
+    exp = create(api)
+    bf16, fp8, nvfp4 = (r["id"] for r in exp["runs"])
+    for run, loss in ((bf16, 2.0), (fp8, 1.97), (nvfp4, 2.05)):
+        send(api, run, val_and_noisy_train(loss))
+    finish(api, bf16, gemm_backend="bf16", tokens_per_s=1000.0, data={"cache": "d0de2c39e0a1b2c3d4e5f6a7b8-v512-f2"})
+    finish(api, fp8, tokens_per_s=700.0, data={"cache": "d6573e30e0a1b2c3d4e5f6a7b8-v512-f2"})
+    finish(api, nvfp4, gemm_backend="emulated", tokens_per_s=500.0,
+           data={"cache": "d0de2c39e0a1b2c3d4e5f6a7b8-v512-f3"})
+    v = verdict(api, exp["id"])
+    assert v["summary"].endswith("; fp8_tensorwise trained on other data than the reference (another token cache: "
+                                 "the corpus or the tokenizer changed between the runs): not like for like"), v["summary"]
+    r = api.patch(f"/api/v1/runs/{fp8}", json={"summary": {"data": {"cache": "d0de2c39e0a1b2c3d4e5f6a7b8-v512-f2"}}})
+    assert r.status_code == 200, r.text
+    assert "not like for like" not in verdict(api, exp["id"])["summary"]
+
+
 def test_the_pure_verdict_without_validation_loss_says_what_is_missing():
     facts = [RunFacts(1, "bf16", "bf16", "succeeded", 0, True, tokens_per_s=10.0),
              RunFacts(2, "mxfp8", "mxfp8", "succeeded", 0, False, tokens_per_s=20.0)]
