@@ -155,6 +155,8 @@ class Evaluation(Base):
     lm_eval_version: Mapped[str | None] = mapped_column(String(32), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # the running job's lease (renewed by POST /evaluations/{id}/heartbeat; the reconciler ends a stale one)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class EvalResult(Base):

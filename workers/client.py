@@ -167,6 +167,9 @@ class PlabClient:
         """What a worker needs to run the job: checkpoint, tasks, limit, status and the run's spec."""
         return self._request("GET", f"/evaluations/{evaluation_id}/job")
 
+    def evaluation_heartbeat(self, evaluation_id: int) -> dict:
+        return self._request("POST", f"/evaluations/{evaluation_id}/heartbeat")
+
     def set_evaluation_status(self, evaluation_id: int, status: str, *, error_message: str | None = None,
                               lm_eval_version: str | None = None) -> dict:
         body = {"status": status, "error_message": error_message, "lm_eval_version": lm_eval_version}

@@ -78,12 +78,24 @@ def update_status(session: Session, evaluation_id: int, body: EvaluationStatusUp
     if body.status not in EVAL_TRANSITIONS.get(ev.status, set()):
         raise Conflict(f"evaluation {evaluation_id} cannot go from '{ev.status}' to '{body.status}'")
     ev.status = body.status
+    if body.status == "running":
+        ev.heartbeat_at = utcnow()
     if body.error_message is not None:
         ev.error_message = body.error_message
     if body.lm_eval_version is not None:
         ev.lm_eval_version = body.lm_eval_version
     if body.status in ("succeeded", "failed"):
         ev.finished_at = utcnow()
+    return ev
+
+
+def heartbeat(session: Session, evaluation_id: int) -> Evaluation:
+    """A running evaluation's lease renewed (its job beats while lm-eval scores the tasks)."""
+    ev = session.get(Evaluation, evaluation_id, with_for_update=True)
+    if ev is None:
+        raise NotFound(f"evaluation {evaluation_id} does not exist")
+    if ev.status == "running":
+        ev.heartbeat_at = utcnow()
     return ev
 
 

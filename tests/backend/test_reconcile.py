@@ -153,3 +153,43 @@ def test_a_worker_writing_to_a_queued_run_does_not_wait_while_the_pass_asks_the_
     # The run that reported `running` meanwhile is not sent again; the other still queued one is.
     assert done == [{"requeued": [], "failed": [], "resent": [ids[0]]}]
     assert _queued_messages(broker) == 3
+
+
+def test_an_evaluation_whose_worker_died_is_failed_with_the_reason_and_its_run_can_be_deleted(api, broker):
+    """An evaluation's job was killed while lm-eval scored: the evaluation stayed `running` for ever, and deleting
+    its run or experiment was refused for ever (a review). Its heartbeats renew the lease; once they stop for
+    PLAB_STALE_S the reconciler fails it, saying how to start it again."""
+    from backend.models import Evaluation
+
+    exp = api.post("/api/v1/experiments", json={**EXPERIMENT, "recipes": ["bf16"]}).json()
+    rid = exp["runs"][0]["id"]
+    for status in ("running", "succeeded"):
+        assert api.post(f"/api/v1/runs/{rid}/status", json={"status": status}).status_code == 200
+    with _session(api) as s:
+        live, legacy = Evaluation(run_id=rid, tasks=["plab_piqa"]), Evaluation(run_id=rid, tasks=["plab_arc_easy"])
+        s.add_all([live, legacy])
+        s.commit()
+        eid, old = live.id, legacy.id
+    assert api.post(f"/api/v1/evaluations/{eid}/status", json={"status": "running"}).status_code == 200
+    beat = api.post(f"/api/v1/evaluations/{eid}/heartbeat")
+    assert beat.status_code == 200 and beat.json()["status"] == "running"
+    with _session(api) as s:  # one running since before heartbeats existed: judged by its creation time
+        ev = s.get(Evaluation, old)
+        ev.status, ev.created_at = "running", utcnow() - timedelta(minutes=10)
+        s.commit()
+    assert _pass(api).get("evaluations_failed") == [old]
+    assert api.get(f"/api/v1/evaluations/{eid}").json()["status"] == "running"  # heartbeat fresh
+    assert api.delete(f"/api/v1/runs/{rid}").status_code == 409
+
+    with _session(api) as s:
+        s.get(Evaluation, eid).heartbeat_at = utcnow() - timedelta(seconds=120)
+        s.commit()
+    assert _pass(api).get("evaluations_failed") == [eid]
+    ev = api.get(f"/api/v1/evaluations/{eid}").json()
+    assert ev["status"] == "failed" and ev["finished_at"] is not None
+    assert ev["error_message"].startswith("the evaluation's worker stopped heartbeating (last heartbeat ")
+    assert ev["error_message"].endswith(f"; start it again with POST /api/v1/runs/{rid}/evaluations "
+                                        f"(plab eval {rid} --tasks ...)")
+    late = api.post(f"/api/v1/evaluations/{eid}/heartbeat")  # a late beat of the killed job changes nothing
+    assert late.status_code == 200 and late.json()["status"] == "failed"
+    assert api.delete(f"/api/v1/runs/{rid}").status_code == 204

@@ -224,3 +224,27 @@ def test_only_a_later_attempt_of_the_same_message_may_take_over_a_fresh_lease():
     assert not _later_attempt("gpu-host-1 (task 9a8b7c attempt 2)", held)  # another message
     assert not _later_attempt("gpu-host-1", held) and not _later_attempt(held, "gpu-host-1")
     assert not _later_attempt("slurm job 12 (node1)", held)
+
+
+def test_an_evaluation_job_renews_its_lease_while_it_scores(client, monkeypatch):
+    """workers.jobs.evaluate.run beats while lm-eval runs (the reconciler fails a running evaluation whose beats
+    stop): here lm-eval's part is a pause of a few heartbeat intervals."""
+    import time
+
+    from workers.jobs import evaluate as evaluate_job
+
+    eid = new_evaluation(client)
+    beats = []
+    real = client.evaluation_heartbeat
+
+    def counted(evaluation_id):
+        beats.append(evaluation_id)
+        return real(evaluation_id)
+
+    monkeypatch.setenv("PLAB_HEARTBEAT_S", "0.05")  # read when the job starts (plab.settings.get_settings)
+    monkeypatch.setattr(evaluate_job.PlabClient, "from_env", classmethod(lambda cls, *a, **k: client))
+    monkeypatch.setattr(client, "evaluation_heartbeat", counted)
+    monkeypatch.setattr(evaluate_job, "_evaluate", lambda *_a: time.sleep(0.5) or {"lm_eval_version": "test"})
+    assert evaluate_job.run(eid) == 0
+    assert len(beats) >= 3 and set(beats) == {eid}
+    assert client.get_evaluation(eid)["status"] == "succeeded"

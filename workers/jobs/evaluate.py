@@ -12,6 +12,7 @@ from plab.settings import get_settings
 from training.evaluation.heldout import trained_context, validation_text
 from workers.client import PlabClient
 from workers.jobs import EXIT_OK, EXIT_SKIPPED, UNREPORTED, child_command, child_main, error_message
+from workers.jobs.lease import Heartbeat
 
 KIND = "evaluation"
 MODULE = "workers.jobs.evaluate"
@@ -47,11 +48,14 @@ def run(evaluation_id: int) -> int:
         print(f"[plab] evaluation {evaluation_id} is '{job['status']}'; nothing to do")
         return EXIT_SKIPPED
     client.set_evaluation_status(evaluation_id, "running")
+    beat = Heartbeat(client, evaluation_id, get_settings().heartbeat_s, beat=client.evaluation_heartbeat)
     try:
         result = _evaluate(client, evaluation_id, job)
     except BaseException as e:  # noqa: BLE001 - reported, then re-raised as an exit code
+        beat.stop()
         client.set_evaluation_status(evaluation_id, "failed", error_message=error_message(e))
         raise
+    beat.stop()
     client.set_evaluation_status(evaluation_id, "succeeded", lm_eval_version=result.get("lm_eval_version"))
     return EXIT_OK
 

@@ -16,6 +16,7 @@ import threading
 from plab.settings import get_settings
 from training.sink import MetricSink
 from workers.client import ApiError, MetricStreamer, PlabClient
+from workers.jobs.lease import Heartbeat
 from workers.jobs import (EXIT_OK, EXIT_SKIPPED, JOB_ATTEMPT_ENV, UNREPORTED, child_command, child_main,
                           error_message)
 
@@ -223,39 +224,6 @@ def run(run_id: int) -> int:
     if rank == 0:
         _report(client, run_id, result)
     return EXIT_OK
-
-
-class Heartbeat:
-    """Renews the run's lease every `interval` seconds from a thread while the job runs: the API's reconciler
-    takes a run whose heartbeats stop (its worker died) and sends it to another worker."""
-
-    def __init__(self, client: PlabClient, run_id: int, interval: float, on_lost=None, on_cancel=None):
-        self._on_cancel = on_cancel
-        self.lost = False  # the API gave the run to another job (this one missed its heartbeats): stop, unreported
-        self._on_lost = on_lost
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(client, run_id, interval), daemon=True,
-                                        name=f"plab-heartbeat-{run_id}")
-        self._thread.start()
-
-    def _loop(self, client: PlabClient, run_id: int, interval: float) -> None:
-        while not self._stop.wait(interval):
-            try:
-                answer = client.heartbeat(run_id)
-            except Exception as e:  # noqa: BLE001 - a missed beat is retried at the next interval
-                print(f"[plab] heartbeat of run {run_id} failed: {e}", flush=True)
-                continue
-            if answer.get("cancel_requested") and self._on_cancel is not None:
-                self._on_cancel()  # reaches the loop even while metric posts fail
-            if answer.get("status") == "queued":  # the reconciler took the run back
-                self.lost = True
-                if self._on_lost is not None:
-                    self._on_lost()
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 def _portable(path) -> str:

@@ -36,6 +36,13 @@ def update_evaluation_status(evaluation_id: ObjectId, body: EvaluationStatusUpda
     return evaluations.evaluation_out(session, evaluations.update_status(session, evaluation_id, body))
 
 
+@router.post("/evaluations/{evaluation_id}/heartbeat", response_model=EvaluationOut, dependencies=WRITE)
+def evaluation_heartbeat(evaluation_id: ObjectId, session: SessionDep):
+    """A running evaluation's job renews its lease (worker-facing): the API's reconciler fails an evaluation whose
+    heartbeats stop for PLAB_STALE_S (its worker died)."""
+    return evaluations.evaluation_out(session, evaluations.heartbeat(session, evaluation_id))
+
+
 @router.post("/evaluations/{evaluation_id}/results", status_code=201, dependencies=WRITE)
 def store_task_result(evaluation_id: ObjectId, body: EvalTaskResultIn, session: SessionDep):
     """One task's result, while the evaluation is queued or running (a task posted again replaces its result): 409

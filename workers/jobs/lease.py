@@ -1,0 +1,41 @@
+"""A job's lease: the heartbeat thread every worker job runs while it works (a run's training, an evaluation)."""
+from __future__ import annotations
+
+import threading
+
+from workers.client import PlabClient
+
+
+class Heartbeat:
+    """Renews a job's lease every `interval` seconds from a thread while the job runs: the API's reconciler takes
+    a run whose heartbeats stop (its worker died) and sends it to another worker, and fails such an evaluation.
+    `beat(job_id)` is the request (a run's by default; `client.evaluation_heartbeat` for an evaluation)."""
+
+    def __init__(self, client: PlabClient, run_id: int, interval: float, on_lost=None, on_cancel=None, beat=None):
+        self._beat = beat or client.heartbeat
+        self._on_cancel = on_cancel
+        self.lost = False  # the API gave the run to another job (this one missed its heartbeats): stop, unreported
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(client, run_id, interval), daemon=True,
+                                        name=f"plab-heartbeat-{run_id}")
+        self._thread.start()
+
+    def _loop(self, client: PlabClient, run_id: int, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                answer = self._beat(run_id)
+            except Exception as e:  # noqa: BLE001 - a missed beat is retried at the next interval
+                print(f"[plab] heartbeat of job {run_id} failed: {e}", flush=True)
+                continue
+            if answer.get("cancel_requested") and self._on_cancel is not None:
+                self._on_cancel()  # reaches the loop even while metric posts fail
+            if answer.get("status") == "queued":  # the reconciler took the run back
+                self.lost = True
+                if self._on_lost is not None:
+                    self._on_lost()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
