@@ -332,6 +332,7 @@ class StatusUpdate(Strict):
 class HeartbeatOut(BaseModel):
     status: str
     cancel_requested: bool
+    worker_host: str | None = Field(default=None, description="the job that holds the run (its claim's worker_host)")
 
 
 def _distinct_tags(tags: list[str] | None) -> list[str] | None:

@@ -118,8 +118,8 @@ class PlabClient:
         return self._request("PUT", f"/workers/{name}", json={"queues": queues, "slots": slots,
                                                                "gpus_per_slot": gpus_per_slot, "launcher": launcher})
 
-    def heartbeat(self, run_id: int) -> dict:
-        return self._request("POST", f"/runs/{run_id}/heartbeat")
+    def heartbeat(self, run_id: int, holder: str | None = None) -> dict:
+        return self._request("POST", f"/runs/{run_id}/heartbeat", params={"holder": holder} if holder else None)
 
     def update_run(self, run_id: int, *, retries: int | None = None, **fields) -> dict:
         """Informational fields of a run (conversion report, GEMM backend, summary) without a status change."""

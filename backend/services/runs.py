@@ -264,12 +264,14 @@ def _aware(t):
     return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
 
 
-def heartbeat(session: Session, run_id: int) -> Run:
-    """A running job's lease renewed; the answer tells it whether to stop."""
+def heartbeat(session: Session, run_id: int, holder: str | None = None) -> Run:
+    """A running job's lease renewed; the answer tells it whether to stop. A job naming itself (`holder`, its
+    claim's worker_host) renews only its own lease: a job stalled past its lease (SIGSTOP, a frozen host) whose run
+    another job has claimed since kept that job's lease fresh, so the second job's death went unnoticed."""
     run = session.get(Run, run_id, with_for_update=True)
     if run is None:
         raise NotFound(f"run {run_id} does not exist")
-    if run.status == "running":
+    if run.status == "running" and (holder is None or run.worker_host is None or holder == run.worker_host):
         run.heartbeat_at = utcnow()
     return run
 

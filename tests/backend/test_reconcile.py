@@ -66,7 +66,8 @@ def test_a_second_job_cannot_claim_a_run_another_job_holds(api, broker):
     assert api.post(f"/api/v1/runs/{rid}/status", json={"status": "running"}).status_code == 200
     second = api.post(f"/api/v1/runs/{rid}/status", json={"status": "running"})
     assert second.status_code == 409 and "another job" in second.json()["detail"]
-    assert api.post(f"/api/v1/runs/{rid}/heartbeat").json() == {"status": "running", "cancel_requested": False}
+    assert api.post(f"/api/v1/runs/{rid}/heartbeat").json() == {"status": "running", "cancel_requested": False,
+                                                                 "worker_host": None}
     _age(api, rid, heartbeat_at=utcnow() - timedelta(minutes=5))
     assert api.post(f"/api/v1/runs/{rid}/status", json={"status": "running"}).status_code == 200
 
@@ -193,3 +194,24 @@ def test_an_evaluation_whose_worker_died_is_failed_with_the_reason_and_its_run_c
     late = api.post(f"/api/v1/evaluations/{eid}/heartbeat")  # a late beat of the killed job changes nothing
     assert late.status_code == 200 and late.json()["status"] == "failed"
     assert api.delete(f"/api/v1/runs/{rid}").status_code == 204
+
+
+def test_a_job_that_lost_its_run_to_another_job_renews_nothing_and_is_told(api, broker):
+    """A job stalled past its lease (SIGSTOP, a frozen host) whose run the reconciler gave to another job: its
+    heartbeats kept the other job's lease fresh and told it nothing, so both trained the run (a review). Naming
+    itself, it renews only its own lease, and the answer names the holder."""
+    exp = api.post("/api/v1/experiments", json={**EXPERIMENT, "recipes": ["bf16"]}).json()
+    rid = exp["runs"][0]["id"]
+    old, new = "host-a (task 11 attempt 1)", "host-b (task 22 attempt 1)"
+    assert api.post(f"/api/v1/runs/{rid}/status", json={"status": "running", "worker_host": old}).status_code == 200
+    _age(api, rid, heartbeat_at=utcnow() - timedelta(seconds=120))
+    assert _pass(api)["requeued"] == [rid]
+    assert api.post(f"/api/v1/runs/{rid}/status", json={"status": "running", "worker_host": new}).status_code == 200
+    _age(api, rid, heartbeat_at=utcnow() - timedelta(seconds=50))
+    answer = api.post(f"/api/v1/runs/{rid}/heartbeat", params={"holder": old}).json()
+    assert answer == {"status": "running", "cancel_requested": False, "worker_host": new}
+    assert _pass(api, stale_s=40.0)["requeued"] == [rid]  # the old job's beat did not keep the lease fresh
+    assert api.post(f"/api/v1/runs/{rid}/status", json={"status": "running", "worker_host": new}).status_code == 200
+    _age(api, rid, heartbeat_at=utcnow() - timedelta(seconds=50))
+    api.post(f"/api/v1/runs/{rid}/heartbeat", params={"holder": new})
+    assert _pass(api, stale_s=40.0)["requeued"] == []  # its own beat renews it

@@ -248,3 +248,25 @@ def test_an_evaluation_job_renews_its_lease_while_it_scores(client, monkeypatch)
     assert evaluate_job.run(eid) == 0
     assert len(beats) >= 3 and set(beats) == {eid}
     assert client.get_evaluation(eid)["status"] == "succeeded"
+
+
+def test_a_heartbeat_that_finds_its_run_claimed_by_another_job_stops_the_job(client):
+    import threading
+
+    from workers.jobs.lease import Heartbeat
+
+    run = new_run(client)
+    client.set_status(run["id"], "running", worker_host="host-b (task 22 attempt 1)")
+    lost = threading.Event()
+    beat = Heartbeat(client, run["id"], 0.05, on_lost=lost.set, holder="host-a (task 11 attempt 1)")
+    try:
+        assert lost.wait(10)
+    finally:
+        beat.stop()
+    assert beat.lost
+    mine = threading.Event()
+    own = Heartbeat(client, run["id"], 0.05, on_lost=mine.set, holder="host-b (task 22 attempt 1)")
+    try:
+        assert not mine.wait(0.5)
+    finally:
+        own.stop()

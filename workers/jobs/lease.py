@@ -11,8 +11,11 @@ class Heartbeat:
     a run whose heartbeats stop (its worker died) and sends it to another worker, and fails such an evaluation.
     `beat(job_id)` is the request (a run's by default; `client.evaluation_heartbeat` for an evaluation)."""
 
-    def __init__(self, client: PlabClient, run_id: int, interval: float, on_lost=None, on_cancel=None, beat=None):
-        self._beat = beat or client.heartbeat
+    def __init__(self, client: PlabClient, run_id: int, interval: float, on_lost=None, on_cancel=None, beat=None,
+                 holder: str | None = None):
+        # a run's job names itself (its claim's worker_host): the answer then says whether it still holds the run
+        self._holder = holder
+        self._beat = beat or (lambda job_id: client.heartbeat(job_id, holder))
         self._on_cancel = on_cancel
         self.lost = False  # the API gave the run to another job (this one missed its heartbeats): stop, unreported
         self._on_lost = on_lost
@@ -30,7 +33,9 @@ class Heartbeat:
                 continue
             if answer.get("cancel_requested") and self._on_cancel is not None:
                 self._on_cancel()  # reaches the loop even while metric posts fail
-            if answer.get("status") == "queued":  # the reconciler took the run back
+            taken = (self._holder is not None and answer.get("status") == "running"
+                     and answer.get("worker_host") not in (None, self._holder))  # claimed by another job since
+            if answer.get("status") == "queued" or taken:  # the reconciler took the run back
                 self.lost = True
                 if self._on_lost is not None:
                     self._on_lost()

@@ -194,7 +194,8 @@ def run(run_id: int) -> int:
             if streamer is not None:
                 streamer.close()
             return EXIT_SKIPPED
-        beat = Heartbeat(client, run_id, get_settings().heartbeat_s, on_lost=stop.set, on_cancel=stop.set)
+        beat = Heartbeat(client, run_id, get_settings().heartbeat_s, on_lost=stop.set, on_cancel=stop.set,
+                         holder=holder())
     sink = ApiSink(client, run_id, streamer)
     try:
         spec = RunSpec.from_dict(record["spec"])

@@ -64,10 +64,14 @@ def update_status(run_id: ObjectId, body: StatusUpdate, session: SessionDep, req
 
 
 @router.post("/{run_id}/heartbeat", response_model=HeartbeatOut, dependencies=WRITE)
-def heartbeat(run_id: ObjectId, session: SessionDep):
-    """A running job renews its lease (every PLAB_HEARTBEAT_S); the answer says whether to stop."""
-    run = runs.heartbeat(session, run_id)
-    return HeartbeatOut(status=run.status, cancel_requested=run.cancel_requested)
+def heartbeat(run_id: ObjectId, session: SessionDep,
+              holder: str | None = Query(None, max_length=200, description="the job's worker_host, as it claimed "
+                                         "the run: a job that no longer holds the run renews nothing")):
+    """A running job renews its lease (every PLAB_HEARTBEAT_S); the answer says whether to stop: the run's status,
+    whether its cancel was requested, and who holds it (a job that lost its lease while it was stalled, and whose
+    run another job has claimed since, sees another holder and stops)."""
+    run = runs.heartbeat(session, run_id, holder)
+    return HeartbeatOut(status=run.status, cancel_requested=run.cancel_requested, worker_host=run.worker_host)
 
 
 @router.patch("/{run_id}", response_model=RunOut, dependencies=WRITE)
