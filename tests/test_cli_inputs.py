@@ -44,6 +44,8 @@ def test_a_bad_flag_is_refused_by_the_parser(argv, message, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["worker", "--gpus", "0", "--slots", "2"], "--slots 2 is for CPU jobs; with --gpus each listed GPU is one slot"),
+    (["worker", "--gpus", "0,1"], "--gpus: GPU 0, 1 is not on this machine (no CUDA GPU visible); list existing "
+                                  "ones, or leave --gpus out for CPU slots"),
     (["demo", "--recipes", "bf16,fp9"], "--recipes: unknown recipe 'fp9'; choose one of bf16, fp8_delayed"),
     (["demo", "--recipes", ","], "--recipes names no recipe; give e.g. --recipes bf16,fp8_tensorwise"),
     (["eval", "3", "--tasks", ","], "--tasks names no task"),

@@ -85,7 +85,8 @@ def _list_corpus_files(path: Path, field: str) -> list[Path]:
                               f"{', '.join(TEXT_SUFFIXES + DOCUMENT_SUFFIXES)}")
         return [path]
     if not path.is_dir():
-        raise CorpusError(f"{field} {text!r} does not exist; give a name under PLAB_DATA_DIR, a path or a glob")
+        raise CorpusError(f"{field} {text!r} does not exist; give a name under PLAB_DATA_DIR (a relative path is read "
+                          f"from there, not from the current folder), an absolute path or a glob")
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         raise CorpusError(f"{field} {text!r} is a datasets DatasetDict; name one split's folder, e.g. "

@@ -70,6 +70,19 @@ def parse_gpus(spec: str | None) -> list[str]:
     return gpus
 
 
+def _check_gpus_exist(gpus: list[str]) -> None:
+    """Each listed index names a CUDA GPU this process sees (after CUDA_VISIBLE_DEVICES): a worker that started
+    with one missing took GPU jobs and failed every one of them."""
+    import torch
+
+    count = torch.cuda.device_count()
+    missing = [g for g in gpus if int(g) >= count]
+    if missing:
+        have = f"{count} CUDA GPU(s), indices 0 to {count - 1}" if count else "no CUDA GPU"
+        raise UsageError(f"--gpus: GPU {', '.join(missing)} is not on this machine ({have} visible); list "
+                         f"existing ones, or leave --gpus out for CPU slots")
+
+
 def worker_plan(gpus: list[str], slots: int | None, multi_gpu: bool, queues: str | None,
                 device_kind: str | None) -> dict:
     """How a worker maps its devices to pool slots and which queues it reads."""
@@ -102,6 +115,8 @@ def cmd_worker(args) -> int:
                              f"(or --multi-gpu: one job over all of them)")
         print(f"[plab] worker: --slots {args.slots} ignored: --gpus all found {len(gpus)} GPU(s), one slot each",
               flush=True)
+    if gpus and args.gpus != "all":
+        _check_gpus_exist(gpus)
     plan = worker_plan(gpus, args.slots, args.multi_gpu, args.queues, args.device_kind)
     # Read by each pool process as it starts (workers.tasks pins slot i to the i-th entry).
     os.environ["PLAB_WORKER_SLOTS"] = ";".join(plan["slots"])

@@ -95,7 +95,8 @@ def test_a_corpus_typo_is_refused_at_submission_where_the_api_holds_the_data(api
     assert r.status_code == 422
     detail = r.json()["detail"]
     assert detail.startswith("the run spec of recipe bf16: data.corpus ")  # the baseline, which the experiment adds first
-    assert detail.endswith("does not exist; give a name under PLAB_DATA_DIR, a path or a glob (data directory: "
+    assert detail.endswith("does not exist; give a name under PLAB_DATA_DIR (a relative path is read from there, not "
+                           "from the current folder), an absolute path or a glob (data directory: "
                            f"{os.environ['PLAB_DATA_DIR']}); did you mean tinyshakespeare?")
     init = {**EXPERIMENT, "model": {"init_from": "tinyshakespeare"}}
     assert "is not a Hugging Face checkpoint folder" in api.post("/api/v1/experiments", json=init).json()["detail"]
