@@ -270,3 +270,22 @@ def test_a_heartbeat_that_finds_its_run_claimed_by_another_job_stops_the_job(cli
         assert not mine.wait(0.5)
     finally:
         own.stop()
+
+
+def test_a_failed_rows_message_is_the_users_error_alone_or_the_exception_with_its_traceback():
+    """A spec or corpus error says what to fix; its traceback (the training library's frames) was noise in the
+    row's error. Any other exception keeps the end of its traceback for whoever debugs it."""
+    from training import launch  # noqa: F401 - imported by every job that opens a spec
+    from training.config import SpecError
+    from workers.jobs import error_message
+
+    def raised(exc):
+        try:
+            raise exc
+        except BaseException as e:  # noqa: BLE001
+            return e
+
+    spec = raised(SpecError("keep_bf16 pattern(s) ['layer.0.*'] match no linear layer"))
+    assert error_message(spec) == "SpecError: keep_bf16 pattern(s) ['layer.0.*'] match no linear layer"
+    other = error_message(raised(RuntimeError("CUDA error: an illegal memory access")))
+    assert other.startswith("RuntimeError: CUDA error: an illegal memory access\n\nTraceback") and "raised" in other

@@ -43,9 +43,18 @@ def child_command(module: str, job_id: int) -> list[str]:
 
 
 def error_message(exc: BaseException) -> str:
-    """What a failed row shows: the exception and the end of its traceback, within the API's 100,000 characters."""
+    """What a failed row shows: the exception and the end of its traceback, within the API's 100,000 characters;
+    for an error in what the user gave (the spec, the corpus, a recipe's options: training.launch.INPUT_ERRORS),
+    whose message says what to fix, the message alone."""
+    if _input_error(exc):
+        return f"{type(exc).__name__}: {exc}"[:100_000]
     tb = "".join(traceback.format_exception(exc)[-6:])
     return f"{type(exc).__name__}: {exc}\n\n{tb}"[:100_000]
+
+
+def _input_error(exc: BaseException) -> bool:
+    launch = sys.modules.get("training.launch")  # a job that got this far has imported it; the worker need not
+    return launch is not None and isinstance(exc, launch.INPUT_ERRORS)
 
 
 def child_main(run: Callable[[int], int], module: str, argv: list[str] | None = None) -> int:
