@@ -113,6 +113,20 @@ def superseded(record: dict, sent_at: str) -> str | None:
             f"(message {record.get('dispatch_id')}): that one stands for it")
 
 
+def _claim_folder(run_id: int, record: dict) -> str | None:
+    """Make PLAB_HOME/runs/<id> the run's before its job starts (`plab.run_folder.claim`: a folder of another
+    database's run <id> is moved aside, never resumed from). Returns why it cannot be written (the run fails with
+    it, before any step is trained), or None."""
+    home = get_settings().home
+    try:
+        run_folder.claim(home, run_folder.identity(run_id, record["experiment_id"], record["created_at"]),
+                         started_before=(record.get("attempts") or 0) > 0)
+    except OSError as e:
+        return (f"the run's folder {run_folder.folder_of(home, run_id)} cannot be written on this worker "
+                f"({e.strerror or e}): give PLAB_HOME a folder the worker may write")
+    return None
+
+
 def run_job(task: Task, job: Job, job_id: int, **options) -> int:
     """Run `job` in a child process and make sure its row ends with an outcome. Returns the child's exit code."""
     log.info("%s %s: starting job, attempt %s", job.KIND, job_id, task.request.retries + 1)
@@ -126,10 +140,11 @@ def run_job(task: Task, job: Job, job_id: int, **options) -> int:
             log.warning("%s %s: skipped: %s", job.KIND, job_id, stale)
             return EXIT_SKIPPED
         if record["status"] in UNREPORTED and not record.get("external"):
-            # runs/<id> may hold another database's run <id> (PLAB_HOME outlived a database): never resumed
-            run_folder.claim(get_settings().home, run_folder.identity(job_id, record["experiment_id"],
-                                                                      record["created_at"]),
-                             started_before=(record.get("attempts") or 0) > 0)
+            problem = _claim_folder(job_id, record)
+            if problem is not None:
+                with PlabClient.from_env() as client:
+                    job.mark_failed(client, job_id, problem)
+                return EXIT_SKIPPED
     if job is train and os.environ.get("PLAB_LAUNCHER") == "slurm":
         from workers.slurm import run_train
 

@@ -8,7 +8,7 @@ import sys
 from plab import run_folder
 from tests.workers.conftest import new_run
 from tests.workers.test_job_tasks import job_task
-from workers.jobs import train
+from workers.jobs import EXIT_SKIPPED, train
 
 OTHER = run_folder.identity(1, 7, "2026-11-01T09:00:00.123456+00:00")
 
@@ -84,3 +84,17 @@ def test_a_deletion_removes_the_runs_own_folder_and_leaves_another_runs(tmp_path
     assert run_folder.remove(tmp_path, mine, started_before=True) and not (tmp_path / "runs" / "1").exists()
     folder = _other_runs_folder(tmp_path, 1)
     assert not run_folder.remove(tmp_path, mine, started_before=True) and (folder / "checkpoints").exists()
+
+
+def test_a_run_folder_the_worker_cannot_write_fails_the_run_before_it_trains(client, api_env):
+    """A file where runs/<id> should be (or a folder without write permission): the run fails at once, saying
+    which folder, instead of training until its first checkpoint (or the job erring and the run staying queued)."""
+    run = new_run(client)
+    (api_env.home / "runs").mkdir(exist_ok=True)
+    (api_env.home / "runs" / str(run["id"])).write_text("not a folder")
+    task = job_task(train, lambda _id: [sys.executable, "-c", "raise SystemExit('the child must not start')"])
+    assert task.apply(args=[run["id"]]).get() == EXIT_SKIPPED  # the child never started
+    stored = client.get_run(run["id"])
+    assert stored["status"] == "failed"
+    assert stored["error_message"].startswith(f"the run's folder {api_env.home / 'runs' / str(run['id'])} cannot be "
+                                              f"written on this worker")

@@ -42,7 +42,9 @@ def validation_file(home, run_id: int, spec: dict):
 
 
 def run(evaluation_id: int) -> int:
-    client = PlabClient.from_env()
+    # As patient as a training job (about 10 minutes of retries): a short API outage while lm-eval scored lost the
+    # evaluation's work (5 retries, ~15 s) and stored no reason.
+    client = PlabClient.from_env(retries=60)
     job = client.get_evaluation_job(evaluation_id)
     if job["status"] not in UNREPORTED:
         print(f"[plab] evaluation {evaluation_id} is '{job['status']}'; nothing to do")
