@@ -186,52 +186,44 @@ def test_submit_prints_the_experiment_or_the_servers_reason(served, tmp_path, ca
                                        "exist\n")
 
 
-def test_ctrl_c_ends_a_command_with_status_130_and_no_traceback(tmp_path):
-    """A real SIGINT to `plab train` while it trains: one line, the shell's status for SIGINT, and the same command
-    resumes from the checkpoint the run wrote."""
+def _train_interrupted(tmp_path, training: str, after_step: int) -> str:
+    """`plab train` on a tiny spec given a real SIGINT once it printed `after_step`: its stderr, after checking the
+    shell's status for SIGINT and that no traceback was printed."""
     import signal
 
     spec = tmp_path / "run.yaml"
     spec.write_text("model: tiny\ndata: {corpus: tinyshakespeare, vocab_size: 512, seq_len: 64}\n"
-                    "training: {steps: 100000, batch_size: 2, warmup_steps: 1, checkpoint_every: 2}\n")
-    env = dict(os.environ, PLAB_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "plab.cli", "train", str(spec), "--output", str(tmp_path / "out"),
-                             "--print-every", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:  # trained a few steps, so a checkpoint exists
-        if line.startswith("step      4"):
-            break
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
-    last = sorted((tmp_path / "out" / "checkpoints").iterdir())[-1]
-    assert err.endswith(f"plab: interrupted (the same command resumes the run from its last checkpoint, "
-                        f"{tmp_path / 'out' / last.name})\n"), err[-500:]
-    assert "Traceback" not in err
-
-
-def test_ctrl_c_before_the_first_checkpoint_says_the_steps_are_lost(tmp_path):
-    """checkpoint_every 0 (the default) writes a checkpoint at the end only: an interrupted run has none, and the
-    message said the same command would resume it."""
-    import signal
-
-    spec = tmp_path / "run.yaml"
-    spec.write_text("model: tiny\ndata: {corpus: tinyshakespeare, vocab_size: 512, seq_len: 64}\n"
-                    "training: {steps: 100000, batch_size: 2, warmup_steps: 1}\n")
+                    f"training: {{steps: 100000, batch_size: 2, warmup_steps: 1{training}}}\n")
     env = dict(os.environ, PLAB_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "plab.cli", "train", str(spec), "--output", str(tmp_path / "out"),
                              "--print-every", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
-        if line.startswith("step      2"):
+        if line.startswith(f"step {after_step:>6}"):
             break
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    return err
+
+
+def test_ctrl_c_ends_a_command_with_status_130_and_no_traceback(tmp_path):
+    """A real SIGINT to `plab train` while it trains: one line, the shell's status for SIGINT, and the same command
+    resumes from the checkpoint the run wrote."""
+    err = _train_interrupted(tmp_path, ", checkpoint_every: 2", after_step=4)  # a checkpoint exists by then
+    last = sorted((tmp_path / "out" / "checkpoints").iterdir())[-1]
+    assert err.endswith(f"plab: interrupted (the same command resumes the run from its last checkpoint, "
+                        f"{tmp_path / 'out' / last.name})\n"), err[-500:]
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_the_steps_are_lost(tmp_path):
+    """checkpoint_every 0 (the default) writes a checkpoint at the end only: an interrupted run has none, and the
+    message said the same command would resume it."""
+    err = _train_interrupted(tmp_path, "", after_step=2)
     assert err.endswith("plab: interrupted before the run wrote a checkpoint (training.checkpoint_every: 0, one at "
                         "the end only): the same command starts it again from its first step; set "
                         "training.checkpoint_every to keep the steps a run has trained\n"), err[-500:]
-    assert "Traceback" not in err
 
 
 def test_a_home_that_cannot_be_made_is_named_not_a_traceback(tmp_path, monkeypatch, capsys):
