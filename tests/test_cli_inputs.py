@@ -311,3 +311,30 @@ def test_no_resume_sets_an_earlier_runs_checkpoints_aside_instead_of_mixing_with
     assert json.loads(printed[printed.index("{"):])["checkpoint"].endswith("step_00000004")
     assert main(["train", spec("short.yaml", 4, "1e-3"), "--output", str(out)]) == 0  # its own: resumed (done)
     assert f"resumed from {out / 'checkpoints' / 'step_00000004'} (step 4)" in capsys.readouterr().out
+
+
+def test_eval_wait_says_what_may_be_wrong_when_nothing_takes_the_evaluation(served, monkeypatch, capsys):
+    """`plab eval RUN --wait` with no worker, or a message the broker lost: it waited in silence for ever (a
+    review). After QUEUED_HINT_S it says what may be wrong, once, and keeps waiting until Ctrl-C."""
+    from plab.cli import evaluate as cli_eval
+
+    http = httpx.Client(base_url=served)
+    exp = http.post("/api/v1/experiments", json={"name": "wait", "model": "tiny", "recipes": ["bf16"], "enqueue": False,
+                                                 "data": {"corpus": "tinyshakespeare", "vocab_size": 512,
+                                                          "seq_len": 64}}).json()
+    rid = exp["runs"][0]["id"]
+    for status in ("running", "succeeded"):
+        assert http.post(f"/api/v1/runs/{rid}/status", json={"status": status}).status_code == 200
+    assert http.post(f"/api/v1/runs/{rid}/artifacts", json={"kind": "checkpoint", "path": "/ckpt/final",
+                                                             "step": 1}).status_code == 201
+    sleeps = []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) == 3:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(cli_eval, "QUEUED_HINT_S", 0.0)
+    monkeypatch.setattr(cli_eval.time, "sleep", sleep)
+    assert main(["eval", str(rid), "--tasks", "plab_piqa", "--wait", "--api-url", served]) == 130
+    out = capsys.readouterr().out
+    assert out.count("is still queued after 0 minutes: no worker has taken it. Is a worker running (plab worker)?") == 1

@@ -7,6 +7,9 @@ from pathlib import Path
 
 from plab.cli.common import UsageError, api_call, whole_number
 
+# `--wait`: how long an evaluation may stay queued before the wait says what may be wrong
+QUEUED_HINT_S = 300.0
+
 
 def cmd_eval(argv: list[str]) -> int:
     """`plab eval RUN_ID --tasks a,b [--limit N] [--wait]` starts an evaluation job through the API; anything else
@@ -39,10 +42,17 @@ def _eval_run_via_api(argv: list[str]) -> int:
     if not a.wait:
         return 0
     client.retries = 5  # waiting: a server restarting meanwhile is waited for (~15 s), as the workers wait
+    since, hinted = time.monotonic(), False
     while ev["status"] in ("queued", "running"):
         time.sleep(2)
         with api_call(client.base_url, f"reading evaluation {ev['id']}"):
             ev = client.get_evaluation(ev["id"])
+        if ev["status"] == "queued" and not hinted and time.monotonic() - since >= QUEUED_HINT_S:
+            hinted = True
+            print(f"evaluation {ev['id']} is still queued after {QUEUED_HINT_S / 60:g} minutes: no worker has taken "
+                  f"it. Is a worker running (plab worker)? If the broker lost its message (a Redis restart without "
+                  f"persistence), start it again with the same command. Still waiting (Ctrl-C stops waiting; the "
+                  f"evaluation stays queued)", flush=True)
     for r in ev["results"]:
         shown = ", ".join(f"{m} {v.get('value'):.4f}" for m, v in (r["metrics"].get("metrics") or {}).items()
                           if isinstance(v, dict) and v.get("value") is not None)
