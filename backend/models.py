@@ -187,6 +187,8 @@ class GemmBenchmark(Base):
     result: Mapped[dict] = mapped_column(JSON, default=dict)
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # the running job's lease (POST /gemm-benchmarks/{id}/heartbeat; the reconciler fails a stale one)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 

@@ -197,6 +197,9 @@ class PlabClient:
     def get_gemm_benchmark(self, benchmark_id: int) -> dict:
         return self._request("GET", f"/gemm-benchmarks/{benchmark_id}")
 
+    def gemm_heartbeat(self, benchmark_id: int) -> dict:
+        return self._request("POST", f"/gemm-benchmarks/{benchmark_id}/heartbeat")
+
     def set_gemm_status(self, benchmark_id: int, status: str, *, result: dict | None = None,
                         device_name: str | None = None, error_message: str | None = None) -> dict:
         body = {"status": status, "result": json_safe(result), "device_name": device_name,

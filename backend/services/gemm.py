@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from backend.errors import Conflict, InvalidInput, NotFound
-from backend.models import Experiment, GemmBenchmark
+from backend.models import Experiment, GemmBenchmark, utcnow
 from backend.schemas import GemmBenchmarkDetail, GemmBenchmarkOut
 
 RESULT_SCHEMA = "plab.gemm_bench/1"
@@ -244,8 +244,20 @@ def update_status(session: Session, benchmark_id: int, *, status: str, device_na
         bench.error_message = error_message or "the benchmark failed without a message"
     if device_name and status != "succeeded":
         bench.device_name = device_name[:200]
+    if status == "running":
+        bench.heartbeat_at = utcnow()
     bench.status = status
     session.flush()
+    return bench
+
+
+def heartbeat(session: Session, benchmark_id: int) -> GemmBenchmark:
+    """A running benchmark's lease renewed (its job beats while it times the GEMMs)."""
+    bench = session.get(GemmBenchmark, benchmark_id, with_for_update=True)
+    if bench is None:
+        raise NotFound(f"GEMM benchmark {benchmark_id} does not exist")
+    if bench.status == "running":
+        bench.heartbeat_at = utcnow()
     return bench
 
 

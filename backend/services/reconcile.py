@@ -10,10 +10,11 @@ locks the rows it changes) it looks at the runs a worker should be training:
 A run whose cancel was requested is not sent again: a job skips such a run, which would then stay `queued` for
 ever (and could not be deleted). `running` with a stale heartbeat, or `queued` with its message gone (or never
 sent), it is marked `cancelled` instead.
-An evaluation `running` with no heartbeat for PLAB_STALE_S is marked `failed` with the reason (it can be started
-again; its results so far stay). A job claims its run when it reports `running` (refused while another job's heartbeat is fresh), so a message
-sent twice never trains a run twice at once. An API process rather than Celery beat: the API already owns the
-database, and a beat process would be one more service to keep alive for the thing that keeps services alive.
+An evaluation or GEMM benchmark `running` with no heartbeat for PLAB_STALE_S is marked `failed` with the reason (it
+can be started again; an evaluation's results so far stay).
+A job claims its run when it reports `running` (refused while another job's heartbeat is fresh), so a message sent
+twice never trains a run twice at once. An API process rather than Celery beat: the API already owns the database,
+and a beat process would be one more service to keep alive for the thing that keeps services alive.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from backend.db import transaction
-from backend.models import Evaluation, Run, utcnow
+from backend.models import Evaluation, GemmBenchmark, Run, utcnow
 from backend.services import dispatch
 
 log = logging.getLogger(__name__)
@@ -95,32 +96,36 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
                 done["resent"].append(rid)
             session.commit()
     _cancel_abandoned(session, messages_present, now, grace, done)
-    _fail_silent_evaluations(session, now, stale, done)
+    _fail_silent_jobs(session, now, stale, done)
     if any(done.values()):
         log.warning("reconciler: %s", done)
     return done
 
 
-def _fail_silent_evaluations(session: Session, now: datetime, stale: datetime, done: dict) -> None:
-    """`running` evaluations whose job stopped heartbeating for PLAB_STALE_S (its worker was killed): `failed` with
-    the reason, so the run can be deleted and the evaluation started again. Without this they stayed `running` for
-    ever (the broker had handed their message out; nothing else watches an evaluation). One running since before
-    evaluations had heartbeats is judged by its creation time."""
-    silent = (Evaluation.status == "running",
-              or_(Evaluation.heartbeat_at < stale, (Evaluation.heartbeat_at.is_(None)) & (Evaluation.created_at < stale)))
-    for eid in session.scalars(select(Evaluation.id).where(*silent).order_by(Evaluation.id)).all():
-        ev = session.scalars(select(Evaluation).where(Evaluation.id == eid, *silent)
-                             .with_for_update(skip_locked=True)).first()
-        if ev is not None:
-            last = _aware(ev.heartbeat_at)
-            ev.status, ev.finished_at = "failed", now
-            ev.error_message = ((f"the evaluation's worker stopped heartbeating (last heartbeat "
-                                 f"{last:%Y-%m-%d %H:%M:%S} UTC)" if last else
-                                 "the evaluation's worker stopped heartbeating")
-                                + f"; start it again with POST /api/v1/runs/{ev.run_id}/evaluations "
-                                  f"(plab eval {ev.run_id} --tasks ...)")
-            done.setdefault("evaluations_failed", []).append(ev.id)
-        session.commit()
+def _fail_silent_jobs(session: Session, now: datetime, stale: datetime, done: dict) -> None:
+    """`running` evaluations and GEMM benchmarks whose job stopped heartbeating for PLAB_STALE_S (its worker was
+    killed): `failed` with the reason, so the run can be deleted and the job started again. Without this they stayed
+    `running` for ever (the broker had handed their message out; nothing else watches them). One running since
+    before they had heartbeats is judged by its creation time."""
+    for model, what, key in ((Evaluation, "evaluation", "evaluations_failed"),
+                             (GemmBenchmark, "GEMM benchmark", "gemm_benchmarks_failed")):
+        silent = (model.status == "running",
+                  or_(model.heartbeat_at < stale, model.heartbeat_at.is_(None) & (model.created_at < stale)))
+        for jid in session.scalars(select(model.id).where(*silent).order_by(model.id)).all():
+            job = session.scalars(select(model).where(model.id == jid, *silent)
+                                  .with_for_update(skip_locked=True)).first()
+            if job is not None:
+                last = _aware(job.heartbeat_at)
+                job.status = "failed"
+                if hasattr(job, "finished_at"):
+                    job.finished_at = now
+                again = (f"POST /api/v1/runs/{job.run_id}/evaluations (plab eval {job.run_id} --tasks ...)"
+                         if model is Evaluation else "POST /api/v1/gemm-benchmarks (plab gemm-bench)")
+                job.error_message = (f"the {what}'s worker stopped heartbeating"
+                                     + (f" (last heartbeat {last:%Y-%m-%d %H:%M:%S} UTC)" if last else "")
+                                     + f"; start it again with {again}")
+                done.setdefault(key, []).append(job.id)
+            session.commit()
 
 
 def _cancel(run: Run, now: datetime, message: str) -> None:

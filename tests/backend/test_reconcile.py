@@ -215,3 +215,24 @@ def test_a_job_that_lost_its_run_to_another_job_renews_nothing_and_is_told(api, 
     _age(api, rid, heartbeat_at=utcnow() - timedelta(seconds=50))
     api.post(f"/api/v1/runs/{rid}/heartbeat", params={"holder": new})
     assert _pass(api, stale_s=40.0)["requeued"] == []  # its own beat renews it
+
+
+def test_a_gemm_benchmark_whose_worker_died_is_failed_with_the_reason(api, broker):
+    r = api.post("/api/v1/gemm-benchmarks", json={"request": {"shapes": "64x128x96", "device": "cpu"},
+                                                   "enqueue": False})
+    assert r.status_code == 201, r.text
+    bid = r.json()["id"]
+    assert api.post(f"/api/v1/gemm-benchmarks/{bid}/status", json={"status": "running"}).status_code == 200
+    beat = api.post(f"/api/v1/gemm-benchmarks/{bid}/heartbeat")
+    assert beat.status_code == 200 and beat.json()["status"] == "running"
+    assert "gemm_benchmarks_failed" not in _pass(api)
+    from backend.models import GemmBenchmark
+
+    with _session(api) as s:
+        s.get(GemmBenchmark, bid).heartbeat_at = utcnow() - timedelta(seconds=120)
+        s.commit()
+    assert _pass(api)["gemm_benchmarks_failed"] == [bid]
+    bench = api.get(f"/api/v1/gemm-benchmarks/{bid}").json()
+    assert bench["status"] == "failed" and bench["error_message"].startswith(
+        "the GEMM benchmark's worker stopped heartbeating (last heartbeat ")
+    assert bench["error_message"].endswith("; start it again with POST /api/v1/gemm-benchmarks (plab gemm-bench)")

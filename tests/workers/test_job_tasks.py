@@ -289,3 +289,27 @@ def test_a_failed_rows_message_is_the_users_error_alone_or_the_exception_with_it
     assert error_message(spec) == "SpecError: keep_bf16 pattern(s) ['layer.0.*'] match no linear layer"
     other = error_message(raised(RuntimeError("CUDA error: an illegal memory access")))
     assert other.startswith("RuntimeError: CUDA error: an illegal memory access\n\nTraceback") and "raised" in other
+
+
+def test_a_gemm_benchmark_job_renews_its_lease_while_it_times(client, monkeypatch):
+    import time
+
+    import training.gemm
+    from workers.jobs import gemm as gemm_job
+
+    bid = new_benchmark(client)
+    beats = []
+    real = client.gemm_heartbeat
+    monkeypatch.setenv("PLAB_HEARTBEAT_S", "0.05")
+    monkeypatch.setattr(gemm_job.PlabClient, "from_env", classmethod(lambda cls, *a, **k: client))
+    monkeypatch.setattr(client, "gemm_heartbeat", lambda i: beats.append(i) or real(i))
+    monkeypatch.setattr(client, "close", lambda: None)  # the test's client outlives the job's `with`
+
+    def slow_then_broken(**_):
+        time.sleep(0.5)
+        raise RuntimeError("no GEMMs today")
+    monkeypatch.setattr(training.gemm, "run_gemm_benchmark", slow_then_broken)
+    with pytest.raises(RuntimeError):
+        gemm_job.run(bid)
+    assert len(beats) >= 3 and set(beats) == {bid}
+    assert client.get_gemm_benchmark(bid)["status"] == "failed"

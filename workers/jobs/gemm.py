@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import sys
 
+from plab.settings import get_settings
 from workers.client import PlabClient
 from workers.jobs import EXIT_OK, EXIT_SKIPPED, UNREPORTED, child_command, child_main, error_message
+from workers.jobs.lease import Heartbeat
 
 KIND = "benchmark"
 MODULE = "workers.jobs.gemm"
@@ -39,12 +41,15 @@ def run(benchmark_id: int) -> int:
             print(f"[plab] GEMM benchmark {benchmark_id} is '{bench['status']}'; nothing to do")
             return EXIT_SKIPPED
         client.set_gemm_status(benchmark_id, "running")
+        beat = Heartbeat(client, benchmark_id, get_settings().heartbeat_s, beat=client.gemm_heartbeat)
         try:
             result = run_gemm_benchmark(**bench["request"],
                                         progress=lambda msg: print(f"[plab] timing {msg}", flush=True))
         except BaseException as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit code
+            beat.stop()
             client.set_gemm_status(benchmark_id, "failed", error_message=error_message(e))
             raise
+        beat.stop()
         client.set_gemm_status(benchmark_id, "succeeded", result=result, device_name=result["device"]["name"])
     return EXIT_OK
 

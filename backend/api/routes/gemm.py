@@ -33,6 +33,13 @@ def get_benchmark(benchmark_id: ObjectId, session: SessionDep):
     return gemm.benchmark_out(gemm.get_benchmark(session, benchmark_id), detail=True)
 
 
+@router.post("/{benchmark_id}/heartbeat", response_model=GemmBenchmarkOut, dependencies=WRITE)
+def heartbeat(benchmark_id: ObjectId, session: SessionDep):
+    """A running benchmark's job renews its lease (worker-facing): the API's reconciler fails a benchmark whose
+    heartbeats stop for PLAB_STALE_S (its worker died)."""
+    return gemm.benchmark_out(gemm.heartbeat(session, benchmark_id))
+
+
 @router.post("/{benchmark_id}/status", response_model=GemmBenchmarkOut, dependencies=WRITE)
 def update_status(benchmark_id: ObjectId, body: GemmStatusUpdate, session: SessionDep):
     """Worker-facing: `running`, then `succeeded` with the result or `failed` with a message."""
