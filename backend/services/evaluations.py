@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from backend.models import Artifact, EvalResult, Evaluation, Run, utcnow
 from backend.schemas import EvalResultOut, EvaluationOut, EvaluationStatusUpdate, EvalTaskResultIn, check_eval_result
 from backend.errors import Conflict, InvalidInput, NotFound
+from backend.services import leases
 from backend.services.comparison import baseline_run
 from backend.services.runs import get_experiment, get_run
 
@@ -91,12 +92,7 @@ def update_status(session: Session, evaluation_id: int, body: EvaluationStatusUp
 
 def heartbeat(session: Session, evaluation_id: int) -> Evaluation:
     """A running evaluation's lease renewed (its job beats while lm-eval scores the tasks)."""
-    ev = session.get(Evaluation, evaluation_id, with_for_update=True)
-    if ev is None:
-        raise NotFound(f"evaluation {evaluation_id} does not exist")
-    if ev.status == "running":
-        ev.heartbeat_at = utcnow()
-    return ev
+    return leases.renew(session, Evaluation, evaluation_id, "evaluation")
 
 
 def post_result(session: Session, evaluation_id: int, body: EvalTaskResultIn) -> EvalResult:

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from backend.errors import Conflict, InvalidInput, NotFound
 from backend.models import Experiment, GemmBenchmark, utcnow
 from backend.schemas import GemmBenchmarkDetail, GemmBenchmarkOut
+from backend.services import leases
 
 RESULT_SCHEMA = "plab.gemm_bench/1"
 STATUSES = ("queued", "running", "succeeded", "failed")
@@ -253,12 +254,7 @@ def update_status(session: Session, benchmark_id: int, *, status: str, device_na
 
 def heartbeat(session: Session, benchmark_id: int) -> GemmBenchmark:
     """A running benchmark's lease renewed (its job beats while it times the GEMMs)."""
-    bench = session.get(GemmBenchmark, benchmark_id, with_for_update=True)
-    if bench is None:
-        raise NotFound(f"GEMM benchmark {benchmark_id} does not exist")
-    if bench.status == "running":
-        bench.heartbeat_at = utcnow()
-    return bench
+    return leases.renew(session, GemmBenchmark, benchmark_id, "GEMM benchmark")
 
 
 def summarize(result: dict) -> dict:
