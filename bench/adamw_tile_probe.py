@@ -91,7 +91,8 @@ def flat_state(params, dev):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiles", nargs="+", type=tile_arg, default=None, metavar="BLOCK:WARPS[:PER_SM]",
-                    help="tiles to time (the first is the reference for the bit comparison); default: the step's own tile, then TILES or SHARD_TILES")
+                    help="tiles to time (the first is the reference for the bit comparison); default: the step's "
+                         "own tile, then TILES or SHARD_TILES")
     ap.add_argument("--shard", action="store_true",
                     help="time FSDP2's shard update (FP32 parameters, BF16 gradients and copies) instead")
     a = ap.parse_args(argv)

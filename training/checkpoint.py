@@ -191,8 +191,8 @@ def _refuse_other_data(path: Path, saved: str | None, now: str | None) -> None:
         raise SpecError(f"checkpoint {path} was trained on other data: the corpus the spec names now gives token "
                         f"cache {now}, the checkpoint's was {saved} (a file of data.corpus was added, removed or "
                         f"changed since, which retrains the tokenizer and reorders the tokens, or the tokenizer "
-                        f"itself changed); restore the corpus as it was, or start a new run in another output_dir (plab train --output) or with "
-                        f"resume=False (--no-resume)")
+                        f"itself changed); restore the corpus as it was, or start a new run in another output_dir "
+                        f"(plab train --output) or with resume=False (--no-resume)")
 
 
 def set_aside_checkpoints(output_dir) -> Path | None:
@@ -244,8 +244,8 @@ class Checkpointer:
         saved = self._load(latest)
         if saved.get("spec") is not None and numerics_identity(saved["spec"]) != numerics_identity(self.spec.to_dict()):
             raise SpecError(f"checkpoint {latest} was written by a different run spec{_difference(saved['spec'], self.spec)}; "
-                            f"use another output_dir, or resume=False to start a new run there (plab train --no-resume: "
-                            f"the earlier checkpoints are moved aside)")
+                            f"use another output_dir, or resume=False to start a new run there "
+                            f"(plab train --no-resume: the earlier checkpoints are moved aside)")
         _refuse_other_data(latest, saved.get("data_cache"), self.data_cache)
         state.step, state.tokens = saved["step"], saved["tokens"]
         state.wall_offset = saved.get("wall_time", 0.0)

@@ -115,14 +115,10 @@ def run_folder(home: Path, run_id: int) -> Path:
     return plab_run_folder.folder_of(home, run_id).resolve()
 
 
-def _remove_folder(home: Path, run: dict) -> None:
-    """The run's folder, if it is the run's (`plab.run_folder`: another database's run <id> may hold it)."""
-    plab_run_folder.remove(home, run["identity"], started_before=run["started_before"])
-
-
-def _folder_owner(run: Run) -> dict:
-    return {"identity": plab_run_folder.identity(run.id, run.experiment_id, run.created_at),
-            "started_before": (run.attempts or 0) > 0}
+def _folder_owner(run: Run) -> tuple[dict, bool]:
+    """(identity, started before) of the run, read before its row goes: `plab.run_folder.remove` deletes its folder
+    only if it is the run's (another database's run <id> may hold it)."""
+    return plab_run_folder.identity(run.id, run.experiment_id, run.created_at), (run.attempts or 0) > 0
 
 
 def _delete_run_rows(session: Session, run: Run) -> None:
@@ -155,7 +151,7 @@ def delete_run(session: Session, run_id: int, home: Path) -> None:
     owner = _folder_owner(run)
     _delete_run_rows(session, run)
     session.flush()
-    _remove_folder(home, owner)
+    plab_run_folder.remove(home, *owner)
 
 
 def delete_experiment(session: Session, experiment_id: int, home: Path) -> None:
@@ -172,5 +168,5 @@ def delete_experiment(session: Session, experiment_id: int, home: Path) -> None:
         session.delete(exp)
     session.flush()
     for owner in owners:
-        _remove_folder(home, owner)
+        plab_run_folder.remove(home, *owner)
 

@@ -107,8 +107,11 @@ def _fail_silent_jobs(session: Session, now: datetime, stale: datetime, done: di
     killed): `failed` with the reason, so the run can be deleted and the job started again. Without this they stayed
     `running` for ever (the broker had handed their message out; nothing else watches them). One running since
     before they had heartbeats is judged by its creation time."""
-    for model, what, key in ((Evaluation, "evaluation", "evaluations_failed"),
-                             (GemmBenchmark, "GEMM benchmark", "gemm_benchmarks_failed")):
+    kinds = ((Evaluation, "evaluation", "evaluations_failed",
+              lambda ev: f"POST /api/v1/runs/{ev.run_id}/evaluations (plab eval {ev.run_id} --tasks ...)"),
+             (GemmBenchmark, "GEMM benchmark", "gemm_benchmarks_failed",
+              lambda _bench: "POST /api/v1/gemm-benchmarks (plab gemm-bench)"))
+    for model, what, key, again in kinds:
         silent = (model.status == "running",
                   or_(model.heartbeat_at < stale, model.heartbeat_at.is_(None) & (model.created_at < stale)))
         for jid in session.scalars(select(model.id).where(*silent).order_by(model.id)).all():
@@ -117,13 +120,11 @@ def _fail_silent_jobs(session: Session, now: datetime, stale: datetime, done: di
             if job is not None:
                 last = _aware(job.heartbeat_at)
                 job.status = "failed"
-                if hasattr(job, "finished_at"):
+                if model is Evaluation:  # a benchmark records no end time
                     job.finished_at = now
-                again = (f"POST /api/v1/runs/{job.run_id}/evaluations (plab eval {job.run_id} --tasks ...)"
-                         if model is Evaluation else "POST /api/v1/gemm-benchmarks (plab gemm-bench)")
                 job.error_message = (f"the {what}'s worker stopped heartbeating"
                                      + (f" (last heartbeat {last:%Y-%m-%d %H:%M:%S} UTC)" if last else "")
-                                     + f"; start it again with {again}")
+                                     + f"; start it again with {again(job)}")
                 done.setdefault(key, []).append(job.id)
             session.commit()
 

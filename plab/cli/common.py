@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ class UsageError(Exception):
 _YAML12_FLOAT = r"""^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"""
 
 
+@functools.cache
 def _yaml_loader():
     import re
 

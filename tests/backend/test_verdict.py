@@ -236,7 +236,8 @@ def test_a_run_trained_on_other_tokens_than_the_reference_is_named_not_like_for_
            data={"cache": "d0de2c39e0a1b2c3d4e5f6a7b8-v512-f3"})
     v = verdict(api, exp["id"])
     assert v["summary"].endswith("; fp8_tensorwise trained on other data than the reference (another token cache: "
-                                 "the corpus or the tokenizer changed between the runs): not like for like"), v["summary"]
+                                 "the corpus or the tokenizer changed between the runs): not like for like"), \
+        v["summary"]
     r = api.patch(f"/api/v1/runs/{fp8}", json={"summary": {"data": {"cache": "d0de2c39e0a1b2c3d4e5f6a7b8-v512-f2"}}})
     assert r.status_code == 200, r.text
     assert "not like for like" not in verdict(api, exp["id"])["summary"]

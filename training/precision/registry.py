@@ -293,7 +293,8 @@ def _refuse_if_nothing_converts(name: str, unfit: list[dict], converted: list) -
         reasons = sorted({e["reason"] for e in unfit})
         raise ValueError(f"{name} can convert none of the model's {len(unfit)} block matmul weight(s) left to it "
                          f"({'; '.join(reasons[:3])}): the run would train BF16 under {name}'s name; choose "
-                         f"dimensions the format's blocks divide, a model whose blocks use nn.Linear, or another recipe")
+                         f"dimensions the format's blocks divide, a model whose blocks use nn.Linear, or another "
+                         f"recipe")
 
 
 def _real_kernels(recipe: Recipe, name: str, backend: str, device, resolved: dict, report: RecipeReport) -> bool:

@@ -54,10 +54,10 @@ def run(evaluation_id: int) -> int:
     try:
         result = _evaluate(client, evaluation_id, job)
     except BaseException as e:  # noqa: BLE001 - reported, then re-raised as an exit code
-        beat.stop()
         client.set_evaluation_status(evaluation_id, "failed", error_message=error_message(e))
         raise
-    beat.stop()
+    finally:
+        beat.stop()
     client.set_evaluation_status(evaluation_id, "succeeded", lm_eval_version=result.get("lm_eval_version"))
     return EXIT_OK
 

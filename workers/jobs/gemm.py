@@ -46,10 +46,10 @@ def run(benchmark_id: int) -> int:
             result = run_gemm_benchmark(**bench["request"],
                                         progress=lambda msg: print(f"[plab] timing {msg}", flush=True))
         except BaseException as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit code
-            beat.stop()
             client.set_gemm_status(benchmark_id, "failed", error_message=error_message(e))
             raise
-        beat.stop()
+        finally:
+            beat.stop()
         client.set_gemm_status(benchmark_id, "succeeded", result=result, device_name=result["device"]["name"])
     return EXIT_OK
 

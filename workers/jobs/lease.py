@@ -1,4 +1,4 @@
-"""A job's lease: the heartbeat thread every worker job runs while it works (a run's training, an evaluation)."""
+"""A job's lease: the heartbeat thread every worker job runs while it works (training, evaluation, GEMM benchmark)."""
 from __future__ import annotations
 
 import threading
@@ -8,8 +8,9 @@ from workers.client import PlabClient
 
 class Heartbeat:
     """Renews a job's lease every `interval` seconds from a thread while the job runs: the API's reconciler takes
-    a run whose heartbeats stop (its worker died) and sends it to another worker, and fails such an evaluation.
-    `beat(job_id)` is the request (a run's by default; `client.evaluation_heartbeat` for an evaluation)."""
+    a run whose heartbeats stop (its worker died) and sends it to another worker, and fails such an evaluation or
+    GEMM benchmark. `beat(job_id)` is the request (a run's by default; `client.evaluation_heartbeat`,
+    `client.gemm_heartbeat`)."""
 
     def __init__(self, client: PlabClient, run_id: int, interval: float, on_lost=None, on_cancel=None, beat=None,
                  holder: str | None = None):
@@ -20,11 +21,11 @@ class Heartbeat:
         self.lost = False  # the API gave the run to another job (this one missed its heartbeats): stop, unreported
         self._on_lost = on_lost
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(client, run_id, interval), daemon=True,
+        self._thread = threading.Thread(target=self._loop, args=(run_id, interval), daemon=True,
                                         name=f"plab-heartbeat-{run_id}")
         self._thread.start()
 
-    def _loop(self, client: PlabClient, run_id: int, interval: float) -> None:
+    def _loop(self, run_id: int, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
                 answer = self._beat(run_id)

@@ -16,9 +16,9 @@ import threading
 from plab.settings import get_settings
 from training.sink import MetricSink
 from workers.client import ApiError, MetricStreamer, PlabClient
-from workers.jobs.lease import Heartbeat
 from workers.jobs import (EXIT_OK, EXIT_SKIPPED, JOB_ATTEMPT_ENV, UNREPORTED, child_command, child_main,
                           error_message)
+from workers.jobs.lease import Heartbeat
 
 KIND = "training"
 MODULE = "workers.jobs.train"
