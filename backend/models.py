@@ -155,8 +155,11 @@ class Evaluation(Base):
     lm_eval_version: Mapped[str | None] = mapped_column(String(32), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    # the running job's lease (renewed by POST /evaluations/{id}/heartbeat; the reconciler ends a stale one)
+    # the running job's lease (renewed by POST /evaluations/{id}/heartbeat; the reconciler ends a stale one) and the
+    # queued job's message (the reconciler sends one the broker lost again), as a run's
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    dispatch_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class EvalResult(Base):
@@ -187,8 +190,12 @@ class GemmBenchmark(Base):
     result: Mapped[dict] = mapped_column(JSON, default=dict)
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    # the running job's lease (POST /gemm-benchmarks/{id}/heartbeat; the reconciler fails a stale one)
+    # the running job's lease (POST /gemm-benchmarks/{id}/heartbeat; the reconciler fails a stale one), and the queued
+    # job's message and worker queue (the reconciler sends one the broker lost again, to the same queue)
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    dispatch_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    queue: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 

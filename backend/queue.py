@@ -23,9 +23,12 @@ def enqueue_train(run_id: int, spec: dict, dispatched_at: datetime) -> str:
     return send_task(TRAIN_TASK, [run_id], kwargs=kwargs, queue=queue_for(spec))
 
 
-def enqueue_eval(evaluation_id: int) -> None:
-    send_task(EVALUATE_TASK, [evaluation_id], queue="default")
+def enqueue_eval(evaluation_id: int, dispatched_at: datetime) -> str:
+    """Sends the evaluation's job; returns the message id, kept with `dispatched_at` on the evaluation (as a run's)."""
+    return send_task(EVALUATE_TASK, [evaluation_id], kwargs={"dispatched_at": dispatched_at.isoformat()},
+                     queue="default")
 
 
-def enqueue_gemm(benchmark_id: int, queue: str = "default") -> None:
-    send_task(GEMM_TASK, [benchmark_id], queue=queue)
+def enqueue_gemm(benchmark_id: int, queue: str, dispatched_at: datetime) -> str:
+    """Sends the GEMM benchmark's job to `queue`; returns the message id, kept with `dispatched_at` on the row."""
+    return send_task(GEMM_TASK, [benchmark_id], kwargs={"dispatched_at": dispatched_at.isoformat()}, queue=queue)

@@ -770,6 +770,10 @@ class EvaluationOut(BaseModel):
     created_at: UtcDatetime
     finished_at: UtcDatetime | None
     results: list[EvalResultOut] = Field(default_factory=list)
+    dispatch_id: str | None = Field(default=None, description="the job message of the evaluation's latest dispatch")
+    dispatched_at: UtcDatetime | None = Field(
+        default=None, description="when the evaluation was last sent to the job queue; a worker skips an older "
+                                  "message for it (one it has been re-sent since)")
 
 
 # -- verdict (training.evaluation.verdict) ----------------------------------------------------------------------------
@@ -986,6 +990,11 @@ class GemmBenchmarkOut(BaseModel):
     error_message: str | None
     created_at: UtcDatetime | None
     summary: dict[str, Any] = {}
+    queue: str | None = Field(default=None, description="the worker queue its job was sent to (null: never sent)")
+    dispatch_id: str | None = Field(default=None, description="the job message of the benchmark's latest dispatch")
+    dispatched_at: UtcDatetime | None = Field(
+        default=None, description="when the benchmark was last sent to the job queue; a worker skips an older "
+                                  "message for it (one it has been re-sent since)")
 
 
 class GemmBenchmarkDetail(GemmBenchmarkOut):

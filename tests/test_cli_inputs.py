@@ -337,4 +337,5 @@ def test_eval_wait_says_what_may_be_wrong_when_nothing_takes_the_evaluation(serv
     monkeypatch.setattr(cli_eval.time, "sleep", sleep)
     assert main(["eval", str(rid), "--tasks", "plab_piqa", "--wait", "--api-url", served]) == 130
     out = capsys.readouterr().out
-    assert out.count("is still queued after 0 minutes: no worker has taken it. Is a worker running (plab worker)?") == 1
+    assert out.count("is still queued after 0 minutes: no worker has taken it. Is a worker running (plab worker), "
+                     "and does one take the 'default' queue?") == 1

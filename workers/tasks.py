@@ -98,10 +98,10 @@ def _utc(text: str) -> datetime:
     return stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)
 
 
-def superseded(record: dict, sent_at: str) -> str | None:
-    """Why a training message sent at `sent_at` must not run: the run (`record`, as the API has it) was sent to
-    the queue again after it, so a newer message stands for it (the reconciler re-sent a lost job, or the message
-    outlived its database in a broker folder). None: this message may act."""
+def superseded(record: dict, sent_at: str, what: str = "run") -> str | None:
+    """Why a job message sent at `sent_at` must not run: its row (`record`, as the API has it: a run, an evaluation,
+    a benchmark) was sent to the queue again after it, so a newer message stands for it (the reconciler re-sent a
+    lost job, or the message outlived its database in a broker folder). None: this message may act."""
     latest = record.get("dispatched_at")
     try:
         if not latest or _utc(sent_at) >= _utc(latest):
@@ -109,7 +109,7 @@ def superseded(record: dict, sent_at: str) -> str | None:
     except (TypeError, ValueError):  # not a time the API wrote: act as on a message without one
         log.warning("run %s: unreadable dispatch time %r in the message; running it", record.get("id"), sent_at)
         return None
-    return (f"this message was sent at {sent_at}, but the run was sent to the queue again at {latest} "
+    return (f"this message was sent at {sent_at}, but the {what} was sent to the queue again at {latest} "
             f"(message {record.get('dispatch_id')}): that one stands for it")
 
 
@@ -130,16 +130,18 @@ def _claim_folder(run_id: int, record: dict) -> str | None:
 def run_job(task: Task, job: Job, job_id: int, **options) -> int:
     """Run `job` in a child process and make sure its row ends with an outcome. Returns the child's exit code."""
     log.info("%s %s: starting job, attempt %s", job.KIND, job_id, task.request.retries + 1)
-    sent_at = options.pop("dispatched_at", None)  # training messages since dispatch times travel with them
-    if job.KIND == train.KIND:
+    # Every message carries its dispatch time (training's since 2026-11-25, evaluations' and benchmarks' since
+    # 2026-12-07); one without it, sent before, acts.
+    sent_at = options.pop("dispatched_at", None)
+    if sent_at is not None or job.KIND == train.KIND:
         # As patient as the job itself (workers.jobs.train.run): a job that arrives while the API is away waits.
         with PlabClient.from_env(retries=60) as client:
-            record = client.get_run(job_id)
-        stale = superseded(record, sent_at) if sent_at is not None else None
+            record = job.record(client, job_id)
+        stale = superseded(record, sent_at, "run" if job.KIND == train.KIND else job.KIND) if sent_at else None
         if stale is not None:
             log.warning("%s %s: skipped: %s", job.KIND, job_id, stale)
             return EXIT_SKIPPED
-        if record["status"] in UNREPORTED and not record.get("external"):
+        if job.KIND == train.KIND and record["status"] in UNREPORTED and not record.get("external"):
             problem = _claim_folder(job_id, record)
             if problem is not None:
                 with PlabClient.from_env() as client:

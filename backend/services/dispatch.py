@@ -69,15 +69,23 @@ def _eval_job(session: Session, ev: Evaluation) -> _Job:
         if ev.status == "queued":
             evaluations.update_status(session, ev.id, EvaluationStatusUpdate(status="failed", error_message=reason))
 
-    return _Job(ev.id, lambda: queue.enqueue_eval(ev.id), fail)
+    def send() -> None:
+        now = utcnow()
+        ev.dispatch_id, ev.dispatched_at = queue.enqueue_eval(ev.id, now), now
+
+    return _Job(ev.id, send, fail)
 
 
-def _gemm_job(session: Session, bench: GemmBenchmark, queue_name: str) -> _Job:
+def _gemm_job(session: Session, bench: GemmBenchmark) -> _Job:
     def fail(reason: str) -> None:
         if bench.status == "queued":
             gemm.update_status(session, bench.id, status="failed", error_message=reason)
 
-    return _Job(bench.id, lambda: queue.enqueue_gemm(bench.id, queue_name), fail)
+    def send() -> None:
+        now = utcnow()
+        bench.dispatch_id, bench.dispatched_at = queue.enqueue_gemm(bench.id, bench.queue or "default", now), now
+
+    return _Job(bench.id, send, fail)
 
 
 def submit_experiment(session: Session, body: ExperimentCreate) -> Experiment:
@@ -117,7 +125,8 @@ def submit_gemm_benchmark(session: Session, body: GemmBenchmarkCreate) -> GemmBe
                                   experiment_id=body.experiment_id, name=body.name)
     if body.request is None or not body.enqueue:
         return bench
-    failed, error = _send(session, [_gemm_job(session, bench, body.queue)])
+    bench.queue = body.queue
+    failed, error = _send(session, [_gemm_job(session, bench)])
     if failed:
         raise QueueUnavailable(f"GEMM benchmark {bench.id} was stored, but the job queue is unavailable ({error}): "
                                f"it is marked failed; {_WHAT_TO_DO}, then submit the benchmark again",
@@ -134,12 +143,13 @@ def record_run_status(session: Session, run_id: int, body: StatusUpdate, stale_s
     return run
 
 
-def resend_run(session: Session, run: Run) -> bool:
-    """Sends a run's job again (the reconciler's re-enqueue); False (and the run left as it is) when the broker
-    refuses, to be tried again at the next pass."""
+def resend(session: Session, row: Run | Evaluation | GemmBenchmark) -> bool:
+    """Sends a queued job's message again (the reconciler's re-enqueue of a run, an evaluation or a GEMM benchmark);
+    False (and the row left as it is) when the broker refuses, to be tried again at the next pass."""
+    job = {Run: _train_job, Evaluation: _eval_job, GemmBenchmark: _gemm_job}[type(row)](session, row)
     try:
-        _train_job(session, run).send()
+        job.send()
     except Exception as e:  # noqa: BLE001 - the broker is down: the next pass tries again
-        log.warning("could not re-send run %s: %s", run.id, e)
+        log.warning("could not re-send %s %s: %s", row.__tablename__[:-1], row.id, e)
         return False
     return True

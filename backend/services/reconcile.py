@@ -6,7 +6,8 @@ locks the rows it changes) it looks at the runs a worker should be training:
     `queued` and its job sent again – the job resumes from the run's last checkpoint – until the run has been
     started PLAB_MAX_ATTEMPTS times, then `failed` with the reason;
   * `queued` for longer than PLAB_REQUEUE_GRACE_S whose message the broker no longer holds (a Redis restart
-    without persistence, a job that gave up while the API was down): its job sent again.
+    without persistence, a job that gave up while the API was down): its job sent again. Queued evaluations and
+    GEMM benchmarks likewise (before 2026-12-07 theirs stayed `queued` for ever).
 A run whose cancel was requested is not sent again: a job skips such a run, which would then stay `queued` for
 ever (and could not be deleted). `running` with a stale heartbeat, or `queued` with its message gone (or never
 sent), it is marked `cancelled` instead.
@@ -27,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from backend.db import transaction
 from backend.models import Evaluation, GemmBenchmark, Run, utcnow
+from backend.queue import queue_for
 from backend.services import dispatch
 
 log = logging.getLogger(__name__)
@@ -37,8 +39,9 @@ def _aware(t: datetime | None) -> datetime | None:
 
 
 def reconcile(session: Session, settings, messages_present=None, now: datetime | None = None) -> dict:
-    """One pass; returns what it did ({"requeued": [...], "failed": [...], "resent": [...]}, and "cancelled": [...]
-    when it cancelled runs whose cancel was requested).
+    """One pass; returns what it did ({"requeued": [...], "failed": [...], "resent": [...]}, and, when there were
+    any, "cancelled" (runs whose cancel was requested), "evaluations_resent", "gemm_benchmarks_resent",
+    "evaluations_failed", "gemm_benchmarks_failed").
 
     No run stays locked while the broker is asked, nor while another run is handled: the candidates are read without
     locks, the broker is asked once about all the queued ones (`plab.broker.messages_present`, or the callable
@@ -47,7 +50,6 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
     report, which lock their run, thus waits at most for that run's own change. Until 2026-11-29 a pass held every
     candidate locked while it asked the broker about each in turn; behind a slow broker the workers' requests
     waited (a metric batch timed out after 10 s in deeper OpenAPI fuzzing on PostgreSQL)."""
-    from backend.queue import queue_for
     from plab.broker import messages_present as broker_holds
 
     messages_present = messages_present or broker_holds
@@ -75,31 +77,51 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
             done["failed"].append(run.id)
         else:
             run.status = "queued"
-            if dispatch.resend_run(session, run):
+            if dispatch.resend(session, run):
                 done["requeued"].append(run.id)
         session.commit()
     grace = now - timedelta(seconds=settings.requeue_grace_s)
-    waiting = (Run.status == "queued", Run.external.is_(False), Run.cancel_requested.is_(False),
-               Run.dispatch_id.is_not(None), Run.dispatched_at < grace)
-    candidates = session.execute(select(Run.id, Run.dispatch_id, Run.spec).where(*waiting).order_by(Run.id)).all()
-    session.commit()  # the read's transaction ends before the broker is asked
-    if candidates:
-        held = messages_present({d for _, d, _ in candidates},
-                                sorted({"default"} | {queue_for(spec) for _, _, spec in candidates}))
-        # A broker that cannot be asked (None): nothing is re-sent on its account.
-        lost = [] if held is None else [(rid, d) for rid, d, _ in candidates if d not in held]
-        for rid, dispatch_id in lost:
-            # Still queued on the same message (a worker that took it meanwhile has claimed the run: `running`).
-            run = session.scalars(select(Run).where(Run.id == rid, Run.dispatch_id == dispatch_id, *waiting)
-                                  .with_for_update(skip_locked=True)).first()
-            if run is not None and dispatch.resend_run(session, run):
-                done["resent"].append(rid)
-            session.commit()
+    _resend_lost(session, messages_present, grace, done)
     _cancel_abandoned(session, messages_present, now, grace, done)
     _fail_silent_jobs(session, now, stale, done)
     if any(done.values()):
         log.warning("reconciler: %s", done)
     return done
+
+
+# What the lost-message pass looks at, per kind: the rows still waiting for a worker on a message sent before the grace
+# period, the queue that message went to, and the key of `done` that lists those sent again. A run whose cancel was
+# requested is left to _cancel_abandoned.
+_WAITING = (
+    (Run, (Run.external.is_(False), Run.cancel_requested.is_(False)), lambda row: queue_for(row.spec), "resent"),
+    (Evaluation, (), lambda _row: "default", "evaluations_resent"),
+    (GemmBenchmark, (), lambda row: row.queue or "default", "gemm_benchmarks_resent"),
+)
+
+
+def _resend_lost(session: Session, messages_present, grace: datetime, done: dict) -> None:
+    """Queued runs, evaluations and GEMM benchmarks whose message the broker no longer holds (neither waiting nor
+    delivered and unacknowledged) `grace` after it was sent: sent again. The broker is asked once about them all."""
+    candidates = []
+    for model, where, queue_of, key in _WAITING:
+        waiting = (model.status == "queued", *where, model.dispatch_id.is_not(None), model.dispatched_at < grace)
+        rows = session.scalars(select(model).where(*waiting).order_by(model.id)).all()
+        candidates += [(model, waiting, key, row.id, row.dispatch_id, queue_of(row)) for row in rows]
+    session.commit()  # the read's transaction ends before the broker is asked
+    if not candidates:
+        return
+    held = messages_present({c[4] for c in candidates}, sorted({"default"} | {c[5] for c in candidates}))
+    if held is None:  # a broker that cannot be asked: nothing is re-sent on its account
+        return
+    for model, waiting, key, row_id, dispatch_id, _queue in candidates:
+        if dispatch_id in held:
+            continue
+        # Still queued on the same message (a worker that took it meanwhile has claimed the row: `running`).
+        row = session.scalars(select(model).where(model.id == row_id, model.dispatch_id == dispatch_id, *waiting)
+                              .with_for_update(skip_locked=True)).first()
+        if row is not None and dispatch.resend(session, row):
+            done.setdefault(key, []).append(row_id)
+        session.commit()
 
 
 def _fail_silent_jobs(session: Session, now: datetime, stale: datetime, done: dict) -> None:
@@ -138,8 +160,6 @@ def _cancel(run: Run, now: datetime, message: str) -> None:
 def _cancel_abandoned(session: Session, messages_present, now: datetime, grace: datetime, done: dict) -> None:
     """`queued` runs whose cancel was requested and whose job message is gone (a job took it and skipped the run) or
     was never sent: nothing will start them (left so by this reconciler before 2026-12, which sent such a run again)."""
-    from backend.queue import queue_for
-
     abandoned = (Run.status == "queued", Run.external.is_(False), Run.cancel_requested.is_(True),
                  or_(Run.dispatch_id.is_(None), Run.dispatched_at.is_(None), Run.dispatched_at < grace))
     candidates = session.execute(select(Run.id, Run.dispatch_id, Run.spec).where(*abandoned).order_by(Run.id)).all()

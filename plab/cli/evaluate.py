@@ -50,8 +50,8 @@ def _eval_run_via_api(argv: list[str]) -> int:
         if ev["status"] == "queued" and not hinted and time.monotonic() - since >= QUEUED_HINT_S:
             hinted = True
             print(f"evaluation {ev['id']} is still queued after {QUEUED_HINT_S / 60:g} minutes: no worker has taken "
-                  f"it. Is a worker running (plab worker)? If the broker lost its message (a Redis restart without "
-                  f"persistence), start it again with the same command. Still waiting (Ctrl-C stops waiting; the "
+                  f"it. Is a worker running (plab worker), and does one take the 'default' queue? (A message the "
+                  f"broker lost is sent again by the API's reconciler.) Still waiting (Ctrl-C stops waiting; the "
                   f"evaluation stays queued)", flush=True)
     for r in ev["results"]:
         shown = ", ".join(f"{m} {v.get('value'):.4f}" for m, v in (r["metrics"].get("metrics") or {}).items()

@@ -236,3 +236,41 @@ def test_a_gemm_benchmark_whose_worker_died_is_failed_with_the_reason(api, broke
     assert bench["status"] == "failed" and bench["error_message"].startswith(
         "the GEMM benchmark's worker stopped heartbeating (last heartbeat ")
     assert bench["error_message"].endswith("; start it again with POST /api/v1/gemm-benchmarks (plab gemm-bench)")
+
+
+def test_a_queued_evaluation_or_gemm_benchmark_whose_message_redis_lost_is_sent_again(api, broker):
+    """Before 2026-12-07 only runs were: an evaluation or benchmark whose message a Redis restart lost stayed
+    `queued` for ever (and its run could not be deleted). Each is sent again to the queue it went to, once."""
+    from backend.models import Artifact
+
+    exp = api.post("/api/v1/experiments", json={**EXPERIMENT, "recipes": ["bf16"]}).json()
+    rid = exp["runs"][0]["id"]
+    with _session(api) as s:
+        s.add(Artifact(run_id=rid, kind="checkpoint", path="/checkpoints/final", step=50))
+        s.commit()
+    for status in ("running", "succeeded"):
+        assert api.post(f"/api/v1/runs/{rid}/status", json={"status": status}).status_code == 200
+    ev = api.post(f"/api/v1/runs/{rid}/evaluations", json={"tasks": ["plab_piqa"]})
+    bench = api.post("/api/v1/gemm-benchmarks", json={"request": {"shapes": "64x128x96", "device": "cpu"},
+                                                      "queue": "h100"})
+    idle = api.post("/api/v1/gemm-benchmarks", json={"request": {"shapes": "64x128x96", "device": "cpu"},
+                                                     "enqueue": False})
+    assert ev.status_code == 201 and bench.status_code == 201 and idle.status_code == 201, (ev.text, bench.text)
+    eid, bid = ev.json()["id"], bench.json()["id"]
+    first = {"ev": api.get(f"/api/v1/evaluations/{eid}").json()["dispatch_id"],
+             "bench": api.get(f"/api/v1/gemm-benchmarks/{bid}").json()["dispatch_id"]}
+    assert broker.llen("default") == 1 and broker.llen("h100") == 1 and all(first.values())
+    assert _pass(api, requeue_grace_s=0.0) == {"requeued": [], "failed": [], "resent": []}  # still queued
+    broker.flushdb()  # Redis restarted without persistence
+    assert _pass(api) == {"requeued": [], "failed": [], "resent": []}  # within the grace period
+    done = _pass(api, requeue_grace_s=0.0)
+    assert done["evaluations_resent"] == [eid] and done["gemm_benchmarks_resent"] == [bid]  # not the unsent one
+    assert broker.llen("default") == 1 and broker.llen("h100") == 1  # each to its own queue
+    again = {"ev": api.get(f"/api/v1/evaluations/{eid}").json(), "bench": api.get(f"/api/v1/gemm-benchmarks/{bid}").json()}
+    assert all(again[k]["dispatch_id"] not in (None, first[k]) and again[k]["status"] == "queued" for k in again)
+    assert _pass(api, requeue_grace_s=0.0) == {"requeued": [], "failed": [], "resent": []}  # found: not sent twice
+    # One a worker took: it reports `running` (its message delivered, then acknowledged at the end) and is left.
+    broker.flushdb()
+    assert api.post(f"/api/v1/evaluations/{eid}/status", json={"status": "running"}).status_code == 200
+    assert _pass(api, requeue_grace_s=0.0) == {"requeued": [], "failed": [], "resent": [],
+                                               "gemm_benchmarks_resent": [bid]}

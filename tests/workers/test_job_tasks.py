@@ -28,8 +28,8 @@ def counting_child(counter, script: str) -> list[str]:
 def job_task(kind, command, max_retries: int = 2):
     """The real job kind with its child replaced by `command(job_id)`, registered by the helper under a fresh
     name."""
-    job = SimpleNamespace(KIND=kind.KIND, command=lambda job_id, **_: command(job_id), status=kind.status,
-                          mark_failed=kind.mark_failed)
+    job = SimpleNamespace(KIND=kind.KIND, command=lambda job_id, **_: command(job_id), record=kind.record,
+                          status=kind.status, mark_failed=kind.mark_failed)
     return tasks.register_job(job, f"tests.workers.job_{uuid.uuid4().hex[:8]}", max_retries=max_retries)
 
 
@@ -128,16 +128,17 @@ def sent_messages(queue: str) -> list[tuple[str, list, dict]]:
     return out
 
 
-def test_the_api_sends_the_gpu_count_and_the_dispatch_time_with_a_training_job(api_env):
+def test_the_api_sends_the_gpu_count_and_the_dispatch_time_with_a_job(api_env):
     when = datetime(2026, 11, 25, 0, 30, 1, 123456, tzinfo=timezone.utc)
-    enqueue_train(7, {"training": {"gpus": 2, "queue": "h100"}}, when)
-    enqueue_eval(8)
-    enqueue_gemm(9, "h100")
-    sent = {"gpus": 2, "dispatched_at": "2026-11-25T00:30:01.123456+00:00"}
+    ids = [enqueue_train(7, {"training": {"gpus": 2, "queue": "h100"}}, when), enqueue_eval(8, when),
+           enqueue_gemm(9, "h100", when)]
+    at = {"dispatched_at": "2026-11-25T00:30:01.123456+00:00"}
     # kombu's filesystem broker names a message file by the millisecond it was written and a random uuid, so two
     # messages of one millisecond come back in either order: compared by job id
-    assert sorted(sent_messages("h100"), key=lambda m: m[1]) == [(TRAIN_TASK, [7], sent), (GEMM_TASK, [9], {})]
-    assert sent_messages("default") == [(EVALUATE_TASK, [8], {})]
+    assert sorted(sent_messages("h100"), key=lambda m: m[1]) == [(TRAIN_TASK, [7], {"gpus": 2, **at}),
+                                                                  (GEMM_TASK, [9], at)]
+    assert sent_messages("default") == [(EVALUATE_TASK, [8], at)]
+    assert len(set(ids)) == 3 and all(ids)  # each message's id, kept on its row
 
 
 def sent_run(client) -> dict:
@@ -170,6 +171,28 @@ def test_a_message_the_run_was_sent_again_after_is_skipped_without_touching_the_
     # The run's own message, and a message from before messages carried their time, do run.
     assert task.apply(args=[run["id"]], kwargs={"gpus": 1, "dispatched_at": run["dispatched_at"]}).get() == 0
     assert task.apply(args=[run["id"]], kwargs={"gpus": 1}).get() == 0
+    assert starts(counter) == 2
+
+
+@pytest.mark.parametrize("kind", [evaluate, gemm])
+def test_an_evaluation_or_benchmark_message_sent_again_since_is_skipped(client, tmp_path, kind):
+    """The reconciler re-sends a queued evaluation or benchmark whose message the broker lost; should the first
+    message turn up after all (a filesystem broker's folder restored, a worker that took it late), it must not run
+    the job a second time beside the new one."""
+    if kind is evaluate:
+        record = client.get_evaluation(new_evaluation(client))
+    else:
+        bench = client.create_gemm_benchmark(request={"shapes": "64x128x96", "device": "cpu"}, queue="cpu")
+        record = client.get_gemm_benchmark(bench["id"])
+        assert record["queue"] == "cpu"
+    assert record["status"] == "queued" and record["dispatch_id"] and record["dispatched_at"]
+    older = (tasks._utc(record["dispatched_at"]) - timedelta(seconds=1)).isoformat()
+    counter = tmp_path / "starts"
+    task = job_task(kind, lambda _id: counting_child(counter, "sys.exit(0)"))
+    assert task.apply(args=[record["id"]], kwargs={"dispatched_at": older}).get() == EXIT_SKIPPED
+    assert starts(counter) == 0 and kind.status(client, record["id"]) == "queued"
+    assert task.apply(args=[record["id"]], kwargs={"dispatched_at": record["dispatched_at"]}).get() == 0
+    assert task.apply(args=[record["id"]]).get() == 0  # a message from before messages carried their time
     assert starts(counter) == 2
 
 

@@ -31,6 +31,9 @@ class Job(Protocol):
     def run(self, job_id: int) -> int:
         """The child's work. Returns the exit code: EXIT_OK, or EXIT_SKIPPED for a job already ended."""
 
+    def record(self, client: PlabClient, job_id: int) -> dict:
+        """The job's row as the API has it (its status, and its latest dispatch: `dispatched_at`, `dispatch_id`)."""
+
     def status(self, client: PlabClient, job_id: int) -> str:
         """The job row's status as the API has it."""
 

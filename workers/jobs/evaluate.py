@@ -22,8 +22,12 @@ def command(evaluation_id: int) -> list[str]:
     return child_command(MODULE, evaluation_id)
 
 
+def record(client: PlabClient, evaluation_id: int) -> dict:
+    return client.get_evaluation(evaluation_id)
+
+
 def status(client: PlabClient, evaluation_id: int) -> str:
-    return client.get_evaluation(evaluation_id)["status"]
+    return record(client, evaluation_id)["status"]
 
 
 def mark_failed(client: PlabClient, evaluation_id: int, message: str) -> None:

@@ -24,8 +24,12 @@ def command(benchmark_id: int) -> list[str]:
     return child_command(MODULE, benchmark_id)
 
 
+def record(client: PlabClient, benchmark_id: int) -> dict:
+    return client.get_gemm_benchmark(benchmark_id)
+
+
 def status(client: PlabClient, benchmark_id: int) -> str:
-    return client.get_gemm_benchmark(benchmark_id)["status"]
+    return record(client, benchmark_id)["status"]
 
 
 def mark_failed(client: PlabClient, benchmark_id: int, message: str) -> None:

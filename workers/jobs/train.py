@@ -158,8 +158,12 @@ def command(run_id: int, gpus: int | None = None, nodes: int | None = None) -> l
     return child_command(MODULE, run_id)
 
 
+def record(client: PlabClient, run_id: int) -> dict:
+    return client.get_run(run_id)
+
+
 def status(client: PlabClient, run_id: int) -> str:
-    return client.get_run(run_id)["status"]
+    return record(client, run_id)["status"]
 
 
 def mark_failed(client: PlabClient, run_id: int, message: str) -> None:
