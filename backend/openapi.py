@@ -22,7 +22,8 @@ STATE = {"409": "the object's state does not allow it (e.g. a run that has ended
 QUEUE = {"503": "stored, but the job queue refused the job: `detail` says what was stored and what to do"}
 # Operations that send jobs to the workers (backend/services/dispatch.py).
 DISPATCH = {("/api/v1/experiments", "post"), ("/api/v1/runs/{run_id}/evaluations", "post"),
-            ("/api/v1/gemm-benchmarks", "post"), ("/api/v1/runs/{run_id}/status", "post")}
+            ("/api/v1/gemm-benchmarks", "post"), ("/api/v1/runs/{run_id}/status", "post"),
+            ("/api/v1/runs/{run_id}/retry", "post")}
 OPEN = {"/api/v1/health"}
 # Creations whose body names an existing object (the experiment of a run or a benchmark).
 REFERS = {("/api/v1/runs", "post"), ("/api/v1/gemm-benchmarks", "post")}

@@ -110,6 +110,10 @@ class PlabClient:
     def cancel_run(self, run_id: int) -> dict:
         return self._request("POST", f"/runs/{run_id}/cancel")
 
+    def retry_run(self, run_id: int) -> dict:
+        """A failed or cancelled run queued again (it resumes from its last checkpoint)."""
+        return self._request("POST", f"/runs/{run_id}/retry", idempotent=False)
+
     def set_status(self, run_id: int, status: str, **fields) -> dict:
         body = {"status": status, **{k: v for k, v in fields.items() if v is not None}}
         return self._request("POST", f"/runs/{run_id}/status", json=body)

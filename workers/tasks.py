@@ -119,8 +119,9 @@ def _claim_folder(run_id: int, record: dict) -> str | None:
     it, before any step is trained), or None."""
     home = get_settings().home
     try:
+        # A run retried (POST /runs/{id}/retry) starts its count of attempts again but keeps started_at.
         run_folder.claim(home, run_folder.identity(run_id, record["experiment_id"], record["created_at"]),
-                         started_before=(record.get("attempts") or 0) > 0)
+                         started_before=(record.get("attempts") or 0) > 0 or bool(record.get("started_at")))
     except OSError as e:
         return (f"the run's folder {run_folder.folder_of(home, run_id)} cannot be written on this worker "
                 f"({e.strerror or e}): give PLAB_HOME a folder the worker may write")

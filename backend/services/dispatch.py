@@ -134,6 +134,20 @@ def submit_gemm_benchmark(session: Session, body: GemmBenchmarkCreate) -> GemmBe
     return bench
 
 
+def retry_run(session: Session, run_id: int) -> Run:
+    """A failed or cancelled run sent to a worker again (`runs.reopen`); it resumes from its last checkpoint."""
+    run = runs.reopen(session, run_id)
+    from backend.services.workers import check_placement
+
+    check_placement(session, run.spec)
+    failed, error = _send(session, [_train_job(session, run)])
+    if failed:
+        raise QueueUnavailable(f"run {run_id} was put back in the queue, but the job queue is unavailable ({error}): "
+                               f"it is marked failed again; {_WHAT_TO_DO}, then retry it again",
+                               stored={"run_id": run_id})
+    return run
+
+
 def record_run_status(session: Session, run_id: int, body: StatusUpdate, stale_s: float = 60.0) -> Run:
     """A worker's status report; a run that succeeded is evaluated on the experiment's `eval_tasks` at once."""
     run = runs.update_status(session, run_id, body, stale_s)

@@ -118,7 +118,8 @@ def run_folder(home: Path, run_id: int) -> Path:
 def _folder_owner(run: Run) -> tuple[dict, bool]:
     """(identity, started before) of the run, read before its row goes: `plab.run_folder.remove` deletes its folder
     only if it is the run's (another database's run <id> may hold it)."""
-    return plab_run_folder.identity(run.id, run.experiment_id, run.created_at), (run.attempts or 0) > 0
+    return (plab_run_folder.identity(run.id, run.experiment_id, run.created_at),
+            (run.attempts or 0) > 0 or run.started_at is not None)  # a retried run's attempts start again
 
 
 def _delete_run_rows(session: Session, run: Run) -> None:

@@ -227,6 +227,28 @@ def cancel_run(session: Session, run_id: int) -> Run:
     return run
 
 
+def reopen(session: Session, run_id: int) -> Run:
+    """A failed or cancelled run of ours put back to `queued` for POST /runs/{id}/retry (its job is then sent by
+    `dispatch.retry_run`): the worker resumes it from the last checkpoint in its run folder, and it may be started
+    PLAB_MAX_ATTEMPTS times again. Its previous error is cleared; its metrics, artifacts and started_at stay."""
+    run = session.get(Run, run_id, with_for_update=True)
+    if run is None:
+        raise NotFound(f"run {run_id} does not exist")
+    if run.external:
+        raise Conflict(f"run {run_id} is a record-only run: the user's own script trains it and reports it through "
+                       "the API; run that script again")
+    if run.status == "diverged":
+        raise Conflict(f"run {run_id} diverged (at step {run.diverged_step}): training is deterministic, so the "
+                       "same spec diverges again; submit a new experiment with a lower training.lr, a longer "
+                       "warm-up or another recipe")
+    if run.status not in ("failed", "cancelled"):
+        raise Conflict(f"run {run_id} is '{run.status}': only a failed or cancelled run can be retried")
+    run.status, run.cancel_requested, run.finished_at = "queued", False, None
+    run.error_message, run.heartbeat_at, run.worker_host, run.attempts = None, None, None, 0
+    run.summary = {k: v for k, v in (run.summary or {}).items() if k != "resumed_from_step"}  # the job says anew
+    return run
+
+
 def _slurm_job(holder: str | None) -> str | None:
     """The Slurm job id of a worker_host written by a job in Slurm ("slurm job 123 (node1)")."""
     if holder and holder.startswith("slurm job "):

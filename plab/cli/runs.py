@@ -1,4 +1,5 @@
-"""`plab submit FILE` (an experiment through the API) and `plab train FILE` (one run here, no server)."""
+"""`plab submit FILE` (an experiment through the API), `plab retry RUN_ID` (a failed or cancelled run queued again)
+and `plab train FILE` (one run here, no server)."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,18 @@ def cmd_submit(args) -> int:
     print(f"experiment {exp['id']} '{exp['name']}': {len(exp['runs'])} run(s) queued "
           f"({', '.join(r['label'] for r in exp['runs'])})")
     print(f"{client.base_url}/experiments/{exp['id']}")
+    return 0
+
+
+def cmd_retry(args) -> int:
+    from workers.client import PlabClient
+
+    client = PlabClient.from_env(args.api_url, retries=2)
+    with api_call(client.base_url, f"the retry of run {args.run_id}"):
+        run = client.retry_run(args.run_id)
+    print(f"run {run['id']} ({run['label']}) queued again: its job resumes from the run's last checkpoint "
+          f"(from step 0 if it wrote none); its metrics so far are kept")
+    print(f"{client.base_url}/runs/{run['id']}")
     return 0
 
 
@@ -138,6 +151,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sm.add_argument("file")
     sm.add_argument("--api-url", help="default: $PLAB_API_URL or http://127.0.0.1:8000")
     sm.set_defaults(func=cmd_submit)
+
+    rt = sub.add_parser("retry", help="queue a failed or cancelled run again (it resumes from its checkpoint)",
+                        description="Send a failed or cancelled run to a worker again through the API: it resumes "
+                                    "from the last checkpoint it wrote (training.checkpoint_every), keeping its "
+                                    "metrics so far. A diverged run is refused (the same spec diverges again).")
+    rt.add_argument("run_id", type=whole_number(1), help="the run's id (shown on its page and by the API)")
+    rt.add_argument("--api-url", help="default: $PLAB_API_URL or http://127.0.0.1:8000")
+    rt.set_defaults(func=cmd_retry)
 
     t = sub.add_parser("train", help="train one run from a run-spec file, no server",
                        description="Train one run from a run-spec file (YAML or JSON) in this process (torchrun's "

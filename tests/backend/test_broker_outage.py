@@ -123,3 +123,16 @@ def test_a_gemm_benchmark_is_stored_failed_and_the_client_told_503(api):
     assert bench["name"] == "outage" and bench["request"]["shapes"] == "64x128x96"
     kept = api.post("/gemm-benchmarks", json={"request": {"shapes": "64x128x96"}, "enqueue": False})
     assert kept.status_code == 201 and kept.json()["status"] == "queued"
+
+
+def test_a_retried_run_is_failed_again_with_the_reason_and_the_client_told_503(api):
+    run_id = experiment(api)["runs"][0]["id"]
+    assert api.post(f"/runs/{run_id}/status", json={"status": "running"}).status_code == 200
+    assert api.post(f"/runs/{run_id}/status", json={"status": "failed", "error_message": "OOM"}).status_code == 200
+    r = api.post(f"/runs/{run_id}/retry")
+    assert r.status_code == 503 and r.json()["stored"] == {"run_id": run_id}, r.text
+    detail = r.json()["detail"]
+    assert detail.startswith(f"run {run_id} was put back in the queue, but the job queue is unavailable")
+    assert "PLAB_BROKER_URL" in detail and detail.endswith("then retry it again")
+    run = api.get(f"/runs/{run_id}").json()
+    assert run["status"] == "failed" and run["error_message"].startswith(QUEUE_ERROR)

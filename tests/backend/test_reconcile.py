@@ -9,26 +9,10 @@ import time
 from datetime import timedelta
 
 import pytest
-import redis
 
 from backend.models import Run, utcnow
 from backend.services.reconcile import reconcile
 from tests.backend.test_api import EXPERIMENT, make_client
-from tests.integration.conftest import REDIS_URL, _claim_redis_db
-
-
-@pytest.fixture
-def broker(monkeypatch, tmp_path):
-    db, lock = _claim_redis_db()
-    url = f"{REDIS_URL}/{db}"
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    monkeypatch.setenv("PLAB_BROKER_URL", url)
-    monkeypatch.setenv("PLAB_HOME", str(tmp_path))
-    yield client
-    client.flushdb()
-    client.close()
-    lock.close()
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import pytest
 from backend.models import EvalResult, Run, utcnow
 from tests.backend.test_api import EXPERIMENT, create, make_client
 from tests.backend.test_comparison import api, finish, send  # noqa: F401 - `api` is a fixture
-from tests.backend.test_reconcile import broker  # noqa: F401 - a fixture: a Redis database of the test's own
 
 
 def _session(api):

@@ -350,3 +350,30 @@ def test_emulated_bars_and_their_legend_entries_have_visible_hatched_pixels(serv
         # The bar's colour fills most of it, and the white hatch shows through: both visible.
         assert seen["colored"] > 0.3 and seen["white"] > 0.05, (what, seen)
     assert page.console_log.errors == []
+
+
+def test_a_failed_run_is_retried_from_its_page_and_a_diverged_one_offers_no_retry(server, page):
+    exp = server.create_experiment(["fp8_tensorwise"], name="retry-ui")
+    failed, diverged = (run["id"] for run in exp["runs"])
+    server.set_status(failed, "running")
+    server.set_status(failed, "failed", error_message="RuntimeError: CUDA out of memory")
+    server.set_status(diverged, "running")
+    server.set_status(diverged, "diverged", diverged_step=7)
+    page.goto(f"{server.base_url}/runs/{diverged}")
+    page.locator("#run-status .badge").wait_for()
+    assert page.locator("#run-retry").is_hidden() and page.locator("#run-cancel").is_hidden()
+
+    page.goto(f"{server.base_url}/runs/{failed}")
+    page.locator("#run-retry").wait_for(state="visible")
+    assert page.locator("#run-errors-panel").is_visible() and page.locator("#run-cancel").is_hidden()
+    page.once("dialog", lambda d: d.dismiss())
+    page.click("#run-retry")
+    assert server.http.get(f"/api/v1/runs/{failed}").json()["status"] == "failed"
+    page.once("dialog", lambda d: d.accept())
+    page.click("#run-retry")
+    page.locator("#run-retry").wait_for(state="hidden")
+    page.wait_for_function("() => /queued/.test(document.getElementById('run-status').textContent)")
+    run = server.http.get(f"/api/v1/runs/{failed}").json()
+    assert run["status"] == "queued" and run["error_message"] is None
+    assert page.locator("#run-cancel").is_visible() and page.locator("#run-errors-panel").is_hidden()
+    assert page.console_log.errors == []

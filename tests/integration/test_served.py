@@ -50,6 +50,33 @@ def test_cancelling_a_running_run_stops_it_at_a_step_boundary(stack):
     assert stack.run(run_id)["progress"]["step"] == last  # nothing trains on after the stop
 
 
+def test_a_cancelled_run_retried_resumes_from_its_checkpoint_to_a_complete_series(stack, capsys, monkeypatch):
+    """`plab retry` (POST /runs/{id}/retry) on a run cancelled mid-training: a worker takes it again, it resumes
+    from its last checkpoint, not step 0, and ends with a gap-free, duplicate-free loss series."""
+    from plab.cli import main
+
+    monkeypatch.setenv("PLAB_API_URL", stack.env["PLAB_API_URL"])
+    monkeypatch.setenv("PLAB_API_TOKEN", stack.env["PLAB_API_TOKEN"])
+    steps = 40
+    exp = stack.create(name="retry", **TINY, training=tiny_training(steps, checkpoint_every=5), recipes=["bf16"])
+    run_id = exp["runs"][0]["id"]
+    stack.wait(lambda: (stack.run(run_id).get("progress") or {}).get("step", 0) >= 12, 180, "a checkpoint or two")
+    assert stack.api.post(f"/runs/{run_id}/cancel").status_code == 200
+    stack.wait(lambda: stack.run(run_id)["status"] == "cancelled", 60, "the run to stop")
+    stopped = stack.run(run_id)["progress"]["step"]
+    assert main(["retry", str(run_id)]) == 0
+    assert f"run {run_id} (bf16) queued again" in capsys.readouterr().out
+    exp = stack.wait_final(exp["id"], timeout=240)
+    run = exp["runs"][0]
+    assert run["status"] == "succeeded", stack.log("worker")
+    resumed = stack.run(run_id)["summary"]["resumed_from_step"]
+    assert resumed % 5 == 0 and 10 <= resumed <= stopped, (resumed, stopped)
+    series = stack.series(run_id)
+    assert series["step"] == list(range(1, steps + 1)) or series["step"] == list(range(steps)), series["step"]
+    assert main(["retry", str(run_id)]) == 2
+    assert "is 'succeeded': only a failed or cancelled run can be retried" in capsys.readouterr().err
+
+
 def test_a_failing_run_is_failed_with_its_message(stack):
     # The API checks that the corpus exists (this host holds the data); what is inside it only the worker reads: a
     # JSONL corpus whose lines lack data.text_field fails the run, with the reason.

@@ -105,6 +105,9 @@ class ApiSink(MetricSink):
             elif kind == "run_info":  # what the run is, while it trains (the result's summary repeats it)
                 self.client.update_run(self.run_id, summary={k: fields[k] for k in RUN_INFO_FIELDS if k in fields},
                                        retries=BRIEF_RETRIES)
+            elif kind == "resumed":  # the run page and the API say where this attempt started
+                self.client.update_run(self.run_id, summary={"resumed_from_step": fields.get("step")},
+                                       retries=BRIEF_RETRIES)
             elif kind == "checkpoint":
                 path, step = _portable(fields.get("path")), fields.get("step")
                 meta = {k: v for k, v in fields.items() if k not in ("path", "step")}

@@ -56,6 +56,17 @@ def cancel_run(run_id: ObjectId, session: SessionDep):
     return RunOut.model_validate(runs.cancel_run(session, run_id))
 
 
+@router.post("/{run_id}/retry", response_model=RunDetail, dependencies=WRITE,
+             responses={409: {"description": "the run is not failed or cancelled, diverged, or is record-only"},
+                        503: {"description": "the job queue refused the job: the run is failed again"}})
+def retry_run(run_id: ObjectId, session: SessionDep):
+    """Send a failed or cancelled run to a worker again: it is `queued`, and its job resumes from the last
+    checkpoint the run wrote (training.checkpoint_every; from step 0 when it wrote none), with its metrics so far
+    kept. Its error message is cleared and its start count reset. A diverged run is refused: the same spec
+    diverges again."""
+    return RunDetail.model_validate(dispatch.retry_run(session, run_id))
+
+
 @router.post("/{run_id}/status", response_model=RunOut, dependencies=WRITE)
 def update_status(run_id: ObjectId, body: StatusUpdate, session: SessionDep, request: Request):
     """A worker's report. `running` starts (claims) the run: 409 while another job holds it (fresh heartbeat)."""

@@ -14,6 +14,8 @@ const runId = root.dataset.runId;
 const api = (...parts) => `/api/v1${urlPath(...parts)}`;
 // While the run is live, its charts are re-read every METRICS_EVERY_MS (one request per key), the rest every poll.
 const METRICS_EVERY_MS = 10_000;
+// A run that ended this way can be queued again (POST /runs/{id}/retry); a diverged one would diverge again.
+const RETRYABLE = new Set(["failed", "cancelled"]);
 const state = { run: null, baseline: null, experiment: null, keys: [], smoothing: DEFAULT_SMOOTHING, gone: false,
   drawn: new Map(), metricsAt: 0 };
 
@@ -214,8 +216,10 @@ function renderHeader() {
   link.hidden = false;
   document.getElementById("run-record-only").hidden = !run.external;
   document.getElementById("run-cancel").hidden = run.external || !LIVE_STATUSES.has(run.status) || run.cancel_requested;
+  document.getElementById("run-retry").hidden = run.external || !RETRYABLE.has(run.status);
   const entries = [["recipe", run.recipe], ["GEMMs", gemmBackend(run)], ["device", run.device_name],
-    ["worker", run.worker_host], ["attempts", run.attempts || ""], ["created", formatDate(run.created_at)],
+    ["worker", run.worker_host], ["attempts", run.attempts || ""],
+    ["resumed at step", (run.summary || {}).resumed_from_step], ["created", formatDate(run.created_at)],
     ["finished", formatDate(run.finished_at)]].filter(([, v]) => v !== "" && v != null);
   setHTML(document.getElementById("run-meta"), joinHtml(entries.map(([k, v]) => html`<div><dt>${k}</dt><dd>${v}</dd></div>`)));
 }
@@ -261,6 +265,19 @@ document.getElementById("run-cancel").addEventListener("click", async (event) =>
     showGlobalError("");
   } catch (err) {
     showGlobalError(`Cancel failed: ${err.message}`);
+  }
+  event.target.disabled = false;
+  poke();
+});
+document.getElementById("run-retry").addEventListener("click", async (event) => {
+  if (!window.confirm(`Retry ${runLabel(state.run)}? It is queued again and resumes from its last checkpoint; its `
+    + "metrics so far are kept.")) return;
+  event.target.disabled = true;
+  try {
+    await post(`${api("runs", runId)}/retry`);
+    showGlobalError("");
+  } catch (err) {
+    showGlobalError(`Retry failed: ${err.message}`);
   }
   event.target.disabled = false;
   poke();
