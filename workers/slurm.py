@@ -139,9 +139,11 @@ class SlurmRun:
         self.log_dir = self.home / "runs" / str(run_id) / "logs"
         self.requeues = 0
         self.last_report = None
+        self.dispatch = None  # the run's dispatch this supervisor acts for (`start`)
 
     def start(self, record: dict) -> str:
         """The Slurm job of this run: the one its summary names if Slurm still has it, else a new one."""
+        self.dispatch = record.get("dispatched_at")
         known = ((record.get("summary") or {}).get("slurm") or {}).get("job_id")
         if known:
             state, _ = job_state(str(known))
@@ -171,8 +173,10 @@ class SlurmRun:
         while True:
             state, reason = job_state(job_id)
             base = (state or "GONE").split("+")[0]
-            self._report(job_id, base, reason)
             run = self.client.get_run(self.run_id)
+            if self._sent_again(run, job_id):
+                return run["status"]
+            self._report(job_id, base, reason)
             if run["cancel_requested"] and base not in ENDED and state is not None:
                 cancel(job_id)
             if base in WAITING or base in RUNNING:
@@ -196,9 +200,20 @@ class SlurmRun:
             except ApiError:
                 pass
 
+    def _sent_again(self, run: dict, job_id: str) -> bool:
+        """Whether the run was sent to the queue again since this supervisor started (a retry of the run while its
+        old Slurm job completed): its new job's supervisor acts for it, and this one stops without a report."""
+        if run.get("dispatched_at") == self.dispatch:
+            return False
+        print(f"[plab] run {self.run_id}: sent to the queue again since Slurm job {job_id} started; "
+              f"no longer watching it", flush=True)
+        return True
+
     def _finish(self, job_id: str, how: str) -> str:
         self._record_logs(job_id)
         run = self.client.get_run(self.run_id)
+        if self._sent_again(run, job_id):
+            return run["status"]
         if run["status"] in ("queued", "running"):
             outcome = "cancelled" if run["cancel_requested"] else "failed"
             message = None if outcome == "cancelled" else f"{how} without the run reporting a result; see its logs"

@@ -107,7 +107,7 @@ def superseded(record: dict, sent_at: str, what: str = "run") -> str | None:
         if not latest or _utc(sent_at) >= _utc(latest):
             return None
     except (TypeError, ValueError):  # not a time the API wrote: act as on a message without one
-        log.warning("run %s: unreadable dispatch time %r in the message; running it", record.get("id"), sent_at)
+        log.warning("%s %s: unreadable dispatch time %r in the message; running it", what, record.get("id"), sent_at)
         return None
     return (f"this message was sent at {sent_at}, but the {what} was sent to the queue again at {latest} "
             f"(message {record.get('dispatch_id')}): that one stands for it")
@@ -172,9 +172,11 @@ def run_job(task: Task, job: Job, job_id: int, **options) -> int:
         # its last checkpoint.
         log.warning("%s %s: job %s; retrying", job.KIND, job_id, _how_it_ended(proc.returncode))
         raise task.retry(countdown=1)
-    # The child reports its own exceptions; this covers an end it could not report (segfault, OOM kill).
+    # The child reports its own exceptions; this covers an end it could not report (segfault, OOM kill). A row sent
+    # to the queue again meanwhile (a run retried while this job drained its reports) belongs to its new job.
     with PlabClient.from_env() as client:
-        if job.status(client, job_id) in UNREPORTED:
+        record = job.record(client, job_id)
+        if record["status"] in UNREPORTED and not (sent_at and superseded(record, sent_at)):
             job.mark_failed(client, job_id, f"the {job.KIND} process ended without reporting a result "
                                             f"({_how_it_ended(proc.returncode)}); the worker's log has its output")
     return proc.returncode

@@ -139,7 +139,7 @@ def retry_run(session: Session, run_id: int) -> Run:
     run = runs.reopen(session, run_id)
     from backend.services.workers import check_placement
 
-    check_placement(session, run.spec)
+    check_placement(session, run.spec, retry_of=run_id)
     failed, error = _send(session, [_train_job(session, run)])
     if failed:
         raise QueueUnavailable(f"run {run_id} was put back in the queue, but the job queue is unavailable ({error}): "

@@ -119,7 +119,7 @@ def _folder_owner(run: Run) -> tuple[dict, bool]:
     """(identity, started before) of the run, read before its row goes: `plab.run_folder.remove` deletes its folder
     only if it is the run's (another database's run <id> may hold it)."""
     return (plab_run_folder.identity(run.id, run.experiment_id, run.created_at),
-            (run.attempts or 0) > 0 or run.started_at is not None)  # a retried run's attempts start again
+            not run.external and ((run.attempts or 0) > 0 or run.started_at is not None))  # a retry counts anew
 
 
 def _delete_run_rows(session: Session, run: Run) -> None:

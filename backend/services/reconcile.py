@@ -90,23 +90,31 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
 
 
 # What the lost-message pass looks at, per kind: the rows still waiting for a worker on a message sent before the grace
-# period, the queue that message went to, and the key of `done` that lists those sent again. A run whose cancel was
-# requested is left to _cancel_abandoned.
+# period, the column that says which queue that message went to (and how), whether a job of the kind claims its row
+# (a second delivery of a run's message cannot train it twice at once: runs._claim), and the key of `done` listing
+# those sent again. A run whose cancel was requested is left to _cancel_abandoned.
 _WAITING = (
-    (Run, (Run.external.is_(False), Run.cancel_requested.is_(False)), lambda row: queue_for(row.spec), "resent"),
-    (Evaluation, (), lambda _row: "default", "evaluations_resent"),
-    (GemmBenchmark, (), lambda row: row.queue or "default", "gemm_benchmarks_resent"),
+    (Run, (Run.external.is_(False), Run.cancel_requested.is_(False)), Run.spec, queue_for, True, "resent"),
+    (Evaluation, (), Evaluation.id, lambda _id: "default", False, "evaluations_resent"),
+    (GemmBenchmark, (), GemmBenchmark.queue, lambda name: name or "default", False, "gemm_benchmarks_resent"),
 )
 
 
 def _resend_lost(session: Session, messages_present, grace: datetime, done: dict) -> None:
     """Queued runs, evaluations and GEMM benchmarks whose message the broker no longer holds (neither waiting nor
-    delivered and unacknowledged) `grace` after it was sent: sent again. The broker is asked once about them all."""
+    delivered and unacknowledged) `grace` after it was sent: sent again. The broker is asked once about them all.
+    Evaluations and benchmarks, which no claim guards against a second delivery, only where the broker shows
+    delivered messages (Redis; on the filesystem broker a message missing from its queue may be starting)."""
+    from plab.broker import sees_delivered
+
     candidates = []
-    for model, where, queue_of, key in _WAITING:
+    for model, where, column, queue_of, claimed, key in _WAITING:
+        if not claimed and not sees_delivered():
+            continue
         waiting = (model.status == "queued", *where, model.dispatch_id.is_not(None), model.dispatched_at < grace)
-        rows = session.scalars(select(model).where(*waiting).order_by(model.id)).all()
-        candidates += [(model, waiting, key, row.id, row.dispatch_id, queue_of(row)) for row in rows]
+        rows = session.execute(select(model.id, model.dispatch_id, column).where(*waiting).order_by(model.id)).all()
+        candidates += [(model, waiting, key, row_id, dispatch_id, queue_of(value))
+                       for row_id, dispatch_id, value in rows]
     session.commit()  # the read's transaction ends before the broker is asked
     if not candidates:
         return

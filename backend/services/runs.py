@@ -242,10 +242,15 @@ def reopen(session: Session, run_id: int) -> Run:
                        "same spec diverges again; submit a new experiment with a lower training.lr, a longer "
                        "warm-up or another recipe")
     if run.status not in ("failed", "cancelled"):
-        raise Conflict(f"run {run_id} is '{run.status}': only a failed or cancelled run can be retried")
+        later = " (its cancel was requested: retry it once it is cancelled)" if run.cancel_requested else ""
+        raise Conflict(f"run {run_id} is '{run.status}': only a failed or cancelled run can be retried{later}")
     run.status, run.cancel_requested, run.finished_at = "queued", False, None
     run.error_message, run.heartbeat_at, run.worker_host, run.attempts = None, None, None, 0
-    run.summary = {k: v for k, v in (run.summary or {}).items() if k != "resumed_from_step"}  # the job says anew
+    # No dispatch until the new message is sent: the reconciler must not take the old one for lost meanwhile, and
+    # a job of the old dispatch (a Slurm supervisor, a worker draining) sees the run was sent again.
+    run.dispatch_id, run.dispatched_at = None, None
+    # The next attempt's job says where it resumed and which Slurm job it runs as.
+    run.summary = {k: v for k, v in (run.summary or {}).items() if k not in ("resumed_from_step", "slurm")}
     return run
 
 

@@ -41,8 +41,9 @@ def can_place(worker: Worker, gpus: int, nodes: int) -> bool:
     return gpus <= max(worker.gpus_per_slot, 1)
 
 
-def check_placement(session: Session, spec: dict) -> None:
-    """InvalidInput when live workers serve the spec's queue and none of them can run it."""
+def check_placement(session: Session, spec: dict, retry_of: int | None = None) -> None:
+    """InvalidInput when live workers serve the spec's queue and none of them can run it (for the retry of run
+    `retry_of`, whose spec stays as it is, the advice is a worker that can)."""
     training = spec.get("training") or {}
     queue = str(training.get("queue") or "default")
     gpus, nodes = int(training.get("gpus") or 1), int(training.get("nodes") or 1)
@@ -52,6 +53,10 @@ def check_placement(session: Session, spec: dict) -> None:
     offers = "; ".join(f"{w.name}: {w.gpus_per_slot or 'CPU'} {'GPUs' if w.gpus_per_slot else 'slots'} per job "
                        f"({w.launcher})" for w in serving)
     need = f"{gpus} GPUs" + (f" on each of {nodes} nodes" if nodes > 1 else "")
+    if retry_of is not None:
+        raise InvalidInput(f"run {retry_of} is not retried: no live worker on queue '{queue}' can run a job on {need} "
+                           f"(its training.gpus/nodes): {offers}. Start a worker that offers it (`plab worker --gpus "
+                           f"... --multi-gpu`, or `--launcher slurm` for several nodes), then retry it")
     raise InvalidInput(f"no live worker on queue '{queue}' can run a job on {need} (training.gpus/nodes): {offers}. "
                        f"Lower training.gpus, send it to another queue (training.queue), or start a worker that "
                        f"offers it (`plab worker --gpus ... --multi-gpu`, or `--launcher slurm` for several nodes)")

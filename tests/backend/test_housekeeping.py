@@ -102,6 +102,20 @@ def _points(n: int, key: str = "train/loss") -> dict:
     return {"points": [{"key": key, "step": s, "value": 1.0 / (s + 1), "tokens": 64 * s} for s in range(n)]}
 
 
+def test_deleting_a_record_only_run_leaves_a_folder_of_that_id_without_run_json(api):
+    """A record-only run trains in its owner's script and never writes PLAB_HOME/runs/<id>: files there that name no
+    run (another database's, from before run.json) are not its to delete, whatever its start time says."""
+    exp = _create(api)
+    rec = api.post("/api/v1/runs", json={"experiment_id": exp["id"], "recipe": "bf16", "external": True},
+                   headers=_bearer(ADMIN)).json()
+    for status in ("running", "succeeded"):
+        api.post(f"/api/v1/runs/{rec['id']}/status", json={"status": status}, headers=_bearer(ADMIN))
+    foreign = api.home / "runs" / str(rec["id"]) / "checkpoints"
+    foreign.mkdir(parents=True)
+    assert api.delete(f"/api/v1/runs/{rec['id']}", headers=_bearer(ADMIN)).status_code == 204
+    assert foreign.exists()
+
+
 def test_delete_needs_a_write_token_and_removes_metrics_and_files(api):
     read = api.post("/api/v1/tokens", json={"name": "reader", "scope": "read"}, headers=_bearer(ADMIN)).json()
     write = api.post("/api/v1/tokens", json={"name": "writer", "scope": "write"}, headers=_bearer(ADMIN)).json()

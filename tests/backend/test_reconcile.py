@@ -4,6 +4,7 @@ so a duplicate message never trains it twice at once."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from datetime import timedelta
@@ -258,3 +259,37 @@ def test_a_queued_evaluation_or_gemm_benchmark_whose_message_redis_lost_is_sent_
     assert api.post(f"/api/v1/evaluations/{eid}/status", json={"status": "running"}).status_code == 200
     assert _pass(api, requeue_grace_s=0.0) == {"requeued": [], "failed": [], "resent": [],
                                                "gemm_benchmarks_resent": [bid]}
+
+
+def test_on_a_broker_that_hides_delivered_messages_only_runs_are_sent_again(api, broker, monkeypatch):
+    """kombu's filesystem transport deletes a message's file when a worker takes it: a queued evaluation or benchmark
+    missing from its queue may be starting, and nothing (unlike a run's claim) would stop a second copy running
+    beside it. There only runs are re-sent."""
+    from backend.models import Evaluation, GemmBenchmark
+
+    rid = api.post("/api/v1/experiments", json={**EXPERIMENT, "recipes": ["bf16"]}).json()["runs"][0]["id"]
+    stamp = utcnow() - timedelta(minutes=5)
+    with _session(api) as s:
+        ev = Evaluation(run_id=rid, tasks=["plab_piqa"], dispatch_id="ev-message", dispatched_at=stamp)
+        bench = GemmBenchmark(request={"shapes": "64x128x96"}, queue="h100", dispatch_id="bench-message",
+                              dispatched_at=stamp)
+        s.add_all([ev, bench])
+        s.commit()
+        eid, bid = ev.id, bench.id
+    asked = []
+
+    def nothing_held(ids, queues):
+        asked.append(set(ids))
+        return set()
+
+    redis_url = os.environ["PLAB_BROKER_URL"]
+    monkeypatch.setenv("PLAB_BROKER_URL", "filesystem://")
+    settings = api.app.state.settings
+    with _session(api) as s:
+        assert reconcile(s, settings, messages_present=nothing_held) == {"requeued": [], "failed": [], "resent": []}
+    assert asked == []  # nothing to ask about: the run was never sent
+    monkeypatch.setenv("PLAB_BROKER_URL", redis_url)
+    with _session(api) as s:
+        done = reconcile(s, settings, messages_present=nothing_held)
+    assert done["evaluations_resent"] == [eid] and done["gemm_benchmarks_resent"] == [bid]
+    assert asked == [{"ev-message", "bench-message"}]

@@ -30,7 +30,8 @@ def test_a_failed_run_is_queued_again_with_its_metrics_kept(api, broker):
     _report(api, rid, "running")
     points = [{"key": "train/loss", "step": s, "value": 5.0 - s / 10, "tokens": 128 * s} for s in range(1, 6)]
     assert api.post(f"/api/v1/runs/{rid}/metrics", json={"points": points}).status_code == 200
-    api.patch(f"/api/v1/runs/{rid}", json={"summary": {"resumed_from_step": 3}})
+    api.patch(f"/api/v1/runs/{rid}", json={"summary": {"resumed_from_step": 3, "slurm": {"job_id": "41"},
+                                                       "final_loss": 4.5}})
     _report(api, rid, "failed", error_message="RuntimeError: CUDA out of memory")
     before = api.get(f"/api/v1/runs/{rid}").json()
     assert before["summary"]["resumed_from_step"] == 3
@@ -39,7 +40,8 @@ def test_a_failed_run_is_queued_again_with_its_metrics_kept(api, broker):
     run = r.json()
     assert run["status"] == "queued" and run["error_message"] is None and run["finished_at"] is None
     assert run["attempts"] == 0 and run["started_at"] == before["started_at"] and run["worker_host"] is None
-    assert "resumed_from_step" not in run["summary"]  # the next attempt's job says where it starts
+    # The next attempt's job says where it resumed and which Slurm job it is (the old one is not adopted).
+    assert run["summary"] == {"final_loss": 4.5}
     assert run["dispatch_id"] and run["dispatched_at"] and broker.llen("default") == 1
     assert api.get(f"/api/v1/runs/{rid}/metrics/train/loss").json()["step"] == [1, 2, 3, 4, 5]
     again = api.post(f"/api/v1/runs/{rid}/retry")  # a second click: it is queued
@@ -81,3 +83,18 @@ def test_what_cannot_be_retried_is_refused_with_why(api, broker):
     assert broker.llen("default") == 0
     with _session(api) as s:
         assert s.get(Run, done).status == "succeeded" and s.get(Run, external).status == "failed"
+
+
+def test_until_its_new_message_is_sent_a_retried_run_names_no_dispatch(api, broker):
+    """A reconciler pass between the retry's commit and its send took the old message (long gone) for lost and sent
+    the run a second time (a review): the reopened run carries no dispatch until the new one is sent."""
+    from backend.services import runs
+
+    rid = _run(api, enqueue=True)
+    old = api.get(f"/api/v1/runs/{rid}").json()["dispatch_id"]
+    assert old and api.post(f"/api/v1/runs/{rid}/cancel").status_code == 200
+    with _session(api) as s:
+        run = runs.reopen(s, rid)
+        assert (run.status, run.dispatch_id, run.dispatched_at) == ("queued", None, None)
+        s.commit()
+    assert _pass(api, requeue_grace_s=0.0) == {"requeued": [], "failed": [], "resent": []}

@@ -174,6 +174,29 @@ def test_a_message_the_run_was_sent_again_after_is_skipped_without_touching_the_
     assert starts(counter) == 2
 
 
+def test_a_job_that_ends_without_a_report_leaves_a_run_retried_meanwhile_to_its_new_job(client, tmp_path):
+    """A training child that reported `failed` drains its metrics for up to a minute before it exits; a retry in
+    that window queued the run again, and the worker then marked the retried run failed ("ended without reporting
+    a result") under its new job (a review). The worker leaves a row sent to the queue since its message."""
+    run = sent_run(client)
+    counter = tmp_path / "starts"
+
+    def retried_meanwhile(run_id):
+        client.cancel_run(run_id)  # queued: cancelled at once
+        client.retry_run(run_id)   # queued again, on a new message
+        return counting_child(counter, "sys.exit(1)")
+
+    task = job_task(train, retried_meanwhile)
+    assert task.apply(args=[run["id"]], kwargs={"gpus": 1, "dispatched_at": run["dispatched_at"]}).get() == 1
+    after = client.get_run(run["id"])
+    assert starts(counter) == 1 and after["status"] == "queued" and after["error_message"] is None
+    assert after["dispatched_at"] != run["dispatched_at"]
+    # Without a newer dispatch the same end marks the run failed, as before.
+    task = job_task(train, lambda _id: counting_child(counter, "sys.exit(1)"))
+    assert task.apply(args=[run["id"]], kwargs={"gpus": 1, "dispatched_at": after["dispatched_at"]}).get() == 1
+    assert client.get_run(run["id"])["status"] == "failed"
+
+
 @pytest.mark.parametrize("kind", [evaluate, gemm])
 def test_an_evaluation_or_benchmark_message_sent_again_since_is_skipped(client, tmp_path, kind):
     """The reconciler re-sends a queued evaluation or benchmark whose message the broker lost; should the first

@@ -62,3 +62,42 @@ def test_the_same_slurm_job_may_claim_its_run_again_but_no_one_else(tmp_path):
     assert claim("slurm job 41 (n2)") == 200          # requeued: the same job, on another first node
     assert claim("slurm job 42 (n1)") == 409          # another Slurm job
     assert claim("gpu-host-3") == 409                 # another worker
+
+
+def test_a_supervisor_whose_run_was_sent_again_stops_without_touching_it(monkeypatch, tmp_path):
+    """A run retried while its old Slurm job was still completing: the old job's supervisor wrote its job back into
+    the run's summary and then failed the retried run ("ended without the run reporting a result") under the new
+    job (a review). It now stops once the run's dispatch is not the one it started for."""
+    from workers import slurm
+
+    calls = []
+    run = {"id": 7, "status": "queued", "cancel_requested": False, "summary": {},
+           "dispatched_at": "2026-12-07T10:05:00+00:00"}
+
+    class Client:
+        def get_run(self, run_id):
+            return dict(run)
+
+        def update_run(self, run_id, **fields):
+            calls.append(("update_run", fields))
+
+        def set_status(self, run_id, status, **fields):
+            calls.append(("set_status", status))
+
+        def heartbeat(self, run_id):
+            calls.append(("heartbeat",))
+
+    monkeypatch.setenv("PLAB_HOME", str(tmp_path))
+    states = iter([("COMPLETING", None), ("COMPLETED", None)])
+    monkeypatch.setattr(slurm, "job_state", lambda job_id: next(states))
+    old = slurm.SlurmRun(Client(), 7, slurm.SlurmOptions(poll_s=0.0), 3, env={})
+    old.dispatch = "2026-12-07T10:00:00+00:00"  # what start() read: the dispatch before the retry
+    assert old.watch("41") == "queued" and calls == []
+
+    # The supervisor of the run's own dispatch ends it as before when its job ends without a report.
+    run.update(status="running")
+    monkeypatch.setattr(slurm, "job_state", lambda job_id: ("COMPLETED", None))
+    own = slurm.SlurmRun(Client(), 7, slurm.SlurmOptions(poll_s=0.0), 3, env={})
+    own.dispatch = run["dispatched_at"]
+    assert own.watch("42") == "failed"
+    assert ("set_status", "failed") in calls

@@ -58,6 +58,7 @@ def cancel_run(run_id: ObjectId, session: SessionDep):
 
 @router.post("/{run_id}/retry", response_model=RunDetail, dependencies=WRITE,
              responses={409: {"description": "the run is not failed or cancelled, diverged, or is record-only"},
+                        422: {"description": "live workers serve the run's queue but none can place its job"},
                         503: {"description": "the job queue refused the job: the run is failed again"}})
 def retry_run(run_id: ObjectId, session: SessionDep):
     """Send a failed or cancelled run to a worker again: it is `queued`, and its job resumes from the last
