@@ -69,6 +69,17 @@ def send_task(name: str, args: list, *, kwargs: dict | None = None, queue: str =
     return _senders[key].send_task(name, args=args, kwargs=kwargs or {}, queue=queue).id
 
 
+def close_senders() -> None:
+    """Close every broker connection `send_task` keeps open in this process (kombu's pools are per process, shared
+    by every app on a broker): a process done with a broker (a test's own Redis database) must not stay connected
+    to it. The next `send_task` connects anew."""
+    from kombu import pools
+
+    while _senders:
+        _senders.popitem()[1].close()
+    pools.reset()
+
+
 def messages_present(task_ids: Collection[str], queues: list[str]) -> set[str] | None:
     """Which of the messages `task_ids` the broker still holds – waiting in one of `queues` or delivered and not yet
     acknowledged – read in one pass over the broker's messages (the reconciler asks about every queued run at once:
