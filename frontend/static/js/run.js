@@ -257,31 +257,25 @@ housekeeping = mountHousekeeping(document.getElementById("run-housekeeping"), {
   onSaved: (saved) => { state.run = { ...state.run, ...saved }; renderHeader(); },
   onDeleted: () => { window.location.assign(urlPath("experiments", state.run.experiment_id)); },
 });
-document.getElementById("run-cancel").addEventListener("click", async (event) => {
-  if (!window.confirm(`Cancel ${runLabel(state.run)}? A running job stops at its next step; a queued one never starts.`)) return;
-  event.target.disabled = true;
-  try {
-    await post(`${api("runs", runId)}/cancel`);
-    showGlobalError("");
-  } catch (err) {
-    showGlobalError(`Cancel failed: ${err.message}`);
-  }
-  event.target.disabled = false;
-  poke();
-});
-document.getElementById("run-retry").addEventListener("click", async (event) => {
-  if (!window.confirm(`Retry ${runLabel(state.run)}? It is queued again and resumes from its last checkpoint; its `
-    + "metrics so far are kept.")) return;
-  event.target.disabled = true;
-  try {
-    await post(`${api("runs", runId)}/retry`);
-    showGlobalError("");
-  } catch (err) {
-    showGlobalError(`Retry failed: ${err.message}`);
-  }
-  event.target.disabled = false;
-  poke();
-});
+// A button that asks, then posts one action on the run (cancel, retry) and polls at once.
+function runAction(id, action, question) {
+  document.getElementById(id).addEventListener("click", async (event) => {
+    if (!window.confirm(question())) return;
+    event.target.disabled = true;
+    try {
+      await post(`${api("runs", runId)}/${action}`);
+      showGlobalError("");
+    } catch (err) {
+      showGlobalError(`${action[0].toUpperCase()}${action.slice(1)} failed: ${err.message}`);
+    }
+    event.target.disabled = false;
+    poke();
+  });
+}
+runAction("run-cancel", "cancel",
+  () => `Cancel ${runLabel(state.run)}? A running job stops at its next step; a queued one never starts.`);
+runAction("run-retry", "retry", () => `Retry ${runLabel(state.run)}? It is queued again and resumes from its last `
+  + "checkpoint; its metrics so far are kept.");
 document.getElementById("run-smoothing").addEventListener("input", (event) => {
   state.smoothing = Number(event.target.value);
   document.getElementById("run-smoothing-value").textContent = state.smoothing.toFixed(2);
