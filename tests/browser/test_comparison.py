@@ -180,7 +180,9 @@ def test_exported_html_report_opens_offline_and_shows_the_charts(server, page, c
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
     charts.wait_for_traces("relative-chart", 3)
     page.click("#export-menu summary")
-    with page.expect_download() as info:
+    # The report fetches Plotly (~3.5 MB) and every run's full loss series first: 15 s was not always enough with
+    # four test workers on two cores.
+    with page.expect_download(timeout=60_000) as info:
         page.click("#export-html")
     report = tmp_path / "report.html"
     info.value.save_as(report)
@@ -212,7 +214,9 @@ def test_csv_and_json_exports_hold_every_stored_point(server, page, charts, comp
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
     charts.wait_for_traces("loss-chart", 4)
     page.click("#export-menu summary")
-    with page.expect_download() as info:
+    # The report fetches Plotly (~3.5 MB) and every run's full loss series first: 15 s was not always enough with
+    # four test workers on two cores.
+    with page.expect_download(timeout=60_000) as info:
         page.click("#export-csv")
     path = tmp_path / "e.csv"
     info.value.save_as(path)
