@@ -4,8 +4,9 @@ tests.cpu_profile` (PLAB_CPU_PROFILE names the JSON-lines file, default ./cpu_pr
 Wall times under pytest-xdist mostly measure the other workers (four workers on two cores run each test at a half to
 a quarter of its speed), so each line holds the test's own CPU seconds (`self`: the worker process) and those of the
 processes it started and waited for (`children`: a served stack's API and Celery worker, training subprocesses, gloo
-ranks, Triton-interpreter subprocesses), with the wall time beside them. Daemons a test leaves running (Slurm's) are
-not counted. Summing by file: `python -m tests.cpu_profile cpu_profile.jsonl`."""
+ranks, Triton-interpreter subprocesses), with the wall time, start time and xdist worker beside them. Daemons a test
+leaves running (Slurm's) are not counted. Summing by file, and when each worker ran out of tests (the suite's tail):
+`python -m tests.cpu_profile cpu_profile.jsonl`."""
 from __future__ import annotations
 
 import collections
@@ -31,7 +32,8 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     s1, c1 = _cpu()
     line = {"id": item.nodeid, "self": round(s1 - s0, 3), "children": round(c1 - c0, 3),
-            "wall": round(time.time() - t0, 3)}
+            "wall": round(time.time() - t0, 3), "start": round(t0, 3),
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
     with open(os.environ.get(OUT_ENV, "cpu_profile.jsonl"), "a") as f:  # one line per write: workers append safely
         f.write(json.dumps(line) + "\n")
 
@@ -44,6 +46,12 @@ def summary(path: str, top: int = 40) -> str:
     total = sum(by_file.values())
     lines = [f"{len(rows)} tests, {total:,.0f} CPU s ({total / 2:,.0f} s on two cores at best)"]
     lines += [f"{v:8.1f}  {f}" for f, v in by_file.most_common(top)]
+    if all("start" in r for r in rows):  # when each worker ran out of tests: the suite's tail
+        t0 = min(r["start"] for r in rows)
+        ends = collections.defaultdict(float)
+        for r in rows:
+            ends[r["worker"]] = max(ends[r["worker"]], r["start"] + r["wall"] - t0)
+        lines.append("last test ended, by worker: " + ", ".join(f"{w} {t:,.0f} s" for w, t in sorted(ends.items())))
     return "\n".join(lines)
 
 

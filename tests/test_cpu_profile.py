@@ -29,4 +29,6 @@ def test_each_test_gets_its_own_and_its_subprocesses_cpu_seconds(tmp_path):
     assert rows["test_idle"]["self"] + rows["test_idle"]["children"] < 0.2 and rows["test_idle"]["wall"] >= 0.3
     from tests.cpu_profile import summary
 
-    assert summary(str(out)).startswith("3 tests, ")
+    assert rows["test_idle"]["worker"] == "main" and rows["test_idle"]["start"] > rows["test_self"]["start"]
+    text = summary(str(out))
+    assert text.startswith("3 tests, ") and "last test ended, by worker: main " in text
