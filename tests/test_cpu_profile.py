@@ -21,6 +21,7 @@ def test_each_test_gets_its_own_and_its_subprocesses_cpu_seconds(tmp_path):
         "def test_idle():\n    time.sleep(0.3)\n")
     out = tmp_path / "cpu.jsonl"
     env = {**os.environ, "PLAB_CPU_PROFILE": str(out), "PYTHONPATH": str(REPO)}
+    env.pop("PYTEST_XDIST_WORKER", None)  # this test's own xdist worker: the inner pytest runs without one
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.cpu_profile",
                     str(tmp_path / "test_burn.py")], env=env, cwd=tmp_path, check=True, capture_output=True)
     rows = {r["id"].split("::")[1]: r for r in map(json.loads, out.read_text().splitlines())}
