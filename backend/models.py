@@ -4,7 +4,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, PrimaryKeyConstraint,
-                        String, Text, UniqueConstraint)
+                        String, Text, TypeDecorator, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 RUN_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "diverged")
@@ -141,6 +141,17 @@ class Artifact(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class DocumentLimit(TypeDecorator):
+    """An evaluation's `limit`: documents per task (a whole number) or a fraction of each task's documents in (0, 1),
+    as lm-eval's --limit. Stored as a float (migration 0014; an integer before); read back as an int when whole, so a
+    limit of 5 stays 5."""
+    impl = Float
+    cache_ok = True
+
+    def process_result_value(self, value, dialect):
+        return int(value) if value is not None and float(value).is_integer() else value
+
+
 class Evaluation(Base):
     """One lm-eval job on one run's checkpoint."""
     __tablename__ = "evaluations"
@@ -149,7 +160,7 @@ class Evaluation(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     tasks: Mapped[list] = mapped_column(JSON)
-    limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    limit: Mapped[int | float | None] = mapped_column(DocumentLimit, nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="queued")
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
     lm_eval_version: Mapped[str | None] = mapped_column(String(32), nullable=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 from datetime import datetime, timezone
 from typing import Annotated, Any, ClassVar, Literal
@@ -69,8 +70,6 @@ def capped_json(value: dict | None, field: str) -> dict | None:
     """Free-form JSON the API stores is capped at MAX_JSON_BYTES serialized."""
     if value is None:
         return value
-    import json
-
     size = len(json.dumps(value))  # NaN stays allowed here: the services store it as null
     if size > MAX_JSON_BYTES:
         raise ValueError(f"{field} is {size:,} bytes of JSON, over the {MAX_JSON_BYTES:,}-byte limit; store less "
@@ -607,11 +606,47 @@ class SeriesQuery(Strict):
 
 
 # -- evaluations ------------------------------------------------------------------------------------------------------
+MAX_EVAL_DOCS = 1_000_000
+
+
+def _document_limit(value: Any) -> int | float | None:
+    """An evaluation's `limit`, as lm-eval's --limit: a whole number of documents per task, or a fraction in (0, 1) of
+    each task's documents. A float without a fractional part is the whole number (JSON Schema's "integer")."""
+    if value is None:
+        return None
+    if type(value) is float and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if type(value) is int and 1 <= value <= MAX_EVAL_DOCS:
+        return value
+    if type(value) is float and 0 < value < 1:
+        return value
+    raise ValueError(f"limit must be a whole number of documents per task (1 to {MAX_EVAL_DOCS:,}) or a fraction of "
+                     f"each task's documents between 0 and 1 such as 0.1 (lm-eval's --limit), got "
+                     f"{_echo(value)}")
+
+
+def _echo(value: Any, width: int = 60) -> str:
+    """What a request gave, as JSON, cut to `width` characters for an error message."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= width else text[:width] + "..."
+
+
+DocumentLimit = Annotated[Any, AfterValidator(_document_limit), WithJsonSchema({"anyOf": [
+    {"type": "integer", "minimum": 1, "maximum": MAX_EVAL_DOCS},
+    {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    {"type": "null"}]})]
+
+
 class EvaluationCreate(Strict):
     tasks: list[Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:\-]+$")]] = Field(
         min_length=1, max_length=200, description="task or group names, e.g. plab_blimp, plab_lambada_openai "
                                                   "(letters, digits, '_', '-', '.', ':')")
-    limit: int | None = Field(default=None, ge=1, le=1_000_000, description="documents per task (for quick checks)")
+    limit: DocumentLimit = Field(default=None, description="documents per task (a whole number), or a fraction of each "
+                                                           "task's documents in (0, 1), as lm-eval's --limit; for "
+                                                           "quick checks (none: every document)")
 
     @field_validator("tasks")
     @classmethod
@@ -763,7 +798,7 @@ class EvaluationOut(BaseModel):
     id: int
     run_id: int
     tasks: list[str]
-    limit: int | None
+    limit: int | float | None = Field(description="documents per task, or a fraction of each task's documents")
     status: str
     error_message: str | None
     lm_eval_version: str | None

@@ -31,7 +31,13 @@ def closed_port() -> int:
     (["demo", "--slots", "two"], "argument --slots: expected a whole number >= 1, got 'two'"),
     (["demo", "--port", "70000"], "argument --port: must be a port number from 1 to 65535, got '70000'"),
     (["train", "x.yaml", "--print-every", "0"], "argument --print-every: expected a whole number >= 1, got '0'"),
-    (["eval", "3", "--tasks", "plab_blimp", "--limit", "0"], "argument --limit: expected a whole number >= 1"),
+    (["eval", "3", "--tasks", "plab_blimp", "--limit", "0"], "argument --limit: expected a whole number of documents "
+                                                              "per task (1 to 1,000,000) or a fraction of each task's "
+                                                              "documents between 0 and 1 such as 0.1, got '0'"),
+    (["eval", "3", "--tasks", "plab_blimp", "--limit", "1.5"], "argument --limit: expected a whole number of "
+                                                                "documents per task (1 to 1,000,000) or a fraction"),
+    (["eval", "3", "--tasks", "plab_blimp", "--limit", "nan"], "argument --limit: expected a whole number of "
+                                                                "documents per task (1 to 1,000,000) or a fraction"),
     (["eval", "/tmp", "--rolling-context", "1"], "argument --rolling-context: --rolling-context wants a whole number "
                                                  "of tokens >= 2 (e.g. the run's data.seq_len), got '1'"),
 ])
@@ -339,3 +345,7 @@ def test_eval_wait_says_what_may_be_wrong_when_nothing_takes_the_evaluation(serv
     out = capsys.readouterr().out
     assert out.count("is still queued after 0 minutes: no worker has taken it. Is a worker running (plab worker), "
                      "and does one take the 'default' queue?") == 1
+    # --limit as lm-eval's: a fraction of each task's documents reaches the API (and the worker's job) as given
+    assert main(["eval", str(rid), "--tasks", "plab_piqa", "--limit", "0.1", "--api-url", served]) == 0
+    assert main(["eval", str(rid), "--tasks", "plab_piqa", "--limit", "20", "--api-url", served]) == 0
+    assert [e["limit"] for e in http.get(f"/api/v1/runs/{rid}/evaluations").json()[-2:]] in ([0.1, 20], [20, 0.1])

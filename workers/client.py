@@ -158,9 +158,9 @@ class PlabClient:
         return self._request("GET", "/health")
 
     # evaluations (lm-evaluation-harness jobs on a run's final checkpoint)
-    def create_evaluation(self, run_id: int, tasks: list[str], limit: int | None = None) -> dict:
+    def create_evaluation(self, run_id: int, tasks: list[str], limit: int | float | None = None) -> dict:
         body: dict = {"tasks": tasks}
-        if limit:
+        if limit is not None:
             body["limit"] = limit
         return self._request("POST", f"/runs/{run_id}/evaluations", json=body)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,6 +63,24 @@ def whole_number(minimum: int = 1):
         return value
     parse.__name__ = f"whole number >= {minimum}"
     return parse
+
+
+def document_limit(text: str) -> int | float:
+    """An argparse type for an evaluation's --limit, as lm-eval's: a whole number of documents per task (1 to
+    1,000,000), or a fraction of each task's documents between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isfinite(value) and value.is_integer() and 1 <= value <= 1_000_000:
+        return int(value)
+    if 0 < value < 1:
+        return value
+    raise argparse.ArgumentTypeError(f"expected a whole number of documents per task (1 to 1,000,000) or a fraction "
+                                     f"of each task's documents between 0 and 1 such as 0.1, got {text!r}")
+
+
+document_limit.__name__ = "document limit"
 
 
 def port_number(text: str, source: str = "") -> int:

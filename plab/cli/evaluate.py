@@ -5,14 +5,14 @@ import argparse
 import time
 from pathlib import Path
 
-from plab.cli.common import UsageError, api_call, whole_number
+from plab.cli.common import UsageError, api_call, document_limit
 
 # `--wait`: how long an evaluation may stay queued before the wait says what may be wrong
 QUEUED_HINT_S = 300.0
 
 
 def cmd_eval(argv: list[str]) -> int:
-    """`plab eval RUN_ID --tasks a,b [--limit N] [--wait]` starts an evaluation job through the API; anything else
+    """`plab eval RUN_ID --tasks a,b [--limit N|FRACTION] [--wait]` starts an evaluation job through the API; anything else
     (a checkpoint folder, --list-tasks, --compare) is the local lm-eval front end of training.evaluation."""
     from training.evaluation import main as eval_main
 
@@ -27,7 +27,8 @@ def _eval_run_via_api(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="plab eval RUN_ID", description="evaluate a run's checkpoint on the workers")
     p.add_argument("run_id", type=int)
     p.add_argument("--tasks", required=True, help="comma-separated, e.g. plab_blimp,plab_lambada_openai")
-    p.add_argument("--limit", type=whole_number(1), help="documents per task")
+    p.add_argument("--limit", type=document_limit,
+                   help="documents per task, or a fraction of each task's documents such as 0.1 (lm-eval's --limit)")
     p.add_argument("--wait", action="store_true", help="wait for the job and print its results")
     p.add_argument("--api-url")
     a = p.parse_args(argv)

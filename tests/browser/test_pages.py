@@ -377,3 +377,27 @@ def test_a_failed_run_is_retried_from_its_page_and_a_diverged_one_offers_no_retr
     assert run["status"] == "queued" and run["error_message"] is None
     assert page.locator("#run-cancel").is_visible() and page.locator("#run-errors-panel").is_hidden()
     assert page.console_log.errors == []
+
+
+def test_the_run_page_says_each_evaluations_limit_as_documents_or_a_share_of_them(server, page):
+    exp = server.create_experiment(["fp8_tensorwise"], name="eval-limits")
+    rid = exp["runs"][0]["id"]
+    server.set_status(rid, "running")
+    server.set_status(rid, "succeeded")
+    r = server.http.post(f"/api/v1/runs/{rid}/artifacts", json={"kind": "checkpoint", "path": "/ckpt/final", "step": 1})
+    assert r.status_code == 201, r.text
+    for limit in (0.125, 20, None):
+        r = server.http.post(f"/api/v1/runs/{rid}/evaluations", json={"tasks": ["plab_piqa"], "limit": limit})
+        assert r.status_code == 201, r.text
+    evaluations = server.http.get(f"/api/v1/runs/{rid}/evaluations").json()
+    assert sorted(e["limit"] for e in evaluations if e["limit"]) == [0.125, 20], evaluations
+    page.goto(f"{server.base_url}/runs/{rid}")
+    page.locator("#run-evaluations tbody tr[data-evaluation-id]").nth(len(evaluations) - 1).wait_for()
+    rows = {int(page.locator("#run-evaluations tbody tr[data-evaluation-id]").nth(i)
+                .get_attribute("data-evaluation-id")):
+            page.locator("#run-evaluations tbody tr[data-evaluation-id]").nth(i).locator("td").nth(1).inner_text()
+            for i in range(len(evaluations))}
+    said = {e["limit"]: rows[e["id"]] for e in evaluations}
+    assert said == {0.125: "plab_piqa (12.5% of each task's documents)", 20: "plab_piqa (20 documents per task)",
+                    None: "plab_piqa"}, said
+    assert page.console_log.errors == []

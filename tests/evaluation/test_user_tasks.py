@@ -95,3 +95,12 @@ def test_a_broken_user_yaml_is_listed_as_invalid_with_the_reason(user_tasks_dir,
     assert main(["--list-tasks"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("broken") and "INVALID" in line for line in lines)
+
+
+def test_a_fractional_limit_scores_that_share_of_each_tasks_documents(user_tasks_dir, tiny_checkpoint):
+    # As lm-eval's --limit: 0.5 of the six documents is three (rounded up); what the API and `plab eval RUN --limit`
+    # now accept for a worker's evaluation, which passes it here unchanged.
+    result = evaluate_checkpoint(tiny_checkpoint, ["my_capitals"], limit=0.5, device="cpu")
+    mine = result["tasks"]["my_capitals"]
+    assert result["limit"] == 0.5 and mine["n_docs"] == len(CAPITALS) and mine["n_samples"] == 3
+    assert len(mine["samples"]["acc"]) == 3

@@ -137,10 +137,16 @@ function resultText(result) {
   return `${result.task}: ${parts.join(", ") || "–"}`;
 }
 
+// An evaluation's limit, as lm-eval's --limit: documents per task, or a fraction of each task's documents.
+function limitNote(limit) {
+  if (typeof limit !== "number") return "";
+  return limit < 1 ? ` (${Number((100 * limit).toPrecision(3))}% of each task's documents)` : ` (${limit} documents per task)`;
+}
+
 function renderEvaluations(evaluations) {
   const body = document.querySelector("#run-evaluations tbody");
   setHTML(body, evaluations.length ? joinHtml(evaluations.map((e) => html`<tr data-evaluation-id="${e.id}">
-      <td>${e.id}</td><td>${(e.tasks || []).join(", ")}${e.limit ? ` (limit ${e.limit})` : ""}</td>
+      <td>${e.id}</td><td>${(e.tasks || []).join(", ")}${limitNote(e.limit)}</td>
       <td>${statusBadge(e.status)}</td><td>${joinHtml((e.results || []).map(resultText), html`<br>`)}</td>
       <td>${formatDate(e.finished_at)}</td></tr>`))
     : html`<tr class="placeholder"><td colspan="5">No evaluations of this run.</td></tr>`);
