@@ -10,6 +10,7 @@ FP32 on CPU, torch's fused AdamW.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +21,9 @@ from training.config import RANDOM_CORPUS, RunSpec, SpecError
 from training.data import TokenDataset
 from training.distributed import DistContext, init_distributed, init_single_process_group
 from training.flops import flops_per_token
-from training.model import (CausalLMLoss, build_model, carry_residual_in_bf16, compile_layers, count_parameters,
-                            decoder_blocks, decoder_body, describe_model, fuse_gate_up, fuse_qkv, load_pretrained,
-                            meta_model, model_config, set_rope_backward)
+from training.model import (QKV_NAMES, CausalLMLoss, build_model, carry_residual_in_bf16, compile_layers,
+                            count_parameters, decoder_blocks, decoder_body, describe_model, fuse_gate_up, fuse_qkv,
+                            load_pretrained, meta_model, model_config, set_rope_backward)
 from training.optim import MasterAdamW, OverlappedOptimizerStep, lr_at
 from training.parallel import (OneRankDirectStep, OverlappedShardedStep, apply_activation_checkpointing,
                               keeps_gathered_weights, resolve_parallel, shard_model)
@@ -413,7 +414,11 @@ def _model_with_recipe(spec: RunSpec, config, device: torch.device, param_dtype:
         init_on = device if t.init_device == "device" else "cpu"
         model = build_model(config, spec.seed, init_on).to(device)
     llama = type(model).__name__ == "LlamaForCausalLM"
-    fused_qkv = t.perf.fuse_qkv if t.perf.fuse_qkv is not None else (on_cuda and llama)
+    # On a GPU a Llama's Q, K and V become one GEMM unless asked otherwise, and only where the run's keep_bf16 rules
+    # keep the same layers either way (a rule naming q_proj alone matched nothing fused: the run failed at start on
+    # a GPU, and trained on a CPU).
+    fused_qkv = t.perf.fuse_qkv if t.perf.fuse_qkv is not None else (
+        on_cuda and llama and fusing_qkv_keeps_the_rules(model, spec.keep_bf16))
     _check_llama_only(model, fuse_qkv=fused_qkv, fuse_gate_up=t.perf.fuse_gate_up)
     if fused_qkv:
         fuse_qkv(model)
@@ -444,6 +449,57 @@ def _model_with_recipe(spec: RunSpec, config, device: torch.device, param_dtype:
 # Switches that rewrite Llama's own modules (the attention and MLP forwards of transformers' Llama).
 LLAMA_ONLY = {"fuse_qkv": "one QKV GEMM replacing LlamaAttention's q/k/v_proj",
               "fuse_gate_up": "one gate/up GEMM replacing LlamaMLP's gate_proj and up_proj"}
+
+
+def fusing_qkv_keeps_the_rules(model: torch.nn.Module, keep_bf16) -> bool:
+    """Whether fusing each Llama block's q_proj, k_proj and v_proj into one qkv_proj (`fuse_qkv`) leaves what the
+    keep_bf16 rules do as it is: in every block Q, K, V and the fused layer all kept or none, and every rule that
+    names a layer of the unfused model still naming one."""
+    keep = list(keep_bf16 or ())
+    if not keep:
+        return True
+    fused_name = "qkv_proj"
+    names, fused = [], []
+    for i, block in enumerate(decoder_blocks(model)):
+        for child, module in block.named_modules():
+            if type(module) is torch.nn.Linear:
+                full = f"layers.{i}.{child}"
+                names.append(full)
+                if child.rpartition(".")[2] not in QKV_NAMES:
+                    fused.append(full)
+        qkv = [f"layers.{i}.self_attn.{x}" for x in (*QKV_NAMES, fused_name)]
+        fused.append(qkv[-1])
+        if len({any(fnmatch.fnmatchcase(n, p) for p in keep) for n in qkv}) > 1:
+            return False
+    return all(any(fnmatch.fnmatchcase(n, p) for n in fused) for p in keep
+               if any(fnmatch.fnmatchcase(n, p) for n in names))
+
+
+def check_layer_choices(spec: RunSpec) -> None:
+    """The run's BF16 layer choices (bf16_first_layers, bf16_last_layers, keep_bf16) against its model's blocks,
+    on the model built on the meta device (no weights, no data): for the API and `plab` to refuse a typo in a
+    keep_bf16 rule when the run is submitted, not when a worker starts it, maybe hours later behind a queue.
+    The model's modules are named as the worker will have them: fused as training.perf.fuse_qkv / fuse_gate_up
+    ask (left out, Q, K and V are fused on a GPU only where that changes nothing the rules do). A model that
+    `model.config` or `model.init_from` names is read from its config.json. SpecError with apply_recipe's message.
+    A spec without keep_bf16 rules is left alone: it imports nothing (the spec's own checks already bound a preset's
+    BF16 first and last blocks), so the API validates such specs without importing torch."""
+    if not spec.keep_bf16:
+        return
+    from training.precision import registry
+
+    model = meta_model(model_config(spec.model, spec.vocab_size, spec.data.seq_len))
+    perf = spec.training.perf
+    _check_llama_only(model, fuse_qkv=bool(perf.fuse_qkv), fuse_gate_up=perf.fuse_gate_up)
+    if perf.fuse_qkv:
+        fuse_qkv(model)
+    if perf.fuse_gate_up:
+        fuse_gate_up(model)
+    try:
+        registry.check_layer_choices(model, bf16_first_layers=spec.bf16_first_layers,
+                                     bf16_last_layers=spec.bf16_last_layers, keep_bf16=spec.keep_bf16)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
 
 
 def _check_llama_only(model: torch.nn.Module, **asked: bool) -> None:

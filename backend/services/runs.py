@@ -48,11 +48,20 @@ def build_spec(body: ExperimentCreate, recipe: RecipeRequest, seed: int | None =
     from training.config import RunSpec, SpecError, check_new_run_data, confine_spec_paths
 
     try:
-        parsed = RunSpec.from_dict(spec, check_paths=False).to_dict()
+        run_spec = RunSpec.from_dict(spec, check_paths=False)
+        parsed = run_spec.to_dict()
         roots = spec_roots()
         confine_spec_paths(parsed, roots)
-        if check_files and _paths_are_here(parsed, roots):
+        here = _paths_are_here(parsed, roots)
+        if check_files and here:
             check_new_run_data(RunSpec.from_dict(spec, check_paths=True).data)
+        if run_spec.keep_bf16 and (run_spec.model.source == "preset" or here):
+            # keep_bf16 rules against the model's layer names (the model built on the meta device: torch and
+            # transformers are imported by the first spec that has such rules, and only by one)
+            from training.setup import check_layer_choices
+
+            check_layer_choices(run_spec if run_spec.model.source == "preset"
+                                else RunSpec.from_dict(spec, check_paths=True))
         return parsed
     except SpecError as e:
         raise InvalidInput(f"the run spec of recipe {recipe.name}: {e}") from e

@@ -77,13 +77,21 @@ def test_the_api_confines_model_paths_and_stores_keep_bf16(tmp_path, data):
         for path in (str(outside), "escape", "../secret"):
             r = api.post("/api/v1/experiments", json={**EXPERIMENT, "model": {key: path}})
             assert r.status_code == 422 and f"model.{key} must be a name or path inside" in r.text, (key, path, r.text)
-    body = {**EXPERIMENT, "model": {"init_from": "models/qwen"}, "data": {"corpus": "corpus"},
+    body = {**EXPERIMENT, "model": {"init_from": "models/qwen"}, "data": {"corpus": "corpus", "seq_len": 32},
             "recipes": [{"name": "mxfp8", "keep_bf16": ["*.mlp.gate"]}]}
     r = api.post("/api/v1/experiments", json=body)  # this host holds the data directory: the folder is looked at
     assert r.status_code == 422 and "is not a Hugging Face checkpoint folder (no config.json in it)" in r.text
     (root / "models" / "qwen").mkdir(parents=True)
-    (root / "models" / "qwen" / "config.json").write_text("{}")  # what the API checks for; a worker loads them
+    (root / "models" / "qwen" / "config.json").write_text("{}")  # a folder with a config.json is a checkpoint...
     (root / "models" / "qwen" / "model.safetensors").write_bytes(b"")
+    r = api.post("/api/v1/experiments", json=body)  # ...whose config is read for the keep_bf16 rule's layer names
+    assert r.status_code == 422 and "model.init_from: cannot read" in r.text and "as a transformers config" in r.text
+    from tests.training.tiny_architectures import write_config
+
+    write_config("qwen2_moe", root / "models" / "qwen")  # block 1 is an MoE block: its router is mlp.gate
+    typo = {**body, "recipes": [{"name": "mxfp8", "keep_bf16": ["*.mlp.gatee"]}]}
+    r = api.post("/api/v1/experiments", json=typo)
+    assert r.status_code == 422 and "keep_bf16 pattern(s) ['*.mlp.gatee'] match no linear layer" in r.text, r.text
     r = api.post("/api/v1/experiments", json=body)
     assert r.status_code == 201, r.text
     mx = next(run for run in r.json()["runs"] if run["recipe"] == "mxfp8")

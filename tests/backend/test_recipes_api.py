@@ -70,7 +70,8 @@ def test_the_api_validates_recipes_without_importing_torch(tmp_path):
         from pathlib import Path
         api = make_client("sqlite:///{tmp_path / 'plab.sqlite'}", Path({str(tmp_path)!r}))
         bad = api.post("/api/v1/experiments", json={{**EXPERIMENT, "recipes": [{{"name": "nvfp4", "options": {{"rht": "yes"}}}}]}})
-        good = api.post("/api/v1/experiments", json={{**EXPERIMENT, "recipes": [{{"name": "nvfp4", "options": {{"rht": False}}}}]}})
+        good = api.post("/api/v1/experiments", json={{**EXPERIMENT, "recipes": [{{"name": "nvfp4", "options": {{"rht": False}},
+                                                                            "bf16_last_layers": 1}}]}})
         listed = api.get("/api/v1/recipes")
         page = api.get("/experiments/new")
         print(bad.status_code, good.status_code, listed.status_code, page.status_code)
@@ -85,3 +86,25 @@ def test_the_new_experiment_form_offers_every_catalog_recipe(api):
     for name in catalog.recipe_names():
         if name != catalog.BASELINE:
             assert f'<option value="{name}"' in html, name
+
+
+@pytest.mark.parametrize("recipe, perf, refused", [
+    ({"name": "mxfp8", "keep_bf16": ["*.mlp.gate"]}, {}, "keep_bf16 pattern(s) ['*.mlp.gate'] match no linear layer "
+                                                         "of the model's blocks; names look like "
+                                                         "['layers.0.self_attn.q_proj', "),
+    ({"name": "mxfp8", "keep_bf16": ["*.mlp.gate_proj", "layers.1.*"]}, {}, None),
+    ({"name": "nvfp4", "keep_bf16": ["*.qkv_proj"]}, {}, "keep_bf16 pattern(s) ['*.qkv_proj'] match no linear layer"),
+    ({"name": "nvfp4", "keep_bf16": ["*.qkv_proj"]}, {"fuse_qkv": True}, None),
+    ({"name": "nvfp4", "keep_bf16": ["*.q_proj"]}, {"fuse_qkv": True},
+     "keep_bf16 pattern(s) ['*.q_proj'] match no linear layer of the model's blocks; names look like "
+     "['layers.0.self_attn.o_proj', 'layers.0.self_attn.qkv_proj', "),
+])
+def test_a_keep_bf16_rule_naming_no_layer_is_refused_when_submitted(api, recipe, perf, refused):
+    # Before 2026-12-07 it failed the run when a worker started it (maybe hours later, behind a queue).
+    r = api.post("/api/v1/experiments", json={**EXPERIMENT, "training": {"steps": 20, "perf": perf},
+                                              "recipes": [recipe]})
+    if refused is None:
+        assert r.status_code == 201, r.text
+    else:
+        assert r.status_code == 422 and f"the run spec of recipe {recipe['name']}: {refused}" in r.json()["detail"], \
+            r.text

@@ -264,9 +264,8 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     _refuse_if_nothing_converts(name, unfit, converted)
     unmatched = [p for p in keep if p not in matched]
     if unmatched:
-        names = [layer["name"] for layer in report.layers if layer["block"] == 0][:4]
-        raise ValueError(f"keep_bf16 pattern(s) {unmatched} match no linear layer of the model's blocks; "
-                         f"names look like {names}")
+        raise ValueError(_unmatched_message(unmatched, [layer["name"] for layer in report.layers
+                                                        if layer["block"] == 0]))
     report.layers += _outside_blocks(model, blocks)
     if shared:
         report.notes.append(f"{shared} block(s): {recipe.shared_note}")
@@ -275,6 +274,41 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
     report.compile_mode = recipe.compile_mode({**resolved, "fsdp": fsdp}, real) if converted else None
     return report
+
+
+def _unmatched_message(unmatched: list[str], block0_names: list[str]) -> str:
+    return (f"keep_bf16 pattern(s) {unmatched} match no linear layer of the model's blocks; names look like "
+            f"{block0_names[:4]}")
+
+
+def check_layer_choices(model: nn.Module, *, bf16_first_layers: int = 0, bf16_last_layers: int = 0,
+                        keep_bf16=()) -> None:
+    """What `apply_recipe` refuses about a run's layer choices, on a model of the run's architecture that need hold
+    no weights (built on the meta device): more BF16 first and last blocks than the model has, a keep_bf16 pattern
+    that names no matmul of its blocks. For checking a spec when it is submitted, before a worker builds the model
+    (a typo in a pattern failed the run only when it started: hours later behind a queue). ValueError as
+    `apply_recipe`'s."""
+    first = _check_count("bf16_first_layers", bf16_first_layers)
+    last = _check_count("bf16_last_layers", bf16_last_layers)
+    keep = _check_patterns(keep_bf16)
+    blocks = _transformer_blocks(model)
+    if first + last > len(blocks):
+        raise ValueError(f"bf16_first_layers ({first}) + bf16_last_layers ({last}) exceeds the model's {len(blocks)} "
+                         f"blocks")
+    matched: set = set()
+    block0: list[str] = []
+    for i, block in enumerate(blocks):
+        for child, module in block.named_modules():
+            if type(module) is nn.Linear:
+                full = f"layers.{i}.{child}"
+                matched.update(p for p in keep if fnmatch.fnmatchcase(full, p))
+                if i == 0:
+                    block0.append(full)
+        entries = _unconverted_block_weights(block, i, keep, matched)
+        block0 += [e["name"] for e in entries] if i == 0 else []
+    unmatched = [p for p in keep if p not in matched]
+    if unmatched:
+        raise ValueError(_unmatched_message(unmatched, block0))
 
 
 def _not_kept(entries: list[dict], keep: list[str]) -> list[dict]:
