@@ -66,3 +66,8 @@ def test_whether_fusing_qkv_keeps_what_the_rules_do():
                      "*.q_proj": False, "*.[qkv]_proj": False, "*.qkv_proj": False}
     assert fusing_qkv_keeps_the_rules(model, []) and not fusing_qkv_keeps_the_rules(
         model, ["*.q_proj", "*.k_proj", "*.v_proj"])  # Q, K and V kept, but no rule names the fused layer
+
+
+def test_many_rules_naming_nothing_are_listed_eight_at_most():
+    said = _at_submission(_spec([f"layers.{i}.mlp.*" for i in range(40)]))
+    assert said.startswith("keep_bf16 pattern(s) ['layers.4.mlp.*', ") and "'layers.11.mlp.*'] and 28 more match no" in said

@@ -276,9 +276,10 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     return report
 
 
-def _unmatched_message(unmatched: list[str], block0_names: list[str]) -> str:
-    return (f"keep_bf16 pattern(s) {unmatched} match no linear layer of the model's blocks; names look like "
-            f"{block0_names[:4]}")
+def _unmatched_message(unmatched: list[str], block0_names: list[str], shown: int = 8) -> str:
+    more = f" and {len(unmatched) - shown} more" if len(unmatched) > shown else ""
+    return (f"keep_bf16 pattern(s) {unmatched[:shown]}{more} match no linear layer of the model's blocks; names look "
+            f"like {block0_names[:4]}")
 
 
 def check_layer_choices(model: nn.Module, *, bf16_first_layers: int = 0, bf16_last_layers: int = 0,
