@@ -52,16 +52,17 @@ def build_spec(body: ExperimentCreate, recipe: RecipeRequest, seed: int | None =
         parsed = run_spec.to_dict()
         roots = spec_roots()
         confine_spec_paths(parsed, roots)
-        here = _paths_are_here(parsed, roots)
+        preset = run_spec.model.source == "preset"
+        here = (check_files or (run_spec.keep_bf16 and not preset)) and _paths_are_here(parsed, roots)
+        checked = RunSpec.from_dict(spec, check_paths=True) if here else run_spec
         if check_files and here:
-            check_new_run_data(RunSpec.from_dict(spec, check_paths=True).data)
-        if run_spec.keep_bf16 and (run_spec.model.source == "preset" or here):
-            # keep_bf16 rules against the model's layer names (the model built on the meta device: torch and
-            # transformers are imported by the first spec that has such rules, and only by one)
+            check_new_run_data(checked.data)
+        if run_spec.keep_bf16 and (preset or here):
+            # keep_bf16 rules against the model's layer names, on the model built on the meta device (a spec with
+            # such rules imports torch and transformers; one without them, nothing)
             from training.setup import check_layer_choices
 
-            check_layer_choices(run_spec if run_spec.model.source == "preset"
-                                else RunSpec.from_dict(spec, check_paths=True))
+            check_layer_choices(checked)
         return parsed
     except SpecError as e:
         raise InvalidInput(f"the run spec of recipe {recipe.name}: {e}") from e

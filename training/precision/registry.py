@@ -216,11 +216,11 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     resolved = recipe.resolve_options(options)
     blocks = _transformer_blocks(model)
     n = len(blocks)
-    if first + last > n:
-        raise ValueError(f"bf16_first_layers ({first}) + bf16_last_layers ({last}) exceeds the model's {n} blocks")
     for module_name, module in model.named_modules():
         if getattr(module, "_plab_converted", False):
             raise ValueError(f"model is already converted ({module_name}); build a fresh model to apply another recipe")
+    # the layer counts and keep_bf16 rules, as a run's are checked when it is submitted, before anything converts
+    check_layer_choices(model, bf16_first_layers=first, bf16_last_layers=last, keep_bf16=keep)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     report = RecipeReport(recipe=name, options=resolved, bf16_first_layers=first, bf16_last_layers=last,
                           backend_requested=backend, device=str(device), keep_bf16=list(keep))
@@ -229,7 +229,6 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     unfit: list[dict] = []  # linears the recipe cannot convert (shapes its blocks do not tile, ...)
     shared = 0
     backends_used = set()
-    matched = set()
     for i, block in enumerate(blocks):
         linears = [(child, mod) for child, mod in block.named_modules() if type(mod) is nn.Linear]
         for child, linear in linears:
@@ -237,8 +236,6 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
             entry = {"name": full, "block": i, "in_features": linear.in_features,
                      "out_features": linear.out_features, "converted": False, "backend": "bf16"}
             rule = next((p for p in keep if fnmatch.fnmatchcase(full, p)), None)
-            if rule is not None:
-                matched.add(rule)
             kept = _kept_reason(name, i, n, first, last, rule)
             skip = kept or recipe.skip_reason(linear, real)
             if skip:
@@ -257,15 +254,11 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
                 converted.append((full, new))
                 report.probe.add_layer(full, new, quantizer)
             report.layers.append(entry)
-        report.layers += (others := _unconverted_block_weights(block, i, keep, matched))
+        report.layers += (others := _unconverted_block_weights(block, i, keep))
         if name != catalog.BASELINE and first <= i < n - last:  # a block left to the recipe
             unfit += _not_kept(others, keep)
         shared += recipe.share_inputs(block, resolved, real) if name != catalog.BASELINE else 0
     _refuse_if_nothing_converts(name, unfit, converted)
-    unmatched = [p for p in keep if p not in matched]
-    if unmatched:
-        raise ValueError(_unmatched_message(unmatched, [layer["name"] for layer in report.layers
-                                                        if layer["block"] == 0]))
     report.layers += _outside_blocks(model, blocks)
     if shared:
         report.notes.append(f"{shared} block(s): {recipe.shared_note}")
@@ -274,12 +267,6 @@ def apply_recipe(model: nn.Module, name: str, *, bf16_first_layers: int = 0, bf1
     report.hooks = recipe.make_hooks(converted, {**resolved, "fsdp": fsdp})
     report.compile_mode = recipe.compile_mode({**resolved, "fsdp": fsdp}, real) if converted else None
     return report
-
-
-def _unmatched_message(unmatched: list[str], block0_names: list[str], shown: int = 8) -> str:
-    more = f" and {len(unmatched) - shown} more" if len(unmatched) > shown else ""
-    return (f"keep_bf16 pattern(s) {unmatched[:shown]}{more} match no linear layer of the model's blocks; names look "
-            f"like {block0_names[:4]}")
 
 
 def check_layer_choices(model: nn.Module, *, bf16_first_layers: int = 0, bf16_last_layers: int = 0,
@@ -296,20 +283,20 @@ def check_layer_choices(model: nn.Module, *, bf16_first_layers: int = 0, bf16_la
     if first + last > len(blocks):
         raise ValueError(f"bf16_first_layers ({first}) + bf16_last_layers ({last}) exceeds the model's {len(blocks)} "
                          f"blocks")
+    if not keep:
+        return
     matched: set = set()
-    block0: list[str] = []
+    block0: list[str] = []  # the names the message shows: block 0's, as the conversion report lists them
     for i, block in enumerate(blocks):
-        for child, module in block.named_modules():
-            if type(module) is nn.Linear:
-                full = f"layers.{i}.{child}"
-                matched.update(p for p in keep if fnmatch.fnmatchcase(full, p))
-                if i == 0:
-                    block0.append(full)
-        entries = _unconverted_block_weights(block, i, keep, matched)
-        block0 += [e["name"] for e in entries] if i == 0 else []
+        linears = [f"layers.{i}.{child}" for child, module in block.named_modules() if type(module) is nn.Linear]
+        matched.update(p for p in keep if any(fnmatch.fnmatchcase(full, p) for full in linears))
+        others = _unconverted_block_weights(block, i, keep, matched)  # a rule naming their module matches
+        block0 = block0 or linears + [e["name"] for e in others]
     unmatched = [p for p in keep if p not in matched]
     if unmatched:
-        raise ValueError(_unmatched_message(unmatched, block0))
+        more = f" and {len(unmatched) - 8} more" if len(unmatched) > 8 else ""
+        raise ValueError(f"keep_bf16 pattern(s) {unmatched[:8]}{more} match no linear layer of the model's blocks; "
+                         f"names look like {block0[:4]}")
 
 
 def _not_kept(entries: list[dict], keep: list[str]) -> list[dict]:
@@ -365,16 +352,17 @@ def _check_patterns(value) -> list[str]:
     return list(value)
 
 
-def _unconverted_block_weights(block: nn.Module, i: int, keep: list, matched: set) -> list[dict]:
+def _unconverted_block_weights(block: nn.Module, i: int, keep: list, matched: set | None = None) -> list[dict]:
     """Report entries for the matmul weights of block `i` that are not nn.Linear modules: an MoE's experts kept
     as one batched 3-D tensor, a router that calls F.linear on its own weight. Recipes swap nn.Linear modules
     for quantized ones; these GEMMs run in BF16 (a keep_bf16 rule naming the module, e.g. "*.mlp.gate" for a
-    router, counts as matched)."""
+    router, counts as matched: added to `matched` when given)."""
     out = []
     for path, module in block.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)) or getattr(module, "_plab_converted", False):
             continue
-        matched.update(p for p in keep if fnmatch.fnmatchcase(f"layers.{i}.{path}", p))
+        if matched is not None:
+            matched.update(p for p in keep if fnmatch.fnmatchcase(f"layers.{i}.{path}", p))
         for pname, p in module.named_parameters(recurse=False):
             if p.dim() < 2:
                 continue
