@@ -11,6 +11,7 @@ from pydantic import Tag as UnionTag
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, TypeAdapter,
                       WithJsonSchema, computed_field, field_validator, model_validator)
 
+from training.evaluation.limits import MAX_EVAL_DOCS, document_limit
 from training.precision import catalog
 
 
@@ -606,23 +607,9 @@ class SeriesQuery(Strict):
 
 
 # -- evaluations ------------------------------------------------------------------------------------------------------
-MAX_EVAL_DOCS = 1_000_000
-
-
 def _document_limit(value: Any) -> int | float | None:
-    """An evaluation's `limit`, as lm-eval's --limit: a whole number of documents per task, or a fraction in (0, 1) of
-    each task's documents. A float without a fractional part is the whole number (JSON Schema's "integer")."""
-    if value is None:
-        return None
-    if type(value) is float and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    if type(value) is int and 1 <= value <= MAX_EVAL_DOCS:
-        return value
-    if type(value) is float and 0 < value < 1:
-        return value
-    raise ValueError(f"limit must be a whole number of documents per task (1 to {MAX_EVAL_DOCS:,}) or a fraction of "
-                     f"each task's documents between 0 and 1 such as 0.1 (lm-eval's --limit), got "
-                     f"{_echo(value)}")
+    """An evaluation's `limit` (training.evaluation.limits' rule, as lm-eval's --limit), echoed as JSON if refused."""
+    return document_limit(value, shown=_echo(value))
 
 
 def _echo(value: Any, width: int = 60) -> str:

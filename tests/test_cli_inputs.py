@@ -31,13 +31,21 @@ def closed_port() -> int:
     (["demo", "--slots", "two"], "argument --slots: expected a whole number >= 1, got 'two'"),
     (["demo", "--port", "70000"], "argument --port: must be a port number from 1 to 65535, got '70000'"),
     (["train", "x.yaml", "--print-every", "0"], "argument --print-every: expected a whole number >= 1, got '0'"),
-    (["eval", "3", "--tasks", "plab_blimp", "--limit", "0"], "argument --limit: expected a whole number of documents "
-                                                              "per task (1 to 1,000,000) or a fraction of each task's "
-                                                              "documents between 0 and 1 such as 0.1, got '0'"),
-    (["eval", "3", "--tasks", "plab_blimp", "--limit", "1.5"], "argument --limit: expected a whole number of "
+    (["eval", "3", "--tasks", "plab_blimp", "--limit", "0"], "argument --limit: limit must be a whole number of "
+                                                              "documents per task (1 to 1,000,000) or a fraction of "
+                                                              "each task's documents between 0 and 1 such as 0.1 "
+                                                              "(lm-eval's --limit), got '0'"),
+    (["eval", "3", "--tasks", "plab_blimp", "--limit", "1.5"], "argument --limit: limit must be a whole number of "
                                                                 "documents per task (1 to 1,000,000) or a fraction"),
-    (["eval", "3", "--tasks", "plab_blimp", "--limit", "nan"], "argument --limit: expected a whole number of "
+    (["eval", "3", "--tasks", "plab_blimp", "--limit", "nan"], "argument --limit: limit must be a whole number of "
                                                                 "documents per task (1 to 1,000,000) or a fraction"),
+    # a checkpoint folder instead of a run id: the local evaluation's parser states the same rule, before any model
+    # is loaded
+    (["eval", "/tmp", "--limit", "1.5"], "argument --limit: limit must be a whole number of documents per task "
+                                         "(1 to 1,000,000) or a fraction of each task's documents between 0 and 1 "
+                                         "such as 0.1 (lm-eval's --limit), got '1.5'"),
+    (["eval", "/tmp", "--limit", "2000000"], "(1 to 1,000,000) or a fraction"),
+    (["eval", "/tmp", "--limit", "inf"], "(1 to 1,000,000) or a fraction"),
     (["eval", "/tmp", "--rolling-context", "1"], "argument --rolling-context: --rolling-context wants a whole number "
                                                  "of tokens >= 2 (e.g. the run's data.seq_len), got '1'"),
 ])

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,18 +65,13 @@ def whole_number(minimum: int = 1):
 
 
 def document_limit(text: str) -> int | float:
-    """An argparse type for an evaluation's --limit, as lm-eval's: a whole number of documents per task (1 to
-    1,000,000), or a fraction of each task's documents between 0 and 1."""
+    """An argparse type for an evaluation's --limit (training.evaluation.limits' rule, as lm-eval's --limit)."""
+    from training.evaluation.limits import document_limit_text  # here: the evaluation package imports numpy
+
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if math.isfinite(value) and value.is_integer() and 1 <= value <= 1_000_000:
-        return int(value)
-    if 0 < value < 1:
-        return value
-    raise argparse.ArgumentTypeError(f"expected a whole number of documents per task (1 to 1,000,000) or a fraction "
-                                     f"of each task's documents between 0 and 1 such as 0.1, got {text!r}")
+        return document_limit_text(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 document_limit.__name__ = "document limit"

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .limits import document_limit
 from .taskdirs import (
     DEFAULT_HELDOUT_RELPATH,
     SHIPPED_TASKS,
@@ -538,17 +539,10 @@ def _check_task_names(tasks: Any) -> list[str]:
 
 
 def _check_limit(limit: Any) -> int | float | None:
-    if limit is None:
-        return None
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
-        raise EvaluationError(f"limit must be a positive integer or a fraction in (0, 1), got {limit!r}")
-    if isinstance(limit, float) and limit.is_integer() and limit >= 1:
-        limit = int(limit)
-    if isinstance(limit, int) and limit >= 1:
-        return limit
-    if isinstance(limit, float) and 0 < limit < 1:
-        return limit
-    raise EvaluationError(f"limit must be a positive integer or a fraction in (0, 1), got {limit!r}")
+    try:
+        return document_limit(limit)
+    except ValueError as err:
+        raise EvaluationError(str(err)) from None
 
 
 def _resolve_device(device: Any) -> str:
