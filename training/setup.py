@@ -481,10 +481,12 @@ def check_layer_choices(spec: RunSpec) -> None:
     keep_bf16 rule when the run is submitted, not when a worker starts it, maybe hours later behind a queue.
     The model's modules are named as the worker will have them: fused as training.perf.fuse_qkv / fuse_gate_up
     ask (left out, Q, K and V are fused on a GPU only where that changes nothing the rules do). A model that
-    `model.config` or `model.init_from` names is read from its config.json. SpecError with apply_recipe's message.
-    A spec without keep_bf16 rules is left alone: it imports nothing (the spec's own checks already bound a preset's
-    BF16 first and last blocks), so the API validates such specs without importing torch."""
-    if not spec.keep_bf16:
+    `model.config` or `model.init_from` names is read from its config.json as the worker reads it (an unreadable
+    one, a data.seq_len past its max_position_embeddings, more BF16 first and last blocks than it has, fusions its
+    architecture lacks are refused here too). SpecError with apply_recipe's message. A preset or custom-dims model
+    without keep_bf16 rules is left alone: it imports nothing (the spec's own checks already bound its BF16 first
+    and last blocks), so the API validates such specs without importing torch."""
+    if not spec.keep_bf16 and spec.model.source == "preset":
         return
     from training.precision import registry
 

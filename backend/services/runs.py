@@ -53,13 +53,15 @@ def build_spec(body: ExperimentCreate, recipe: RecipeRequest, seed: int | None =
         roots = spec_roots()
         confine_spec_paths(parsed, roots)
         preset = run_spec.model.source == "preset"
-        here = (check_files or (run_spec.keep_bf16 and not preset)) and _paths_are_here(parsed, roots)
+        # A model from a file is looked at for each recipe: their BF16 layer choices differ.
+        here = (check_files or not preset) and _paths_are_here(parsed, roots)
         checked = RunSpec.from_dict(spec, check_paths=True) if here else run_spec
         if check_files and here:
             check_new_run_data(checked.data)
-        if run_spec.keep_bf16 and (preset or here):
-            # keep_bf16 rules against the model's layer names, on the model built on the meta device (a spec with
-            # such rules imports torch and transformers; one without them, nothing)
+        if (preset and run_spec.keep_bf16) or (not preset and here):
+            # The layer choices against the model's blocks, on the model built on the meta device, and a file
+            # model's config.json read as the worker will read it (this imports torch and transformers; a preset
+            # without keep_bf16 rules, whose block count the spec's own checks know, imports nothing)
             from training.setup import check_layer_choices
 
             check_layer_choices(checked)

@@ -100,6 +100,34 @@ def test_the_api_confines_model_paths_and_stores_keep_bf16(tmp_path, data):
     assert run["label"] == "mxfp8 keep_bf16=*.mlp.gate"
 
 
+def test_a_file_models_layer_choices_and_context_are_checked_for_each_recipe_at_submission(tmp_path, data):
+    """Without keep_bf16 rules too: a model from a config.json is read when the experiment is submitted, so more BF16
+    first and last blocks than it has, or a seq_len past its positions, is a 422 now, not a failed run when a worker
+    starts it; each recipe's own choices are checked (not only the first recipe's)."""
+    from tests.training.tiny_architectures import write_config
+
+    root, _ = data
+    write_config("llama", root / "models" / "tiny")  # 2 blocks, 64 positions
+    api = make_client(f"sqlite:///{tmp_path / 'plab.sqlite'}", tmp_path)
+    body = {**EXPERIMENT, "model": {"config": "models/tiny"}, "data": {"corpus": "corpus", "seq_len": 32}}
+    too_many = {**body, "recipes": [{"name": "mxfp8", "bf16_first_layers": 1},
+                                    {"name": "nvfp4", "bf16_first_layers": 2, "bf16_last_layers": 1}]}
+    r = api.post("/api/v1/experiments", json=too_many)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"] == ("the run spec of recipe nvfp4: bf16_first_layers (2) + bf16_last_layers (1) exceeds "
+                                  "the model's 2 blocks")
+    long = {**body, "data": {"corpus": "corpus", "seq_len": 128}}
+    r = api.post("/api/v1/experiments", json=long)
+    assert r.status_code == 422 and "data.seq_len (128) exceeds the model's max_position_embeddings (64)" in r.text
+    fused = {**body, "model": {"config": write_config("gpt_neox", root / "models" / "neox")},
+             "training": {**EXPERIMENT.get("training", {}), "perf": {"fuse_qkv": True}}}
+    r = api.post("/api/v1/experiments", json=fused)
+    assert r.status_code == 422 and "training.perf.fuse_qkv" in r.text and "GPTNeoXForCausalLM" in r.text, r.text
+    assert api.get("/api/v1/experiments").json()["total"] == 0  # nothing stored by a refusal
+    fits = {**body, "recipes": [{"name": "mxfp8", "bf16_first_layers": 1, "bf16_last_layers": 1}]}
+    assert api.post("/api/v1/experiments", json=fits).status_code == 201
+
+
 def test_a_workers_job_confines_model_paths_again(data, monkeypatch):
     from training.config import ModelSpec
     _, outside = data

@@ -89,9 +89,11 @@ def test_a_missing_experiment_run_or_page_is_a_404_page_in_the_sites_design(serv
 
 
 def test_the_header_shows_the_model_a_run_built_and_where_it_came_from(server, page, charts):
-    checkpoint = server.home / "models" / "qwen"  # what the API checks for; no worker loads it here
+    from tests.training.tiny_architectures import tiny_config
+
+    checkpoint = server.home / "models" / "qwen"  # what the API checks for (its config is read); no worker loads it
     checkpoint.mkdir(parents=True, exist_ok=True)
-    (checkpoint / "config.json").write_text("{}")
+    tiny_config("qwen2", max_position_embeddings=4096).save_pretrained(checkpoint)
     (checkpoint / "model.safetensors").write_bytes(b"")
     exp = server.create_experiment(["bf16"], name="from-checkpoint", model={"init_from": str(checkpoint)})
     run = exp["runs"][0]
