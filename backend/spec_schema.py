@@ -17,6 +17,11 @@ NO_NUL = "^[^\\u0000]*$"
 SPEC_RULES = ("training.batch_size must be divisible by grad_accum x gpus x nodes",
               "training.warmup_steps must not exceed the run's steps",
               "bf16_first_layers + bf16_last_layers must not exceed the model's layers",
+              "each keep_bf16 pattern must match a linear layer of the model's blocks (glob patterns over names such "
+              "as layers.0.mlp.down_proj, those of the model the worker builds)",
+              "where the API's host holds the data directory, a model.config / model.init_from model is read as the "
+              "worker reads it: its config.json must be one transformers reads, data.seq_len at most its "
+              "max_position_embeddings, bf16_first_layers + bf16_last_layers at most its blocks",
               "a custom model's hidden_size must be divisible by num_attention_heads (unless head_dim is given), "
               "num_attention_heads by num_key_value_heads, and its head dim must be even",
               "a custom model's vocab_size must not be smaller than data.vocab_size (with a trained tokenizer)",

@@ -9,7 +9,8 @@ two fields (a divisibility, a sum, a product), which JSON Schema cannot state; t
 (`SPEC_RULES`, the GEMM request's description). `stated_rule_broken` below is those rules, written here from the
 document; a generated request that breaks one must be refused with 422 and a `detail` naming it, and every other
 request goes through every check. One stated rule only the file system can decide (the paths a spec names exist, on
-a host that holds the data directory, as here) is decided by the training library's own check of them."""
+a host that holds the data directory, as here) is decided by the training library's own check of them, and so is the
+one only the model decides (each keep_bf16 pattern names one of its layers)."""
 from __future__ import annotations
 
 import math
@@ -84,6 +85,31 @@ def _names_what_does_not_exist(body: dict) -> bool:
     return False
 
 
+def _layer_choice_refused(body: dict) -> bool:
+    """The document's rule on keep_bf16 patterns (each must name a linear layer of the model's blocks), decided by
+    the training library's own check of a recipe's spec (on the model built on the meta device), as the API decides
+    it; a spec refused before that check is another rule's."""
+    from training.config import RunSpec, SpecError
+    from training.setup import check_layer_choices
+
+    for r in body.get("recipes") or []:
+        if not isinstance(r, dict) or not r.get("keep_bf16"):
+            continue
+        spec = {"model": body.get("model", "tiny"), "data": body.get("data") or {},
+                "training": body.get("training") or {}, "recipe": r.get("name"),
+                "keep_bf16": r["keep_bf16"], "bf16_first_layers": r.get("bf16_first_layers", 0),
+                "bf16_last_layers": r.get("bf16_last_layers", 0)}
+        try:
+            parsed = RunSpec.from_dict(spec, check_paths=False)
+        except SpecError:
+            return False
+        try:
+            check_layer_choices(parsed)
+        except SpecError:
+            return True
+    return False
+
+
 def stated_rule_broken(case) -> str | None:
     """Which rule of those the document states in words (not in JSON Schema) the request breaks, if any."""
     body = case.body if isinstance(case.body, dict) else {}
@@ -105,6 +131,8 @@ def stated_rule_broken(case) -> str | None:
             return "at most 256 runs (recipes x seeds) in one experiment"
         if _names_what_does_not_exist(body):
             return "the files a spec names must exist where the API holds the data directory"
+        if _layer_choice_refused(body):
+            return "each keep_bf16 pattern must match a linear layer of the model's blocks"
         batch = t.get("batch_size", 8)
         if batch % (t.get("grad_accum", 1) * t.get("gpus", 1) * t.get("nodes", 1)):
             return "batch_size must be divisible by grad_accum x gpus x nodes"
