@@ -142,7 +142,9 @@ def _refuse_live(session: Session, runs: list[Run], what: str) -> None:
                                                         Evaluation.status.in_(LIVE))).all()
     if evals:
         raise Conflict(f"{what} has evaluations still queued or running ({', '.join(map(str, evals))}); delete "
-                       "once they have ended")
+                       "once they have ended (a queued one whose worker died before it started waits for Redis to "
+                       "send its message again; to end it now: POST /api/v1/evaluations/<id>/status "
+                       "{\"status\": \"failed\"}, and its message, when it comes back, is skipped)")
 
 
 def delete_run(session: Session, run_id: int, home: Path) -> None:
