@@ -66,12 +66,9 @@ def whole_number(minimum: int = 1):
 
 def document_limit(text: str) -> int | float:
     """An argparse type for an evaluation's --limit (training.evaluation.limits' rule, as lm-eval's --limit)."""
-    from training.evaluation.limits import document_limit_text  # here: the evaluation package imports numpy
+    from training.evaluation.limits import document_limit_arg  # here: the evaluation package imports numpy
 
-    try:
-        return document_limit_text(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+    return document_limit_arg(text)
 
 
 document_limit.__name__ = "document limit"

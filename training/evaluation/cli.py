@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .adapter import EvaluationError, evaluate_checkpoint, list_tasks
-from .limits import document_limit_text
+from .limits import document_limit_arg
 from .stats import compare_results
 from .taskdirs import SHIPPED_TASKS, TaskConfigError, render_task_dirs
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--all", action="store_true", help="with --list-tasks: include lm-eval's built-in tasks")
     parser.add_argument("--json", action="store_true", help="with --list-tasks/--compare: print JSON")
     parser.add_argument("--tasks", default=",".join(SHIPPED_TASKS), help="comma-separated task names (default: all shipped)")
-    parser.add_argument("--limit", type=_limit, default=None, help="documents per task (a whole number), or a fraction of each task's documents in (0, 1), as lm-eval's --limit")
+    parser.add_argument("--limit", type=document_limit_arg, default=None, help="documents per task (a whole number), or a fraction of each task's documents in (0, 1), as lm-eval's --limit")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--batch-size", type=_batch_size, default=None, help="int or 'auto' (default 64 on CUDA, 8 on CPU)")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
@@ -167,13 +167,6 @@ def _write_output(output: str, result: dict) -> int:
             f.write(text)
         print(f"plab eval: could not write {output} ({err}); the results are in {fallback}", file=sys.stderr)
         return 1
-
-
-def _limit(text: str) -> int | float:
-    try:
-        return document_limit_text(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _tokens(text: str) -> int:

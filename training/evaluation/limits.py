@@ -8,6 +8,7 @@ strictly between 0 and 1. A float without a fractional part is the whole number 
 
 from __future__ import annotations
 
+import argparse
 import math
 from typing import Any
 
@@ -30,10 +31,14 @@ def document_limit(value: Any, shown: str | None = None) -> int | float | None:
     raise ValueError(f"{RULE}, got {shown if shown is not None else repr(value)}")
 
 
-def document_limit_text(text: str) -> int | float:
-    """A limit typed on a command line ("50", "0.1", "1e3"), or ValueError saying the rule and what was typed."""
+def document_limit_arg(text: str) -> int | float:
+    """An argparse type: a limit typed on a command line ("50", "0.1", "1e3"), refused with the rule and what was
+    typed."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    return document_limit(value, shown=repr(text))
+    try:
+        return document_limit(value, shown=repr(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
