@@ -8,7 +8,7 @@ process, records each test's outcome and time, the failures' first error lines, 
 versions and the commit, prints the failures last, and writes bench/results/gpu_tests_<device>_<time>.json (and
 $OUT/gpu_tests.json on the GPU machine). It exits with pytest's status.
 
-    python bench/gpu_tests.py [--budget-s 560] [--paths FILE ...] [-- PYTEST_ARGS ...]
+    python bench/gpu_tests.py [--budget-s 560] [--paths FILE|'PATTERN'|TEST_ID ...] [-- PYTEST_ARGS ...]
 
 Within --budget-s the run is stopped and what finished is recorded, so a call that runs out of time still says
 which tests passed, how long each took, and which test was running when it stopped (and for how long). A test that
@@ -101,6 +101,26 @@ def default_paths() -> list[str]:
     for pattern in DEFAULT_PATHS:
         out.extend(sorted(str(Path(p).relative_to(REPO)) for p in glob.glob(str(REPO / pattern))))
     return out
+
+
+def expand_paths(given: list[str]) -> tuple[list[str], list[str]]:
+    """`--paths` as pytest needs them: a pattern (`tests/training/*_gpu.py`, quoted so the shell passed it as is) is
+    expanded here, relative to the repository like pytest's paths, in sorted order; a test id (`FILE::name`) or a
+    plain path is kept. Returns (paths, the entries that name no file)."""
+    paths, missing = [], []
+    for entry in given:
+        file = entry.split("::", 1)[0]
+        if glob.has_magic(file):
+            base = Path(file) if Path(file).is_absolute() else REPO / file
+            found = sorted(glob.glob(str(base)))
+            if not found:
+                missing.append(entry)
+            paths.extend(str(Path(f).relative_to(REPO)) if Path(f).is_relative_to(REPO) else f for f in found)
+        elif not (Path(file) if Path(file).is_absolute() else REPO / file).exists():
+            missing.append(entry)
+        else:
+            paths.append(entry)
+    return paths, missing
 
 
 def from_junit(path: Path) -> list[dict]:
@@ -214,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     ap = argparse.ArgumentParser(description="Every GPU test in one pytest process, with a result file.")
     ap.add_argument("--paths", nargs="+", default=None,
-                    help=f"test files (default: {' '.join(DEFAULT_PATHS)})")
+                    help=f"test files, quoted patterns ('tests/precision/*_gpu.py', expanded relative to the "
+                         f"repository) or test ids (default: {' '.join(DEFAULT_PATHS)})")
     ap.add_argument("--budget-s", type=float, default=560.0,
                     help="stop pytest after this many seconds and record what finished (default 560)")
     ap.add_argument("--results-dir", type=Path, default=None,
@@ -230,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--budget-s must be positive, got {a.budget_s}")
     if a.hang_dump_s <= 0:
         ap.error(f"--hang-dump-s must be positive, got {a.hang_dump_s}")
-    paths = a.paths or default_paths()
+    paths, missing = expand_paths(a.paths) if a.paths else (default_paths(), [])
+    if missing:
+        ap.error(f"--paths: {', '.join(repr(m) for m in missing)} names no file under {REPO} "
+                 f"(paths are relative to the repository, e.g. 'tests/training/*_gpu.py')")
     summary, rc = run(paths, a.budget_s, extra, a.results_dir, a.hang_dump_s, a.blockwise_autotune)
     print(f"\n# GPU tests on {summary['device']} at {summary['git_commit']}: "
           + ", ".join(f"{n} {k}" for k, n in sorted(summary["counts"].items()))
@@ -241,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                    else ""))
     for f in summary["failures"]:
         print(f"{f['outcome'].upper():6} {f['test']}\n       {f.get('message', '')}")
+    if not summary["tests"] and not summary["timed_out"]:
+        # Nothing ran: pytest's own words say why (a collection error, an unknown option).
+        print(f"NO TEST RAN (pytest exit {rc}); the end of its log:\n{summary['log_tail'][-1500:]}")
+        return rc or 5
     return rc
 
 

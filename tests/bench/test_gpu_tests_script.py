@@ -122,3 +122,28 @@ def test_the_default_selection_is_every_gpu_test_file_and_test_recipes():
     assert "tests/precision/test_recipes.py" in paths and "tests/training/test_cublaslt_workspace_gpu.py" in paths
     assert all(p.endswith("_gpu.py") or p == "tests/precision/test_recipes.py" for p in paths)
     assert len(paths) == len(set(paths)) >= 15
+
+
+def test_paths_given_as_a_quoted_pattern_are_expanded_and_one_naming_no_file_is_refused(tmp_path):
+    paths, missing = gpu_tests.expand_paths(["tests/training/*_gpu.py", "tests/precision/test_recipes.py::test_x",
+                                             "tests/nowhere/*_gpu.py", "tests/no_such_file.py"])
+    training = [p for p in paths if p.startswith("tests/training/")]
+    assert training == sorted(training) and "tests/training/test_cublaslt_workspace_gpu.py" in training
+    assert all(p.endswith("_gpu.py") for p in training) and len(training) >= 5
+    assert paths[-1] == "tests/precision/test_recipes.py::test_x"  # a test id is kept as given
+    assert missing == ["tests/nowhere/*_gpu.py", "tests/no_such_file.py"]
+    # On 2026-12-07 a quoted pattern went to pytest as is: it found no such file and the script printed empty counts.
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_tests.py"), "--paths", "tests/nowhere/*_gpu.py",
+                           "--results-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--paths: 'tests/nowhere/*_gpu.py' names no file" in proc.stderr
+    assert not list(tmp_path.glob("gpu_tests_*.json"))
+
+
+def test_a_run_in_which_no_test_ran_says_so_with_pytests_words_and_fails(tmp_path):
+    empty = tmp_path / "test_empty.py"
+    empty.write_text("x = 1\n")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_tests.py"), "--paths", str(empty),
+                           "--results-dir", str(tmp_path / "r")], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 5, proc.stdout[-2000:]  # pytest's "no tests ran"
+    assert "NO TEST RAN (pytest exit 5)" in proc.stdout and "no tests ran" in proc.stdout.split("NO TEST RAN")[1]
