@@ -97,10 +97,7 @@ def hang_dumps(log: str, limit: int = 12000) -> str | None:
 
 
 def default_paths() -> list[str]:
-    out: list[str] = []
-    for pattern in DEFAULT_PATHS:
-        out.extend(sorted(str(Path(p).relative_to(REPO)) for p in glob.glob(str(REPO / pattern))))
-    return out
+    return expand_paths(list(DEFAULT_PATHS))[0]
 
 
 def expand_paths(given: list[str]) -> tuple[list[str], list[str]]:
@@ -109,14 +106,13 @@ def expand_paths(given: list[str]) -> tuple[list[str], list[str]]:
     plain path is kept. Returns (paths, the entries that name no file)."""
     paths, missing = [], []
     for entry in given:
-        file = entry.split("::", 1)[0]
-        if glob.has_magic(file):
-            base = Path(file) if Path(file).is_absolute() else REPO / file
-            found = sorted(glob.glob(str(base)))
+        file = REPO / entry.split("::", 1)[0]  # an absolute path stays itself
+        if glob.has_magic(str(file)):
+            found = sorted(glob.glob(str(file)))
             if not found:
                 missing.append(entry)
             paths.extend(str(Path(f).relative_to(REPO)) if Path(f).is_relative_to(REPO) else f for f in found)
-        elif not (Path(file) if Path(file).is_absolute() else REPO / file).exists():
+        elif not file.exists():
             missing.append(entry)
         else:
             paths.append(entry)
