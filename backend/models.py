@@ -169,6 +169,8 @@ class Evaluation(Base):
     # the running job's lease (renewed by POST /evaluations/{id}/heartbeat; the reconciler ends a stale one) and the
     # queued job's message (the reconciler sends one the broker lost again), as a run's
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # the job that claimed it (its `running` report: host, message and attempt; backend.services.leases)
+    worker_host: Mapped[str | None] = mapped_column(String(200), nullable=True)
     dispatch_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
@@ -204,6 +206,8 @@ class GemmBenchmark(Base):
     # the running job's lease (POST /gemm-benchmarks/{id}/heartbeat; the reconciler fails a stale one), and the queued
     # job's message and worker queue (the reconciler sends one the broker lost again, to the same queue)
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # the job that claimed it (its `running` report: host, message and attempt; backend.services.leases)
+    worker_host: Mapped[str | None] = mapped_column(String(200), nullable=True)
     dispatch_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     queue: Mapped[str | None] = mapped_column(String(64), nullable=True)

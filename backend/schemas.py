@@ -643,6 +643,9 @@ class EvaluationCreate(Strict):
 
 class EvaluationStatusUpdate(Strict):
     status: Literal["running", "succeeded", "failed"]
+    worker_host: str | None = Field(default=None, max_length=200, description=(
+        "with `running`: the job that starts it (host, message and attempt). The claim is refused (409) while "
+        "another job holds it (a heartbeat younger than PLAB_STALE_S)"))
     error_message: str | None = Field(default=None, max_length=100_000)
     lm_eval_version: str | None = Field(default=None, max_length=32)
 
@@ -792,6 +795,7 @@ class EvaluationOut(BaseModel):
     created_at: UtcDatetime
     finished_at: UtcDatetime | None
     results: list[EvalResultOut] = Field(default_factory=list)
+    worker_host: str | None = Field(default=None, description="the job that claimed it (its `running` report)")
     dispatch_id: str | None = Field(default=None, description="the job message of the evaluation's latest dispatch")
     dispatched_at: UtcDatetime | None = Field(
         default=None, description="when the evaluation was last sent to the job queue; a worker skips an older "
@@ -990,6 +994,9 @@ class GemmBenchmarkCreate(Strict):
 
 class GemmStatusUpdate(Strict):
     status: Literal["running", "succeeded", "failed"]
+    worker_host: str | None = Field(default=None, max_length=200, description=(
+        "with `running`: the job that starts it (host, message and attempt). The claim is refused (409) while "
+        "another job holds it (a heartbeat younger than PLAB_STALE_S)"))
     device_name: str | None = Field(None, max_length=200)
     error_message: str | None = Field(None, max_length=100_000)
     result: dict[str, Any] | None = None
@@ -1013,6 +1020,7 @@ class GemmBenchmarkOut(BaseModel):
     created_at: UtcDatetime | None
     summary: dict[str, Any] = {}
     queue: str | None = Field(default=None, description="the worker queue its job was sent to (null: never sent)")
+    worker_host: str | None = Field(default=None, description="the job that claimed it (its `running` report)")
     dispatch_id: str | None = Field(default=None, description="the job message of the benchmark's latest dispatch")
     dispatched_at: UtcDatetime | None = Field(
         default=None, description="when the benchmark was last sent to the job queue; a worker skips an older "

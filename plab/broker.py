@@ -109,13 +109,6 @@ def messages_present(task_ids: Collection[str], queues: list[str]) -> set[str] |
     return {t for t in task_ids if t.encode() in held}
 
 
-def sees_delivered() -> bool:
-    """Whether `messages_present` sees a message a worker has taken and not yet acknowledged (Redis keeps it in
-    "unacked"); kombu's filesystem transport deletes a message's file when a worker takes it, so there a message
-    missing from its queue may be running."""
-    return get_settings().broker_url.startswith("redis")
-
-
 def train_gpus(spec: dict) -> int:
     """GPUs a training job runs on (`training.gpus` of its run spec; more than one means torchrun)."""
     return int((spec.get("training") or {}).get("gpus") or 1)

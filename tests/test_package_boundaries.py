@@ -1,5 +1,5 @@
 """The packages' import boundaries: backend/ and workers/ never import each other (what they share lives in
-plab.settings and plab.broker, which import neither), and nothing below the command line imports plab.cli.
+plab.settings, plab.broker and plab.claims, which import neither), and nothing below the command line imports plab.cli.
 Every import statement counts, including the ones inside functions."""
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ FORBIDDEN = {
     "workers": ("backend", "plab.cli"),
     "plab/settings.py": ("backend", "workers", "plab.cli"),
     "plab/broker.py": ("backend", "workers", "plab.cli"),
+    "plab/claims.py": ("backend", "workers", "plab.cli"),
 }
 
 

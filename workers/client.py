@@ -171,12 +171,14 @@ class PlabClient:
         """What a worker needs to run the job: checkpoint, tasks, limit, status and the run's spec."""
         return self._request("GET", f"/evaluations/{evaluation_id}/job")
 
-    def evaluation_heartbeat(self, evaluation_id: int) -> dict:
-        return self._request("POST", f"/evaluations/{evaluation_id}/heartbeat")
+    def evaluation_heartbeat(self, evaluation_id: int, holder: str | None = None) -> dict:
+        return self._request("POST", f"/evaluations/{evaluation_id}/heartbeat",
+                             params={"holder": holder} if holder else None)
 
     def set_evaluation_status(self, evaluation_id: int, status: str, *, error_message: str | None = None,
-                              lm_eval_version: str | None = None) -> dict:
-        body = {"status": status, "error_message": error_message, "lm_eval_version": lm_eval_version}
+                              lm_eval_version: str | None = None, worker_host: str | None = None) -> dict:
+        body = {"status": status, "error_message": error_message, "lm_eval_version": lm_eval_version,
+                "worker_host": worker_host}
         return self._request("POST", f"/evaluations/{evaluation_id}/status",
                              json={k: v for k, v in body.items() if v is not None})
 
@@ -201,13 +203,15 @@ class PlabClient:
     def get_gemm_benchmark(self, benchmark_id: int) -> dict:
         return self._request("GET", f"/gemm-benchmarks/{benchmark_id}")
 
-    def gemm_heartbeat(self, benchmark_id: int) -> dict:
-        return self._request("POST", f"/gemm-benchmarks/{benchmark_id}/heartbeat")
+    def gemm_heartbeat(self, benchmark_id: int, holder: str | None = None) -> dict:
+        return self._request("POST", f"/gemm-benchmarks/{benchmark_id}/heartbeat",
+                             params={"holder": holder} if holder else None)
 
     def set_gemm_status(self, benchmark_id: int, status: str, *, result: dict | None = None,
-                        device_name: str | None = None, error_message: str | None = None) -> dict:
+                        device_name: str | None = None, error_message: str | None = None,
+                        worker_host: str | None = None) -> dict:
         body = {"status": status, "result": json_safe(result), "device_name": device_name,
-                "error_message": error_message}
+                "error_message": error_message, "worker_host": worker_host}
         return self._request("POST", f"/gemm-benchmarks/{benchmark_id}/status",
                              json={k: v for k, v in body.items() if v is not None})
 

@@ -18,7 +18,8 @@ from plab.broker import EVALUATE_TASK, GEMM_TASK, TRAIN_TASK
 from plab.settings import get_settings
 from workers.celery_app import app
 from workers.client import PlabClient
-from workers.jobs import EXIT_OK, EXIT_SKIPPED, JOB_ATTEMPT_ENV, UNREPORTED, Job, evaluate, gemm, train
+from workers.jobs import (EXIT_OK, EXIT_SKIPPED, JOB_ATTEMPT_ENV, UNREPORTED, Job, evaluate, gemm, held_by_another,
+                          holder, train)
 
 log = get_task_logger(__name__)
 SLOT_ENV = "PLAB_SLOT_DEVICES"  # set per pool process: the CUDA_VISIBLE_DEVICES value of that slot
@@ -162,7 +163,7 @@ def run_job(task: Task, job: Job, job_id: int, **options) -> int:
         return EXIT_SKIPPED
     env = job_env()
     # Which delivery and attempt of the message the child is: a later attempt of the same message may take over
-    # the run from an earlier one, which ended (a kill) before this retry (backend.services.runs._claim).
+    # the row from an earlier one, which ended (a kill) before this retry (backend.services.leases).
     env[JOB_ATTEMPT_ENV] = f"{task.request.id} attempt {task.request.retries + 1}"
     proc = subprocess.run(job.command(job_id, **options), env=env, preexec_fn=_die_with_parent)
     if proc.returncode in (EXIT_OK, EXIT_SKIPPED):
@@ -173,10 +174,12 @@ def run_job(task: Task, job: Job, job_id: int, **options) -> int:
         log.warning("%s %s: job %s; retrying", job.KIND, job_id, _how_it_ended(proc.returncode))
         raise task.retry(countdown=1)
     # The child reports its own exceptions; this covers an end it could not report (segfault, OOM kill). A row sent
-    # to the queue again meanwhile (a run retried while this job drained its reports) belongs to its new job.
+    # to the queue again meanwhile (a run retried while this job drained its reports), or claimed by another job
+    # (a second copy of the message that got there first), belongs to that job.
     with PlabClient.from_env() as client:
         record = job.record(client, job_id)
-        if record["status"] in UNREPORTED and not (sent_at and superseded(record, sent_at)):
+        if record["status"] in UNREPORTED and not (sent_at and superseded(record, sent_at)) \
+                and not held_by_another(record, holder(env)):
             job.mark_failed(client, job_id, f"the {job.KIND} process ended without reporting a result "
                                             f"({_how_it_ended(proc.returncode)}); the worker's log has its output")
     return proc.returncode

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Path, Request
+from fastapi import Depends, HTTPException, Path, Query, Request
 from sqlalchemy.orm import Session
 
 from backend.db import transaction, write_lock
@@ -13,6 +13,9 @@ from plab.settings import Settings
 
 # Ids are 32-bit in the database; larger numbers are refused before they reach it.
 ObjectId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+# A job's heartbeat names the job (its claim's worker_host): a job that no longer holds its row renews nothing
+Holder = Annotated[str | None, Query(max_length=200, description="the job's worker_host, as it claimed the row: a "
+                                     "job that no longer holds it renews nothing (the answer names the holder)")]
 
 
 def refuse_nul_in_url(request: Request) -> None:

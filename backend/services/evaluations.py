@@ -46,8 +46,8 @@ def automatic_evaluation(session: Session, run: Run) -> Evaluation | None:
     return create_evaluation(session, run.id, list(tasks), None)
 
 
-def get_evaluation(session: Session, evaluation_id: int) -> Evaluation:
-    ev = session.get(Evaluation, evaluation_id)
+def get_evaluation(session: Session, evaluation_id: int, lock: bool = False) -> Evaluation:
+    ev = session.get(Evaluation, evaluation_id, with_for_update=lock)
     if ev is None:
         raise NotFound(f"evaluation {evaluation_id} does not exist")
     return ev
@@ -74,13 +74,16 @@ def list_evaluations(session: Session, run_id: int) -> list[Evaluation]:
     return list(session.scalars(select(Evaluation).where(Evaluation.run_id == run_id).order_by(Evaluation.id)))
 
 
-def update_status(session: Session, evaluation_id: int, body: EvaluationStatusUpdate) -> Evaluation:
-    ev = get_evaluation(session, evaluation_id)
+def update_status(session: Session, evaluation_id: int, body: EvaluationStatusUpdate,
+                  stale_s: float = 60.0) -> Evaluation:
+    """A worker's report. `running` claims the evaluation for its job (`leases.claim`: 409 while another job
+    holds it)."""
+    ev = get_evaluation(session, evaluation_id, lock=body.status == "running")  # as a heartbeat locks it
     if body.status not in EVAL_TRANSITIONS.get(ev.status, set()):
         raise Conflict(f"evaluation {evaluation_id} cannot go from '{ev.status}' to '{body.status}'")
-    ev.status = body.status
     if body.status == "running":
-        ev.heartbeat_at = utcnow()
+        leases.claim(ev, stale_s, body.worker_host, "evaluation")
+    ev.status = body.status
     if body.error_message is not None:
         ev.error_message = body.error_message
     if body.lm_eval_version is not None:
@@ -90,9 +93,10 @@ def update_status(session: Session, evaluation_id: int, body: EvaluationStatusUp
     return ev
 
 
-def heartbeat(session: Session, evaluation_id: int) -> Evaluation:
-    """A running evaluation's lease renewed (its job beats while lm-eval scores the tasks)."""
-    return leases.renew(session, Evaluation, evaluation_id, "evaluation")
+def heartbeat(session: Session, evaluation_id: int, holder: str | None = None) -> Evaluation:
+    """A running evaluation's lease renewed (its job beats while lm-eval scores the tasks; a job naming itself
+    renews only its own lease)."""
+    return leases.renew(session, Evaluation, evaluation_id, "evaluation", holder)
 
 
 def post_result(session: Session, evaluation_id: int, body: EvalTaskResultIn) -> EvalResult:

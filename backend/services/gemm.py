@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from backend.errors import Conflict, InvalidInput, NotFound
-from backend.models import Experiment, GemmBenchmark, utcnow
+from backend.models import Experiment, GemmBenchmark
 from backend.schemas import GemmBenchmarkDetail, GemmBenchmarkOut
 from backend.services import leases
 
@@ -200,8 +200,8 @@ def create_benchmark(session: Session, *, request: dict | None = None, result: d
     return bench
 
 
-def get_benchmark(session: Session, benchmark_id: int) -> GemmBenchmark:
-    bench = session.get(GemmBenchmark, benchmark_id)
+def get_benchmark(session: Session, benchmark_id: int, lock: bool = False) -> GemmBenchmark:
+    bench = session.get(GemmBenchmark, benchmark_id, with_for_update=lock)
     if bench is None:
         raise NotFound(f"GEMM benchmark {benchmark_id} does not exist")
     return bench
@@ -220,9 +220,11 @@ def list_benchmarks(session: Session, *, experiment_id: int | None, status: str 
 
 
 def update_status(session: Session, benchmark_id: int, *, status: str, device_name: str | None = None,
-                  error_message: str | None = None, result: dict | None = None) -> GemmBenchmark:
-    """Worker-facing: queued → running → succeeded (with its result) | failed (with a message)."""
-    bench = get_benchmark(session, benchmark_id)
+                  error_message: str | None = None, result: dict | None = None, worker_host: str | None = None,
+                  stale_s: float = 60.0) -> GemmBenchmark:
+    """Worker-facing: queued → running → succeeded (with its result) | failed (with a message). `running` claims
+    the benchmark for its job (`leases.claim`: 409 while another job holds it)."""
+    bench = get_benchmark(session, benchmark_id, lock=status == "running")  # as a heartbeat locks it
     if status not in STATUSES or status == "queued":
         raise InvalidInput(f"status must be one of running, succeeded, failed; got {status!r}")
     # The report is checked first, whatever the state: a retried report is the same valid report.
@@ -238,6 +240,8 @@ def update_status(session: Session, benchmark_id: int, *, status: str, device_na
         raise Conflict(f"GEMM benchmark {benchmark_id} is already '{bench.status}'; it cannot become '{status}'")
     if status not in TRANSITIONS[bench.status]:
         raise Conflict(f"GEMM benchmark {benchmark_id} cannot go from '{bench.status}' to '{status}'")
+    if status == "running":
+        leases.claim(bench, stale_s, worker_host, "GEMM benchmark")
     if status == "succeeded":
         bench.result = result
         bench.device_name = (device_name or result["device"]["name"])[:200]
@@ -245,16 +249,15 @@ def update_status(session: Session, benchmark_id: int, *, status: str, device_na
         bench.error_message = error_message or "the benchmark failed without a message"
     if device_name and status != "succeeded":
         bench.device_name = device_name[:200]
-    if status == "running":
-        bench.heartbeat_at = utcnow()
     bench.status = status
     session.flush()
     return bench
 
 
-def heartbeat(session: Session, benchmark_id: int) -> GemmBenchmark:
-    """A running benchmark's lease renewed (its job beats while it times the GEMMs)."""
-    return leases.renew(session, GemmBenchmark, benchmark_id, "GEMM benchmark")
+def heartbeat(session: Session, benchmark_id: int, holder: str | None = None) -> GemmBenchmark:
+    """A running benchmark's lease renewed (its job beats while it times the GEMMs; a job naming itself renews
+    only its own lease)."""
+    return leases.renew(session, GemmBenchmark, benchmark_id, "GEMM benchmark", holder)
 
 
 def summarize(result: dict) -> dict:

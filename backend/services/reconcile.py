@@ -6,15 +6,17 @@ locks the rows it changes) it looks at the runs a worker should be training:
     `queued` and its job sent again – the job resumes from the run's last checkpoint – until the run has been
     started PLAB_MAX_ATTEMPTS times, then `failed` with the reason;
   * `queued` for longer than PLAB_REQUEUE_GRACE_S whose message the broker no longer holds (a Redis restart
-    without persistence, a job that gave up while the API was down): its job sent again. Queued evaluations and
-    GEMM benchmarks likewise (before 2026-12-07 theirs stayed `queued` for ever).
+    without persistence, a job that gave up while the API was down; on the filesystem broker, a worker killed after
+    it took the message): its job sent again. Queued evaluations and GEMM benchmarks likewise (before 2026-12-07 theirs stayed `queued` for
+    ever; until 2026-12-08 only on Redis).
 A run whose cancel was requested is not sent again: a job skips such a run, which would then stay `queued` for
 ever (and could not be deleted). `running` with a stale heartbeat, or `queued` with its message gone (or never
 sent), it is marked `cancelled` instead.
 An evaluation or GEMM benchmark `running` with no heartbeat for PLAB_STALE_S is marked `failed` with the reason (it
 can be started again; an evaluation's results so far stay).
-A job claims its run when it reports `running` (refused while another job's heartbeat is fresh), so a message sent
-twice never trains a run twice at once. An API process rather than Celery beat: the API already owns the database,
+A job claims its row when it reports `running` (refused while another job's heartbeat is fresh: `leases`), so a
+message sent twice never runs one job twice at once; a message re-sent while the first copy was only starting is
+harmless. An API process rather than Celery beat: the API already owns the database,
 and a beat process would be one more service to keep alive for the thing that keeps services alive.
 """
 from __future__ import annotations
@@ -90,27 +92,24 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
 
 
 # What the lost-message pass looks at, per kind: the rows still waiting for a worker on a message sent before the grace
-# period, the column that says which queue that message went to (and how), whether a job of the kind claims its row
-# (a second delivery of a run's message cannot train it twice at once: runs._claim), and the key of `done` listing
-# those sent again. A run whose cancel was requested is left to _cancel_abandoned.
+# period, the column that says which queue that message went to (and how), and the key of `done` listing those sent
+# again. A run whose cancel was requested is left to _cancel_abandoned.
 _WAITING = (
-    (Run, (Run.external.is_(False), Run.cancel_requested.is_(False)), Run.spec, queue_for, True, "resent"),
-    (Evaluation, (), Evaluation.id, lambda _id: "default", False, "evaluations_resent"),
-    (GemmBenchmark, (), GemmBenchmark.queue, lambda name: name or "default", False, "gemm_benchmarks_resent"),
+    (Run, (Run.external.is_(False), Run.cancel_requested.is_(False)), Run.spec, queue_for, "resent"),
+    (Evaluation, (), Evaluation.id, lambda _id: "default", "evaluations_resent"),
+    (GemmBenchmark, (), GemmBenchmark.queue, lambda name: name or "default", "gemm_benchmarks_resent"),
 )
 
 
 def _resend_lost(session: Session, messages_present, grace: datetime, done: dict) -> None:
-    """Queued runs, evaluations and GEMM benchmarks whose message the broker no longer holds (neither waiting nor
-    delivered and unacknowledged) `grace` after it was sent: sent again. The broker is asked once about them all.
-    Evaluations and benchmarks, which no claim guards against a second delivery, only where the broker shows
-    delivered messages (Redis; on the filesystem broker a message missing from its queue may be starting)."""
-    from plab.broker import sees_delivered
-
+    """Queued runs, evaluations and GEMM benchmarks whose message the broker no longer holds (neither waiting nor,
+    where the broker shows them, delivered and unacknowledged) `grace` after it was sent: sent again. The broker is
+    asked once about them all. On the filesystem broker a message missing from its queue may be one a worker has
+    just taken. Then the two copies meet at the row: the first job to report `running` claims it and the other
+    stops (`leases.claim`), or the first copy's worker, reading the row after the re-send, skips its older message
+    (`workers.tasks.superseded`). One job runs either way."""
     candidates = []
-    for model, where, column, queue_of, claimed, key in _WAITING:
-        if not claimed and not sees_delivered():
-            continue
+    for model, where, column, queue_of, key in _WAITING:
         waiting = (model.status == "queued", *where, model.dispatch_id.is_not(None), model.dispatched_at < grace)
         rows = session.execute(select(model.id, model.dispatch_id, column).where(*waiting).order_by(model.id)).all()
         candidates += [(model, waiting, key, row_id, dispatch_id, queue_of(value))

@@ -11,7 +11,7 @@ from backend.errors import Conflict, InvalidInput, NotFound
 from backend.models import BASELINE_RECIPE, FINAL_STATUSES, Artifact, Experiment, MetricPoint, Run, utcnow
 from backend.schemas import (MAX_RECIPE_LABEL, MAX_RUNS_PER_EXPERIMENT, ArtifactIn, ExperimentCreate, MetricBatchResult,
                              RecipeRequest, RunCreate, RunInfoUpdate, Series, SeriesQuery, StatusUpdate)
-from backend.services import metrics
+from backend.services import leases, metrics
 
 # Which status a run may move to from which: a worker retried after a crash re-announces `running`.
 TRANSITIONS = {
@@ -273,30 +273,15 @@ def _slurm_job(holder: str | None) -> str | None:
     return None
 
 
-_TASK_ATTEMPT = re.compile(r"\(task (\S+) attempt (\d+)\)$")
-
-
-def _later_attempt(claimant: str | None, holder: str | None) -> bool:
-    """Whether `claimant` is a later attempt of the job message whose earlier attempt holds the run (worker_host
-    "host (task <id> attempt <n>)", workers.jobs.train.holder): a worker retries a message only after its child
-    ended (killed: the OOM killer, a preempted host), so that child's lease is not another job's. A second
-    delivery of the same attempt (a broker's redelivery while the first still runs) is not later."""
-    mine, theirs = (_TASK_ATTEMPT.search(h or "") for h in (claimant, holder))
-    return (mine is not None and theirs is not None and mine.group(1) == theirs.group(1)
-            and int(mine.group(2)) > int(theirs.group(2)))
-
-
 def _claim(run: Run, stale_s: float, claimant: str | None = None) -> None:
-    """A job starts a run by reporting `running`: refused while another job holds the run (a heartbeat younger
-    than `stale_s`), so a duplicate or late-delivered message never trains a run twice at once. A record-only
-    (external) run is reported by its owner's own process, which may repeat `running`; so may the same Slurm job
-    restarted after a requeue (Slurm runs one incarnation of a job at a time)."""
+    """A job starts a run by reporting `running`: refused while another job holds the run (`leases`), so a
+    duplicate or late-delivered message never trains a run twice at once. A record-only (external) run is reported
+    by its owner's own process, which may repeat `running`; so may the same Slurm job restarted after a requeue
+    (Slurm runs one incarnation of a job at a time)."""
     same_slurm_job = _slurm_job(claimant) is not None and _slurm_job(claimant) == _slurm_job(run.worker_host)
-    if run.status == "running" and run.heartbeat_at is not None and not run.external and not same_slurm_job \
-            and not _later_attempt(claimant, run.worker_host):
-        age = (utcnow() - _aware(run.heartbeat_at)).total_seconds()
-        if age < stale_s:
-            raise Conflict(f"run {run.id} is being trained by another job (last heartbeat {age:.0f} s ago)")
+    age = None if run.external or same_slurm_job else leases.held_by_another(run, stale_s, claimant)
+    if age is not None:
+        raise Conflict(f"run {run.id} is being trained by another job (last heartbeat {age:.0f} s ago)")
 
 
 def _aware(t):
@@ -304,15 +289,9 @@ def _aware(t):
 
 
 def heartbeat(session: Session, run_id: int, holder: str | None = None) -> Run:
-    """A running job's lease renewed; the answer tells it whether to stop. A job naming itself (`holder`, its
-    claim's worker_host) renews only its own lease: a job stalled past its lease (SIGSTOP, a frozen host) whose run
-    another job has claimed since kept that job's lease fresh, so the second job's death went unnoticed."""
-    run = session.get(Run, run_id, with_for_update=True)
-    if run is None:
-        raise NotFound(f"run {run_id} does not exist")
-    if run.status == "running" and (holder is None or run.worker_host is None or holder == run.worker_host):
-        run.heartbeat_at = utcnow()
-    return run
+    """A running job's lease renewed (`leases.renew`: a job naming itself renews only its own); the answer tells
+    it whether to stop."""
+    return leases.renew(session, Run, run_id, "run", holder)
 
 
 def update_status(session: Session, run_id: int, body: StatusUpdate, stale_s: float = 60.0) -> Run:

@@ -4,7 +4,6 @@ so a duplicate message never trains it twice at once."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 from datetime import timedelta
@@ -261,11 +260,15 @@ def test_a_queued_evaluation_or_gemm_benchmark_whose_message_redis_lost_is_sent_
                                                "gemm_benchmarks_resent": [bid]}
 
 
-def test_on_a_broker_that_hides_delivered_messages_only_runs_are_sent_again(api, broker, monkeypatch):
-    """kombu's filesystem transport deletes a message's file when a worker takes it: a queued evaluation or benchmark
-    missing from its queue may be starting, and nothing (unlike a run's claim) would stop a second copy running
-    beside it. There only runs are re-sent."""
+def test_on_the_filesystem_broker_a_lost_evaluation_or_benchmark_is_sent_again_too(api, broker, monkeypatch,
+                                                                                    tmp_path):
+    """kombu's filesystem transport deletes a message's file when a worker takes it, so a queued evaluation or
+    benchmark missing from its queue may be starting. Until 2026-12-08 nothing (unlike a run's claim) would have
+    stopped a second copy running beside it, so there only runs were re-sent, and a lost evaluation stayed queued
+    for ever on the embedded deployment. Every job now claims its row: each is re-sent on every broker (here the
+    real filesystem broker of a home of its own)."""
     from backend.models import Evaluation, GemmBenchmark
+    from plab.broker import close_senders
 
     rid = api.post("/api/v1/experiments", json={**EXPERIMENT, "recipes": ["bf16"]}).json()["runs"][0]["id"]
     stamp = utcnow() - timedelta(minutes=5)
@@ -276,20 +279,66 @@ def test_on_a_broker_that_hides_delivered_messages_only_runs_are_sent_again(api,
         s.add_all([ev, bench])
         s.commit()
         eid, bid = ev.id, bench.id
-    asked = []
-
-    def nothing_held(ids, queues):
-        asked.append(set(ids))
-        return set()
-
-    redis_url = os.environ["PLAB_BROKER_URL"]
     monkeypatch.setenv("PLAB_BROKER_URL", "filesystem://")
-    settings = api.app.state.settings
-    with _session(api) as s:
-        assert reconcile(s, settings, messages_present=nothing_held) == {"requeued": [], "failed": [], "resent": []}
-    assert asked == []  # nothing to ask about: the run was never sent
-    monkeypatch.setenv("PLAB_BROKER_URL", redis_url)
-    with _session(api) as s:
-        done = reconcile(s, settings, messages_present=nothing_held)
-    assert done["evaluations_resent"] == [eid] and done["gemm_benchmarks_resent"] == [bid]
-    assert asked == [{"ev-message", "bench-message"}]
+    monkeypatch.setenv("PLAB_HOME", str(tmp_path / "embedded"))
+    try:
+        done = _pass(api)
+        assert done["evaluations_resent"] == [eid] and done["gemm_benchmarks_resent"] == [bid]
+        messages = b"".join(p.read_bytes() for p in (tmp_path / "embedded" / "broker" / "queue").glob("*"))
+        sent = {api.get(f"/api/v1/evaluations/{eid}").json()["dispatch_id"],
+                api.get(f"/api/v1/gemm-benchmarks/{bid}").json()["dispatch_id"]}
+        assert not sent & {None, "ev-message", "bench-message"} and all(d.encode() in messages for d in sent)
+        assert _pass(api) == {"requeued": [], "failed": [], "resent": []}  # found in the folder: not sent twice
+    finally:
+        close_senders()
+
+
+@pytest.mark.parametrize("kind", ["evaluation", "gemm"])
+def test_a_second_job_cannot_claim_an_evaluation_or_benchmark_another_job_holds(api, broker, kind):
+    """As a run's claim: `running` names the job; a second job is refused while the holder's heartbeat is fresh,
+    a later attempt of the holder's own message is not, a heartbeat naming another job renews nothing and names
+    the holder, and once the lease is stale anyone may claim it."""
+    from backend.models import Evaluation, GemmBenchmark
+
+    if kind == "evaluation":
+        rid = api.post("/api/v1/experiments", json={**EXPERIMENT, "recipes": ["bf16"]}).json()["runs"][0]["id"]
+        with _session(api) as s:
+            row = Evaluation(run_id=rid, tasks=["plab_piqa"])
+            s.add(row)
+            s.commit()
+            job_id = row.id
+        model, url, failed_key = Evaluation, f"/api/v1/evaluations/{job_id}", "evaluations_failed"
+    else:
+        r = api.post("/api/v1/gemm-benchmarks", json={"request": {"shapes": "64x128x96", "device": "cpu"},
+                                                       "enqueue": False})
+        job_id = r.json()["id"]
+        model, url, failed_key = GemmBenchmark, f"/api/v1/gemm-benchmarks/{job_id}", "gemm_benchmarks_failed"
+
+    def claim(holder):
+        return api.post(f"{url}/status", json={"status": "running", "worker_host": holder})
+
+    def set_row(**fields):
+        with _session(api) as s:
+            row = s.get(model, job_id)
+            for k, v in fields.items():
+                setattr(row, k, v)
+            s.commit()
+
+    first, copy = "host-a (task 11 attempt 1)", "host-b (task 11 attempt 1)"
+    assert claim(first).status_code == 200
+    refused = claim(copy)  # the same message delivered twice
+    assert refused.status_code == 409 and "being run by another job" in refused.json()["detail"]
+    assert claim("host-c (task 99 attempt 1)").status_code == 409  # another message
+    assert api.get(url).json()["worker_host"] == first
+    set_row(heartbeat_at=utcnow() - timedelta(seconds=50))
+    answer = api.post(f"{url}/heartbeat", params={"holder": copy}).json()
+    assert answer["status"] == "running" and answer["worker_host"] == first
+    assert _pass(api, stale_s=40.0).get(failed_key) == [job_id]  # the copy's beat kept nothing fresh
+    set_row(status="running", heartbeat_at=utcnow(), finished_at=None, error_message=None)
+    api.post(f"{url}/heartbeat", params={"holder": first})
+    retried = claim("host-a (task 11 attempt 2)")  # the worker's retry after its child was killed
+    assert retried.status_code == 200 and retried.json()["worker_host"] == "host-a (task 11 attempt 2)"
+    set_row(heartbeat_at=utcnow() - timedelta(seconds=120))
+    assert claim(copy).status_code == 200  # a stale lease: its holder is gone
+    over = api.post(f"{url}/status", json={"status": "running", "worker_host": "h" * 201})
+    assert over.status_code == 422 and "worker_host" in over.text

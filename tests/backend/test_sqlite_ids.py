@@ -86,3 +86,46 @@ def test_the_migration_keeps_every_row_and_key_and_ids_are_never_reused(tmp_path
     again = api.post("/api/v1/experiments", json={"name": "e2", "model": "tiny", "data": {"corpus": "tinyshakespeare"},
                                                  "training": {"steps": 30}, "recipes": ["bf16"], "enqueue": False}).json()
     assert again["id"] > exp["id"] and min(r["id"] for r in again["runs"]) > other["id"]
+
+
+def test_downgrades_after_0008_keep_autoincrement_and_the_ids_deleted_stay_used(tmp_path):
+    """The downgrades of 0011-0015 dropped their columns with alembic's batch mode, which on SQLite copies the table
+    without AUTOINCREMENT: after a downgrade (and the upgrade back) a deleted evaluation's or benchmark's id was
+    handed out again. They now drop in place (backend.migrations.ddl)."""
+    url = f"sqlite:///{tmp_path / 'plab.sqlite'}"
+    api = make_client(url, tmp_path)
+    exp = api.post("/api/v1/experiments", json={"name": "e", "model": "tiny", "data": {"corpus": "tinyshakespeare"},
+                                               "training": {"steps": 30}, "recipes": ["bf16"],
+                                               "enqueue": False}).json()
+    rid = exp["runs"][0]["id"]
+    api.close()
+    rows = {"evaluations": ("(run_id, tasks, status, created_at)",
+                            f"({rid}, '[\"plab_piqa\"]', 'succeeded', CURRENT_TIMESTAMP)"),
+            "gemm_benchmarks": ("(name, request, status, result, created_at)",
+                                "('b', '{}', 'queued', '{}', CURRENT_TIMESTAMP)")}
+
+    def add(table) -> int:
+        with session_factory(url)() as s:
+            columns, values = rows[table]
+            s.execute(sa.text(f"INSERT INTO {table} {columns} VALUES {values}"))
+            s.commit()
+            return s.execute(sa.text(f"SELECT MAX(id) FROM {table}")).scalar()
+
+    deleted = {}
+    for table in rows:  # two of each, the newest deleted
+        add(table)
+        deleted[table] = add(table)
+        with session_factory(url)() as s:
+            s.execute(sa.text(f"DELETE FROM {table} WHERE id = :i"), {"i": deleted[table]})
+            s.commit()
+    before = _snapshot(url)["rows"]
+
+    command.downgrade(alembic_config(url), "0010")
+    ddl = _ddl(url)
+    assert all("AUTOINCREMENT" in ddl[t] for t in TABLES), {t: ddl[t] for t in TABLES}
+    assert "heartbeat_at" not in ddl["evaluations"] and "dispatch_id" not in ddl["gemm_benchmarks"]
+    upgrade(url)
+    assert "worker_host" in _ddl(url)["evaluations"]
+    after = _snapshot(url)["rows"]
+    assert {t: len(after[t]) for t in TABLES} == {t: len(before[t]) for t in TABLES}
+    assert {table: add(table) for table in rows} == {table: deleted[table] + 1 for table in rows}

@@ -262,14 +262,59 @@ def test_a_retried_child_takes_over_the_run_its_killed_attempt_held(client, tmp_
 
 
 def test_only_a_later_attempt_of_the_same_message_may_take_over_a_fresh_lease():
-    from backend.services.runs import _later_attempt
+    from plab.claims import later_attempt
 
     held = "gpu-host-1 (task 5f1c2d attempt 1)"
-    assert _later_attempt("gpu-host-2 (task 5f1c2d attempt 2)", held)
-    assert not _later_attempt("gpu-host-1 (task 5f1c2d attempt 1)", held)  # the same attempt delivered twice
-    assert not _later_attempt("gpu-host-1 (task 9a8b7c attempt 2)", held)  # another message
-    assert not _later_attempt("gpu-host-1", held) and not _later_attempt(held, "gpu-host-1")
-    assert not _later_attempt("slurm job 12 (node1)", held)
+    assert later_attempt("gpu-host-2 (task 5f1c2d attempt 2)", held)
+    assert not later_attempt("gpu-host-1 (task 5f1c2d attempt 1)", held)  # the same attempt delivered twice
+    assert not later_attempt("gpu-host-1 (task 9a8b7c attempt 2)", held)  # another message
+    assert not later_attempt("gpu-host-1", held) and not later_attempt(held, "gpu-host-1")
+    assert not later_attempt("slurm job 12 (node1)", held)
+
+
+@pytest.mark.parametrize("kind, make_row", [(evaluate, new_evaluation), (gemm, new_benchmark)],
+                         ids=["evaluate", "gemm"])
+def test_a_retried_evaluation_or_benchmark_child_takes_over_its_killed_attempts_claim(client, tmp_path, kind,
+                                                                                       make_row):
+    """As a run's: the first attempt claimed the row with its holder, then was killed; the worker's retry of the
+    same message claims it at once, while a second copy of the message (the same attempt) would be refused."""
+    job_id = make_row(client)
+    counter = tmp_path / "starts"
+    report = "set_evaluation_status" if kind is evaluate else "set_gemm_status"
+    claim_then = ("from workers.client import PlabClient\n"
+                  "from workers.jobs import holder\n"
+                  "c = PlabClient.from_env()\n"
+                  f"c.{report}({job_id}, 'running', worker_host=holder())\n"
+                  "if n == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
+                  f"c.{report}({job_id}, 'failed', error_message='the second attempt ran')\n")
+    task = job_task(kind, lambda _id: counting_child(counter, claim_then), max_retries=2)
+    assert task.apply(args=[job_id]).get() == 0
+    stored = kind.record(client, job_id)
+    assert starts(counter) == 2 and stored["status"] == "failed" and stored["error_message"] == "the second attempt ran"
+    assert stored["worker_host"].endswith(" attempt 2)") and "(task " in stored["worker_host"]
+
+
+@pytest.mark.parametrize("kind, make_row, report", [
+    (evaluate, new_evaluation, lambda c, i, **kw: c.set_evaluation_status(i, "running", **kw)),
+    (gemm, new_benchmark, lambda c, i, **kw: c.set_gemm_status(i, "running", **kw))], ids=["evaluate", "gemm"])
+def test_a_second_copy_of_an_evaluation_or_benchmark_message_stops_without_touching_the_row(client, monkeypatch,
+                                                                                             kind, make_row, report):
+    """Before 2026-12-08 nothing stopped it: a message delivered twice (Redis's redelivery of a long job, or the
+    reconciler's re-send of one that was only starting) ran the evaluation twice at once. The real job module runs
+    here; its work would raise, so reaching it fails the test."""
+    job_id = make_row(client)
+    report(client, job_id, worker_host="host-a (task 11 attempt 1)")  # the first copy's job holds it
+    monkeypatch.setattr(kind.PlabClient, "from_env", classmethod(lambda cls, *a, **k: client))
+    monkeypatch.setattr(client, "close", lambda: None)  # the test's client outlives the job's `with`
+    monkeypatch.setenv(tasks.JOB_ATTEMPT_ENV, "22 attempt 1")
+    if kind is evaluate:
+        monkeypatch.setattr(kind, "_evaluate", lambda *_a: pytest.fail("the second copy evaluated"))
+    else:
+        import training.gemm
+        monkeypatch.setattr(training.gemm, "run_gemm_benchmark", lambda **_: pytest.fail("the second copy timed"))
+    assert kind.run(job_id) == EXIT_SKIPPED
+    stored = kind.record(client, job_id)
+    assert stored["status"] == "running" and stored["worker_host"] == "host-a (task 11 attempt 1)"
 
 
 def test_an_evaluation_job_renews_its_lease_while_it_scores(client, monkeypatch):
@@ -283,9 +328,9 @@ def test_an_evaluation_job_renews_its_lease_while_it_scores(client, monkeypatch)
     beats = []
     real = client.evaluation_heartbeat
 
-    def counted(evaluation_id):
+    def counted(evaluation_id, holder=None):
         beats.append(evaluation_id)
-        return real(evaluation_id)
+        return real(evaluation_id, holder)
 
     monkeypatch.setenv("PLAB_HEARTBEAT_S", "0.05")  # read when the job starts (plab.settings.get_settings)
     monkeypatch.setattr(evaluate_job.PlabClient, "from_env", classmethod(lambda cls, *a, **k: client))
@@ -348,7 +393,7 @@ def test_a_gemm_benchmark_job_renews_its_lease_while_it_times(client, monkeypatc
     real = client.gemm_heartbeat
     monkeypatch.setenv("PLAB_HEARTBEAT_S", "0.05")
     monkeypatch.setattr(gemm_job.PlabClient, "from_env", classmethod(lambda cls, *a, **k: client))
-    monkeypatch.setattr(client, "gemm_heartbeat", lambda i: beats.append(i) or real(i))
+    monkeypatch.setattr(client, "gemm_heartbeat", lambda i, holder=None: beats.append(i) or real(i, holder))
     monkeypatch.setattr(client, "close", lambda: None)  # the test's client outlives the job's `with`
 
     def slow_then_broken(**_):
@@ -359,3 +404,32 @@ def test_a_gemm_benchmark_job_renews_its_lease_while_it_times(client, monkeypatc
         gemm_job.run(bid)
     assert len(beats) >= 3 and set(beats) == {bid}
     assert client.get_gemm_benchmark(bid)["status"] == "failed"
+
+
+@pytest.mark.parametrize("kind, make_row, report", [
+    (train, lambda c: new_run(c)["id"], lambda c, i, who: c.set_status(i, "running", worker_host=who)),
+    (evaluate, new_evaluation, lambda c, i, who: c.set_evaluation_status(i, "running", worker_host=who)),
+    (gemm, new_benchmark, lambda c, i, who: c.set_gemm_status(i, "running", worker_host=who))],
+    ids=["train", "evaluate", "gemm"])
+def test_a_child_that_crashes_leaves_a_row_another_job_holds_to_that_job(client, tmp_path, kind, make_row, report):
+    """The worker fails a row whose child ended without reporting (a segfault, an exit before its claim), unless
+    another job holds the row: a second copy of the message, whose child crashed, failed the evaluation the first
+    copy's job was scoring."""
+    job_id = make_row(client)
+    report(client, job_id, "host-a (task 11 attempt 1)")  # the first copy's job
+    task = job_task(kind, lambda _id: counting_child(tmp_path / "starts", "sys.exit(1)"))
+    assert task.apply(args=[job_id]).get() == 1
+    stored = kind.record(client, job_id)
+    assert stored["status"] == "running" and stored["worker_host"] == "host-a (task 11 attempt 1)"
+
+
+def test_a_row_is_another_jobs_unless_this_job_or_an_earlier_attempt_of_its_message_claimed_it():
+    from workers.jobs import held_by_another
+
+    me = "host-b (task 5f1c2d attempt 2)"
+    assert held_by_another({"status": "running", "worker_host": "host-a (task 9a8b7c attempt 1)"}, me)
+    assert held_by_another({"status": "running", "worker_host": "host-a (task 5f1c2d attempt 2)"}, me)  # a copy
+    assert not held_by_another({"status": "running", "worker_host": me}, me)
+    assert not held_by_another({"status": "running", "worker_host": "host-a (task 5f1c2d attempt 1)"}, me)  # killed
+    assert not held_by_another({"status": "running", "worker_host": None}, me)
+    assert not held_by_another({"status": "queued", "worker_host": "host-a (task 9a8b7c attempt 1)"}, me)

@@ -8,12 +8,15 @@ context and memory, lets torchrun own multi-GPU jobs, and keeps a crash from tak
 """
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Protocol
 
-from workers.client import PlabClient
+from plab.claims import later_attempt, worker_holder
+from workers.client import ApiError, PlabClient
 
 EXIT_OK, EXIT_SKIPPED = 0, 3
 # The row of a job in one of these has not been told the outcome yet.
@@ -39,6 +42,48 @@ class Job(Protocol):
 
     def mark_failed(self, client: PlabClient, job_id: int, message: str) -> None:
         """Record the job as failed with `message`."""
+
+
+def holder(env=None) -> str:
+    """Who runs the job (the worker_host its `running` report claims the row with; `env`: the job's environment,
+    this process's by default): this host, or the Slurm job (the same Slurm job restarted after a requeue may claim
+    its run again: Slurm runs one incarnation of a job at a time), with the job message's attempt where a worker
+    started the job ("host (task <id> attempt 2)": a later attempt of the same message may take over from an
+    earlier one that was killed; plab.claims)."""
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID")
+    if job:
+        return f"slurm job {job} ({socket.gethostname()})"
+    return worker_holder(socket.gethostname(), env.get(JOB_ATTEMPT_ENV))
+
+
+def held_by_another(record: dict, me: str) -> bool:
+    """Whether the job row `record` (as the API has it) is running under another job's claim than `me`'s or an
+    earlier attempt's of `me`'s message (which a kill ended before `me` started)."""
+    theirs = record.get("worker_host")
+    return (record.get("status") == "running" and theirs not in (None, me)
+            and not later_attempt(me, theirs))
+
+
+def lost(kind: str, job_id: int) -> int:
+    """The end of a job that stalled past its lease, whose row was given to another job since: that job reports it."""
+    print(f"[plab] {kind} {job_id}: this job's lease lapsed and the {kind} was given to another job; this job stops "
+          "unreported", flush=True)
+    return EXIT_SKIPPED
+
+
+def claimed(report: Callable[[], object], kind: str, job_id: int) -> bool:
+    """`report()` is the job's `running` report with its holder (the claim); False when the API refused it (409:
+    another job holds the row, so this message is a second copy of its job, or the row has ended), which the job
+    answers by stopping unreported."""
+    try:
+        report()
+    except ApiError as e:
+        if e.status != 409:
+            raise
+        print(f"[plab] {kind} {job_id}: {e}; this job stops", flush=True)
+        return False
+    return True
 
 
 def child_command(module: str, job_id: int) -> list[str]:

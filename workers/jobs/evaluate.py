@@ -11,7 +11,8 @@ import sys
 from plab.settings import get_settings
 from training.evaluation.heldout import trained_context, validation_text
 from workers.client import PlabClient
-from workers.jobs import EXIT_OK, EXIT_SKIPPED, UNREPORTED, child_command, child_main, error_message
+from workers.jobs import (EXIT_OK, EXIT_SKIPPED, UNREPORTED, child_command, child_main, claimed, error_message,
+                          holder, lost)
 from workers.jobs.lease import Heartbeat
 
 KIND = "evaluation"
@@ -53,15 +54,23 @@ def run(evaluation_id: int) -> int:
     if job["status"] not in UNREPORTED:
         print(f"[plab] evaluation {evaluation_id} is '{job['status']}'; nothing to do")
         return EXIT_SKIPPED
-    client.set_evaluation_status(evaluation_id, "running")
-    beat = Heartbeat(client, evaluation_id, get_settings().heartbeat_s, beat=client.evaluation_heartbeat)
+    me = holder()
+    if not claimed(lambda: client.set_evaluation_status(evaluation_id, "running", worker_host=me), KIND,
+                   evaluation_id):
+        return EXIT_SKIPPED
+    beat = Heartbeat(client, evaluation_id, get_settings().heartbeat_s, holder=me,
+                     beat=lambda i: client.evaluation_heartbeat(i, me))
     try:
         result = _evaluate(client, evaluation_id, job)
     except BaseException as e:  # noqa: BLE001 - reported, then re-raised as an exit code
+        beat.stop()
+        if beat.lost:
+            return lost(KIND, evaluation_id)
         client.set_evaluation_status(evaluation_id, "failed", error_message=error_message(e))
         raise
-    finally:
-        beat.stop()
+    beat.stop()
+    if beat.lost:
+        return lost(KIND, evaluation_id)
     client.set_evaluation_status(evaluation_id, "succeeded", lm_eval_version=result.get("lm_eval_version"))
     return EXIT_OK
 

@@ -13,7 +13,8 @@ import sys
 
 from plab.settings import get_settings
 from workers.client import PlabClient
-from workers.jobs import EXIT_OK, EXIT_SKIPPED, UNREPORTED, child_command, child_main, error_message
+from workers.jobs import (EXIT_OK, EXIT_SKIPPED, UNREPORTED, child_command, child_main, claimed, error_message,
+                          holder, lost)
 from workers.jobs.lease import Heartbeat
 
 KIND = "benchmark"
@@ -44,16 +45,23 @@ def run(benchmark_id: int) -> int:
         if bench["status"] not in UNREPORTED:
             print(f"[plab] GEMM benchmark {benchmark_id} is '{bench['status']}'; nothing to do")
             return EXIT_SKIPPED
-        client.set_gemm_status(benchmark_id, "running")
-        beat = Heartbeat(client, benchmark_id, get_settings().heartbeat_s, beat=client.gemm_heartbeat)
+        me = holder()
+        if not claimed(lambda: client.set_gemm_status(benchmark_id, "running", worker_host=me), KIND, benchmark_id):
+            return EXIT_SKIPPED
+        beat = Heartbeat(client, benchmark_id, get_settings().heartbeat_s, holder=me,
+                         beat=lambda i: client.gemm_heartbeat(i, me))
         try:
             result = run_gemm_benchmark(**bench["request"],
                                         progress=lambda msg: print(f"[plab] timing {msg}", flush=True))
         except BaseException as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit code
+            beat.stop()
+            if beat.lost:
+                return lost(KIND, benchmark_id)
             client.set_gemm_status(benchmark_id, "failed", error_message=error_message(e))
             raise
-        finally:
-            beat.stop()
+        beat.stop()
+        if beat.lost:
+            return lost(KIND, benchmark_id)
         client.set_gemm_status(benchmark_id, "succeeded", result=result, device_name=result["device"]["name"])
     return EXIT_OK
 

@@ -14,7 +14,7 @@ class Heartbeat:
 
     def __init__(self, client: PlabClient, run_id: int, interval: float, on_lost=None, on_cancel=None, beat=None,
                  holder: str | None = None):
-        # a run's job names itself (its claim's worker_host): the answer then says whether it still holds the run
+        # a job names itself (its claim's worker_host): the answer then says whether it still holds its row
         self._holder = holder
         self._beat = beat or (lambda job_id: client.heartbeat(job_id, holder))
         self._on_cancel = on_cancel

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import sys
 import threading
 
 from plab.settings import get_settings
 from training.sink import MetricSink
-from workers.client import ApiError, MetricStreamer, PlabClient
-from workers.jobs import (EXIT_OK, EXIT_SKIPPED, JOB_ATTEMPT_ENV, UNREPORTED, child_command, child_main,
-                          error_message)
+from workers.client import MetricStreamer, PlabClient
+from workers.jobs import (EXIT_OK, EXIT_SKIPPED, UNREPORTED, child_command, child_main, claimed, error_message,
+                          holder, lost)
 from workers.jobs.lease import Heartbeat
 
 KIND = "training"
@@ -125,18 +124,6 @@ class ApiSink(MetricSink):
         return self.reporter.close(timeout) if self.reporter is not None else True
 
 
-def holder() -> str:
-    """Who trains the run (its worker_host): this host, or the Slurm job (the same Slurm job restarted after a
-    requeue may claim the run again: Slurm runs one incarnation of a job at a time), with the job message's
-    attempt where a worker started the job ("host (task <id> attempt 2)": a later attempt of the same message may
-    take over from an earlier one that was killed)."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if job:
-        return f"slurm job {job} ({socket.gethostname()})"
-    attempt = os.environ.get(JOB_ATTEMPT_ENV)
-    return f"{socket.gethostname()} (task {attempt})" if attempt else socket.gethostname()
-
-
 def device_name() -> str:
     import torch
 
@@ -192,12 +179,8 @@ def run(run_id: int) -> int:
                 if rank == 0 else None)
     beat = None
     if rank == 0:
-        try:  # the claim: refused (409) while another job holds the run
-            client.set_status(run_id, "running", worker_host=holder(), device_name=device_name())
-        except ApiError as e:
-            if e.status != 409:
-                raise
-            print(f"[plab] run {run_id}: {e}; this job stops", flush=True)
+        if not claimed(lambda: client.set_status(run_id, "running", worker_host=holder(), device_name=device_name()),
+                       "run", run_id):
             if streamer is not None:
                 streamer.close()
             return EXIT_SKIPPED
@@ -221,10 +204,8 @@ def run(run_id: int) -> int:
         beat.stop()
     if streamer is not None:
         streamer.close()
-    if beat is not None and beat.lost:
-        print(f"[plab] run {run_id} was given to another job (its lease lapsed); this job stops unreported",
-              flush=True)
-        return EXIT_SKIPPED
+    if beat is not None and beat.lost:  # its lease lapsed and the run was given to another job
+        return lost("run", run_id)
     if streamer is not None and streamer.run_ended:
         print(f"[plab] run {run_id} ended while this job trained it (the API refused its metrics); this job stops "
               "unreported", flush=True)

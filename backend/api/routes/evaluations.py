@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
-from backend.api.deps import WRITE, ObjectId, SessionDep
+from backend.api.deps import WRITE, Holder, ObjectId, SessionDep
 from backend.schemas import EvalTaskResultIn, EvaluationCreate, EvaluationOut, EvaluationStatusUpdate
 from backend.services import dispatch, evaluations
 
@@ -32,15 +32,19 @@ def evaluation_job(evaluation_id: ObjectId, session: SessionDep):
 
 
 @router.post("/evaluations/{evaluation_id}/status", response_model=EvaluationOut, dependencies=WRITE)
-def update_evaluation_status(evaluation_id: ObjectId, body: EvaluationStatusUpdate, session: SessionDep):
-    return evaluations.evaluation_out(session, evaluations.update_status(session, evaluation_id, body))
+def update_evaluation_status(evaluation_id: ObjectId, body: EvaluationStatusUpdate, session: SessionDep,
+                             request: Request):
+    """A worker's report. `running` starts (claims) the evaluation: 409 while another job holds it (fresh
+    heartbeat)."""
+    stale_s = request.app.state.settings.stale_s
+    return evaluations.evaluation_out(session, evaluations.update_status(session, evaluation_id, body, stale_s))
 
 
 @router.post("/evaluations/{evaluation_id}/heartbeat", response_model=EvaluationOut, dependencies=WRITE)
-def evaluation_heartbeat(evaluation_id: ObjectId, session: SessionDep):
+def evaluation_heartbeat(evaluation_id: ObjectId, session: SessionDep, holder: Holder = None):
     """A running evaluation's job renews its lease (worker-facing): the API's reconciler fails an evaluation whose
     heartbeats stop for PLAB_STALE_S (its worker died)."""
-    return evaluations.evaluation_out(session, evaluations.heartbeat(session, evaluation_id))
+    return evaluations.evaluation_out(session, evaluations.heartbeat(session, evaluation_id, holder))
 
 
 @router.post("/evaluations/{evaluation_id}/results", status_code=201, dependencies=WRITE)

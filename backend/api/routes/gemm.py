@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
-from backend.api.deps import WRITE, ObjectId, SessionDep
+from backend.api.deps import WRITE, Holder, ObjectId, SessionDep
 from backend.schemas import GemmBenchmarkCreate, GemmBenchmarkDetail, GemmBenchmarkOut, GemmStatusUpdate, Page
 from backend.services import dispatch, gemm
 
@@ -34,15 +34,17 @@ def get_benchmark(benchmark_id: ObjectId, session: SessionDep):
 
 
 @router.post("/{benchmark_id}/heartbeat", response_model=GemmBenchmarkOut, dependencies=WRITE)
-def heartbeat(benchmark_id: ObjectId, session: SessionDep):
+def heartbeat(benchmark_id: ObjectId, session: SessionDep, holder: Holder = None):
     """A running benchmark's job renews its lease (worker-facing): the API's reconciler fails a benchmark whose
     heartbeats stop for PLAB_STALE_S (its worker died)."""
-    return gemm.benchmark_out(gemm.heartbeat(session, benchmark_id))
+    return gemm.benchmark_out(gemm.heartbeat(session, benchmark_id, holder))
 
 
 @router.post("/{benchmark_id}/status", response_model=GemmBenchmarkOut, dependencies=WRITE)
-def update_status(benchmark_id: ObjectId, body: GemmStatusUpdate, session: SessionDep):
-    """Worker-facing: `running`, then `succeeded` with the result or `failed` with a message."""
+def update_status(benchmark_id: ObjectId, body: GemmStatusUpdate, session: SessionDep, request: Request):
+    """Worker-facing: `running` (which claims the benchmark for its job: 409 while another job holds it), then
+    `succeeded` with the result or `failed` with a message."""
     return gemm.benchmark_out(gemm.update_status(session, benchmark_id, status=body.status,
                                                  device_name=body.device_name, error_message=body.error_message,
-                                                 result=body.result))
+                                                 result=body.result, worker_host=body.worker_host,
+                                                 stale_s=request.app.state.settings.stale_s))

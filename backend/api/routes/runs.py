@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from backend.api.deps import WRITE, ObjectId, SessionDep, get_settings
+from backend.api.deps import WRITE, Holder, ObjectId, SessionDep, get_settings
 from backend.schemas import (METRIC_INGEST, X_RANGE_DOC, ArtifactIn, ArtifactOut, HeartbeatOut, MetricBatchResult, Page,
                              RunCreate, RunDetail, RunInfoUpdate, RunOut, Series, SeriesQuery, Status, StatusUpdate,
                              Tag, metric_series)
@@ -76,9 +76,7 @@ def update_status(run_id: ObjectId, body: StatusUpdate, session: SessionDep, req
 
 
 @router.post("/{run_id}/heartbeat", response_model=HeartbeatOut, dependencies=WRITE)
-def heartbeat(run_id: ObjectId, session: SessionDep,
-              holder: str | None = Query(None, max_length=200, description="the job's worker_host, as it claimed "
-                                         "the run: a job that no longer holds the run renews nothing")):
+def heartbeat(run_id: ObjectId, session: SessionDep, holder: Holder = None):
     """A running job renews its lease (every PLAB_HEARTBEAT_S); the answer says whether to stop: the run's status,
     whether its cancel was requested, and who holds it (a job that lost its lease while it was stalled, and whose
     run another job has claimed since, sees another holder and stops)."""

@@ -11,6 +11,8 @@ Create Date: 2026-12-07 11:30:00
 from alembic import op
 import sqlalchemy as sa
 
+from backend.migrations.ddl import drop_columns
+
 
 revision = '0011'
 down_revision = '0010'
@@ -24,5 +26,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('evaluations') as batch:
-        batch.drop_column('heartbeat_at')
+    drop_columns('evaluations', 'heartbeat_at')  # in place: the table keeps AUTOINCREMENT (backend.migrations.ddl)

@@ -11,6 +11,8 @@ Create Date: 2026-12-07 13:20:00
 from alembic import op
 import sqlalchemy as sa
 
+from backend.migrations.ddl import drop_columns
+
 
 revision = '0013'
 down_revision = '0012'
@@ -28,9 +30,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('gemm_benchmarks') as batch:
-        batch.drop_column('queue')
-    for table in ('evaluations', 'gemm_benchmarks'):
-        with op.batch_alter_table(table) as batch:
-            batch.drop_column('dispatched_at')
-            batch.drop_column('dispatch_id')
+    # in place: the tables keep AUTOINCREMENT (backend.migrations.ddl)
+    drop_columns('gemm_benchmarks', 'queue', 'dispatched_at', 'dispatch_id')
+    drop_columns('evaluations', 'dispatched_at', 'dispatch_id')
