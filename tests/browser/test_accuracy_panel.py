@@ -61,9 +61,11 @@ def start_evaluation(server, run_id: int, tasks: list[str]) -> dict:
     return r.json()
 
 
-def worker_posts(server, evaluation_id: int, results: dict[str, dict], *, finish: bool = True) -> None:
-    for body in ({"status": "running"},):
-        r = server.http.post(f"/api/v1/evaluations/{evaluation_id}/status", json=body)
+def worker_posts(server, evaluation_id: int, results: dict[str, dict], *, start: bool = True,
+                 finish: bool = True) -> None:
+    """What an evaluation's job posts: `running` (its claim: once per job), each task's result, `succeeded`."""
+    if start:
+        r = server.http.post(f"/api/v1/evaluations/{evaluation_id}/status", json={"status": "running"})
         assert r.status_code == 200, r.text
     for task, result in results.items():
         r = server.http.post(f"/api/v1/evaluations/{evaluation_id}/results", json={"task": task, "result": result})
@@ -98,7 +100,7 @@ def test_table_and_delta_chart_show_each_recipe_against_bf16_with_significance(s
     page.goto(f"{server.base_url}/experiments/{exp['id']}")
     page.locator("#accuracy-status .badge.status-running").wait_for()
     assert page.locator("#accuracy-status").get_attribute("data-live") == "true"
-    worker_posts(server, evals["fp8_tensorwise"]["id"], results["fp8_tensorwise"])
+    worker_posts(server, evals["fp8_tensorwise"]["id"], results["fp8_tensorwise"], start=False)
     charts.wait_for_traces("accuracy-delta-chart", 2, timeout=20_000)
     page.wait_for_function("() => document.getElementById('accuracy-status').dataset.live === 'false'")
 
