@@ -171,6 +171,7 @@ class Evaluation(Base):
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # the job that claimed it (its `running` report: host, message and attempt; backend.services.leases)
     worker_host: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # `running` reports (starts)
     dispatch_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
@@ -208,6 +209,7 @@ class GemmBenchmark(Base):
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # the job that claimed it (its `running` report: host, message and attempt; backend.services.leases)
     worker_host: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # `running` reports (starts)
     dispatch_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     queue: Mapped[str | None] = mapped_column(String(64), nullable=True)

@@ -796,6 +796,8 @@ class EvaluationOut(BaseModel):
     finished_at: UtcDatetime | None
     results: list[EvalResultOut] = Field(default_factory=list)
     worker_host: str | None = Field(default=None, description="the job that claimed it (its `running` report)")
+    attempts: int = Field(default=0, description="starts (`running` reports); the reconciler sends one whose worker "
+                                                 "died again until PLAB_MAX_ATTEMPTS")
     dispatch_id: str | None = Field(default=None, description="the job message of the evaluation's latest dispatch")
     dispatched_at: UtcDatetime | None = Field(
         default=None, description="when the evaluation was last sent to the job queue; a worker skips an older "
@@ -1021,6 +1023,8 @@ class GemmBenchmarkOut(BaseModel):
     summary: dict[str, Any] = {}
     queue: str | None = Field(default=None, description="the worker queue its job was sent to (null: never sent)")
     worker_host: str | None = Field(default=None, description="the job that claimed it (its `running` report)")
+    attempts: int = Field(default=0, description="starts (`running` reports); the reconciler sends one whose worker "
+                                                 "died again until PLAB_MAX_ATTEMPTS")
     dispatch_id: str | None = Field(default=None, description="the job message of the benchmark's latest dispatch")
     dispatched_at: UtcDatetime | None = Field(
         default=None, description="when the benchmark was last sent to the job queue; a worker skips an older "

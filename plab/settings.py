@@ -21,7 +21,7 @@ class Settings:
     stale_s: float = 60.0  # PLAB_STALE_S: a running run without a heartbeat this long has lost its worker
     reconcile_s: float = 15.0  # PLAB_RECONCILE_S: the API's reconciler interval (0: off)
     requeue_grace_s: float = 60.0  # PLAB_REQUEUE_GRACE_S: a queued run's message is looked for after this long
-    max_attempts: int = 3  # PLAB_MAX_ATTEMPTS: starts of a run before it is failed
+    max_attempts: int = 3  # PLAB_MAX_ATTEMPTS: starts of a run, evaluation or GEMM benchmark before it is failed
 
     @property
     def is_sqlite(self) -> bool:

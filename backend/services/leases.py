@@ -5,7 +5,8 @@ and attempt). That claim is refused (409) while another job holds the row (a hea
 PLAB_STALE_S), so a message delivered twice - a broker's redelivery while the first copy still runs, or the
 reconciler's re-send of a message that was only starting - never runs one job twice at once. The holder renews its
 lease with heartbeats; a job that names itself renews only its own lease and is told who holds the row. The
-reconciler (`reconcile`) takes back a run whose heartbeats stopped and fails such an evaluation or benchmark."""
+reconciler (`reconcile`) takes back a job whose heartbeats stopped and sends it again, up to PLAB_MAX_ATTEMPTS
+starts."""
 from __future__ import annotations
 
 from datetime import timezone
@@ -28,13 +29,15 @@ def held_by_another(job, stale_s: float, claimant: str | None) -> float | None:
 
 def claim(job, stale_s: float, claimant: str | None, what: str) -> None:
     """`job` started by the job `claimant` (a `running` report): refused while another job holds it; else it holds
-    the row, with a fresh lease."""
+    the row, with a fresh lease, and the start is counted (the reconciler sends a job whose worker died again until
+    PLAB_MAX_ATTEMPTS starts)."""
     age = held_by_another(job, stale_s, claimant)
     if age is not None:
         raise Conflict(f"{what} {job.id} is being run by another job (last heartbeat {age:.0f} s ago): this "
                        "message is a second copy of its job, which stops")
     job.worker_host = claimant[:200] if claimant else None
     job.heartbeat_at = utcnow()
+    job.attempts = (job.attempts or 0) + 1
 
 
 def renew(session: Session, model, job_id: int, what: str, holder: str | None = None):

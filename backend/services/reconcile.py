@@ -7,13 +7,15 @@ locks the rows it changes) it looks at the runs a worker should be training:
     started PLAB_MAX_ATTEMPTS times, then `failed` with the reason;
   * `queued` for longer than PLAB_REQUEUE_GRACE_S whose message the broker no longer holds (a Redis restart
     without persistence, a job that gave up while the API was down; on the filesystem broker, a worker killed after
-    it took the message): its job sent again. Queued evaluations and GEMM benchmarks likewise (before 2026-12-07 theirs stayed `queued` for
-    ever; until 2026-12-08 only on Redis).
+    it took the message): its job sent again. Queued evaluations and GEMM benchmarks likewise (before 2026-12-07
+    theirs stayed `queued` for ever; until 2026-12-08 only on Redis).
 A run whose cancel was requested is not sent again: a job skips such a run, which would then stay `queued` for
 ever (and could not be deleted). `running` with a stale heartbeat, or `queued` with its message gone (or never
 sent), it is marked `cancelled` instead.
-An evaluation or GEMM benchmark `running` with no heartbeat for PLAB_STALE_S is marked `failed` with the reason (it
-can be started again; an evaluation's results so far stay).
+An evaluation or GEMM benchmark `running` with no heartbeat for PLAB_STALE_S is taken back the same way: `queued`
+and sent again (an evaluation's results so far stay; its new job scores every task again and replaces them), then
+`failed` with the reason after PLAB_MAX_ATTEMPTS starts; one that was never sent through the queue (a row from
+before its dispatch was recorded) is failed at once, saying how to start it again.
 A job claims its row when it reports `running` (refused while another job's heartbeat is fresh: `leases`), so a
 message sent twice never runs one job twice at once; a message re-sent while the first copy was only starting is
 harmless. An API process rather than Celery beat: the API already owns the database,
@@ -43,7 +45,7 @@ def _aware(t: datetime | None) -> datetime | None:
 def reconcile(session: Session, settings, messages_present=None, now: datetime | None = None) -> dict:
     """One pass; returns what it did ({"requeued": [...], "failed": [...], "resent": [...]}, and, when there were
     any, "cancelled" (runs whose cancel was requested), "evaluations_resent", "gemm_benchmarks_resent",
-    "evaluations_failed", "gemm_benchmarks_failed").
+    "evaluations_requeued", "gemm_benchmarks_requeued", "evaluations_failed", "gemm_benchmarks_failed").
 
     No run stays locked while the broker is asked, nor while another run is handled: the candidates are read without
     locks, the broker is asked once about all the queued ones (`plab.broker.messages_present`, or the callable
@@ -85,7 +87,7 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
     grace = now - timedelta(seconds=settings.requeue_grace_s)
     _resend_lost(session, messages_present, grace, done)
     _cancel_abandoned(session, messages_present, now, grace, done)
-    _fail_silent_jobs(session, now, stale, done)
+    _take_back_silent_jobs(session, settings.max_attempts, now, stale, done)
     if any(done.values()):
         log.warning("reconciler: %s", done)
     return done
@@ -131,14 +133,15 @@ def _resend_lost(session: Session, messages_present, grace: datetime, done: dict
         session.commit()
 
 
-def _fail_silent_jobs(session: Session, now: datetime, stale: datetime, done: dict) -> None:
+def _take_back_silent_jobs(session: Session, max_attempts: int, now: datetime, stale: datetime, done: dict) -> None:
     """`running` evaluations and GEMM benchmarks whose job stopped heartbeating for PLAB_STALE_S (its worker was
-    killed): `failed` with the reason, so the run can be deleted and the job started again. Without this they stayed
-    `running` for ever (the broker had handed their message out; nothing else watches them). One running since
-    before they had heartbeats is judged by its creation time."""
-    kinds = ((Evaluation, "evaluation", "evaluations_failed",
+    killed, its node lost): `queued` and sent again, as a run is, until started `max_attempts` times; then, or when
+    the row was never sent through the queue, `failed` with the reason and how to start it again. Before 2026-12-08
+    every such job was failed at once (and before they had heartbeats, stayed `running` for ever). One running
+    since before they had heartbeats is judged by its creation time."""
+    kinds = ((Evaluation, "evaluation", "evaluations",
               lambda ev: f"POST /api/v1/runs/{ev.run_id}/evaluations (plab eval {ev.run_id} --tasks ...)"),
-             (GemmBenchmark, "GEMM benchmark", "gemm_benchmarks_failed",
+             (GemmBenchmark, "GEMM benchmark", "gemm_benchmarks",
               lambda _bench: "POST /api/v1/gemm-benchmarks (plab gemm-bench)"))
     for model, what, key, again in kinds:
         silent = (model.status == "running",
@@ -146,15 +149,24 @@ def _fail_silent_jobs(session: Session, now: datetime, stale: datetime, done: di
         for jid in session.scalars(select(model.id).where(*silent).order_by(model.id)).all():
             job = session.scalars(select(model).where(model.id == jid, *silent)
                                   .with_for_update(skip_locked=True)).first()
-            if job is not None:
-                last = _aware(job.heartbeat_at)
+            if job is None:
+                session.commit()
+                continue
+            last = _aware(job.heartbeat_at)
+            since = f" (last heartbeat {last:%Y-%m-%d %H:%M:%S} UTC)" if last else ""
+            if job.dispatch_id is not None and (job.attempts or 0) < max_attempts:
+                job.status, job.heartbeat_at = "queued", None
+                if dispatch.resend(session, job):  # else queued on the lost message: re-sent by a later pass
+                    done.setdefault(f"{key}_requeued", []).append(job.id)
+            else:
                 job.status = "failed"
                 if model is Evaluation:  # a benchmark records no end time
                     job.finished_at = now
-                job.error_message = (f"the {what}'s worker stopped heartbeating"
-                                     + (f" (last heartbeat {last:%Y-%m-%d %H:%M:%S} UTC)" if last else "")
-                                     + f"; start it again with {again(job)}")
-                done.setdefault(key, []).append(job.id)
+                started = (f" and it was started {job.attempts} times (PLAB_MAX_ATTEMPTS)"
+                           if job.dispatch_id is not None else "")
+                job.error_message = (f"the {what}'s worker stopped heartbeating{since}{started}; start it again "
+                                     f"with {again(job)}")
+                done.setdefault(f"{key}_failed", []).append(job.id)
             session.commit()
 
 

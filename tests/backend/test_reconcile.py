@@ -342,3 +342,54 @@ def test_a_second_job_cannot_claim_an_evaluation_or_benchmark_another_job_holds(
     assert claim(copy).status_code == 200  # a stale lease: its holder is gone
     over = api.post(f"{url}/status", json={"status": "running", "worker_host": "h" * 201})
     assert over.status_code == 422 and "worker_host" in over.text
+
+
+def test_an_evaluation_or_benchmark_whose_worker_died_is_sent_again_then_failed_after_max_attempts(api, broker):
+    """Until 2026-12-08 one was failed at once and the user had to start it again; a run in that case was sent to a
+    worker again. Now each is taken back like a run: `queued`, sent again to its queue, its starts counted, and
+    `failed` with the count once PLAB_MAX_ATTEMPTS starts have died."""
+    from backend.models import Artifact, Evaluation, GemmBenchmark
+
+    rid = api.post("/api/v1/experiments", json={**EXPERIMENT, "recipes": ["bf16"]}).json()["runs"][0]["id"]
+    with _session(api) as s:
+        s.add(Artifact(run_id=rid, kind="checkpoint", path="/checkpoints/final", step=50))
+        s.commit()
+    for status in ("running", "succeeded"):
+        assert api.post(f"/api/v1/runs/{rid}/status", json={"status": status}).status_code == 200
+    eid = api.post(f"/api/v1/runs/{rid}/evaluations", json={"tasks": ["plab_piqa"]}).json()["id"]
+    bid = api.post("/api/v1/gemm-benchmarks", json={"request": {"shapes": "64x128x96", "device": "cpu"},
+                                                    "queue": "h100"}).json()["id"]
+    rows = {"evaluations": (Evaluation, eid, f"/api/v1/evaluations/{eid}", "default"),
+            "gemm_benchmarks": (GemmBenchmark, bid, f"/api/v1/gemm-benchmarks/{bid}", "h100")}
+    broker.flushdb()
+
+    def die(attempt: int) -> None:
+        for key, (model, row_id, url, _queue) in rows.items():
+            claim = api.post(f"{url}/status", json={"status": "running",
+                                                     "worker_host": f"host (task t attempt {attempt})"})
+            assert claim.status_code == 200 and claim.json()["attempts"] == attempt, claim.text
+            with _session(api) as s:
+                s.get(model, row_id).heartbeat_at = utcnow() - timedelta(seconds=120)
+                s.commit()
+
+    for attempt in (1, 2):
+        before = {key: api.get(url).json()["dispatch_id"] for key, (_m, _i, url, _q) in rows.items()}
+        die(attempt)
+        done = _pass(api)
+        assert done["evaluations_requeued"] == [eid] and done["gemm_benchmarks_requeued"] == [bid], done
+        for key, (_model, _row_id, url, queue) in rows.items():
+            row = api.get(url).json()
+            assert row["status"] == "queued" and row["dispatch_id"] not in (None, before[key])
+            assert broker.llen(queue) == 1  # its job sent again, to its own queue
+        broker.flushdb()
+    die(3)
+    done = _pass(api)  # PLAB_MAX_ATTEMPTS is 3
+    assert done["evaluations_failed"] == [eid] and done["gemm_benchmarks_failed"] == [bid], done
+    assert broker.llen("default") == 0 and broker.llen("h100") == 0
+    ev = api.get(f"/api/v1/evaluations/{eid}").json()
+    assert ev["status"] == "failed" and ev["finished_at"] is not None and ev["attempts"] == 3
+    assert "stopped heartbeating (last heartbeat " in ev["error_message"]
+    assert "and it was started 3 times (PLAB_MAX_ATTEMPTS); start it again with POST" in ev["error_message"]
+    bench = api.get(f"/api/v1/gemm-benchmarks/{bid}").json()
+    assert bench["status"] == "failed" and "started 3 times" in bench["error_message"]
+    assert api.delete(f"/api/v1/runs/{rid}").status_code == 204

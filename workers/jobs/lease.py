@@ -8,8 +8,8 @@ from workers.client import PlabClient
 
 class Heartbeat:
     """Renews a job's lease every `interval` seconds from a thread while the job runs: the API's reconciler takes
-    a run whose heartbeats stop (its worker died) and sends it to another worker, and fails such an evaluation or
-    GEMM benchmark. `beat(job_id)` is the request (a run's by default; `client.evaluation_heartbeat`,
+    a job whose heartbeats stop (its worker died) back and sends it to another worker, up to PLAB_MAX_ATTEMPTS
+    starts. `beat(job_id)` is the request (a run's by default; `client.evaluation_heartbeat`,
     `client.gemm_heartbeat`)."""
 
     def __init__(self, client: PlabClient, run_id: int, interval: float, on_lost=None, on_cancel=None, beat=None,

@@ -42,8 +42,8 @@ def update_evaluation_status(evaluation_id: ObjectId, body: EvaluationStatusUpda
 
 @router.post("/evaluations/{evaluation_id}/heartbeat", response_model=EvaluationOut, dependencies=WRITE)
 def evaluation_heartbeat(evaluation_id: ObjectId, session: SessionDep, holder: Holder = None):
-    """A running evaluation's job renews its lease (worker-facing): the API's reconciler fails an evaluation whose
-    heartbeats stop for PLAB_STALE_S (its worker died)."""
+    """A running evaluation's job renews its lease (worker-facing): the API's reconciler sends an evaluation whose
+    heartbeats stop for PLAB_STALE_S (its worker died) again, and fails it after PLAB_MAX_ATTEMPTS starts."""
     return evaluations.evaluation_out(session, evaluations.heartbeat(session, evaluation_id, holder))
 
 

@@ -35,8 +35,8 @@ def get_benchmark(benchmark_id: ObjectId, session: SessionDep):
 
 @router.post("/{benchmark_id}/heartbeat", response_model=GemmBenchmarkOut, dependencies=WRITE)
 def heartbeat(benchmark_id: ObjectId, session: SessionDep, holder: Holder = None):
-    """A running benchmark's job renews its lease (worker-facing): the API's reconciler fails a benchmark whose
-    heartbeats stop for PLAB_STALE_S (its worker died)."""
+    """A running benchmark's job renews its lease (worker-facing): the API's reconciler sends a benchmark whose
+    heartbeats stop for PLAB_STALE_S (its worker died) again, and fails it after PLAB_MAX_ATTEMPTS starts."""
     return gemm.benchmark_out(gemm.heartbeat(session, benchmark_id, holder))
 
 
