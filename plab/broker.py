@@ -109,6 +109,26 @@ def messages_present(task_ids: Collection[str], queues: list[str]) -> set[str] |
     return {t for t in task_ids if t.encode() in held}
 
 
+def taken_before(task_ids: Collection[str], before: float) -> set[str] | None:
+    """Which of the messages `task_ids` a worker took before the Unix time `before` and has not acknowledged: on
+    Redis, kombu keeps such a message in "unacked" with its delivery time in "unacked_index" until the worker
+    acknowledges it, or, if the worker died, until the transport's visibility timeout (6 h) puts it back in its
+    queue. None where the broker cannot say (the filesystem broker deletes a message's file when a worker takes it)."""
+    settings = get_settings()
+    if not settings.broker_url.startswith("redis"):
+        return None
+    import redis
+
+    client = redis.Redis.from_url(settings.broker_url)
+    try:
+        tags = client.zrangebyscore("unacked_index", "-inf", before)
+        raws = [raw for raw in (client.hmget("unacked", tags) if tags else []) if raw is not None]
+    finally:
+        client.close()
+    held = b"\x00".join(raws)
+    return {t for t in task_ids if t.encode() in held}
+
+
 def train_gpus(spec: dict) -> int:
     """GPUs a training job runs on (`training.gpus` of its run spec; more than one means torchrun)."""
     return int((spec.get("training") or {}).get("gpus") or 1)

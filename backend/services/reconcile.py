@@ -42,7 +42,13 @@ def _aware(t: datetime | None) -> datetime | None:
     return None if t is None else (t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc))
 
 
-def reconcile(session: Session, settings, messages_present=None, now: datetime | None = None) -> dict:
+# A worker's job claims its row seconds after the worker takes its message (the job's process starts, imports, reports
+# `running`); a message taken this many PLAB_STALE_S ago whose row is still `queued` lost its worker.
+CLAIM_WAIT_STALES = 10
+
+
+def reconcile(session: Session, settings, messages_present=None, now: datetime | None = None,
+              taken_before=None) -> dict:
     """One pass; returns what it did ({"requeued": [...], "failed": [...], "resent": [...]}, and, when there were
     any, "cancelled" (runs whose cancel was requested), "evaluations_resent", "gemm_benchmarks_resent",
     "evaluations_requeued", "gemm_benchmarks_requeued", "evaluations_failed", "gemm_benchmarks_failed").
@@ -54,9 +60,9 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
     report, which lock their run, thus waits at most for that run's own change. Until 2026-11-29 a pass held every
     candidate locked while it asked the broker about each in turn; behind a slow broker the workers' requests
     waited (a metric batch timed out after 10 s in deeper OpenAPI fuzzing on PostgreSQL)."""
-    from plab.broker import messages_present as broker_holds
+    from plab.broker import messages_present as broker_holds, taken_before as broker_took
 
-    messages_present = messages_present or broker_holds
+    messages_present, taken_before = messages_present or broker_holds, taken_before or broker_took
     now = now or utcnow()
     done = {"requeued": [], "failed": [], "resent": []}
     stale = now - timedelta(seconds=settings.stale_s)
@@ -85,7 +91,8 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
                 done["requeued"].append(run.id)
         session.commit()
     grace = now - timedelta(seconds=settings.requeue_grace_s)
-    _resend_lost(session, messages_present, grace, done)
+    unclaimed = now - timedelta(seconds=CLAIM_WAIT_STALES * settings.stale_s)
+    _resend_lost(session, messages_present, grace, done, taken_before, unclaimed)
     _cancel_abandoned(session, messages_present, now, grace, done)
     _take_back_silent_jobs(session, settings.max_attempts, now, stale, done)
     if any(done.values()):
@@ -103,13 +110,18 @@ _WAITING = (
 )
 
 
-def _resend_lost(session: Session, messages_present, grace: datetime, done: dict) -> None:
+def _resend_lost(session: Session, messages_present, grace: datetime, done: dict, taken_before=None,
+                 unclaimed: datetime | None = None) -> None:
     """Queued runs, evaluations and GEMM benchmarks whose message the broker no longer holds (neither waiting nor,
     where the broker shows them, delivered and unacknowledged) `grace` after it was sent: sent again. The broker is
     asked once about them all. On the filesystem broker a message missing from its queue may be one a worker has
     just taken. Then the two copies meet at the row: the first job to report `running` claims it and the other
     stops (`leases.claim`), or the first copy's worker, reading the row after the re-send, skips its older message
-    (`workers.tasks.superseded`). One job runs either way."""
+    (`workers.tasks.superseded`). One job runs either way.
+    Also sent again: one whose message a worker took before `unclaimed` (Redis: `taken_before`) and whose row no
+    job has claimed since - the worker died before the job's process reported `running` (a killed worker's message
+    came back only after Redis's visibility timeout, 6 h, before 2026-12-08). Not a run a Slurm job stands for
+    (`summary.slurm`): its worker's watcher holds the message while the cluster keeps the job pending."""
     candidates = []
     for model, where, column, queue_of, key in _WAITING:
         waiting = (model.status == "queued", *where, model.dispatch_id.is_not(None), model.dispatched_at < grace)
@@ -122,8 +134,9 @@ def _resend_lost(session: Session, messages_present, grace: datetime, done: dict
     held = messages_present({c[4] for c in candidates}, sorted({"default"} | {c[5] for c in candidates}))
     if held is None:  # a broker that cannot be asked: nothing is re-sent on its account
         return
+    orphaned = _orphaned(session, [c for c in candidates if c[4] in held], taken_before, unclaimed)
     for model, waiting, key, row_id, dispatch_id, _queue in candidates:
-        if dispatch_id in held:
+        if dispatch_id in held and dispatch_id not in orphaned:
             continue
         # Still queued on the same message (a worker that took it meanwhile has claimed the row: `running`).
         row = session.scalars(select(model).where(model.id == row_id, model.dispatch_id == dispatch_id, *waiting)
@@ -131,6 +144,21 @@ def _resend_lost(session: Session, messages_present, grace: datetime, done: dict
         if row is not None and dispatch.resend(session, row):
             done.setdefault(key, []).append(row_id)
         session.commit()
+
+
+def _orphaned(session: Session, taken: list, taken_before, unclaimed: datetime | None) -> set[str]:
+    """The messages of `taken` (candidates whose message the broker holds) that a worker took before `unclaimed`
+    without its job claiming the row since, but those of runs a Slurm job stands for."""
+    if not taken or taken_before is None or unclaimed is None:
+        return set()
+    old = taken_before({c[4] for c in taken}, unclaimed.timestamp()) or set()
+    run_ids = [c[3] for c in taken if c[0] is Run and c[4] in old]
+    if run_ids:
+        summaries = session.execute(select(Run.id, Run.summary).where(Run.id.in_(run_ids))).all()
+        session.commit()
+        in_slurm = {rid for rid, summary in summaries if (summary or {}).get("slurm")}
+        old -= {c[4] for c in taken if c[0] is Run and c[3] in in_slurm}
+    return old
 
 
 def _take_back_silent_jobs(session: Session, max_attempts: int, now: datetime, stale: datetime, done: dict) -> None:
