@@ -93,7 +93,7 @@ def reconcile(session: Session, settings, messages_present=None, now: datetime |
     grace = now - timedelta(seconds=settings.requeue_grace_s)
     unclaimed = now - timedelta(seconds=CLAIM_WAIT_STALES * settings.stale_s)
     _resend_lost(session, messages_present, grace, done, taken_before, unclaimed)
-    _cancel_abandoned(session, messages_present, now, grace, done)
+    _cancel_abandoned(session, messages_present, now, grace, done, taken_before, unclaimed)
     _take_back_silent_jobs(session, settings.max_attempts, now, stale, done)
     if any(done.values()):
         log.warning("reconciler: %s", done)
@@ -134,7 +134,7 @@ def _resend_lost(session: Session, messages_present, grace: datetime, done: dict
     held = messages_present({c[4] for c in candidates}, sorted({"default"} | {c[5] for c in candidates}))
     if held is None:  # a broker that cannot be asked: nothing is re-sent on its account
         return
-    orphaned = _orphaned(session, [c for c in candidates if c[4] in held], taken_before, unclaimed)
+    orphaned = _orphaned(session, [(c[0], c[3], c[4]) for c in candidates if c[4] in held], taken_before, unclaimed)
     for model, waiting, key, row_id, dispatch_id, _queue in candidates:
         if dispatch_id in held and dispatch_id not in orphaned:
             continue
@@ -147,17 +147,18 @@ def _resend_lost(session: Session, messages_present, grace: datetime, done: dict
 
 
 def _orphaned(session: Session, taken: list, taken_before, unclaimed: datetime | None) -> set[str]:
-    """The messages of `taken` (candidates whose message the broker holds) that a worker took before `unclaimed`
-    without its job claiming the row since, but those of runs a Slurm job stands for."""
+    """The messages of `taken` ((model, row id, message id) of queued rows whose message the broker holds) that a
+    worker took before `unclaimed` without its job claiming the row since, but those of runs a Slurm job stands
+    for."""
     if not taken or taken_before is None or unclaimed is None:
         return set()
-    old = taken_before({c[4] for c in taken}, unclaimed.timestamp()) or set()
-    run_ids = [c[3] for c in taken if c[0] is Run and c[4] in old]
+    old = taken_before({message for _, _, message in taken}, unclaimed.timestamp()) or set()
+    run_ids = [row_id for model, row_id, message in taken if model is Run and message in old]
     if run_ids:
         summaries = session.execute(select(Run.id, Run.summary).where(Run.id.in_(run_ids))).all()
         session.commit()
         in_slurm = {rid for rid, summary in summaries if (summary or {}).get("slurm")}
-        old -= {c[4] for c in taken if c[0] is Run and c[3] in in_slurm}
+        old -= {message for model, row_id, message in taken if model is Run and row_id in in_slurm}
     return old
 
 
@@ -204,9 +205,11 @@ def _cancel(run: Run, now: datetime, message: str) -> None:
         run.error_message = message
 
 
-def _cancel_abandoned(session: Session, messages_present, now: datetime, grace: datetime, done: dict) -> None:
-    """`queued` runs whose cancel was requested and whose job message is gone (a job took it and skipped the run) or
-    was never sent: nothing will start them (left so by this reconciler before 2026-12, which sent such a run again)."""
+def _cancel_abandoned(session: Session, messages_present, now: datetime, grace: datetime, done: dict,
+                      taken_before=None, unclaimed: datetime | None = None) -> None:
+    """`queued` runs whose cancel was requested and whose job message is gone (a job took it and skipped the run),
+    was never sent, or was taken by a worker that died before its job started (`_orphaned`): nothing will start
+    them (left so by this reconciler before 2026-12, which sent such a run again)."""
     abandoned = (Run.status == "queued", Run.external.is_(False), Run.cancel_requested.is_(True),
                  or_(Run.dispatch_id.is_(None), Run.dispatched_at.is_(None), Run.dispatched_at < grace))
     candidates = session.execute(select(Run.id, Run.dispatch_id, Run.spec).where(*abandoned).order_by(Run.id)).all()
@@ -217,6 +220,7 @@ def _cancel_abandoned(session: Session, messages_present, now: datetime, grace: 
         held = messages_present({d for _, d, _ in sent}, sorted({"default"} | {queue_for(spec) for _, _, spec in sent}))
     if held is None:  # a broker that cannot be asked: only the runs never sent are certain to be abandoned
         held = {d for _, d, _ in sent}
+    held = held - _orphaned(session, [(Run, rid, d) for rid, d, _ in sent if d in held], taken_before, unclaimed)
     for rid, dispatch_id, _ in candidates:
         if dispatch_id is not None and dispatch_id in held:
             continue  # a worker will take the message and skip the run; the next pass finds it gone

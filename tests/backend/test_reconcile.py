@@ -400,34 +400,39 @@ def test_a_message_a_dead_worker_took_before_its_job_claimed_the_row_is_sent_aga
     Redis's "unacked" until the visibility timeout (6 h), the row `queued` all along (a known gap until
     2026-12-08). A message taken CLAIM_WAIT_STALES x PLAB_STALE_S ago whose row no job claimed is now sent again;
     one taken recently is not, nor a run a Slurm job stands for (its watcher holds the message while Slurm keeps
-    the job pending). A real kombu consumer takes the messages, as a worker does, and never acknowledges them."""
+    the job pending); one whose cancel was requested meanwhile is cancelled. A real kombu consumer takes the
+    messages, as a worker does, and never acknowledges them."""
     import time as clock
 
     from plab.broker import make_app
     from backend.services.reconcile import CLAIM_WAIT_STALES
 
-    exp = api.post("/api/v1/experiments", json={**EXPERIMENT, "recipes": ["bf16", "fp8_tensorwise"],
+    exp = api.post("/api/v1/experiments", json={**EXPERIMENT, "recipes": ["bf16", "fp8_tensorwise", "mxfp8"],
                                                 "enqueue": True}).json()
-    lost, slurm = (r["id"] for r in exp["runs"])
+    lost, slurm, dropped = (r["id"] for r in exp["runs"])
     first = {rid: api.get(f"/api/v1/runs/{rid}").json()["dispatch_id"] for rid in (lost, slurm)}
     app = make_app()
     try:
         with app.connection_for_read() as conn:
             channel = conn.default_channel
-            taken = [channel.basic_get("default", no_ack=False) for _ in range(2)]
+            taken = [channel.basic_get("default", no_ack=False) for _ in range(3)]
             assert all(m is not None for m in taken) and broker.llen("default") == 0
-            assert broker.hlen("unacked") == 2
+            assert broker.hlen("unacked") == 3
             with _session(api) as s:
                 s.get(Run, slurm).summary = {"slurm": {"job_id": "41", "state": "PENDING", "reason": "Resources"}}
+                s.get(Run, dropped).cancel_requested = True
                 s.commit()
             settings = dataclasses.replace(api.app.state.settings, requeue_grace_s=0.0)
             with _session(api) as s:  # taken seconds ago: its job is starting
-                assert reconcile(s, settings)["resent"] == []
+                done = reconcile(s, settings)
+            assert done["resent"] == [] and "cancelled" not in done
             wait = CLAIM_WAIT_STALES * settings.stale_s
             for tag in broker.zrange("unacked_index", 0, -1):
                 broker.zadd("unacked_index", {tag: clock.time() - wait - 5})
             with _session(api) as s:
-                assert reconcile(s, settings)["resent"] == [lost]
+                done = reconcile(s, settings)
+            assert done["resent"] == [lost] and done["cancelled"] == [dropped]
+            assert api.get(f"/api/v1/runs/{dropped}").json()["status"] == "cancelled"
             again = api.get(f"/api/v1/runs/{lost}").json()
             assert again["status"] == "queued" and again["dispatch_id"] not in (None, first[lost])
             assert api.get(f"/api/v1/runs/{slurm}").json()["dispatch_id"] == first[slurm]
