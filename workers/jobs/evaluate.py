@@ -58,8 +58,7 @@ def run(evaluation_id: int) -> int:
     if not claimed(lambda: client.set_evaluation_status(evaluation_id, "running", worker_host=me), KIND,
                    evaluation_id):
         return EXIT_SKIPPED
-    beat = Heartbeat(client, evaluation_id, get_settings().heartbeat_s, holder=me,
-                     beat=lambda i: client.evaluation_heartbeat(i, me))
+    beat = Heartbeat(client, evaluation_id, get_settings().heartbeat_s, holder=me, beat=client.evaluation_heartbeat)
     try:
         result = _evaluate(client, evaluation_id, job)
     except BaseException as e:  # noqa: BLE001 - reported, then re-raised as an exit code

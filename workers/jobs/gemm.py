@@ -48,8 +48,7 @@ def run(benchmark_id: int) -> int:
         me = holder()
         if not claimed(lambda: client.set_gemm_status(benchmark_id, "running", worker_host=me), KIND, benchmark_id):
             return EXIT_SKIPPED
-        beat = Heartbeat(client, benchmark_id, get_settings().heartbeat_s, holder=me,
-                         beat=lambda i: client.gemm_heartbeat(i, me))
+        beat = Heartbeat(client, benchmark_id, get_settings().heartbeat_s, holder=me, beat=client.gemm_heartbeat)
         try:
             result = run_gemm_benchmark(**bench["request"],
                                         progress=lambda msg: print(f"[plab] timing {msg}", flush=True))

@@ -9,14 +9,14 @@ from workers.client import PlabClient
 class Heartbeat:
     """Renews a job's lease every `interval` seconds from a thread while the job runs: the API's reconciler takes
     a job whose heartbeats stop (its worker died) back and sends it to another worker, up to PLAB_MAX_ATTEMPTS
-    starts. `beat(job_id)` is the request (a run's by default; `client.evaluation_heartbeat`,
+    starts. `beat(job_id, holder)` is the request (a run's by default; `client.evaluation_heartbeat`,
     `client.gemm_heartbeat`)."""
 
     def __init__(self, client: PlabClient, run_id: int, interval: float, on_lost=None, on_cancel=None, beat=None,
                  holder: str | None = None):
         # a job names itself (its claim's worker_host): the answer then says whether it still holds its row
         self._holder = holder
-        self._beat = beat or (lambda job_id: client.heartbeat(job_id, holder))
+        self._beat = beat or client.heartbeat  # called as beat(job_id, holder)
         self._on_cancel = on_cancel
         self.lost = False  # the API gave the run to another job (this one missed its heartbeats): stop, unreported
         self._on_lost = on_lost
@@ -28,7 +28,7 @@ class Heartbeat:
     def _loop(self, run_id: int, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
-                answer = self._beat(run_id)
+                answer = self._beat(run_id, self._holder)
             except Exception as e:  # noqa: BLE001 - a missed beat is retried at the next interval
                 print(f"[plab] heartbeat of job {run_id} failed: {e}", flush=True)
                 continue
